@@ -1,0 +1,31 @@
+//! Comparing results with references, and inputs for doing so.
+
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use rand_distr::{Distribution, StandardNormal};
+
+/// ‖got − want‖₂ / ‖want‖₂ over all elements (the metric the tests' tolerances are stated in).
+/// NaN if any element of `got` is NaN, so a poisoned, unwritten output never passes. Panics if the
+/// lengths differ (a caller bug).
+pub fn relative_l2_error(got: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len(), "relative_l2_error: lengths differ");
+    let (mut diff, mut norm) = (0.0f64, 0.0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        diff += (g as f64 - w).powi(2);
+        norm += w * w;
+    }
+    if norm == 0.0 { diff.sqrt() } else { (diff / norm).sqrt() }
+}
+
+/// max_i |got_i − want_i|; NaN if any element of `got` is NaN.
+pub fn max_abs_error(got: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len(), "max_abs_error: lengths differ");
+    got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, |m, e| if e.is_nan() || m.is_nan() { f64::NAN } else { m.max(e) })
+}
+
+/// `n` samples of the standard normal distribution from a seeded generator: the same seed gives
+/// the same data on every machine.
+pub fn random_normal(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..n).map(|_| StandardNormal.sample(&mut rng)).collect()
+}

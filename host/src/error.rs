@@ -1,0 +1,77 @@
+//! The one error type of the host crate.
+
+use cudarc::driver::DriverError;
+
+/// Everything that can go wrong in this crate. Messages name the argument at fault and, where
+/// there is a choice, the values that are allowed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The CUDA driver library (`libcuda.so` / `nvcuda.dll`) could not be loaded: no NVIDIA
+    /// driver is installed on this machine.
+    #[error("no CUDA driver: the NVIDIA driver library (libcuda) could not be loaded")]
+    NoDriver,
+
+    /// The driver is there but reports no device with this ordinal.
+    #[error("no CUDA device {ordinal}: the driver reports {count} device(s)")]
+    NoDevice { ordinal: usize, count: usize },
+
+    /// The device is older than the PTX this crate carries can run on.
+    #[error("{name} has compute capability {major}.{minor}; these kernels need {needed} or newer")]
+    UnsupportedDevice { name: String, major: i32, minor: i32, needed: &'static str },
+
+    /// A CUDA driver call failed; `during` says which step.
+    #[error("CUDA error while {during}: {source}")]
+    Driver {
+        during: String,
+        #[source]
+        source: DriverError,
+    },
+
+    /// A tensor has the wrong rank or a dimension that disagrees with another tensor.
+    #[error("shape error: {0}")]
+    Shape(String),
+
+    /// A tensor lives on another context (device) than the one asked to use it.
+    #[error("tensor `{tensor}` belongs to another CUDA context (device {tensor_device}); this context is device {context_device}")]
+    ForeignTensor { tensor: &'static str, tensor_device: usize, context_device: usize },
+
+    /// A host slice has a different length from the tensor it is copied into or out of.
+    #[error("length mismatch: the tensor holds {expected} elements, the host data {got}")]
+    Length { expected: usize, got: usize },
+
+    /// No kernel was compiled for this tile shape and head dimension.
+    #[error(
+        "no flash forward kernel for block_m={block_m}, block_n={block_n}, head_dim={head_dim}; \
+         compiled: {allowed}"
+    )]
+    TileNotCompiled { block_m: usize, block_n: usize, head_dim: usize, allowed: String },
+
+    /// The tile needs more shared memory per block than the device has.
+    #[error(
+        "tile block_m={block_m}, block_n={block_n} at head_dim={head_dim} needs {needed} bytes of \
+         shared memory per block; {device} allows {available}; tiles that fit: {fitting}"
+    )]
+    SharedMemory {
+        block_m: usize,
+        block_n: usize,
+        head_dim: usize,
+        needed: usize,
+        available: usize,
+        device: String,
+        fitting: String,
+    },
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Attaches "what we were doing" to driver errors: `stream.synchronize().during("…")?`.
+pub(crate) trait During<T> {
+    fn during(self, what: impl Into<String>) -> Result<T>;
+}
+
+impl<T> During<T> for Result<T, DriverError> {
+    fn during(self, what: impl Into<String>) -> Result<T> {
+        self.map_err(|source| Error::Driver { during: what.into(), source })
+    }
+}

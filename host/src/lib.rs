@@ -1,0 +1,53 @@
+//! # Host crate: GPU attention kernels written in Rust, launched from Rust
+//!
+//! The device code lives in the `kernels/` crate; `build.rs` compiles it to PTX with rustc's
+//! `nvptx64-nvidia-cuda` target and embeds the PTX here ([`kernels`]). At run time a [`Context`]
+//! loads that PTX through the CUDA driver API ([`cudarc`], which loads `libcuda` dynamically, so
+//! this crate builds and its CPU parts run on machines without a GPU).
+//!
+//! ```no_run
+//! use attn_host::{AttentionOptions, Context, TileConfig, check};
+//!
+//! # fn main() -> attn_host::Result<()> {
+//! let ctx = Context::new(0)?;
+//! let shape = [2, 8, 1024, 64]; // [batch, heads, seqlen, head_dim]
+//! let n = shape.iter().product();
+//! let q = ctx.upload(&check::random_normal(n, 1), &shape)?;
+//! let k = ctx.upload(&check::random_normal(n, 2), &shape)?;
+//! let v = ctx.upload(&check::random_normal(n, 3), &shape)?;
+//! let out = ctx.flash_attention_forward(&q, &k, &v, &AttentionOptions::default(), TileConfig::default_for(64))?;
+//! let o: Vec<f32> = out.o.to_host()?; // [2, 8, 1024, 64]
+//! let lse: Vec<f32> = out.lse.to_host()?; // [2, 8, 1024]
+//! # Ok(()) }
+//! ```
+//!
+//! | item | what |
+//! |---|---|
+//! | [`Context`] | one device, its stream, the loaded kernels; [`DeviceInfo`] |
+//! | [`DeviceTensor`] | an `f32` buffer in device memory with its shape |
+//! | [`Context::vector_add`], [`Context::attention_naive`], [`Context::flash_attention_forward`] | the operations |
+//! | [`AttentionShape`], [`AttentionOptions`], [`TileConfig`] | the problem, its options, the tile sizes |
+//! | [`cpu`] | rayon references in `f64`: the plain formula and a tiled FlashAttention |
+//! | [`check`], [`timing`] | error metrics and seeded inputs; CUDA-event timing |
+//! | [`Error`] | every failure, typed; no function here panics on bad input |
+
+pub mod check;
+pub mod cli;
+mod context;
+pub mod cpu;
+mod error;
+pub mod kernels;
+/// Argument structs, block sizes and shared-memory layouts shared with the device crate (the
+/// same source file, `kernels/src/layout.rs`).
+#[path = "../../kernels/src/layout.rs"]
+pub mod layout;
+mod ops;
+mod problem;
+mod tensor;
+pub mod timing;
+
+pub use context::{Context, DeviceInfo};
+pub use error::{Error, Result};
+pub use ops::AttentionOutput;
+pub use problem::{AttentionOptions, AttentionShape, TileConfig};
+pub use tensor::DeviceTensor;

@@ -1,0 +1,204 @@
+//! The problem (shapes, scale) and tile (block sizes) descriptions, validated on the host.
+
+use crate::context::DeviceInfo;
+use crate::error::{Error, Result};
+use crate::kernels::{self, FLASH_FORWARD_F32};
+pub use crate::layout::AttentionShape;
+use crate::layout::flash_forward_smem_bytes;
+
+/// CUDA's limit on the y and z dimensions of a grid; the flash kernel puts heads on y and the
+/// batch on z.
+const MAX_GRID_YZ: usize = 65_535;
+
+impl AttentionShape {
+    /// Derives and validates the problem shape from the shapes of Q `[batch, num_heads_q,
+    /// seqlen_q, head_dim]`, K and V (both `[batch, num_heads_kv, seqlen_k, head_dim]`).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when a tensor is not 4-dimensional, a dimension is 0, K and V differ, the
+    /// batch or head_dim of Q and K differ, or `num_heads_kv` does not divide `num_heads_q`.
+    pub fn from_qkv(q: &[usize], k: &[usize], v: &[usize]) -> Result<Self> {
+        for (name, shape) in [("q", q), ("k", k), ("v", v)] {
+            if shape.len() != 4 {
+                return Err(Error::Shape(format!(
+                    "`{name}` has shape {shape:?}; expected 4 dimensions [batch, num_heads, seqlen, head_dim]"
+                )));
+            }
+            if shape.contains(&0) {
+                return Err(Error::Shape(format!("`{name}` has shape {shape:?}; every dimension must be at least 1")));
+            }
+        }
+        if k != v {
+            return Err(Error::Shape(format!("`k` {k:?} and `v` {v:?} must have the same shape")));
+        }
+        if q[0] != k[0] || q[3] != k[3] {
+            return Err(Error::Shape(format!(
+                "`q` {q:?} and `k` {k:?} must agree on batch (dim 0) and head_dim (dim 3)"
+            )));
+        }
+        if q[1] % k[1] != 0 {
+            return Err(Error::Shape(format!(
+                "num_heads_q = {} is not a multiple of num_heads_kv = {} (grouped-query attention \
+                 needs every key/value head to serve the same number of query heads)",
+                q[1], k[1]
+            )));
+        }
+        Ok(Self { batch: q[0], num_heads_q: q[1], num_heads_kv: k[1], seqlen_q: q[2], seqlen_k: k[2], head_dim: q[3] })
+    }
+
+    /// Shape of Q and O.
+    pub fn q_shape(&self) -> [usize; 4] {
+        [self.batch, self.num_heads_q, self.seqlen_q, self.head_dim]
+    }
+
+    /// Shape of K and V.
+    pub fn kv_shape(&self) -> [usize; 4] {
+        [self.batch, self.num_heads_kv, self.seqlen_k, self.head_dim]
+    }
+
+    /// Shape of the logsumexp: one `f32` per query row, `[batch, num_heads_q, seqlen_q]`.
+    pub fn lse_shape(&self) -> [usize; 3] {
+        [self.batch, self.num_heads_q, self.seqlen_q]
+    }
+
+    /// Floating-point operations of one forward pass, in the field's convention:
+    /// 4 · batch · heads · seqlen_q · seqlen_k · head_dim (two matrix products, 2 flops per
+    /// multiply-add; the softmax is not counted).
+    pub fn forward_flops(&self) -> f64 {
+        4.0 * (self.batch * self.num_heads_q) as f64 * self.seqlen_q as f64 * self.seqlen_k as f64 * self.head_dim as f64
+    }
+
+    /// Bytes of device memory the naive kernels need beyond inputs, O and LSE: the
+    /// `[batch, num_heads_q, seqlen_q, seqlen_k]` score/probability matrix.
+    pub fn naive_workspace_bytes(&self) -> usize {
+        self.query_rows() * self.seqlen_k * size_of::<f32>()
+    }
+
+    /// Bytes of the logsumexp output, the only thing FlashAttention keeps besides O.
+    pub fn lse_bytes(&self) -> usize {
+        self.query_rows() * size_of::<f32>()
+    }
+}
+
+/// Options shared by every attention entry point.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AttentionOptions {
+    /// Multiplies Q Kᵀ before the softmax; `None` means 1/√head_dim.
+    pub scale: Option<f32>,
+}
+
+impl AttentionOptions {
+    /// Options with an explicit softmax scale.
+    pub fn with_scale(scale: f32) -> Self {
+        Self { scale: Some(scale) }
+    }
+
+    /// The scale to use for `head_dim`.
+    pub fn scale_for(&self, head_dim: usize) -> f32 {
+        self.scale.unwrap_or(1.0 / (head_dim as f32).sqrt())
+    }
+}
+
+/// Tile sizes of the FlashAttention kernels: `block_m` query rows per block (the paper's Br) and
+/// `block_n` key/value rows per shared-memory tile (Bc). Each compiled (block_m, block_n,
+/// head_dim) is a separate kernel; [`TileConfig::validate`] says which exist and fit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TileConfig {
+    pub block_m: usize,
+    pub block_n: usize,
+}
+
+impl TileConfig {
+    pub const fn new(block_m: usize, block_n: usize) -> Self {
+        Self { block_m, block_n }
+    }
+
+    /// The tile used when none is given, measured fastest on an H200 for each head_dim (see
+    /// `PERFORMANCE.md`).
+    pub fn default_for(head_dim: usize) -> Self {
+        match head_dim {
+            128 => Self::new(64, 32),
+            _ => Self::new(64, 64),
+        }
+    }
+
+    /// Dynamic shared memory per block, in bytes, at this head_dim.
+    pub fn shared_memory_bytes(&self, head_dim: usize) -> usize {
+        flash_forward_smem_bytes(self.block_m, self.block_n, head_dim)
+    }
+
+    /// Every compiled tile for `head_dim`, in (block_m, block_n) order.
+    pub fn compiled(head_dim: usize) -> Vec<Self> {
+        FLASH_FORWARD_F32.iter().filter(|i| i.head_dim == head_dim).map(|i| Self::new(i.block_m, i.block_n)).collect()
+    }
+
+    /// The head dimensions that have compiled kernels.
+    pub fn compiled_head_dims() -> Vec<usize> {
+        let mut dims: Vec<usize> = FLASH_FORWARD_F32.iter().map(|i| i.head_dim).collect();
+        dims.sort_unstable();
+        dims.dedup();
+        dims
+    }
+
+    /// Checks that a kernel exists for this tile at `head_dim` and that its shared memory fits
+    /// on `device`; returns the kernel's entry name.
+    ///
+    /// # Errors
+    /// [`Error::TileNotCompiled`] (listing the compiled values) or [`Error::SharedMemory`]
+    /// (listing the tiles that fit).
+    pub fn validate(&self, head_dim: usize, device: &DeviceInfo) -> Result<&'static str> {
+        let Some(instance) = kernels::flash_forward_instance(self.block_m, self.block_n, head_dim) else {
+            return Err(Error::TileNotCompiled {
+                block_m: self.block_m,
+                block_n: self.block_n,
+                head_dim,
+                allowed: compiled_summary(),
+            });
+        };
+        let needed = self.shared_memory_bytes(head_dim);
+        if needed > device.max_shared_memory_per_block {
+            let fitting: Vec<String> = Self::compiled(head_dim)
+                .into_iter()
+                .filter(|t| t.shared_memory_bytes(head_dim) <= device.max_shared_memory_per_block)
+                .map(|t| format!("({}, {})", t.block_m, t.block_n))
+                .collect();
+            return Err(Error::SharedMemory {
+                block_m: self.block_m,
+                block_n: self.block_n,
+                head_dim,
+                needed,
+                available: device.max_shared_memory_per_block,
+                device: device.name.clone(),
+                fitting: fitting.join(", "),
+            });
+        }
+        Ok(instance.entry)
+    }
+}
+
+/// "block_m ∈ {…}, block_n ∈ {…}, head_dim ∈ {…}" for the compiled instances.
+fn compiled_summary() -> String {
+    let values = |f: fn(&kernels::FlashInstance) -> usize| {
+        let mut v: Vec<usize> = FLASH_FORWARD_F32.iter().map(f).collect();
+        v.sort_unstable();
+        v.dedup();
+        v.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+    };
+    format!(
+        "block_m ∈ {{{}}}, block_n ∈ {{{}}}, head_dim ∈ {{{}}}",
+        values(|i| i.block_m),
+        values(|i| i.block_n),
+        values(|i| i.head_dim)
+    )
+}
+
+/// Checks the grid limits of the flash kernel (heads on grid y, batch on grid z).
+pub(crate) fn check_flash_grid(shape: &AttentionShape) -> Result<()> {
+    if shape.num_heads_q > MAX_GRID_YZ || shape.batch > MAX_GRID_YZ {
+        return Err(Error::Shape(format!(
+            "batch = {} and num_heads_q = {} must each be at most {MAX_GRID_YZ} (CUDA grid limit)",
+            shape.batch, shape.num_heads_q
+        )));
+    }
+    Ok(())
+}

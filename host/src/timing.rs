@@ -1,0 +1,48 @@
+//! Timing GPU work with CUDA events.
+
+use cudarc::driver::sys::CUevent_flags;
+
+use crate::context::Context;
+use crate::error::{During, Result};
+
+/// Statistics of repeated GPU timings, in milliseconds.
+#[derive(Clone, Copy, Debug)]
+pub struct Timing {
+    /// Median over the repeats: the number to report.
+    pub median_ms: f64,
+    /// Fastest repeat.
+    pub min_ms: f64,
+    /// Slowest repeat.
+    pub max_ms: f64,
+    /// Number of timed repeats.
+    pub repeats: usize,
+}
+
+/// Runs `work` `warmup` times untimed (module loading, first-touch and clock ramp-up stay out of
+/// the numbers), then `repeats` times, each between two CUDA events recorded on the context's
+/// stream; returns the statistics of the event-to-event times. `work` should only queue GPU
+/// work; any host-side time it spends between the events is counted too.
+///
+/// # Errors
+/// The first error `work` returns, or a driver error from the events.
+pub fn time_gpu(ctx: &Context, warmup: usize, repeats: usize, mut work: impl FnMut() -> Result<()>) -> Result<Timing> {
+    for _ in 0..warmup {
+        work()?;
+    }
+    ctx.synchronize()?;
+    let repeats = repeats.max(1);
+    let mut times = Vec::with_capacity(repeats);
+    for _ in 0..repeats {
+        let start = ctx.stream().record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).during("recording an event")?;
+        work()?;
+        let end = ctx.stream().record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).during("recording an event")?;
+        times.push(start.elapsed_ms(&end).during("reading an event time")? as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(Timing { median_ms: times[repeats / 2], min_ms: times[0], max_ms: times[repeats - 1], repeats })
+}
+
+/// TFLOP/s for `flops` floating-point operations in `ms` milliseconds.
+pub fn tflops(flops: f64, ms: f64) -> f64 {
+    flops / (ms * 1e-3) / 1e12
+}

@@ -1,0 +1,84 @@
+//! What the device code and the host must agree on: kernel-argument structs, block sizes and
+//! shared-memory layouts.
+//!
+//! This file has no dependencies and no `unsafe`: the host crate compiles the very same file
+//! (`#[path]` include), so an argument layout, a block size or a tile layout is written down
+//! exactly once.
+
+/// The shape of one attention problem, passed by value to the attention kernels.
+///
+/// Q and O are `[batch, num_heads_q, seqlen_q, head_dim]`, K and V are
+/// `[batch, num_heads_kv, seqlen_k, head_dim]`, all row-major `f32`. Query head `h` reads
+/// key/value head `h / (num_heads_q / num_heads_kv)` (grouped-query attention; equal counts give
+/// ordinary multi-head attention). The host checks that every field is at least 1 and that
+/// `num_heads_kv` divides `num_heads_q` before any launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct AttentionShape {
+    pub batch: usize,
+    pub num_heads_q: usize,
+    pub num_heads_kv: usize,
+    pub seqlen_q: usize,
+    pub seqlen_k: usize,
+    pub head_dim: usize,
+}
+
+impl AttentionShape {
+    /// Query rows over all batches and heads: `batch · num_heads_q · seqlen_q`.
+    pub const fn query_rows(&self) -> usize {
+        self.batch * self.num_heads_q * self.seqlen_q
+    }
+
+    /// Query heads that share one key/value head (1 for multi-head attention).
+    pub const fn group_size(&self) -> usize {
+        self.num_heads_q / self.num_heads_kv
+    }
+
+    /// Offset (in floats) of the first row of query head `h` of batch `b` in Q and O.
+    pub const fn q_head_offset(&self, b: usize, h: usize) -> usize {
+        (b * self.num_heads_q + h) * self.seqlen_q * self.head_dim
+    }
+
+    /// Offset (in floats) in K and V of the first row of the key/value head that query head `h`
+    /// of batch `b` reads.
+    pub const fn kv_head_offset(&self, b: usize, h: usize) -> usize {
+        (b * self.num_heads_kv + h / self.group_size()) * self.seqlen_k * self.head_dim
+    }
+}
+
+/// Threads per block of the element-wise kernels (vector add, naive attention).
+pub const ELEMENTWISE_THREADS: usize = 256;
+
+/// Rows of the naive softmax handled per block: one warp per row.
+pub const SOFTMAX_ROWS_PER_BLOCK: usize = 4;
+
+/// Threads per block of the naive softmax: one warp for each of its rows.
+pub const SOFTMAX_THREADS: usize = SOFTMAX_ROWS_PER_BLOCK * 32;
+
+/// FlashAttention forward: the 128 threads of a block form a grid of
+/// `FLASH_THREAD_ROWS × FLASH_THREAD_COLS` = 16 × 8. A *row group* is the 8 consecutive threads
+/// (lanes) that share query rows; each thread of it owns `block_m / 16` query rows and, of those
+/// rows, every 8th score column and every 8th group of 4 output columns.
+pub const FLASH_THREAD_ROWS: usize = 16;
+/// Threads per row group; see [`FLASH_THREAD_ROWS`].
+pub const FLASH_THREAD_COLS: usize = 8;
+/// Threads per FlashAttention forward block.
+pub const FLASH_THREADS: usize = FLASH_THREAD_ROWS * FLASH_THREAD_COLS;
+
+/// Floats of padding after each shared-memory row that threads read column-wise. It moves row
+/// `r + 1` four banks further than row `r`, so the 8 lanes of a row group, reading 16 bytes each
+/// from 8 different rows, hit all 32 banks once instead of one bank eight times.
+pub const SMEM_PAD: usize = 4;
+
+/// Row strides (in floats) of the four shared-memory tiles of a FlashAttention forward block:
+/// Q (`block_m × head_dim`), K (`block_n × head_dim`), V (`block_n × head_dim`) and
+/// P (`block_m × block_n`), in that order in memory.
+pub const fn flash_forward_strides(block_n: usize, head_dim: usize) -> [usize; 4] {
+    [head_dim + SMEM_PAD, head_dim + SMEM_PAD, head_dim, block_n + SMEM_PAD]
+}
+
+/// Bytes of dynamic shared memory a FlashAttention forward block needs.
+pub const fn flash_forward_smem_bytes(block_m: usize, block_n: usize, head_dim: usize) -> usize {
+    let [q, k, v, p] = flash_forward_strides(block_n, head_dim);
+    (block_m * q + block_n * k + block_n * v + block_m * p) * core::mem::size_of::<f32>()
+}

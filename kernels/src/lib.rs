@@ -1,0 +1,46 @@
+//! # Device crate: attention kernels written in Rust, compiled to PTX by rustc
+//!
+//! Every kernel here is an `extern "gpu-kernel"` function with an unmangled name, so the host can
+//! load it by name from the PTX module that `host/build.rs` produces from this crate. Read the
+//! modules in this order; each one adds one idea to the last:
+//!
+//! | level | module | what it teaches |
+//! |---|---|---|
+//! | 0 | [`gpu`] | the hardware as a handful of functions: thread and block indices, shared memory, barriers, warp shuffles, fast `exp2`/`log2` |
+//! | 1 | [`vector_add`] | one thread per element, a grid-stride loop, 16-byte loads, a guarded tail |
+//! | 2 | [`naive_attention`] | "standard" attention (FlashAttention paper, Algorithm 0): S = QKᵀ and P = softmax(S) make a round trip through HBM, N×N floats each |
+//! | 3 | [`flash_forward`] | FlashAttention-2 forward (Dao 2023, Algorithm 1): Q, K, V tiles in shared memory, online softmax, O and the logsumexp written once |
+//!
+//! Kernels never touch `core::arch::nvptx` or `asm!` directly: they go through [`gpu`], so the
+//! hardware-facing surface is one short file.
+//!
+//! Tensors are row-major `[batch, heads, seqlen, head_dim]` `f32` arrays (PyTorch's
+//! `scaled_dot_product_attention` layout); the host crate validates every shape before a launch.
+#![no_std]
+#![feature(
+    abi_gpu_kernel,
+    core_intrinsics,
+    gpu_intrinsics,
+    gpu_launch_sized_workgroup_mem,
+    link_llvm_intrinsics,
+    macro_metavar_expr_concat,
+    portable_simd,
+    stdarch_nvptx
+)]
+#![allow(internal_features)]
+
+pub mod gpu;
+pub mod layout;
+
+pub mod flash_forward;
+pub mod naive_attention;
+pub mod vector_add;
+
+/// A panic on the device cannot print: it stops the kernel with `trap`, which the host sees as a
+/// launch failure (`CUDA_ERROR_LAUNCH_FAILED`) at its next synchronisation. Kernels are written so
+/// that they cannot panic (no slices, no bounds checks, no integer division by a value that can be
+/// zero), so this is only reached through a bug.
+#[panic_handler]
+fn panic(_: &core::panic::PanicInfo) -> ! {
+    gpu::trap()
+}

@@ -1,0 +1,125 @@
+//! Tests that need no GPU: the CPU references, shape and tile validation.
+
+use attn_host::check::{random_normal, relative_l2_error};
+use attn_host::{AttentionShape, DeviceInfo, Error, TileConfig, cpu};
+use proptest::prelude::*;
+
+fn shape(batch: usize, heads_q: usize, heads_kv: usize, seqlen_q: usize, seqlen_k: usize, head_dim: usize) -> AttentionShape {
+    AttentionShape { batch, num_heads_q: heads_q, num_heads_kv: heads_kv, seqlen_q, seqlen_k, head_dim }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// The tiled online-softmax algorithm computes the same function as the plain formula, for
+    /// any tile sizes (not only the compiled ones) and ragged lengths.
+    #[test]
+    fn tiled_cpu_flash_matches_plain_formula(
+        batch in 1usize..=2, heads_kv in 1usize..=2, group in 1usize..=3,
+        seqlen_q in 1usize..=90, seqlen_k in 1usize..=90, head_dim in 1usize..=40,
+        block_m in 1usize..=40, block_n in 1usize..=40, seed in any::<u32>(), scale in 0.0f64..3.0,
+    ) {
+        let s = shape(batch, heads_kv * group, heads_kv, seqlen_q, seqlen_k, head_dim);
+        let q = random_normal(s.q_shape().iter().product(), seed as u64);
+        let k = random_normal(s.kv_shape().iter().product(), seed as u64 + 1);
+        let v = random_normal(s.kv_shape().iter().product(), seed as u64 + 2);
+        let plain = cpu::attention(&q, &k, &v, &s, scale);
+        let tiled = cpu::flash_attention(&q, &k, &v, &s, scale, TileConfig::new(block_m, block_n));
+        for (a, b) in plain.o.iter().zip(&tiled.o).chain(plain.lse.iter().zip(&tiled.lse)) {
+            prop_assert!((a - b).abs() <= 1e-12 * (1.0 + a.abs()), "{a} vs {b}");
+        }
+    }
+}
+
+#[test]
+fn attention_of_one_key_is_that_value() {
+    // With a single key, softmax is 1 and O is V's row, whatever Q; LSE is the one score.
+    let s = shape(1, 1, 1, 3, 1, 4);
+    let q = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5];
+    let k = [2.0, 0.0, 0.0, 0.0];
+    let v = [1.0, 2.0, 3.0, 4.0];
+    let r = cpu::attention(&q, &k, &v, &s, 1.0);
+    for row in r.o.chunks(4) {
+        assert_eq!(row, [1.0, 2.0, 3.0, 4.0]);
+    }
+    assert_eq!(r.lse, [2.0, 0.0, 1.0]);
+}
+
+#[test]
+fn attention_head_matches_full_reference() {
+    let s = shape(2, 4, 2, 33, 21, 8);
+    let q = random_normal(s.q_shape().iter().product(), 1);
+    let k = random_normal(s.kv_shape().iter().product(), 2);
+    let v = random_normal(s.kv_shape().iter().product(), 3);
+    let full = cpu::attention(&q, &k, &v, &s, 0.3);
+    let one = cpu::attention_head(&q, &k, &v, &s, 0.3, 1, 3);
+    let start = s.q_head_offset(1, 3);
+    assert_eq!(&full.o[start..start + 33 * 8], &one.o[..]);
+}
+
+#[test]
+fn relative_error_catches_nan() {
+    assert!(relative_l2_error(&[1.0, f32::NAN], &[1.0, 1.0]).is_nan());
+    assert!(!(relative_l2_error(&[1.0, f32::NAN], &[1.0, 1.0]) <= 1.0));
+}
+
+#[test]
+fn shape_errors_name_the_problem() {
+    let ok = [2, 4, 10, 64];
+    let cases: [(&[usize], &[usize], &[usize], &str); 6] = [
+        (&[2, 4, 10], &ok, &ok, "4 dimensions"),
+        (&ok, &[2, 4, 0, 64], &[2, 4, 0, 64], "at least 1"),
+        (&ok, &[2, 4, 10, 64], &[2, 4, 11, 64], "same shape"),
+        (&ok, &[3, 4, 10, 64], &[3, 4, 10, 64], "batch"),
+        (&ok, &[2, 4, 10, 32], &[2, 4, 10, 32], "head_dim"),
+        (&ok, &[2, 3, 10, 64], &[2, 3, 10, 64], "not a multiple"),
+    ];
+    for (q, k, v, expected) in cases {
+        match AttentionShape::from_qkv(q, k, v) {
+            Err(Error::Shape(message)) => assert!(message.contains(expected), "{message:?} lacks {expected:?}"),
+            other => panic!("q {q:?} k {k:?} v {v:?}: expected a shape error, got {other:?}"),
+        }
+    }
+    let s = AttentionShape::from_qkv(&[2, 8, 10, 64], &[2, 2, 12, 64], &[2, 2, 12, 64]).unwrap();
+    assert_eq!((s.group_size(), s.seqlen_k), (4, 12));
+}
+
+fn device_with_shared_memory(bytes: usize) -> DeviceInfo {
+    DeviceInfo {
+        ordinal: 0,
+        name: "test device".into(),
+        compute_capability: (8, 6),
+        sm_count: 1,
+        max_shared_memory_per_block: bytes,
+        total_memory: 1 << 30,
+    }
+}
+
+#[test]
+fn tile_validation_lists_allowed_values() {
+    let big = device_with_shared_memory(227 * 1024);
+    for head_dim in [32, 64, 128] {
+        for tile in TileConfig::compiled(head_dim) {
+            assert!(tile.validate(head_dim, &big).is_ok(), "{tile:?} d{head_dim} should fit 227 KiB");
+        }
+        assert!(TileConfig::compiled(head_dim).contains(&TileConfig::default_for(head_dim)));
+    }
+    let err = TileConfig::new(48, 64).validate(64, &big).unwrap_err();
+    let message = err.to_string();
+    assert!(message.contains("block_m ∈ {16, 32, 64}") && message.contains("head_dim ∈ {32, 64, 128}"), "{message}");
+    assert!(TileConfig::new(64, 64).validate(96, &big).is_err());
+}
+
+#[test]
+fn tile_validation_checks_shared_memory() {
+    // 99 KiB: a consumer Ampere/Ada GPU. 64×64 at head_dim 128 needs ~114 KiB.
+    let small = device_with_shared_memory(99 * 1024);
+    let err = TileConfig::new(64, 64).validate(128, &small).unwrap_err();
+    match &err {
+        Error::SharedMemory { needed, available, fitting, .. } => {
+            assert!(needed > available);
+            assert!(fitting.contains("(16, 16)"), "{err}");
+        }
+        other => panic!("expected a shared-memory error, got {other:?}"),
+    }
+}
