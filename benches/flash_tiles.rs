@@ -3,7 +3,7 @@
 //! says so and exits successfully.
 
 use attn_host::check::random_normal;
-use attn_host::timing::{time_gpu, tflops};
+use attn_host::timing::{tflops, time_gpu};
 use attn_host::{AttentionOptions, AttentionShape, Context, Result, TileConfig};
 
 const WARMUP: usize = 3;
@@ -23,7 +23,8 @@ fn main() -> Result<()> {
     println!("\n| head_dim | kernel | block_m | block_n | smem (KiB) | regs | time (ms) | TFLOP/s |");
     println!("|---|---|---|---|---|---|---|---|");
     for head_dim in TileConfig::compiled_head_dims() {
-        let shape = AttentionShape { batch: 4, num_heads_q: 16, num_heads_kv: 16, seqlen_q: 4096, seqlen_k: 4096, head_dim };
+        let shape =
+            AttentionShape { batch: 4, num_heads_q: 16, num_heads_kv: 16, seqlen_q: 4096, seqlen_k: 4096, head_dim };
         let n: usize = shape.q_shape().iter().product();
         let q = ctx.upload(&random_normal(n, 1), &shape.q_shape())?;
         let k = ctx.upload(&random_normal(n, 2), &shape.kv_shape())?;
@@ -31,7 +32,8 @@ fn main() -> Result<()> {
         let mut rows = Vec::new();
         for tile in TileConfig::compiled(head_dim) {
             let Ok(entry) = tile.validate(head_dim, ctx.device()) else { continue };
-            let t = time_gpu(&ctx, WARMUP, REPEATS, || ctx.flash_attention_forward(&q, &k, &v, &options, tile).map(drop))?;
+            let t =
+                time_gpu(&ctx, WARMUP, REPEATS, || ctx.flash_attention_forward(&q, &k, &v, &options, tile).map(drop))?;
             let (regs, _) = ctx.kernel_resources(entry)?;
             rows.push((t.median_ms, tile, regs));
         }
@@ -39,10 +41,17 @@ fn main() -> Result<()> {
         for (ms, tile, regs) in rows {
             let smem = tile.shared_memory_bytes(head_dim) as f64 / 1024.0;
             let tf = tflops(shape.forward_flops(), ms);
-            println!("| {head_dim} | flash | {} | {} | {smem:.1} | {regs} | {ms:.3} | {tf:.2} |", tile.block_m, tile.block_n);
+            println!(
+                "| {head_dim} | flash | {} | {} | {smem:.1} | {regs} | {ms:.3} | {tf:.2} |",
+                tile.block_m, tile.block_n
+            );
         }
         let t = time_gpu(&ctx, 1, 5, || ctx.attention_naive(&q, &k, &v, &options).map(drop))?;
-        println!("| {head_dim} | naive | - | - | - | - | {:.3} | {:.2} |", t.median_ms, tflops(shape.forward_flops(), t.median_ms));
+        println!(
+            "| {head_dim} | naive | - | - | - | - | {:.3} | {:.2} |",
+            t.median_ms,
+            tflops(shape.forward_flops(), t.median_ms)
+        );
     }
     Ok(())
 }

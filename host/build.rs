@@ -44,7 +44,9 @@ fn main() {
         let ptx = build_ptx(&kernels_dir, &out_dir, &tools, arch);
         let entries = ptx_entries(&ptx);
         match &all_entries {
-            Some(first) if *first != entries => fail(&format!("the PTX for {arch} has other kernels than for {}", ARCHS[0])),
+            Some(first) if *first != entries => {
+                fail(&format!("the PTX for {arch} has other kernels than for {}", ARCHS[0]))
+            }
             _ => all_entries = Some(entries),
         }
         let ptx_path = out_dir.join(format!("kernels_{arch}.ptx"));
@@ -150,11 +152,7 @@ fn build_ptx(kernels_dir: &Path, out_dir: &Path, tools: &LlvmTools, arch: &str) 
         .arg("-o")
         .arg(&linked_bc));
     run(Command::new(&tools.opt).arg("-O3").arg(&linked_bc).arg("-o").arg(&optimized_bc));
-    run(Command::new(&tools.llc)
-        .args(["-O3", &format!("-mcpu={arch}")])
-        .arg(&optimized_bc)
-        .arg("-o")
-        .arg(&ptx_path));
+    run(Command::new(&tools.llc).args(["-O3", &format!("-mcpu={arch}")]).arg(&optimized_bc).arg("-o").arg(&ptx_path));
     fs::read_to_string(&ptx_path).unwrap()
 }
 

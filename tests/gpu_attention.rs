@@ -49,7 +49,14 @@ fn check(ctx: &Context, shape: AttentionShape, kernel: Kernel, options: Attentio
 /// A shape in the test's range with a compiled head_dim, seqlen_q and seqlen_k drawn
 /// independently (cross-attention), and a GQA ratio from {1, 2, 4}.
 fn shapes() -> impl Strategy<Value = AttentionShape> {
-    (1usize..=3, 1usize..=4, prop::sample::select(vec![1usize, 2, 4]), 1usize..=300, 1usize..=300, prop::sample::select(TileConfig::compiled_head_dims()))
+    (
+        1usize..=3,
+        1usize..=4,
+        prop::sample::select(vec![1usize, 2, 4]),
+        1usize..=300,
+        1usize..=300,
+        prop::sample::select(TileConfig::compiled_head_dims()),
+    )
         .prop_map(|(batch, heads_kv, group, seqlen_q, seqlen_k, head_dim)| AttentionShape {
             batch,
             num_heads_q: heads_kv * group,
@@ -94,7 +101,8 @@ fn every_flash_instance_on_a_ragged_shape() {
                 println!("tile {tile:?} at head_dim {head_dim} does not fit {}: skipped", ctx.device().name);
                 continue;
             }
-            let shape = AttentionShape { batch: 2, num_heads_q: 2, num_heads_kv: 1, seqlen_q: 77, seqlen_k: 93, head_dim };
+            let shape =
+                AttentionShape { batch: 2, num_heads_q: 2, num_heads_kv: 1, seqlen_q: 77, seqlen_k: 93, head_dim };
             check(ctx, shape, Kernel::Flash(tile), AttentionOptions::default(), ran);
             ran += 1;
         }
@@ -139,7 +147,14 @@ fn cross_attention_lengths() {
 fn gqa_8_to_1_and_mqa() {
     let Some(ctx) = gpu("gqa_8_to_1_and_mqa") else { return };
     for heads_kv in [1, 2] {
-        let shape = AttentionShape { batch: 2, num_heads_q: 8 * heads_kv, num_heads_kv: heads_kv, seqlen_q: 129, seqlen_k: 129, head_dim: 64 };
+        let shape = AttentionShape {
+            batch: 2,
+            num_heads_q: 8 * heads_kv,
+            num_heads_kv: heads_kv,
+            seqlen_q: 129,
+            seqlen_k: 129,
+            head_dim: 64,
+        };
         check(ctx, shape, Kernel::Flash(TileConfig::new(32, 64)), AttentionOptions::default(), 50);
         check(ctx, shape, Kernel::Naive, AttentionOptions::default(), 50);
     }

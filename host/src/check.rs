@@ -20,7 +20,10 @@ pub fn relative_l2_error(got: &[f32], want: &[f64]) -> f64 {
 /// max_i |got_i − want_i|; NaN if any element of `got` is NaN.
 pub fn max_abs_error(got: &[f32], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len(), "max_abs_error: lengths differ");
-    got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, |m, e| if e.is_nan() || m.is_nan() { f64::NAN } else { m.max(e) })
+    got.iter()
+        .zip(want)
+        .map(|(&g, &w)| (g as f64 - w).abs())
+        .fold(0.0, |m, e| if e.is_nan() || m.is_nan() { f64::NAN } else { m.max(e) })
 }
 
 /// `n` samples of the standard normal distribution from a seeded generator: the same seed gives

@@ -13,7 +13,7 @@ use clap::Parser;
 use comfy_table::{Table, presets::ASCII_MARKDOWN};
 
 use crate::check::{max_abs_error, random_normal, relative_l2_error};
-use crate::timing::{time_gpu, tflops};
+use crate::timing::{tflops, time_gpu};
 use crate::{AttentionOptions, AttentionOutput, AttentionShape, Context, Error, Result, TileConfig, cpu};
 
 /// Naive attention vs FlashAttention on the GPU, checked against a CPU reference.
@@ -60,6 +60,9 @@ pub struct Args {
     #[arg(long, default_value_t = 2)]
     pub check_heads: usize,
 }
+
+/// Runs one kernel on the case's inputs and returns its outputs.
+type Launch<'a> = Box<dyn Fn() -> Result<AttentionOutput> + 'a>;
 
 /// One shape to run.
 struct Case {
@@ -169,7 +172,7 @@ fn run_case(ctx: &Context, args: &Args, case: &Case, table: &mut Table) -> Resul
         case.name, shape.batch, shape.num_heads_q, shape.num_heads_kv, shape.seqlen_q, shape.seqlen_k, shape.head_dim
     );
     let naive_extra = shape.naive_workspace_bytes() + shape.lse_bytes();
-    let kernels: [(String, usize, Box<dyn Fn() -> Result<AttentionOutput>>); 2] = [
+    let kernels: [(String, usize, Launch); 2] = [
         ("naive".into(), naive_extra, Box::new(|| ctx.attention_naive(&q, &k, &v, &options))),
         (
             format!("flash (m{}, n{})", tile.block_m, tile.block_n),
@@ -232,7 +235,12 @@ fn run_cpu_only() -> Result<()> {
     let tiled_ms = start.elapsed().as_secs_f64() * 1e3;
     let diff = plain.o.iter().zip(&tiled.o).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
     let mut table = Table::new();
-    table.load_style(ASCII_MARKDOWN).set_header(["case [B, H, S, D]", "kernel (CPU, f64)", "time (ms)", "max |ΔO| vs plain"]);
+    table.load_style(ASCII_MARKDOWN).set_header([
+        "case [B, H, S, D]",
+        "kernel (CPU, f64)",
+        "time (ms)",
+        "max |ΔO| vs plain",
+    ]);
     table.add_row(["[1, 4, 256, 64]".into(), "plain formula".to_string(), format!("{plain_ms:.1}"), "-".into()]);
     table.add_row([
         "[1, 4, 256, 64]".into(),

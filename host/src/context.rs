@@ -82,17 +82,16 @@ impl Context {
             name: cuda.name().during("reading the device name")?,
             compute_capability: cuda.compute_capability().during("reading the compute capability")?,
             sm_count: attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize,
-            max_shared_memory_per_block: attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
-                as usize,
+            max_shared_memory_per_block: attribute(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )? as usize,
             total_memory: cuda.total_mem().during("reading the memory size")?,
         };
         if info.compute_capability < MIN_COMPUTE_CAPABILITY {
             let (major, minor) = info.compute_capability;
             return Err(Error::UnsupportedDevice { name: info.name, major, minor, needed: "8.0 (Ampere)" });
         }
-        let module = cuda
-            .load_module(Ptx::from_src(kernels::PTX_SM_80))
-            .during("loading the kernels' PTX module")?;
+        let module = cuda.load_module(Ptx::from_src(kernels::PTX_SM_80)).during("loading the kernels' PTX module")?;
         let stream = cuda.new_stream().during("creating a stream")?;
         Ok(Self { cuda, stream, module, info })
     }
@@ -136,7 +135,11 @@ impl Context {
         if Arc::ptr_eq(tensor_ctx, &self.cuda) {
             Ok(())
         } else {
-            Err(Error::ForeignTensor { tensor: name, tensor_device: tensor_ctx.ordinal(), context_device: self.info.ordinal })
+            Err(Error::ForeignTensor {
+                tensor: name,
+                tensor_device: tensor_ctx.ordinal(),
+                context_device: self.info.ordinal,
+            })
         }
     }
 

@@ -32,7 +32,9 @@ pub enum Error {
     Shape(String),
 
     /// A tensor lives on another context (device) than the one asked to use it.
-    #[error("tensor `{tensor}` belongs to another CUDA context (device {tensor_device}); this context is device {context_device}")]
+    #[error(
+        "tensor `{tensor}` belongs to another CUDA context (device {tensor_device}); this context is device {context_device}"
+    )]
     ForeignTensor { tensor: &'static str, tensor_device: usize, context_device: usize },
 
     /// A host slice has a different length from the tensor it is copied into or out of.

@@ -22,9 +22,7 @@ pub struct FlashInstance {
 
 /// The compiled instance for this tile and head dimension, if there is one.
 pub fn flash_forward_instance(block_m: usize, block_n: usize, head_dim: usize) -> Option<&'static FlashInstance> {
-    FLASH_FORWARD_F32
-        .iter()
-        .find(|i| i.block_m == block_m && i.block_n == block_n && i.head_dim == head_dim)
+    FLASH_FORWARD_F32.iter().find(|i| i.block_m == block_m && i.block_n == block_n && i.head_dim == head_dim)
 }
 
 #[cfg(test)]

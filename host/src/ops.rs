@@ -79,7 +79,8 @@ impl Context {
         options: &AttentionOptions,
     ) -> Result<AttentionOutput> {
         let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
-        let mut out = AttentionOutput { o: self.alloc_output(&shape.q_shape())?, lse: self.alloc_output(&shape.lse_shape())? };
+        let mut out =
+            AttentionOutput { o: self.alloc_output(&shape.q_shape())?, lse: self.alloc_output(&shape.lse_shape())? };
         self.attention_naive_into(q, k, v, &mut out, options)?;
         Ok(out)
     }
@@ -134,7 +135,8 @@ impl Context {
     ) -> Result<AttentionOutput> {
         let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
         tile.validate(shape.head_dim, self.device())?;
-        let mut out = AttentionOutput { o: self.alloc_output(&shape.q_shape())?, lse: self.alloc_output(&shape.lse_shape())? };
+        let mut out =
+            AttentionOutput { o: self.alloc_output(&shape.q_shape())?, lse: self.alloc_output(&shape.lse_shape())? };
         self.flash_attention_forward_into(q, k, v, &mut out, options, tile)?;
         Ok(out)
     }

@@ -36,7 +36,7 @@ impl AttentionShape {
                 "`q` {q:?} and `k` {k:?} must agree on batch (dim 0) and head_dim (dim 3)"
             )));
         }
-        if q[1] % k[1] != 0 {
+        if !q[1].is_multiple_of(k[1]) {
             return Err(Error::Shape(format!(
                 "num_heads_q = {} is not a multiple of num_heads_kv = {} (grouped-query attention \
                  needs every key/value head to serve the same number of query heads)",
@@ -65,7 +65,10 @@ impl AttentionShape {
     /// 4 · batch · heads · seqlen_q · seqlen_k · head_dim (two matrix products, 2 flops per
     /// multiply-add; the softmax is not counted).
     pub fn forward_flops(&self) -> f64 {
-        4.0 * (self.batch * self.num_heads_q) as f64 * self.seqlen_q as f64 * self.seqlen_k as f64 * self.head_dim as f64
+        4.0 * (self.batch * self.num_heads_q) as f64
+            * self.seqlen_q as f64
+            * self.seqlen_k as f64
+            * self.head_dim as f64
     }
 
     /// Bytes of device memory the naive kernels need beyond inputs, O and LSE: the

@@ -192,7 +192,7 @@ unsafe fn flash_forward<
 ) {
     const {
         assert!(BLOCK_M == FLASH_THREAD_ROWS * ROWS);
-        assert!(BLOCK_N == LANES * COLS && BLOCK_N % 4 == 0);
+        assert!(BLOCK_N == LANES * COLS && BLOCK_N.is_multiple_of(4));
         assert!(HEAD_DIM == 4 * LANES * DVEC);
     };
     let (q_block, head, batch) = gpu::block_idx();
@@ -215,7 +215,7 @@ unsafe fn flash_forward<
     let p_tile = smem.tile(BLOCK_M, p_stride);
 
     // SAFETY: rows q_start .. q_start + q_rows of this head exist.
-    q_tile.copy_rows_from::<FLASH_THREADS>(unsafe { q_head.add(q_start * HEAD_DIM) }, BLOCK_M, HEAD_DIM, q_rows);
+    unsafe { q_tile.copy_rows_from::<FLASH_THREADS>(q_head.add(q_start * HEAD_DIM), BLOCK_M, HEAD_DIM, q_rows) };
 
     let mut softmax = OnlineSoftmax::<ROWS>::new();
     let mut acc = [[F32x4::ZERO; DVEC]; ROWS];

@@ -30,13 +30,7 @@ pub fn thread_idx_x() -> usize {
 #[inline(always)]
 pub fn block_idx() -> (usize, usize, usize) {
     // SAFETY: reading special registers has no preconditions.
-    unsafe {
-        (
-            nvptx::_block_idx_x() as usize,
-            nvptx::_block_idx_y() as usize,
-            nvptx::_block_idx_z() as usize,
-        )
-    }
+    unsafe { (nvptx::_block_idx_x() as usize, nvptx::_block_idx_y() as usize, nvptx::_block_idx_z() as usize) }
 }
 
 /// Threads per block along x (`blockDim.x`).
@@ -285,8 +279,11 @@ impl SharedTile {
     /// neighbouring threads read neighbouring addresses (coalesced). `cols` must be a multiple
     /// of 4 and `src` 16-byte aligned. Call from every thread of a block of `THREADS` threads;
     /// the caller places the barrier that publishes the tile.
+    ///
+    /// # Safety
+    /// `src` points to `valid_rows · cols` readable floats of global memory.
     #[inline(always)]
-    pub fn copy_rows_from<const THREADS: usize>(
+    pub unsafe fn copy_rows_from<const THREADS: usize>(
         self,
         src: *const f32,
         rows: usize,

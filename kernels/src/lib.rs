@@ -28,6 +28,9 @@
     stdarch_nvptx
 )]
 #![allow(internal_features)]
+// Kernels index small register arrays by row and column on purpose: `acc[i][g]` with the thread
+// mapping's names reads like the algorithm, where iterator chains would hide it.
+#![allow(clippy::needless_range_loop)]
 
 pub mod gpu;
 pub mod layout;

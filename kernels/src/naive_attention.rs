@@ -56,9 +56,7 @@ pub unsafe extern "gpu-kernel" fn naive_scores_f32(
             let mut dot = 0.0f32;
             for d in 0..shape.head_dim {
                 // SAFETY: d < head_dim, j < seqlen_k: inside this row of Q and this head of K.
-                unsafe {
-                    dot = gpu::fma(*q.add(q_offset + d), *k.add(kv_offset + j * shape.head_dim + d), dot)
-                };
+                unsafe { dot = gpu::fma(*q.add(q_offset + d), *k.add(kv_offset + j * shape.head_dim + d), dot) };
             }
             // SAFETY: row < rows, j < seqlen_k.
             unsafe { *s.add(row * shape.seqlen_k + j) = dot * scale };

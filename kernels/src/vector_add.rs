@@ -26,8 +26,7 @@ pub unsafe extern "gpu-kernel" fn vector_add_f32(a: *const f32, b: *const f32, c
         // SAFETY: chunk < n / 4, so floats 4·chunk .. 4·chunk + 4 are in bounds.
         unsafe {
             let (x, y) = (F32x4::load(a.add(4 * chunk)), F32x4::load(b.add(4 * chunk)));
-            F32x4([x.0[0] + y.0[0], x.0[1] + y.0[1], x.0[2] + y.0[2], x.0[3] + y.0[3]])
-                .store(c.add(4 * chunk));
+            F32x4([x.0[0] + y.0[0], x.0[1] + y.0[1], x.0[2] + y.0[2], x.0[3] + y.0[3]]).store(c.add(4 * chunk));
         }
         chunk += gpu::grid_stride();
     }
