@@ -79,7 +79,8 @@ fn registry_source(entries: &[String]) -> String {
             )
             .unwrap();
         } else {
-            writeln!(plain, "    pub const {}: &str = {name:?};", name.to_uppercase()).unwrap();
+            writeln!(plain, "    /// The kernel `{name}`.\n    pub const {}: &str = {name:?};", name.to_uppercase())
+                .unwrap();
             all.push(name.to_uppercase());
         }
     }

@@ -17,7 +17,9 @@ pub fn vector_add(a: &[f32], b: &[f32]) -> Vec<f64> {
 /// logsumexp `[batch, num_heads_q, seqlen_q]`.
 #[derive(Clone, Debug)]
 pub struct Reference {
+    /// O, row-major, the shape of Q.
     pub o: Vec<f64>,
+    /// ln Σ_j exp(scale · q·k_j) per query row.
     pub lse: Vec<f64>,
 }
 

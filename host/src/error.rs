@@ -4,7 +4,10 @@ use cudarc::driver::DriverError;
 
 /// Everything that can go wrong in this crate. Messages name the argument at fault and, where
 /// there is a choice, the values that are allowed.
+///
+/// Fields carry the values the message names; they are there for programs that react to them.
 #[derive(Debug, thiserror::Error)]
+#[allow(missing_docs)] // the fields are described by each variant's message
 pub enum Error {
     /// The CUDA driver library (`libcuda.so` / `nvcuda.dll`) could not be loaded: no NVIDIA
     /// driver is installed on this machine.

@@ -31,6 +31,8 @@
 //! | [`check`], [`timing`] | error metrics and seeded inputs; CUDA-event timing |
 //! | [`Error`] | every failure, typed; no function here panics on bad input |
 
+#![warn(missing_docs)]
+
 pub mod check;
 pub mod cli;
 mod context;

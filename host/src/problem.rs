@@ -107,11 +107,14 @@ impl AttentionOptions {
 /// head_dim) is a separate kernel; [`TileConfig::validate`] says which exist and fit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TileConfig {
+    /// Query rows per block (Br); a multiple of 16 in the compiled set.
     pub block_m: usize,
+    /// Key/value rows per shared-memory tile (Bc); a multiple of 8 in the compiled set.
     pub block_n: usize,
 }
 
 impl TileConfig {
+    /// A tile of `block_m` query rows and `block_n` key/value rows; not validated until used.
     pub const fn new(block_m: usize, block_n: usize) -> Self {
         Self { block_m, block_n }
     }

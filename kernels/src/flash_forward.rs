@@ -139,7 +139,7 @@ fn mask_columns<const ROWS: usize, const COLS: usize>(s: &mut [[f32; COLS]; ROWS
 }
 
 /// acc += P V for this thread's rows and output columns, P read back from shared memory (a row
-/// group reads only the rows it wrote).
+/// group reads only the rows it wrote), four key columns at a time.
 #[inline(always)]
 fn accumulate_pv<const BLOCK_N: usize, const ROWS: usize, const DVEC: usize>(
     acc: &mut [[F32x4; DVEC]; ROWS],
@@ -150,13 +150,29 @@ fn accumulate_pv<const BLOCK_N: usize, const ROWS: usize, const DVEC: usize>(
 ) {
     for c in (0..BLOCK_N).step_by(4) {
         let p: [F32x4; ROWS] = core::array::from_fn(|i| p_tile.load4(first_row + i, c));
-        for cc in 0..4 {
-            let v: [F32x4; DVEC] = core::array::from_fn(|g| v_tile.load4(c + cc, 4 * lane + 32 * g));
-            for i in 0..ROWS {
-                for g in 0..DVEC {
-                    acc[i][g] = acc[i][g].add_scaled(p[i].0[cc], v[g]);
-                }
-            }
+        // Four calls rather than a loop over 0..4: the index into each vector of `p` must be a
+        // compile-time constant. When LLVM leaves such a loop rolled (it does at head_dim 128),
+        // a run-time index moves `p` to local memory, which is slow.
+        accumulate_key::<0, ROWS, DVEC>(acc, &p, v_tile, c, lane);
+        accumulate_key::<1, ROWS, DVEC>(acc, &p, v_tile, c, lane);
+        accumulate_key::<2, ROWS, DVEC>(acc, &p, v_tile, c, lane);
+        accumulate_key::<3, ROWS, DVEC>(acc, &p, v_tile, c, lane);
+    }
+}
+
+/// acc += p[:, K] · V[c + K, :]: one key's contribution to this thread's outputs.
+#[inline(always)]
+fn accumulate_key<const K: usize, const ROWS: usize, const DVEC: usize>(
+    acc: &mut [[F32x4; DVEC]; ROWS],
+    p: &[F32x4; ROWS],
+    v_tile: SharedTile,
+    c: usize,
+    lane: usize,
+) {
+    let v: [F32x4; DVEC] = core::array::from_fn(|g| v_tile.load4(c + K, 4 * lane + 32 * g));
+    for i in 0..ROWS {
+        for g in 0..DVEC {
+            acc[i][g] = acc[i][g].add_scaled(p[i].0[K], v[g]);
         }
     }
 }

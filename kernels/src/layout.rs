@@ -15,11 +15,17 @@
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(C)]
 pub struct AttentionShape {
+    /// Independent sequences.
     pub batch: usize,
+    /// Query heads (and output heads).
     pub num_heads_q: usize,
+    /// Key/value heads; divides `num_heads_q`.
     pub num_heads_kv: usize,
+    /// Query rows per head.
     pub seqlen_q: usize,
+    /// Key/value rows per head.
     pub seqlen_k: usize,
+    /// Features per head (the length of each q, k, v row).
     pub head_dim: usize,
 }
 
