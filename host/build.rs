@@ -27,7 +27,9 @@ const ARCHS: &[&str] = &["sm_80"];
 const NVPTX_TARGET: &str = "nvptx64-nvidia-cuda";
 const KERNEL_CRATE: &str = "attn_kernels";
 const FIX: &str = "run `rustup toolchain install` in the repository root (it installs the pinned \
-                   nightly with the rust-src and llvm-tools components)";
+                   nightly with the rust-src and llvm-tools components); a crate that depends on \
+                   attn-host needs the same toolchain: copy the repository's rust-toolchain.toml \
+                   next to its Cargo.toml";
 
 fn main() {
     let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());

@@ -72,21 +72,24 @@ fn tiles() -> impl Strategy<Value = TileConfig> {
     prop::sample::select(TileConfig::compiled(64))
 }
 
-proptest! {
-    #![proptest_config(gpu_proptest_config(48))]
+// The GPU is looked up once per test, before proptest starts: without a GPU (and with
+// REQUIRE_GPU=1) the test fails once instead of once per shrinking step.
 
-    #[test]
-    fn flash_matches_cpu_on_random_shapes_and_tiles(shape in shapes(), tile in tiles(), seed in any::<u32>()) {
-        let Some(ctx) = gpu("flash_matches_cpu_on_random_shapes_and_tiles") else { return Ok(()) };
+#[test]
+fn flash_matches_cpu_on_random_shapes_and_tiles() {
+    let Some(ctx) = gpu("flash_matches_cpu_on_random_shapes_and_tiles") else { return };
+    proptest!(gpu_proptest_config(48), |(shape in shapes(), tile in tiles(), seed in any::<u32>())| {
         let tile = if tile.validate(shape.head_dim, ctx.device()).is_ok() { tile } else { TileConfig::new(16, 16) };
         check(ctx, shape, Kernel::Flash(tile), AttentionOptions::default(), seed as u64 * 3);
-    }
+    });
+}
 
-    #[test]
-    fn naive_matches_cpu_on_random_shapes(shape in shapes(), seed in any::<u32>()) {
-        let Some(ctx) = gpu("naive_matches_cpu_on_random_shapes") else { return Ok(()) };
+#[test]
+fn naive_matches_cpu_on_random_shapes() {
+    let Some(ctx) = gpu("naive_matches_cpu_on_random_shapes") else { return };
+    proptest!(gpu_proptest_config(48), |(shape in shapes(), seed in any::<u32>())| {
         check(ctx, shape, Kernel::Naive, AttentionOptions::default(), seed as u64 * 3);
-    }
+    });
 }
 
 /// Every compiled (block_m, block_n, head_dim) instance, on a shape with a ragged tail in both

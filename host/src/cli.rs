@@ -18,7 +18,7 @@ use crate::{AttentionOptions, AttentionOutput, AttentionShape, Context, Error, R
 
 /// Naive attention vs FlashAttention on the GPU, checked against a CPU reference.
 #[derive(Parser, Debug)]
-#[command(version, about, long_about = None)]
+#[command(name = "rust-attention", version)]
 pub struct Args {
     /// Batch size (one custom case instead of the two default ones).
     #[arg(long)]
@@ -38,10 +38,10 @@ pub struct Args {
     /// Head dimension (flash kernels exist for 32, 64 and 128).
     #[arg(long)]
     pub head_dim: Option<usize>,
-    /// Query rows per flash block (Br); default: tuned per head_dim.
+    /// Query rows per flash block (Br), given together with --block-n; default: tuned per head_dim.
     #[arg(long, requires = "block_n")]
     pub block_m: Option<usize>,
-    /// Key/value rows per flash tile (Bc).
+    /// Key/value rows per flash tile (Bc), given together with --block-m.
     #[arg(long, requires = "block_m")]
     pub block_n: Option<usize>,
     /// Softmax scale; default 1/sqrt(head_dim).
@@ -71,6 +71,14 @@ struct Case {
 }
 
 impl Args {
+    /// The flash tile: the flags', or the tuned default for `head_dim`.
+    fn tile(&self, head_dim: usize) -> TileConfig {
+        match (self.block_m, self.block_n) {
+            (Some(m), Some(n)) => TileConfig::new(m, n),
+            _ => TileConfig::default_for(head_dim),
+        }
+    }
+
     fn cases(&self) -> Vec<Case> {
         let custom = [self.batch, self.heads, self.heads_kv, self.seqlen, self.seqlen_k, self.head_dim];
         if custom.iter().all(Option::is_none) {
@@ -93,6 +101,12 @@ impl Args {
     }
 }
 
+/// "[B, Hq, Hkv, Sq, Sk, D]" of a shape, as the tables show it.
+fn dims(shape: &AttentionShape) -> String {
+    let s = shape;
+    format!("[{}, {}, {}, {}, {}, {}]", s.batch, s.num_heads_q, s.num_heads_kv, s.seqlen_q, s.seqlen_k, s.head_dim)
+}
+
 fn mha(batch: usize, heads: usize, seqlen: usize, head_dim: usize) -> AttentionShape {
     AttentionShape { batch, num_heads_q: heads, num_heads_kv: heads, seqlen_q: seqlen, seqlen_k: seqlen, head_dim }
 }
@@ -110,11 +124,18 @@ pub fn main() -> ExitCode {
 }
 
 fn run(args: &Args) -> Result<()> {
+    // Check every flag before looking for a GPU, so a typo is reported the same way everywhere.
+    let cases = args.cases();
+    for case in &cases {
+        let shape = case.shape;
+        AttentionShape::from_qkv(&shape.q_shape(), &shape.kv_shape(), &shape.kv_shape())?;
+        args.tile(shape.head_dim).compiled_entry(shape.head_dim)?;
+    }
     let ctx = match Context::new(args.device) {
         Ok(ctx) => ctx,
         Err(e @ (Error::NoDriver | Error::NoDevice { .. })) => {
-            println!("no CUDA device ({e}); running the CPU reference on a small case instead");
-            return run_cpu_only();
+            println!("no CUDA device ({e}); running the CPU reference instead");
+            return run_cpu_only(args, &cases);
         }
         Err(e) => return Err(e),
     };
@@ -131,8 +152,8 @@ fn run(args: &Args) -> Result<()> {
         "max |ΔLSE|",
         "rel L2 (O)",
     ]);
-    for case in args.cases() {
-        run_case(&ctx, args, &case, &mut table)?;
+    for case in &cases {
+        run_case(&ctx, args, case, &mut table)?;
     }
     println!("{table}");
     println!(
@@ -146,10 +167,7 @@ fn run(args: &Args) -> Result<()> {
 fn run_case(ctx: &Context, args: &Args, case: &Case, table: &mut Table) -> Result<()> {
     let shape = case.shape;
     let options = AttentionOptions { scale: args.scale };
-    let tile = match (args.block_m, args.block_n) {
-        (Some(m), Some(n)) => TileConfig::new(m, n),
-        _ => TileConfig::default_for(shape.head_dim),
-    };
+    let tile = args.tile(shape.head_dim);
     let (q_shape, kv_shape) = (shape.q_shape(), shape.kv_shape());
     let (q_len, kv_len) = (q_shape.iter().product(), kv_shape.iter().product());
     let (q_host, k_host, v_host) = (random_normal(q_len, 1), random_normal(kv_len, 2), random_normal(kv_len, 3));
@@ -167,10 +185,7 @@ fn run_case(ctx: &Context, args: &Args, case: &Case, table: &mut Table) -> Resul
     let references: Vec<cpu::Reference> =
         heads.iter().map(|&(b, h)| cpu::attention_head(&q_host, &k_host, &v_host, &shape, scale, b, h)).collect();
 
-    let label = format!(
-        "{} [{}, {}, {}, {}, {}, {}]",
-        case.name, shape.batch, shape.num_heads_q, shape.num_heads_kv, shape.seqlen_q, shape.seqlen_k, shape.head_dim
-    );
+    let label = format!("{} {}", case.name, dims(&shape));
     let naive_extra = shape.naive_workspace_bytes() + shape.lse_bytes();
     let kernels: [(String, usize, Launch); 2] = [
         ("naive".into(), naive_extra, Box::new(|| ctx.attention_naive(&q, &k, &v, &options))),
@@ -218,36 +233,58 @@ fn run_case(ctx: &Context, args: &Args, case: &Case, table: &mut Table) -> Resul
     Ok(())
 }
 
-/// Without a GPU: the plain CPU formula against the tiled CPU FlashAttention on a small case.
-fn run_cpu_only() -> Result<()> {
-    let shape = mha(1, 4, 256, 64);
-    let (q_shape, kv_shape) = (shape.q_shape(), shape.kv_shape());
-    let q = random_normal(q_shape.iter().product(), 1);
-    let k = random_normal(kv_shape.iter().product(), 2);
-    let v = random_normal(kv_shape.iter().product(), 3);
-    let scale = AttentionOptions::default().scale_for(shape.head_dim) as f64;
-    let start = Instant::now();
-    let plain = cpu::attention(&q, &k, &v, &shape, scale);
-    let plain_ms = start.elapsed().as_secs_f64() * 1e3;
-    let tile = TileConfig::default_for(shape.head_dim);
-    let start = Instant::now();
-    let tiled = cpu::flash_attention(&q, &k, &v, &shape, scale, tile);
-    let tiled_ms = start.elapsed().as_secs_f64() * 1e3;
-    let diff = plain.o.iter().zip(&tiled.o).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+/// Forward flops above which a case is too slow for the CPU-only fallback (a few seconds).
+const CPU_ONLY_MAX_FLOPS: f64 = 2e9;
+
+/// Without a GPU: the plain CPU formula against the tiled CPU FlashAttention, on the requested
+/// cases where they are small enough, otherwise on a small case.
+fn run_cpu_only(args: &Args, cases: &[Case]) -> Result<()> {
     let mut table = Table::new();
     table.load_style(ASCII_MARKDOWN).set_header([
-        "case [B, H, S, D]",
+        "case [B, Hq, Hkv, Sq, Sk, D]",
         "kernel (CPU, f64)",
         "time (ms)",
         "max |ΔO| vs plain",
     ]);
-    table.add_row(["[1, 4, 256, 64]".into(), "plain formula".to_string(), format!("{plain_ms:.1}"), "-".into()]);
-    table.add_row([
-        "[1, 4, 256, 64]".into(),
-        format!("tiled flash (m{}, n{})", tile.block_m, tile.block_n),
-        format!("{tiled_ms:.1}"),
-        format!("{diff:.2e}"),
-    ]);
+    for case in cases {
+        let shape = if case.shape.forward_flops() <= CPU_ONLY_MAX_FLOPS {
+            case.shape
+        } else {
+            let small = mha(1, 4, 256, case.shape.head_dim);
+            println!("{} {}: too large for the CPU; running {} instead", case.name, dims(&case.shape), dims(&small));
+            small
+        };
+        let (q_shape, kv_shape) = (shape.q_shape(), shape.kv_shape());
+        let q = random_normal(q_shape.iter().product(), 1);
+        let k = random_normal(kv_shape.iter().product(), 2);
+        let v = random_normal(kv_shape.iter().product(), 3);
+        let scale = AttentionOptions { scale: args.scale }.scale_for(shape.head_dim) as f64;
+        let tile = args.tile(shape.head_dim);
+        let start = Instant::now();
+        let plain = cpu::attention(&q, &k, &v, &shape, scale);
+        let plain_ms = start.elapsed().as_secs_f64() * 1e3;
+        let start = Instant::now();
+        let tiled = cpu::flash_attention(&q, &k, &v, &shape, scale, tile);
+        let tiled_ms = start.elapsed().as_secs_f64() * 1e3;
+        let diff = plain.o.iter().zip(&tiled.o).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        let label = format!(
+            "{} [{}, {}, {}, {}, {}, {}]",
+            case.name,
+            shape.batch,
+            shape.num_heads_q,
+            shape.num_heads_kv,
+            shape.seqlen_q,
+            shape.seqlen_k,
+            shape.head_dim
+        );
+        table.add_row([label.clone(), "plain formula".into(), format!("{plain_ms:.1}"), "-".into()]);
+        table.add_row([
+            label,
+            format!("tiled flash (m{}, n{})", tile.block_m, tile.block_n),
+            format!("{tiled_ms:.1}"),
+            format!("{diff:.2e}"),
+        ]);
+    }
     println!("{table}");
     Ok(())
 }

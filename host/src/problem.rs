@@ -153,14 +153,7 @@ impl TileConfig {
     /// [`Error::TileNotCompiled`] (listing the compiled values) or [`Error::SharedMemory`]
     /// (listing the tiles that fit).
     pub fn validate(&self, head_dim: usize, device: &DeviceInfo) -> Result<&'static str> {
-        let Some(instance) = kernels::flash_forward_instance(self.block_m, self.block_n, head_dim) else {
-            return Err(Error::TileNotCompiled {
-                block_m: self.block_m,
-                block_n: self.block_n,
-                head_dim,
-                allowed: compiled_summary(),
-            });
-        };
+        let entry = self.compiled_entry(head_dim)?;
         let needed = self.shared_memory_bytes(head_dim);
         if needed > device.max_shared_memory_per_block {
             let fitting: Vec<String> = Self::compiled(head_dim)
@@ -178,7 +171,23 @@ impl TileConfig {
                 fitting: fitting.join(", "),
             });
         }
-        Ok(instance.entry)
+        Ok(entry)
+    }
+
+    /// The entry name of the kernel compiled for this tile at `head_dim`, without looking at a
+    /// device (so it can be checked before one is opened).
+    ///
+    /// # Errors
+    /// [`Error::TileNotCompiled`], listing the compiled values.
+    pub fn compiled_entry(&self, head_dim: usize) -> Result<&'static str> {
+        kernels::flash_forward_instance(self.block_m, self.block_n, head_dim).map(|i| i.entry).ok_or_else(|| {
+            Error::TileNotCompiled {
+                block_m: self.block_m,
+                block_n: self.block_n,
+                head_dim,
+                allowed: compiled_summary(),
+            }
+        })
     }
 }
 

@@ -5,7 +5,9 @@
 //! (`#[path]` include), so an argument layout, a block size or a tile layout is written down
 //! exactly once.
 
-/// The shape of one attention problem, passed by value to the attention kernels.
+/// The shape of one attention problem. Kernels receive it as six integer arguments, in field
+/// order, and rebuild the struct on the device (rustc warns that structs passed by value to
+/// `extern "gpu-kernel"` functions may not match what the driver passes).
 ///
 /// Q and O are `[batch, num_heads_q, seqlen_q, head_dim]`, K and V are
 /// `[batch, num_heads_kv, seqlen_k, head_dim]`, all row-major `f32`. Query head `h` reads

@@ -9,6 +9,7 @@
 //! | 0 | [`gpu`] | the hardware as a handful of functions: thread and block indices, shared memory, barriers, warp shuffles, fast `exp2`/`log2` |
 //! | 1 | [`vector_add`] | one thread per element, a grid-stride loop, 16-byte loads, a guarded tail |
 //! | 2 | [`naive_attention`] | "standard" attention (FlashAttention paper, Algorithm 0): S = QKᵀ and P = softmax(S) make a round trip through HBM, N×N floats each |
+//! | — | [`layout`] | what host and device must agree on: block sizes, shared-memory layouts, the problem shape (compiled into both crates from this one file) |
 //! | 3 | [`flash_forward`] | FlashAttention-2 forward (Dao 2023, Algorithm 1): Q, K, V tiles in shared memory, online softmax, O and the logsumexp written once |
 //!
 //! Kernels never touch `core::arch::nvptx` or `asm!` directly: they go through [`gpu`], so the

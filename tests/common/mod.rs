@@ -27,7 +27,9 @@ pub fn gpu(test: &str) -> Option<&'static Context> {
             // skip must be visible in a normal `cargo test` run.
             static REPORTED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
             if REPORTED.lock().unwrap().get_or_insert_default().insert(test.to_string()) {
-                let _ = writeln!(std::io::stderr(), "{test}: skipped: no CUDA device ({reason})");
+                // One write call, so lines of tests running in parallel do not interleave.
+                let line = format!("{test}: skipped: no CUDA device ({reason})\n");
+                let _ = std::io::stderr().lock().write_all(line.as_bytes());
             }
             None
         }
