@@ -79,8 +79,7 @@ impl Context {
         options: &AttentionOptions,
     ) -> Result<AttentionOutput> {
         let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
-        let mut out =
-            AttentionOutput { o: self.alloc_output(&shape.q_shape())?, lse: self.alloc_output(&shape.lse_shape())? };
+        let mut out = self.alloc_attention_output(&shape)?;
         self.attention_naive_into(q, k, v, &mut out, options)?;
         Ok(out)
     }
@@ -135,8 +134,7 @@ impl Context {
     ) -> Result<AttentionOutput> {
         let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
         tile.validate(shape.head_dim, self.device())?;
-        let mut out =
-            AttentionOutput { o: self.alloc_output(&shape.q_shape())?, lse: self.alloc_output(&shape.lse_shape())? };
+        let mut out = self.alloc_attention_output(&shape)?;
         self.flash_attention_forward_into(q, k, v, &mut out, options, tile)?;
         Ok(out)
     }
@@ -165,6 +163,11 @@ impl Context {
         args.extend(shape_args.iter().map(|a| a as &dyn KernelArg));
         args.push(&scale_log2);
         self.launch(entry, config, &args)
+    }
+
+    /// Uninitialised O and LSE tensors for `shape`, for a kernel to overwrite whole.
+    fn alloc_attention_output(&self, shape: &AttentionShape) -> Result<AttentionOutput> {
+        Ok(AttentionOutput { o: self.alloc_output(&shape.q_shape())?, lse: self.alloc_output(&shape.lse_shape())? })
     }
 
     /// Checks owners and shapes of attention inputs and outputs; returns the problem shape.
