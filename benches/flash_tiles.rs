@@ -1,10 +1,10 @@
-//! `cargo bench --bench flash_tiles`: every compiled FlashAttention tile at a size that fills the
-//! GPU, naive attention at the same size, and vector-add bandwidth. Needs a GPU; without one it
-//! says so and exits successfully.
+//! `cargo bench --bench flash_tiles`: every compiled FlashAttention tile, forward and backward, at
+//! a size that fills the GPU, naive attention at the same size, and vector-add bandwidth. Needs a
+//! GPU; without one it says so and exits successfully.
 
 use attn_host::check::random_normal;
 use attn_host::timing::{tflops, time_gpu};
-use attn_host::{AttentionOptions, AttentionShape, Context, Result, TileConfig};
+use attn_host::{AttentionOptions, AttentionShape, Context, DqAccumulation, FlashKernel, Result, TileConfig};
 
 const WARMUP: usize = 3;
 const REPEATS: usize = 15;
@@ -20,7 +20,7 @@ fn main() -> Result<()> {
     println!("device: {}", ctx.device());
     vector_add_bandwidth(&ctx)?;
     let options = AttentionOptions::default();
-    println!("\n| head_dim | kernel | block_m | block_n | smem (KiB) | regs | time (ms) | TFLOP/s |");
+    println!("\n| head_dim | pass | block_m | block_n | smem (KiB) | regs | time (ms) | TFLOP/s |");
     println!("|---|---|---|---|---|---|---|---|");
     for head_dim in TileConfig::compiled_head_dims() {
         let shape =
@@ -29,28 +29,53 @@ fn main() -> Result<()> {
         let q = ctx.upload(&random_normal(n, 1), &shape.q_shape())?;
         let k = ctx.upload(&random_normal(n, 2), &shape.kv_shape())?;
         let v = ctx.upload(&random_normal(n, 3), &shape.kv_shape())?;
+        let d_o = ctx.upload(&random_normal(n, 4), &shape.q_shape())?;
+        let forward_flops = shape.forward_flops();
         let mut rows = Vec::new();
         for tile in TileConfig::compiled(head_dim) {
-            let Ok(entry) = tile.validate(head_dim, ctx.device()) else { continue };
-            let t =
-                time_gpu(&ctx, WARMUP, REPEATS, || ctx.flash_attention_forward(&q, &k, &v, &options, tile).map(drop))?;
-            let (regs, _) = ctx.kernel_resources(entry)?;
-            rows.push((t.median_ms, tile, regs));
+            if let Ok(entry) = tile.validate(head_dim, ctx.device()) {
+                let t = time_gpu(&ctx, WARMUP, REPEATS, || {
+                    ctx.flash_attention_forward(&q, &k, &v, &options, tile).map(drop)
+                })?;
+                rows.push((
+                    "forward",
+                    t.median_ms,
+                    tile,
+                    ctx.kernel_resources(entry)?.0,
+                    tile.shared_memory_bytes(head_dim),
+                    forward_flops,
+                ));
+            }
+            if let Ok(entry) = tile.validate_for(FlashKernel::Backward, head_dim, ctx.device()) {
+                let out = ctx.flash_attention_forward(&q, &k, &v, &options, tile)?;
+                let backward = || {
+                    ctx.flash_attention_backward(
+                        &q,
+                        &k,
+                        &v,
+                        &out.o,
+                        &out.lse,
+                        &d_o,
+                        &options,
+                        tile,
+                        DqAccumulation::Atomic,
+                    )
+                };
+                let t = time_gpu(&ctx, 1, 5, || backward().map(drop))?;
+                let smem = FlashKernel::Backward.shared_memory_bytes(tile.block_m, tile.block_n, head_dim);
+                rows.push(("backward", t.median_ms, tile, ctx.kernel_resources(entry)?.0, smem, 2.5 * forward_flops));
+            }
         }
-        rows.sort_by(|a, b| a.0.total_cmp(&b.0));
-        for (ms, tile, regs) in rows {
-            let smem = tile.shared_memory_bytes(head_dim) as f64 / 1024.0;
-            let tf = tflops(shape.forward_flops(), ms);
-            println!(
-                "| {head_dim} | flash | {} | {} | {smem:.1} | {regs} | {ms:.3} | {tf:.2} |",
-                tile.block_m, tile.block_n
-            );
+        rows.sort_by(|a, b| a.0.cmp(b.0).then(a.1.total_cmp(&b.1)));
+        for (pass, ms, tile, regs, smem, flops) in rows {
+            let (m, n, kib, tf) = (tile.block_m, tile.block_n, smem as f64 / 1024.0, tflops(flops, ms));
+            println!("| {head_dim} | flash {pass} | {m} | {n} | {kib:.1} | {regs} | {ms:.3} | {tf:.2} |");
         }
         let t = time_gpu(&ctx, 1, 5, || ctx.attention_naive(&q, &k, &v, &options).map(drop))?;
         println!(
-            "| {head_dim} | naive | - | - | - | - | {:.3} | {:.2} |",
+            "| {head_dim} | naive forward | - | - | - | - | {:.3} | {:.2} |",
             t.median_ms,
-            tflops(shape.forward_flops(), t.median_ms)
+            tflops(forward_flops, t.median_ms)
         );
     }
     Ok(())

@@ -61,38 +61,61 @@ fn main() {
     fs::write(out_dir.join("kernels.rs"), generated).unwrap();
 }
 
+/// Families of FlashAttention kernels: the entry-name prefix and the `FlashKernel` variant of each.
+/// Their instances are named `{prefix}_m{block_m}_n{block_n}_d{head_dim}`.
+const FLASH_FAMILIES: &[(&str, &str)] = &[
+    ("flash_fwd_f32", "Forward"),
+    ("flash_bwd_f32", "Backward"),
+    ("flash_bwd_dkdv_f32", "BackwardDkDv"),
+    ("flash_bwd_dq_f32", "BackwardDq"),
+];
+
 /// Rust source for the kernel registry: a constant per plain kernel, and the table of
-/// FlashAttention forward instances parsed from their systematic names
-/// `flash_fwd_f32_m{block_m}_n{block_n}_d{head_dim}`.
+/// FlashAttention instances parsed from their systematic names.
 fn registry_source(entries: &[String]) -> String {
     let mut plain = String::new();
     let mut all = Vec::new();
     let mut flash = String::new();
     for name in entries {
-        if let Some(dims) = name.strip_prefix("flash_fwd_f32_") {
-            let numbers: Vec<usize> = dims
-                .split('_')
-                .map(|part| part[1..].parse().unwrap_or_else(|_| fail(&format!("unexpected kernel name {name}"))))
-                .collect();
-            let [block_m, block_n, head_dim] = numbers[..] else { fail(&format!("unexpected kernel name {name}")) };
-            writeln!(
+        match flash_instance(name) {
+            Some((variant, [block_m, block_n, head_dim])) => writeln!(
                 flash,
-                "    FlashInstance {{ block_m: {block_m}, block_n: {block_n}, head_dim: {head_dim}, entry: {name:?} }},"
+                "    FlashInstance {{ kernel: FlashKernel::{variant}, block_m: {block_m}, block_n: {block_n}, \
+                 head_dim: {head_dim}, entry: {name:?} }},"
             )
-            .unwrap();
-        } else {
-            writeln!(plain, "    /// The kernel `{name}`.\n    pub const {}: &str = {name:?};", name.to_uppercase())
+            .unwrap(),
+            None => {
+                writeln!(
+                    plain,
+                    "    /// The kernel `{name}`.\n    pub const {}: &str = {name:?};",
+                    name.to_uppercase()
+                )
                 .unwrap();
-            all.push(name.to_uppercase());
+                all.push(name.to_uppercase());
+            }
         }
     }
     format!(
         "/// `.entry` names of the kernels that have a single instance.\npub mod entry {{\n{plain}    \
          /// All of the above.\n    pub const ALL: &[&str] = &[{}];\n}}\n\n\
-         /// Every compiled FlashAttention forward (`f32`) instance.\n\
-         pub const FLASH_FORWARD_F32: &[FlashInstance] = &[\n{flash}];\n",
+         /// Every compiled FlashAttention instance.\n\
+         pub const FLASH_INSTANCES: &[FlashInstance] = &[\n{flash}];\n",
         all.join(", ")
     )
+}
+
+/// `(variant, [block_m, block_n, head_dim])` for a FlashAttention instance name, `None` for
+/// other kernels.
+fn flash_instance(name: &str) -> Option<(&'static str, [usize; 3])> {
+    let (prefix, dims) = name.rsplit_once("_m")?;
+    let (_, variant) = FLASH_FAMILIES.iter().find(|(p, _)| *p == prefix)?;
+    let numbers: Vec<usize> = dims
+        .split(['_', 'n', 'd'])
+        .filter(|part| !part.is_empty())
+        .map(|part| part.parse().unwrap_or_else(|_| fail(&format!("unexpected kernel name {name}"))))
+        .collect();
+    let [block_m, block_n, head_dim] = numbers[..] else { fail(&format!("unexpected kernel name {name}")) };
+    Some((variant, [block_m, block_n, head_dim]))
 }
 
 /// Builds `kernels/` for `arch` and returns the PTX text.

@@ -1,7 +1,7 @@
 //! Tests that need no GPU: the CPU references, shape and tile validation.
 
 use attn_host::check::{random_normal, relative_l2_error};
-use attn_host::{AttentionShape, DeviceInfo, Error, TileConfig, cpu};
+use attn_host::{AttentionShape, Causal, DeviceInfo, Error, FlashKernel, TileConfig, cpu};
 use proptest::prelude::*;
 
 fn shape(
@@ -15,27 +15,101 @@ fn shape(
     AttentionShape { batch, num_heads_q: heads_q, num_heads_kv: heads_kv, seqlen_q, seqlen_k, head_dim }
 }
 
+fn params(scale: f64, causal: Causal) -> cpu::Params {
+    cpu::Params { scale, causal }
+}
+
+fn masks() -> impl Strategy<Value = Causal> {
+    prop::sample::select(vec![Causal::None, Causal::TopLeft, Causal::BottomRight])
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, failure_persistence: None, ..ProptestConfig::default() })]
 
     /// The tiled online-softmax algorithm computes the same function as the plain formula, for
-    /// any tile sizes (not only the compiled ones) and ragged lengths.
+    /// any tile sizes (not only the compiled ones), ragged lengths and every mask.
     #[test]
     fn tiled_cpu_flash_matches_plain_formula(
         batch in 1usize..=2, heads_kv in 1usize..=2, group in 1usize..=3,
         seqlen_q in 1usize..=90, seqlen_k in 1usize..=90, head_dim in 1usize..=40,
         block_m in 1usize..=40, block_n in 1usize..=40, seed in any::<u32>(), scale in 0.0f64..3.0,
+        causal in masks(),
     ) {
         let s = shape(batch, heads_kv * group, heads_kv, seqlen_q, seqlen_k, head_dim);
         let q = random_normal(s.q_shape().iter().product(), seed as u64);
         let k = random_normal(s.kv_shape().iter().product(), seed as u64 + 1);
         let v = random_normal(s.kv_shape().iter().product(), seed as u64 + 2);
-        let plain = cpu::attention(&q, &k, &v, &s, scale);
-        let tiled = cpu::flash_attention(&q, &k, &v, &s, scale, TileConfig::new(block_m, block_n));
-        for (a, b) in plain.o.iter().zip(&tiled.o).chain(plain.lse.iter().zip(&tiled.lse)) {
-            prop_assert!((a - b).abs() <= 1e-12 * (1.0 + a.abs()), "{a} vs {b}");
+        let plain = cpu::attention(&q, &k, &v, &s, params(scale, causal));
+        let tiled = cpu::flash_attention(&q, &k, &v, &s, params(scale, causal), TileConfig::new(block_m, block_n));
+        for (a, b) in plain.o.iter().zip(&tiled.o) {
+            prop_assert!((a - b).abs() <= 1e-12 * (1.0 + a.abs()), "O: {a} vs {b}");
+        }
+        for (a, b) in plain.lse.iter().zip(&tiled.lse) {
+            prop_assert!(a == b || (a - b).abs() <= 1e-12 * (1.0 + a.abs()), "LSE: {a} vs {b}");
         }
     }
+}
+
+/// loss(Q, K, V) = Σ O ∘ W: its gradient is what `attention_backward` computes with dO = W.
+fn loss(q: &[f32], k: &[f32], v: &[f32], w: &[f32], s: &AttentionShape, p: cpu::Params) -> f64 {
+    cpu::attention(q, k, v, s, p).o.iter().zip(w).map(|(o, &w)| o * w as f64).sum()
+}
+
+/// The CPU backward against central finite differences of the CPU forward, on tiny shapes with
+/// every mask, cross-attention lengths and a GQA group.
+#[test]
+fn cpu_backward_matches_finite_differences() {
+    let cases = [
+        (shape(1, 2, 1, 3, 5, 4), Causal::None),
+        (shape(1, 2, 1, 5, 3, 4), Causal::TopLeft),
+        (shape(2, 1, 1, 5, 3, 3), Causal::BottomRight),
+        (shape(1, 4, 2, 4, 4, 2), Causal::TopLeft),
+    ];
+    for (case, (s, causal)) in cases.into_iter().enumerate() {
+        let p = params(0.7, causal);
+        let seed = 10 * case as u64;
+        let mut inputs = [
+            random_normal(s.q_shape().iter().product(), seed),
+            random_normal(s.kv_shape().iter().product(), seed + 1),
+            random_normal(s.kv_shape().iter().product(), seed + 2),
+        ];
+        let w = random_normal(s.q_shape().iter().product(), seed + 3);
+        let grads = cpu::attention_backward(&inputs[0], &inputs[1], &inputs[2], &w, &s, p);
+        for (which, analytic) in [(0, &grads.dq), (1, &grads.dk), (2, &grads.dv)] {
+            for index in 0..inputs[which].len() {
+                let original = inputs[which][index];
+                let h = 1e-3f32;
+                inputs[which][index] = original + h;
+                let up = loss(&inputs[0], &inputs[1], &inputs[2], &w, &s, p);
+                let plus = inputs[which][index] as f64;
+                inputs[which][index] = original - h;
+                let down = loss(&inputs[0], &inputs[1], &inputs[2], &w, &s, p);
+                // The perturbed inputs are f32: divide by the step actually taken.
+                let numeric = (up - down) / (plus - inputs[which][index] as f64);
+                inputs[which][index] = original;
+                let exact = analytic[index];
+                assert!(
+                    (numeric - exact).abs() <= 1e-5 + 1e-4 * exact.abs(),
+                    "case {case} ({causal:?}), input {which}, element {index}: finite difference {numeric}, backward {exact}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn causal_masks_follow_their_definitions() {
+    // seqlen_q = 3 > seqlen_k = 2: top-left hides key 1 from query 0; bottom-right (offset −1)
+    // hides every key from query 0 and key 1 from query 1.
+    let visible =
+        |c: Causal| -> Vec<Vec<bool>> { (0..3).map(|i| (0..2).map(|j| c.visible(i, j, 3, 2)).collect()).collect() };
+    assert_eq!(visible(Causal::None), vec![vec![true, true]; 3]);
+    assert_eq!(visible(Causal::TopLeft), vec![vec![true, false], vec![true, true], vec![true, true]]);
+    assert_eq!(visible(Causal::BottomRight), vec![vec![false, false], vec![true, false], vec![true, true]]);
+    // And the reference turns a row with no key into O = 0, LSE = −∞.
+    let s = shape(1, 1, 1, 3, 2, 2);
+    let r = cpu::attention(&[1.0; 6], &[1.0; 4], &[1.0; 4], &s, params(1.0, Causal::BottomRight));
+    assert_eq!((&r.o[..2], r.lse[0]), (&[0.0, 0.0][..], f64::NEG_INFINITY));
 }
 
 #[test]
@@ -45,7 +119,7 @@ fn attention_of_one_key_is_that_value() {
     let q = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5];
     let k = [2.0, 0.0, 0.0, 0.0];
     let v = [1.0, 2.0, 3.0, 4.0];
-    let r = cpu::attention(&q, &k, &v, &s, 1.0);
+    let r = cpu::attention(&q, &k, &v, &s, params(1.0, Causal::None));
     for row in r.o.chunks(4) {
         assert_eq!(row, [1.0, 2.0, 3.0, 4.0]);
     }
@@ -58,8 +132,8 @@ fn attention_head_matches_full_reference() {
     let q = random_normal(s.q_shape().iter().product(), 1);
     let k = random_normal(s.kv_shape().iter().product(), 2);
     let v = random_normal(s.kv_shape().iter().product(), 3);
-    let full = cpu::attention(&q, &k, &v, &s, 0.3);
-    let one = cpu::attention_head(&q, &k, &v, &s, 0.3, 1, 3);
+    let full = cpu::attention(&q, &k, &v, &s, params(0.3, Causal::TopLeft));
+    let one = cpu::attention_head(&q, &k, &v, &s, params(0.3, Causal::TopLeft), 1, 3);
     let start = s.q_head_offset(1, 3);
     assert_eq!(&full.o[start..start + 33 * 8], &one.o[..]);
 }
@@ -122,6 +196,8 @@ fn tile_validation_checks_shared_memory() {
     // 99 KiB: a consumer Ampere/Ada GPU. 64×64 at head_dim 128 needs ~114 KiB.
     let small = device_with_shared_memory(99 * 1024);
     let err = TileConfig::new(64, 64).validate(128, &small).unwrap_err();
+    let backward = TileConfig::new(32, 32).validate_for(FlashKernel::Backward, 128, &small);
+    assert!(TileConfig::new(32, 32).validate(128, &small).is_ok() && backward.is_ok(), "{backward:?}");
     match &err {
         Error::SharedMemory { needed, available, fitting, .. } => {
             assert!(needed > available);

@@ -17,6 +17,24 @@ pub fn relative_l2_error(got: &[f32], want: &[f64]) -> f64 {
     if norm == 0.0 { diff.sqrt() } else { (diff / norm).sqrt() }
 }
 
+/// Relative L2 error of a logsumexp: rows whose reference is −∞ (they see no key) must be −∞
+/// exactly (else the result is +∞); the others are compared as [`relative_l2_error`] does.
+pub fn lse_error(got: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len(), "lse_error: lengths differ");
+    let mut finite = (Vec::new(), Vec::new());
+    for (&g, &w) in got.iter().zip(want) {
+        if w == f64::NEG_INFINITY {
+            if g != f32::NEG_INFINITY {
+                return f64::INFINITY;
+            }
+        } else {
+            finite.0.push(g);
+            finite.1.push(w);
+        }
+    }
+    relative_l2_error(&finite.0, &finite.1)
+}
+
 /// max_i |got_i − want_i|; NaN if any element of `got` is NaN.
 pub fn max_abs_error(got: &[f32], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len(), "max_abs_error: lengths differ");

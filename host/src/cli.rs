@@ -1,10 +1,11 @@
-//! The main job, `cargo run --release`: naive attention against FlashAttention on the GPU, each
-//! checked against the CPU reference, in one table.
+//! The main job, `cargo run --release`: naive attention against FlashAttention on the GPU,
+//! forward and backward, each checked against the CPU reference, in one table.
 //!
-//! With no shape flags it runs two cases: the attention of a ViT-B/16 (a 224×224 image in 16×16
+//! With no shape flags it runs three cases: the attention of a ViT-B/16 (a 224×224 image in 16×16
 //! patches: 196 patches and a class token, so 197 tokens; 12 heads of head_dim 64; a batch of 8
-//! images) and a long sequence (1 × 12 heads × 4096 tokens × 64), where the naive kernels' N×N
-//! matrix costs 805 MB and most of the time. Any shape flag switches to one case of that shape.
+//! images), a long sequence (1 × 12 heads × 4096 tokens × 64), where the naive kernels' N×N
+//! matrix costs 805 MB and most of the time, and the same long sequence with a causal mask. Any
+//! shape flag switches to one case of that shape.
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -12,11 +13,35 @@ use std::time::Instant;
 use clap::Parser;
 use comfy_table::{Table, presets::ASCII_MARKDOWN};
 
-use crate::check::{max_abs_error, random_normal, relative_l2_error};
+use crate::check::{lse_error, random_normal, relative_l2_error};
 use crate::timing::{tflops, time_gpu};
-use crate::{AttentionOptions, AttentionOutput, AttentionShape, Context, Error, Result, TileConfig, cpu};
+use crate::{
+    AttentionOptions, AttentionShape, Causal, Context, DeviceTensor, DqAccumulation, Error, Result, TileConfig, cpu,
+};
 
-/// Naive attention vs FlashAttention on the GPU, checked against a CPU reference.
+/// `--causal`: the mask of the custom case (see `Causal`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CausalArg {
+    /// No mask.
+    None,
+    /// Query i sees keys j ≤ i (PyTorch's is_causal).
+    TopLeft,
+    /// Query i sees keys j ≤ i + seqlen_k − seqlen_q (FlashAttention ≥ 2.1).
+    BottomRight,
+}
+
+impl From<CausalArg> for Causal {
+    fn from(arg: CausalArg) -> Self {
+        match arg {
+            CausalArg::None => Causal::None,
+            CausalArg::TopLeft => Causal::TopLeft,
+            CausalArg::BottomRight => Causal::BottomRight,
+        }
+    }
+}
+
+/// Naive attention vs FlashAttention on the GPU, forward and backward, checked against a CPU
+/// reference.
 #[derive(Parser, Debug)]
 #[command(name = "rust-attention", version)]
 pub struct Args {
@@ -47,6 +72,9 @@ pub struct Args {
     /// Softmax scale; default 1/sqrt(head_dim).
     #[arg(long)]
     pub scale: Option<f32>,
+    /// Causal mask of the custom case.
+    #[arg(long, value_enum, default_value_t = CausalArg::None)]
+    pub causal: CausalArg,
     /// Timed repeats per kernel (the median is reported).
     #[arg(long, default_value_t = 20)]
     pub repeats: usize,
@@ -61,30 +89,30 @@ pub struct Args {
     pub check_heads: usize,
 }
 
-/// Runs one kernel on the case's inputs and returns its outputs.
-type Launch<'a> = Box<dyn Fn() -> Result<AttentionOutput> + 'a>;
-
-/// One shape to run.
+/// One shape (and mask) to run.
 struct Case {
     name: String,
     shape: AttentionShape,
+    causal: Causal,
 }
 
 impl Args {
-    /// The flash tile: the flags', or the tuned default for `head_dim`.
-    fn tile(&self, head_dim: usize) -> TileConfig {
-        match (self.block_m, self.block_n) {
-            (Some(m), Some(n)) => TileConfig::new(m, n),
-            _ => TileConfig::default_for(head_dim),
+    /// The flash tile: the flags', or the tuned default for `head_dim` and the pass.
+    fn tile(&self, head_dim: usize, backward: bool) -> TileConfig {
+        match (self.block_m, self.block_n, backward) {
+            (Some(m), Some(n), _) => TileConfig::new(m, n),
+            (_, _, false) => TileConfig::default_for(head_dim),
+            (_, _, true) => TileConfig::default_backward_for(head_dim),
         }
     }
 
     fn cases(&self) -> Vec<Case> {
         let custom = [self.batch, self.heads, self.heads_kv, self.seqlen, self.seqlen_k, self.head_dim];
-        if custom.iter().all(Option::is_none) {
+        if custom.iter().all(Option::is_none) && self.causal == CausalArg::None {
             return vec![
-                Case { name: "ViT-B/16".into(), shape: mha(8, 12, 197, 64) },
-                Case { name: "long".into(), shape: mha(1, 12, 4096, 64) },
+                Case { name: "ViT-B/16".into(), shape: mha(8, 12, 197, 64), causal: Causal::None },
+                Case { name: "long".into(), shape: mha(1, 12, 4096, 64), causal: Causal::None },
+                Case { name: "long, causal".into(), shape: mha(1, 12, 4096, 64), causal: Causal::TopLeft },
             ];
         }
         let heads = self.heads.unwrap_or(12);
@@ -97,7 +125,11 @@ impl Args {
             seqlen_k: self.seqlen_k.unwrap_or(seqlen),
             head_dim: self.head_dim.unwrap_or(64),
         };
-        vec![Case { name: "custom".into(), shape }]
+        let name = match self.causal {
+            CausalArg::None => "custom".to_string(),
+            causal => format!("custom, {causal:?}"),
+        };
+        vec![Case { name, shape, causal: self.causal.into() }]
     }
 }
 
@@ -129,7 +161,9 @@ fn run(args: &Args) -> Result<()> {
     for case in &cases {
         let shape = case.shape;
         AttentionShape::from_qkv(&shape.q_shape(), &shape.kv_shape(), &shape.kv_shape())?;
-        args.tile(shape.head_dim).compiled_entry(shape.head_dim)?;
+        for (kernel, backward) in [(crate::FlashKernel::Forward, false), (crate::FlashKernel::Backward, true)] {
+            args.tile(shape.head_dim, backward).compiled_entry(kernel, shape.head_dim)?;
+        }
     }
     let ctx = match Context::new(args.device) {
         Ok(ctx) => ctx,
@@ -148,89 +182,190 @@ fn run(args: &Args) -> Result<()> {
         "TFLOP/s",
         "extra memory",
         "heads checked",
-        "max |ΔO|",
-        "max |ΔLSE|",
-        "rel L2 (O)",
+        "rel L2 error vs CPU (f64)",
     ]);
     for case in &cases {
         run_case(&ctx, args, case, &mut table)?;
     }
     println!("{table}");
     println!(
-        "time: median of {} runs after {} warm-up runs (CUDA events); TFLOP/s counts 4·B·Hq·Sq·Sk·D; \
-         extra memory: device memory beyond Q, K, V and O; errors against a float64 CPU reference",
+        "time: median of {} runs after {} warm-up runs (CUDA events); TFLOP/s counts the forward as \
+         4·B·Hq·Sq·Sk·D (half with a causal mask) and the backward as 2.5× that; extra memory: \
+         device memory beyond the inputs and outputs",
         args.repeats, args.warmup
     );
     Ok(())
 }
 
+/// The inputs of a case on the host and on the device.
+struct Inputs {
+    host: [Vec<f32>; 4], // q, k, v, dO
+    device: [DeviceTensor; 4],
+}
+
+impl Inputs {
+    fn new(ctx: &Context, shape: &AttentionShape) -> Result<Self> {
+        let shapes = [shape.q_shape(), shape.kv_shape(), shape.kv_shape(), shape.q_shape()];
+        let host: [Vec<f32>; 4] = std::array::from_fn(|i| random_normal(shapes[i].iter().product(), i as u64 + 1));
+        let device = [
+            ctx.upload(&host[0], &shapes[0])?,
+            ctx.upload(&host[1], &shapes[1])?,
+            ctx.upload(&host[2], &shapes[2])?,
+            ctx.upload(&host[3], &shapes[3])?,
+        ];
+        Ok(Self { host, device })
+    }
+}
+
+/// The part of a problem the CPU checks: batch 0, key/value head 0 and the query heads of its
+/// group, unless the whole problem is cheap enough.
+struct CheckedPart {
+    shape: AttentionShape,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    d_o: Vec<f32>,
+}
+
+/// Forward flops below which the CPU checks the whole problem.
+const FULL_CHECK_FLOPS: f64 = 2e9;
+
+impl CheckedPart {
+    fn new(inputs: &Inputs, shape: &AttentionShape) -> Self {
+        let [q, k, v, d_o] = &inputs.host;
+        if shape.forward_flops() <= FULL_CHECK_FLOPS {
+            return Self { shape: *shape, q: q.clone(), k: k.clone(), v: v.clone(), d_o: d_o.clone() };
+        }
+        let part = AttentionShape { batch: 1, num_heads_q: shape.group_size(), num_heads_kv: 1, ..*shape };
+        let (q_len, kv_len) = (part.query_rows() * shape.head_dim, shape.seqlen_k * shape.head_dim);
+        // Batch 0 and kv head 0 are the first rows of every tensor.
+        Self {
+            shape: part,
+            q: q[..q_len].to_vec(),
+            k: k[..kv_len].to_vec(),
+            v: v[..kv_len].to_vec(),
+            d_o: d_o[..q_len].to_vec(),
+        }
+    }
+
+    /// The checked part of a Q-shaped (`q_like`) or K-shaped tensor: its first elements.
+    fn slice<'a>(&self, values: &'a [f32], q_like: bool) -> &'a [f32] {
+        let rows = if q_like {
+            self.shape.query_rows()
+        } else {
+            self.shape.batch * self.shape.num_heads_kv * self.shape.seqlen_k
+        };
+        &values[..rows * self.shape.head_dim]
+    }
+}
+
 fn run_case(ctx: &Context, args: &Args, case: &Case, table: &mut Table) -> Result<()> {
     let shape = case.shape;
-    let options = AttentionOptions { scale: args.scale };
-    let tile = args.tile(shape.head_dim);
-    let (q_shape, kv_shape) = (shape.q_shape(), shape.kv_shape());
-    let (q_len, kv_len) = (q_shape.iter().product(), kv_shape.iter().product());
-    let (q_host, k_host, v_host) = (random_normal(q_len, 1), random_normal(kv_len, 2), random_normal(kv_len, 3));
-    let q = ctx.upload(&q_host, &q_shape)?;
-    let k = ctx.upload(&k_host, &kv_shape)?;
-    let v = ctx.upload(&v_host, &kv_shape)?;
-
-    // Which heads to check on the CPU: all of them if that is quick, otherwise the first few.
-    let cpu_cost = shape.forward_flops();
-    let heads: Vec<(usize, usize)> = (0..shape.batch)
-        .flat_map(|b| (0..shape.num_heads_q).map(move |h| (b, h)))
-        .take(if cpu_cost < 2e9 { usize::MAX } else { args.check_heads.max(1) })
-        .collect();
-    let scale = options.scale_for(shape.head_dim) as f64;
-    let references: Vec<cpu::Reference> =
-        heads.iter().map(|&(b, h)| cpu::attention_head(&q_host, &k_host, &v_host, &shape, scale, b, h)).collect();
+    let options = AttentionOptions { scale: args.scale, causal: case.causal };
+    let (tile, backward_tile) = (args.tile(shape.head_dim, false), args.tile(shape.head_dim, true));
+    let inputs = Inputs::new(ctx, &shape)?;
+    let [q, k, v, d_o] = &inputs.device;
+    let part = CheckedPart::new(&inputs, &shape);
+    let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: case.causal };
+    let forward_ref = cpu::attention(&part.q, &part.k, &part.v, &part.shape, params);
+    let backward_ref = cpu::attention_backward(&part.q, &part.k, &part.v, &part.d_o, &part.shape, params);
 
     let label = format!("{} {}", case.name, dims(&shape));
-    let naive_extra = shape.naive_workspace_bytes() + shape.lse_bytes();
-    let kernels: [(String, usize, Launch); 2] = [
-        ("naive".into(), naive_extra, Box::new(|| ctx.attention_naive(&q, &k, &v, &options))),
-        (
-            format!("flash (m{}, n{})", tile.block_m, tile.block_n),
-            shape.lse_bytes(),
-            Box::new(|| ctx.flash_attention_forward(&q, &k, &v, &options, tile)),
-        ),
-    ];
-    for (name, extra, kernel) in kernels {
-        let row = kernel().and_then(|out| {
-            let timing = time_gpu(ctx, args.warmup, args.repeats, || kernel().map(drop))?;
-            let (o, lse) = (out.o.to_host()?, out.lse.to_host()?);
-            Ok((timing, o, lse))
-        });
-        match row {
-            Ok((timing, o, lse)) => {
-                let (mut err_o, mut err_lse, mut rel) = (0.0f64, 0.0f64, 0.0f64);
-                for (&(b, h), reference) in heads.iter().zip(&references) {
-                    let o_head = &o[shape.q_head_offset(b, h)..][..shape.seqlen_q * shape.head_dim];
-                    let lse_head = &lse[shape.q_head_offset(b, h) / shape.head_dim..][..shape.seqlen_q];
-                    err_o = err_o.max(max_abs_error(o_head, &reference.o));
-                    err_lse = err_lse.max(max_abs_error(lse_head, &reference.lse));
-                    rel = rel.max(relative_l2_error(o_head, &reference.o));
-                }
-                table.add_row([
-                    label.clone(),
-                    name,
-                    format!("{:.3}", timing.median_ms),
-                    format!("{:.2}", tflops(shape.forward_flops(), timing.median_ms)),
+    let checked = format!("{}/{}", part.shape.batch * part.shape.num_heads_q, shape.batch * shape.num_heads_q);
+    let flops = options.forward_flops(&shape);
+    let score_bytes = shape.naive_workspace_bytes();
+    let row_bytes = shape.lse_bytes(); // one f32 per query row (LSE, or D in the backward)
+    let mut add_row = |kernel: &str, backward: bool, extra: usize, result: Result<(f64, String)>| {
+        let row = match result {
+            Ok((ms, errors)) => {
+                let tf = tflops(if backward { 2.5 * flops } else { flops }, ms);
+                [
+                    kernel.to_string(),
+                    format!("{ms:.3}"),
+                    format!("{tf:.2}"),
                     format_bytes(extra),
-                    format!("{}/{}", heads.len(), shape.batch * shape.num_heads_q),
-                    format!("{err_o:.2e}"),
-                    format!("{err_lse:.2e}"),
-                    format!("{rel:.2e}"),
-                ]);
+                    checked.clone(),
+                    errors,
+                ]
             }
             // A kernel that cannot run (e.g. naive out of memory at long sequences) gets a row
             // saying why; the other kernels still run.
-            Err(e) => {
-                table.add_row([label.clone(), name, format!("failed: {e}"), String::new(), format_bytes(extra)]);
-            }
-        }
+            Err(e) => [
+                kernel.to_string(),
+                format!("failed: {e}"),
+                String::new(),
+                format_bytes(extra),
+                String::new(),
+                String::new(),
+            ],
+        };
+        table.add_row(std::iter::once(label.clone()).chain(row));
+    };
+    let forward_errors = |o: &DeviceTensor, lse: &DeviceTensor| -> Result<String> {
+        let (o, lse) = (o.to_host()?, lse.to_host()?);
+        let o_err = relative_l2_error(part.slice(&o, true), &forward_ref.o);
+        let lse_err = lse_error(&lse[..part.shape.query_rows()], &forward_ref.lse);
+        Ok(format!("O {o_err:.1e}, LSE {lse_err:.1e}"))
+    };
+    let backward_errors = |g: &crate::Gradients| -> Result<String> {
+        let (dq, dk, dv) = (g.dq.to_host()?, g.dk.to_host()?, g.dv.to_host()?);
+        Ok(format!(
+            "dQ {:.1e}, dK {:.1e}, dV {:.1e}",
+            relative_l2_error(part.slice(&dq, true), &backward_ref.dq),
+            relative_l2_error(part.slice(&dk, false), &backward_ref.dk),
+            relative_l2_error(part.slice(&dv, false), &backward_ref.dv)
+        ))
+    };
+    let time = |work: &dyn Fn() -> Result<()>| time_gpu(ctx, args.warmup, args.repeats, work).map(|t| t.median_ms);
+
+    // Forward, then backward from that forward's outputs.
+    let naive = ctx.attention_naive(q, k, v, &options);
+    add_row(
+        "naive forward",
+        false,
+        score_bytes + row_bytes,
+        naive.as_ref().map_err(clone_error).and_then(|out| {
+            Ok((time(&|| ctx.attention_naive(q, k, v, &options).map(drop))?, forward_errors(&out.o, &out.lse)?))
+        }),
+    );
+    let flash = ctx.flash_attention_forward(q, k, v, &options, tile)?;
+    let flash_name = format!("flash forward (m{}, n{})", tile.block_m, tile.block_n);
+    add_row(
+        &flash_name,
+        false,
+        row_bytes,
+        time(&|| ctx.flash_attention_forward(q, k, v, &options, tile).map(drop))
+            .and_then(|ms| Ok((ms, forward_errors(&flash.o, &flash.lse)?))),
+    );
+    add_row(
+        "naive backward",
+        true,
+        score_bytes + 2 * row_bytes,
+        naive.as_ref().map_err(clone_error).and_then(|out| {
+            let grads = ctx.attention_naive_backward(q, k, v, &out.o, d_o, &options)?;
+            Ok((
+                time(&|| ctx.attention_naive_backward(q, k, v, &out.o, d_o, &options).map(drop))?,
+                backward_errors(&grads)?,
+            ))
+        }),
+    );
+    for (mode, name) in [(DqAccumulation::Atomic, "atomic dQ"), (DqAccumulation::Deterministic, "deterministic")] {
+        let backward =
+            || ctx.flash_attention_backward(q, k, v, &flash.o, &flash.lse, d_o, &options, backward_tile, mode);
+        add_row(
+            &format!("flash backward, {name} (m{}, n{})", backward_tile.block_m, backward_tile.block_n),
+            true,
+            row_bytes,
+            backward().and_then(|grads| Ok((time(&|| backward().map(drop))?, backward_errors(&grads)?))),
+        );
     }
     Ok(())
+}
+
+/// Errors are not `Clone` (the driver error inside is not); a failed naive forward is reported
+/// in its rows by message.
+fn clone_error(e: &Error) -> Error {
+    Error::Shape(format!("the naive forward failed: {e}"))
 }
 
 /// Forward flops above which a case is too slow for the CPU-only fallback (a few seconds).
@@ -258,13 +393,16 @@ fn run_cpu_only(args: &Args, cases: &[Case]) -> Result<()> {
         let q = random_normal(q_shape.iter().product(), 1);
         let k = random_normal(kv_shape.iter().product(), 2);
         let v = random_normal(kv_shape.iter().product(), 3);
-        let scale = AttentionOptions { scale: args.scale }.scale_for(shape.head_dim) as f64;
-        let tile = args.tile(shape.head_dim);
+        let params = cpu::Params {
+            scale: AttentionOptions { scale: args.scale, causal: case.causal }.scale_for(shape.head_dim) as f64,
+            causal: case.causal,
+        };
+        let tile = args.tile(shape.head_dim, false);
         let start = Instant::now();
-        let plain = cpu::attention(&q, &k, &v, &shape, scale);
+        let plain = cpu::attention(&q, &k, &v, &shape, params);
         let plain_ms = start.elapsed().as_secs_f64() * 1e3;
         let start = Instant::now();
-        let tiled = cpu::flash_attention(&q, &k, &v, &shape, scale, tile);
+        let tiled = cpu::flash_attention(&q, &k, &v, &shape, params, tile);
         let tiled_ms = start.elapsed().as_secs_f64() * 1e3;
         let diff = plain.o.iter().zip(&tiled.o).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
         let label = format!(

@@ -181,7 +181,7 @@ macro_rules! scalar_kernel_arg {
         }
     )*};
 }
-scalar_kernel_arg!(f32, usize);
+scalar_kernel_arg!(f32, usize, isize);
 
 impl KernelArg for cudarc::driver::CudaSlice<f32> {
     fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) {

@@ -1,11 +1,12 @@
 //! CPU references (rayon, `f64` accumulation): the ground truth the GPU kernels are tested
 //! against, and, in [`flash_attention`], the FlashAttention algorithm without any GPU detail.
 //!
-//! Inputs are `f32` tensors in the layouts of [`AttentionShape`]; outputs are `f64`.
+//! Inputs are `f32` tensors in the layouts of [`AttentionShape`]; outputs are `f64`. Masks follow
+//! [`Causal::visible`]; a query row that sees no key gets O = 0, LSE = −∞ and no gradient.
 
 use rayon::prelude::*;
 
-use crate::problem::{AttentionShape, TileConfig};
+use crate::problem::{AttentionShape, Causal, TileConfig};
 
 /// C = A + B elementwise. Panics if the lengths differ (a caller bug in test code).
 pub fn vector_add(a: &[f32], b: &[f32]) -> Vec<f64> {
@@ -19,8 +20,28 @@ pub fn vector_add(a: &[f32], b: &[f32]) -> Vec<f64> {
 pub struct Reference {
     /// O, row-major, the shape of Q.
     pub o: Vec<f64>,
-    /// ln Σ_j exp(scale · q·k_j) per query row.
+    /// ln Σ_j exp(scale · q·k_j) over the visible keys, per query row; −∞ if it sees none.
     pub lse: Vec<f64>,
+}
+
+/// Gradients in `f64`, in the shapes of Q, K and V.
+#[derive(Clone, Debug)]
+pub struct GradientReference {
+    /// ∂loss/∂Q.
+    pub dq: Vec<f64>,
+    /// ∂loss/∂K, summed over the query heads of each group.
+    pub dk: Vec<f64>,
+    /// ∂loss/∂V, summed over the query heads of each group.
+    pub dv: Vec<f64>,
+}
+
+/// The scale and mask of a problem, as the reference functions take them.
+#[derive(Clone, Copy, Debug)]
+pub struct Params {
+    /// Multiplies Q Kᵀ before the softmax.
+    pub scale: f64,
+    /// Causal mask.
+    pub causal: Causal,
 }
 
 /// One head's view of the inputs: its Q rows and its (shared, under GQA) K and V rows.
@@ -40,25 +61,40 @@ fn dot(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
 }
 
-/// The plain formula for one query row: s_j = scale · q·k_j, p = softmax(s), o = Σ_j p_j v_j.
-/// Writes o into `o_row` and returns the logsumexp ln Σ_j exp(s_j).
-fn plain_row(q_row: &[f32], head: &Head, shape: &AttentionShape, scale: f64, o_row: &mut [f64]) -> f64 {
+/// Softmax probabilities of query row `i` over all keys (0 for hidden ones) and its LSE.
+fn probabilities(q_row: &[f32], i: usize, head: &Head, shape: &AttentionShape, params: Params) -> (Vec<f64>, f64) {
     let d = shape.head_dim;
-    let scores: Vec<f64> = head.k.chunks_exact(d).map(|k_row| scale * dot(q_row, k_row)).collect();
-    let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-    let sum: f64 = weights.iter().sum();
-    o_row.fill(0.0);
-    for (w, v_row) in weights.iter().zip(head.v.chunks_exact(d)) {
-        for (o, &x) in o_row.iter_mut().zip(v_row) {
-            *o += w / sum * x as f64;
-        }
+    let scores: Vec<Option<f64>> = head
+        .k
+        .chunks_exact(d)
+        .enumerate()
+        .map(|(j, k_row)| {
+            params.causal.visible(i, j, shape.seqlen_q, shape.seqlen_k).then(|| params.scale * dot(q_row, k_row))
+        })
+        .collect();
+    let max = scores.iter().flatten().copied().fold(f64::NEG_INFINITY, f64::max);
+    if max == f64::NEG_INFINITY {
+        return (vec![0.0; scores.len()], f64::NEG_INFINITY);
     }
-    max + sum.ln()
+    let sum: f64 = scores.iter().flatten().map(|s| (s - max).exp()).sum();
+    (scores.iter().map(|s| s.map_or(0.0, |s| (s - max).exp() / sum)).collect(), max + sum.ln())
 }
 
-/// Attention by the plain formula, O = softmax(Q Kᵀ · scale) V, every head (rows in parallel).
-pub fn attention(q: &[f32], k: &[f32], v: &[f32], shape: &AttentionShape, scale: f64) -> Reference {
+/// The plain formula for query row `i`: o = Σ_j p_j v_j; returns the LSE.
+fn plain_row(q_row: &[f32], i: usize, head: &Head, shape: &AttentionShape, params: Params, o_row: &mut [f64]) -> f64 {
+    let (p, lse) = probabilities(q_row, i, head, shape, params);
+    o_row.fill(0.0);
+    for (p_j, v_row) in p.iter().zip(head.v.chunks_exact(shape.head_dim)) {
+        for (o, &x) in o_row.iter_mut().zip(v_row) {
+            *o += p_j * x as f64;
+        }
+    }
+    lse
+}
+
+/// Attention by the plain formula, O = softmax(mask(Q Kᵀ · scale)) V, every head (rows in
+/// parallel).
+pub fn attention(q: &[f32], k: &[f32], v: &[f32], shape: &AttentionShape, params: Params) -> Reference {
     let d = shape.head_dim;
     let mut o = vec![0.0; shape.query_rows() * d];
     let mut lse = vec![0.0; shape.query_rows()];
@@ -67,7 +103,7 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], shape: &AttentionShape, scale:
         let (b, h) = (head_index / shape.num_heads_q, head_index % shape.num_heads_q);
         let head = head(q, k, v, shape, b, h);
         let i = row % shape.seqlen_q;
-        *lse_row = plain_row(&head.q[i * d..(i + 1) * d], &head, shape, scale, o_row);
+        *lse_row = plain_row(&head.q[i * d..(i + 1) * d], i, &head, shape, params, o_row);
     });
     Reference { o, lse }
 }
@@ -79,7 +115,7 @@ pub fn attention_head(
     k: &[f32],
     v: &[f32],
     shape: &AttentionShape,
-    scale: f64,
+    params: Params,
     b: usize,
     h: usize,
 ) -> Reference {
@@ -87,10 +123,83 @@ pub fn attention_head(
     let head = head(q, k, v, shape, b, h);
     let mut o = vec![0.0; shape.seqlen_q * d];
     let mut lse = vec![0.0; shape.seqlen_q];
-    o.par_chunks_mut(d).zip(lse.par_iter_mut()).zip(head.q.par_chunks(d)).for_each(|((o_row, lse_row), q_row)| {
-        *lse_row = plain_row(q_row, &head, shape, scale, o_row);
-    });
+    o.par_chunks_mut(d).zip(lse.par_iter_mut()).zip(head.q.par_chunks(d)).enumerate().for_each(
+        |(i, ((o_row, lse_row), q_row))| {
+            *lse_row = plain_row(q_row, i, &head, shape, params, o_row);
+        },
+    );
     Reference { o, lse }
+}
+
+/// The gradients of `loss = Σ O ∘ dO` by the plain formula (FlashAttention paper, Algorithm 3):
+/// with P the masked softmax,
+///
+/// ```text
+/// dV = Pᵀ dO    dP = dO Vᵀ    D_i = Σ_j P_ij dP_ij    dS = P ∘ (dP − D)
+/// dQ = scale · dS K           dK = scale · dSᵀ Q
+/// ```
+///
+/// summed over the query heads of each group for dK and dV. Key/value heads in parallel.
+pub fn attention_backward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    d_o: &[f32],
+    shape: &AttentionShape,
+    params: Params,
+) -> GradientReference {
+    let d = shape.head_dim;
+    let mut dq = vec![0.0; q.len()];
+    let mut dk = vec![0.0; k.len()];
+    let mut dv = vec![0.0; v.len()];
+    let group = shape.group_size();
+    // Chunks: dQ of the `group` query heads of one key/value head, and that head's dK and dV.
+    dq.par_chunks_mut(group * shape.seqlen_q * d)
+        .zip(dk.par_chunks_mut(shape.seqlen_k * d))
+        .zip(dv.par_chunks_mut(shape.seqlen_k * d))
+        .enumerate()
+        .for_each(|(kv_index, ((dq_group, dk_head), dv_head))| {
+            let (b, kv_head) = (kv_index / shape.num_heads_kv, kv_index % shape.num_heads_kv);
+            for (g, dq_head) in dq_group.chunks_mut(shape.seqlen_q * d).enumerate() {
+                let h = kv_head * group + g;
+                let head = head(q, k, v, shape, b, h);
+                let do_head = &d_o[shape.q_head_offset(b, h)..][..shape.seqlen_q * d];
+                backward_head(&head, do_head, shape, params, dq_head, dk_head, dv_head);
+            }
+        });
+    GradientReference { dq, dk, dv }
+}
+
+/// One query head's contribution: writes its dQ, adds to its key/value head's dK and dV.
+fn backward_head(
+    head: &Head,
+    do_head: &[f32],
+    shape: &AttentionShape,
+    params: Params,
+    dq: &mut [f64],
+    dk: &mut [f64],
+    dv: &mut [f64],
+) {
+    let d = shape.head_dim;
+    for (i, (q_row, do_row)) in head.q.chunks_exact(d).zip(do_head.chunks_exact(d)).enumerate() {
+        let (p, _) = probabilities(q_row, i, head, shape, params);
+        let dp: Vec<f64> = head.v.chunks_exact(d).map(|v_row| dot(do_row, v_row)).collect();
+        let delta: f64 = p.iter().zip(&dp).map(|(p, dp)| p * dp).sum();
+        let dq_row = &mut dq[i * d..(i + 1) * d];
+        for j in 0..shape.seqlen_k {
+            if p[j] == 0.0 {
+                continue;
+            }
+            let ds = p[j] * (dp[j] - delta);
+            let (k_row, dk_row, dv_row) =
+                (&head.k[j * d..(j + 1) * d], &mut dk[j * d..(j + 1) * d], &mut dv[j * d..(j + 1) * d]);
+            for c in 0..d {
+                dq_row[c] += params.scale * ds * k_row[c] as f64;
+                dk_row[c] += params.scale * ds * q_row[c] as f64;
+                dv_row[c] += p[j] * do_row[c] as f64;
+            }
+        }
+    }
 }
 
 /// FlashAttention-2's forward algorithm (Dao 2023, Algorithm 1) on the CPU, in `f64`: the same
@@ -98,7 +207,7 @@ pub fn attention_head(
 ///
 /// For each block of `tile.block_m` query rows, key/value tiles of `tile.block_n` rows are
 /// visited in order; per row the running maximum `m`, the running sum `l` of exp(s − m) and
-/// the unnormalised output `acc` are updated:
+/// the unnormalised output `acc` are updated over the visible keys:
 ///
 /// ```text
 /// m_new = max(m, max_j s_j)
@@ -106,13 +215,14 @@ pub fn attention_head(
 /// l     = l   · exp(m − m_new) + Σ_j exp(s_j − m_new)
 /// ```
 ///
-/// and at the end O = acc / l, LSE = m + ln l. The result equals [`attention`] up to rounding.
+/// and at the end O = acc / l, LSE = m + ln l (O = 0, LSE = −∞ for a row that saw no key). The
+/// result equals [`attention`] up to rounding.
 pub fn flash_attention(
     q: &[f32],
     k: &[f32],
     v: &[f32],
     shape: &AttentionShape,
-    scale: f64,
+    params: Params,
     tile: TileConfig,
 ) -> Reference {
     let d = shape.head_dim;
@@ -126,8 +236,9 @@ pub fn flash_attention(
             let head = head(q, k, v, shape, b, h);
             o_head.par_chunks_mut(tile.block_m * d).zip(lse_head.par_chunks_mut(tile.block_m)).enumerate().for_each(
                 |(block, (o_block, lse_block))| {
-                    let q_block = &head.q[block * tile.block_m * d..][..o_block.len()];
-                    flash_block(q_block, &head, shape, scale, tile.block_n, o_block, lse_block);
+                    let first_row = block * tile.block_m;
+                    let q_block = &head.q[first_row * d..][..o_block.len()];
+                    flash_block(q_block, first_row, &head, shape, params, tile.block_n, o_block, lse_block);
                 },
             );
         },
@@ -135,12 +246,15 @@ pub fn flash_attention(
     Reference { o, lse }
 }
 
-/// One block of query rows against all key/value tiles; see [`flash_attention`].
+/// One block of query rows (the first is query `first_row`) against all key/value tiles; see
+/// [`flash_attention`].
+#[allow(clippy::too_many_arguments)]
 fn flash_block(
     q_block: &[f32],
+    first_row: usize,
     head: &Head,
     shape: &AttentionShape,
-    scale: f64,
+    params: Params,
     block_n: usize,
     o_block: &mut [f64],
     lse_block: &mut [f64],
@@ -151,16 +265,27 @@ fn flash_block(
     let mut l = vec![0.0f64; rows];
     let acc = o_block; // unnormalised output until the end
     acc.fill(0.0);
-    for (k_tile, v_tile) in head.k.chunks(block_n * d).zip(head.v.chunks(block_n * d)) {
+    for (tile_index, (k_tile, v_tile)) in head.k.chunks(block_n * d).zip(head.v.chunks(block_n * d)).enumerate() {
         for i in 0..rows {
             let q_row = &q_block[i * d..(i + 1) * d];
-            let s: Vec<f64> = k_tile.chunks_exact(d).map(|k_row| scale * dot(q_row, k_row)).collect();
-            let m_new = s.iter().copied().fold(m[i], f64::max);
+            let visible = |j: usize| {
+                params.causal.visible(first_row + i, tile_index * block_n + j, shape.seqlen_q, shape.seqlen_k)
+            };
+            let s: Vec<Option<f64>> = k_tile
+                .chunks_exact(d)
+                .enumerate()
+                .map(|(j, k_row)| visible(j).then(|| params.scale * dot(q_row, k_row)))
+                .collect();
+            let m_new = s.iter().flatten().copied().fold(m[i], f64::max);
+            if m_new == f64::NEG_INFINITY {
+                continue; // nothing visible yet: no maximum to measure from
+            }
             let alpha = (m[i] - m_new).exp();
             let acc_row = &mut acc[i * d..(i + 1) * d];
             acc_row.iter_mut().for_each(|x| *x *= alpha);
             l[i] *= alpha;
             for (s_j, v_row) in s.iter().zip(v_tile.chunks_exact(d)) {
+                let Some(s_j) = s_j else { continue };
                 let p = (s_j - m_new).exp();
                 l[i] += p;
                 for (a, &x) in acc_row.iter_mut().zip(v_row) {
@@ -171,7 +296,11 @@ fn flash_block(
         }
     }
     for i in 0..rows {
-        acc[i * d..(i + 1) * d].iter_mut().for_each(|x| *x /= l[i]);
-        lse_block[i] = m[i] + l[i].ln();
+        if l[i] > 0.0 {
+            acc[i * d..(i + 1) * d].iter_mut().for_each(|x| *x /= l[i]);
+            lse_block[i] = m[i] + l[i].ln();
+        } else {
+            lse_block[i] = f64::NEG_INFINITY;
+        }
     }
 }

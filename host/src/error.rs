@@ -46,17 +46,19 @@ pub enum Error {
 
     /// No kernel was compiled for this tile shape and head dimension.
     #[error(
-        "no flash forward kernel for block_m={block_m}, block_n={block_n}, head_dim={head_dim}; \
+        "no flash {kernel} kernel for block_m={block_m}, block_n={block_n}, head_dim={head_dim}; \
          compiled: {allowed}"
     )]
-    TileNotCompiled { block_m: usize, block_n: usize, head_dim: usize, allowed: String },
+    TileNotCompiled { kernel: String, block_m: usize, block_n: usize, head_dim: usize, allowed: String },
 
     /// The tile needs more shared memory per block than the device has.
     #[error(
-        "tile block_m={block_m}, block_n={block_n} at head_dim={head_dim} needs {needed} bytes of \
-         shared memory per block; {device} allows {available}; tiles that fit: {fitting}"
+        "the flash {kernel} kernel with block_m={block_m}, block_n={block_n} at head_dim={head_dim} \
+         needs {needed} bytes of shared memory per block; {device} allows {available}; tiles that \
+         fit: {fitting}"
     )]
     SharedMemory {
+        kernel: String,
         block_m: usize,
         block_n: usize,
         head_dim: usize,

@@ -25,9 +25,10 @@
 //! |---|---|
 //! | [`Context`] | one device, its stream, the loaded kernels; [`DeviceInfo`] |
 //! | [`DeviceTensor`] | an `f32` buffer in device memory with its shape |
-//! | [`Context::vector_add`], [`Context::attention_naive`], [`Context::flash_attention_forward`] | the operations |
-//! | [`AttentionShape`], [`AttentionOptions`], [`TileConfig`] | the problem, its options, the tile sizes |
-//! | [`cpu`] | rayon references in `f64`: the plain formula and a tiled FlashAttention |
+//! | [`Context::vector_add`], [`Context::attention_naive`], [`Context::flash_attention_forward`] | the forward operations |
+//! | [`Context::attention_naive_backward`], [`Context::flash_attention_backward`] | the backward operations ([`Gradients`], [`DqAccumulation`]) |
+//! | [`AttentionShape`], [`AttentionOptions`], [`Causal`], [`TileConfig`] | the problem, its options and mask, the tile sizes |
+//! | [`cpu`] | rayon references in `f64`: the plain formula (forward and backward) and a tiled FlashAttention |
 //! | [`check`], [`timing`] | error metrics and seeded inputs; CUDA-event timing |
 //! | [`Error`] | every failure, typed; no function here panics on bad input |
 
@@ -50,6 +51,7 @@ pub mod timing;
 
 pub use context::{Context, DeviceInfo};
 pub use error::{Error, Result};
-pub use ops::AttentionOutput;
-pub use problem::{AttentionOptions, AttentionShape, TileConfig};
+pub use kernels::FlashKernel;
+pub use ops::{AttentionOutput, DqAccumulation, Gradients};
+pub use problem::{AttentionOptions, AttentionShape, Causal, TileConfig};
 pub use tensor::DeviceTensor;

@@ -3,8 +3,8 @@
 use cudarc::driver::LaunchConfig;
 
 use crate::context::{Context, KernelArg};
-use crate::error::{Error, Result};
-use crate::kernels::entry;
+use crate::error::{During, Error, Result};
+use crate::kernels::{FlashKernel, entry};
 use crate::layout::{ELEMENTWISE_THREADS, FLASH_THREADS, SOFTMAX_ROWS_PER_BLOCK, SOFTMAX_THREADS};
 use crate::problem::{AttentionOptions, AttentionShape, TileConfig, check_flash_grid};
 use crate::tensor::DeviceTensor;
@@ -14,9 +14,35 @@ use crate::tensor::DeviceTensor;
 pub struct AttentionOutput {
     /// O, `[batch, num_heads_q, seqlen_q, head_dim]`.
     pub o: DeviceTensor,
-    /// Natural-log logsumexp of each score row, LSE = ln Σ_j exp(scale · q·k_j),
-    /// `[batch, num_heads_q, seqlen_q]`; what the backward pass needs to recompute P.
+    /// Natural-log logsumexp of each score row, LSE = ln Σ_j exp(scale · q·k_j) over the keys
+    /// the row sees (−∞ for a row that sees none), `[batch, num_heads_q, seqlen_q]`; what the
+    /// backward pass needs to recompute P.
     pub lse: DeviceTensor,
+}
+
+/// The gradients of a loss with respect to the attention inputs.
+#[derive(Debug)]
+pub struct Gradients {
+    /// ∂loss/∂Q, Q's shape `[batch, num_heads_q, seqlen_q, head_dim]`.
+    pub dq: DeviceTensor,
+    /// ∂loss/∂K, K's shape `[batch, num_heads_kv, seqlen_k, head_dim]` (summed over the query heads
+    /// of each group under grouped-query attention).
+    pub dk: DeviceTensor,
+    /// ∂loss/∂V, V's shape.
+    pub dv: DeviceTensor,
+}
+
+/// How the FlashAttention backward pass accumulates dQ.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum DqAccumulation {
+    /// The K/V-outer kernel adds each key tile's share of dQ to device memory with atomic adds:
+    /// one kernel, fastest, but the additions land in a different order on every run, so the
+    /// last bits of dQ can differ between runs (dK and dV never do).
+    #[default]
+    Atomic,
+    /// A second kernel, outer loop over query tiles, recomputes P and dS and sums dQ in a fixed
+    /// order: bit-identical results on every run, at the cost of recomputing the tiles.
+    Deterministic,
 }
 
 /// Blocks for a grid-stride loop over `work` items at `per_block` items per block: enough to
@@ -28,6 +54,41 @@ fn grid_stride_blocks(ctx: &Context, work: usize, per_block: usize) -> u32 {
 
 fn one_dim(blocks: u32, threads: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads as u32, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// The problem as kernel arguments, in the kernels' order: the shape's six integers, then (with a
+/// mask) the mask flag and diagonal offset.
+struct ProblemArgs {
+    shape: [usize; 6],
+    causal: usize,
+    causal_offset: isize,
+}
+
+impl ProblemArgs {
+    fn new(shape: &AttentionShape, options: &AttentionOptions) -> Self {
+        let (causal, causal_offset) = options.causal.kernel_args(shape);
+        let s = shape;
+        Self {
+            shape: [s.batch, s.num_heads_q, s.num_heads_kv, s.seqlen_q, s.seqlen_k, s.head_dim],
+            causal,
+            causal_offset,
+        }
+    }
+
+    /// `head`, the six shape integers, then `tail`.
+    fn with_shape<'a>(&'a self, head: &[&'a dyn KernelArg], tail: &[&'a dyn KernelArg]) -> Vec<&'a dyn KernelArg> {
+        let mut args = head.to_vec();
+        args.extend(self.shape.iter().map(|a| a as &dyn KernelArg));
+        args.extend_from_slice(tail);
+        args
+    }
+
+    /// `head`, the shape, the mask flag and offset, then `tail`.
+    fn with_mask<'a>(&'a self, head: &[&'a dyn KernelArg], tail: &[&'a dyn KernelArg]) -> Vec<&'a dyn KernelArg> {
+        let mut args = self.with_shape(head, &[&self.causal, &self.causal_offset]);
+        args.extend_from_slice(tail);
+        args
+    }
 }
 
 impl Context {
@@ -63,7 +124,8 @@ impl Context {
     /// Standard attention, O = softmax(Q Kᵀ · scale) V, with the `[batch, num_heads_q, seqlen_q,
     /// seqlen_k]` score matrix materialised in device memory (FlashAttention paper, Algorithm 0).
     /// Q is `[batch, num_heads_q, seqlen_q, head_dim]`, K and V are `[batch, num_heads_kv,
-    /// seqlen_k, head_dim]` (`num_heads_kv` divides `num_heads_q`); any head_dim.
+    /// seqlen_k, head_dim]` (`num_heads_kv` divides `num_heads_q`); any head_dim; causal masks as
+    /// in [`AttentionOptions`].
     ///
     /// Needs [`AttentionShape::naive_workspace_bytes`] of extra device memory for the duration of
     /// the call.
@@ -93,32 +155,47 @@ impl Context {
         out: &mut AttentionOutput,
         options: &AttentionOptions,
     ) -> Result<()> {
-        let shape = self.check_attention(q, k, v, out)?;
-        let scores = self.alloc_output(&[shape.batch, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k])?;
-        let rows = shape.query_rows();
-        let scale = options.scale_for(shape.head_dim);
-        let shape_args = shape_args(&shape);
-        // One block per query row; threads stride over the row's keys (scores) or its head_dim
-        // columns (P V).
-        let per_row = one_dim(grid_stride_blocks(self, rows, 1), ELEMENTWISE_THREADS);
-        let mut args: Vec<&dyn KernelArg> = vec![q.data(), k.data(), scores.data()];
-        args.extend(shape_args.iter().map(|a| a as &dyn KernelArg));
-        args.push(&scale);
-        self.launch(entry::NAIVE_SCORES_F32, per_row, &args)?;
-
-        let softmax = one_dim(grid_stride_blocks(self, rows, SOFTMAX_ROWS_PER_BLOCK), SOFTMAX_THREADS);
-        self.launch(entry::NAIVE_SOFTMAX_F32, softmax, &[scores.data(), out.lse.data(), &rows, &shape.seqlen_k])?;
-
+        let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
+        let scores = self.naive_probabilities(q, k, &out.lse, &shape, options)?;
+        let args = ProblemArgs::new(&shape, options);
         let pv_threads = shape.head_dim.next_multiple_of(32).min(ELEMENTWISE_THREADS);
-        let per_row = one_dim(grid_stride_blocks(self, rows, 1), pv_threads);
-        let mut args: Vec<&dyn KernelArg> = vec![scores.data(), v.data(), out.o.data()];
-        args.extend(shape_args.iter().map(|a| a as &dyn KernelArg));
-        self.launch(entry::NAIVE_PV_F32, per_row, &args)
+        let per_row = one_dim(grid_stride_blocks(self, shape.query_rows(), 1), pv_threads);
+        self.launch(
+            entry::NAIVE_PV_F32,
+            per_row,
+            &args.with_shape(&[scores.data(), v.data(), out.o.data()], &[&1.0f32]),
+        )
         // `scores` is freed here; the driver orders the free after the queued kernels.
     }
 
+    /// P = softmax(S) of the naive path in a new `[batch, heads, seqlen_q, seqlen_k]` buffer, and
+    /// its logsumexp into `lse`.
+    fn naive_probabilities(
+        &self,
+        q: &DeviceTensor,
+        k: &DeviceTensor,
+        lse: &DeviceTensor,
+        shape: &AttentionShape,
+        options: &AttentionOptions,
+    ) -> Result<DeviceTensor> {
+        let scores = self.alloc_output(&[shape.batch, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k])?;
+        let rows = shape.query_rows();
+        let scale = options.scale_for(shape.head_dim);
+        let args = ProblemArgs::new(shape, options);
+        // One block per query row; threads stride over the row's keys.
+        let per_row = one_dim(grid_stride_blocks(self, rows, 1), ELEMENTWISE_THREADS);
+        self.launch(
+            entry::NAIVE_SCORES_F32,
+            per_row,
+            &args.with_mask(&[q.data(), k.data(), scores.data()], &[&scale]),
+        )?;
+        let softmax = one_dim(grid_stride_blocks(self, rows, SOFTMAX_ROWS_PER_BLOCK), SOFTMAX_THREADS);
+        self.launch(entry::NAIVE_SOFTMAX_F32, softmax, &[scores.data(), lse.data(), &rows, &shape.seqlen_k])?;
+        Ok(scores)
+    }
+
     /// FlashAttention-2 forward pass (Dao 2023, Algorithm 1): O = softmax(Q Kᵀ · scale) V and the
-    /// logsumexp, without materialising the score matrix. Shapes as
+    /// logsumexp, without materialising the score matrix. Shapes and masks as
     /// [`Context::attention_naive`]; head_dim must have compiled kernels (32, 64, 128) and `tile`
     /// must be compiled and fit the device's shared memory ([`TileConfig::validate`]).
     ///
@@ -133,6 +210,7 @@ impl Context {
         tile: TileConfig,
     ) -> Result<AttentionOutput> {
         let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
+        // Validate before allocating, so a bad tile costs no device memory.
         tile.validate(shape.head_dim, self.device())?;
         let mut out = self.alloc_attention_output(&shape)?;
         self.flash_attention_forward_into(q, k, v, &mut out, options, tile)?;
@@ -149,25 +227,211 @@ impl Context {
         options: &AttentionOptions,
         tile: TileConfig,
     ) -> Result<()> {
-        let shape = self.check_attention(q, k, v, out)?;
+        let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
         let entry = tile.validate(shape.head_dim, self.device())?;
         check_flash_grid(&shape)?;
         let scale_log2 = options.scale_for(shape.head_dim) * std::f32::consts::LOG2_E;
-        let config = LaunchConfig {
-            grid_dim: (shape.seqlen_q.div_ceil(tile.block_m) as u32, shape.num_heads_q as u32, shape.batch as u32),
-            block_dim: (FLASH_THREADS as u32, 1, 1),
-            shared_mem_bytes: tile.shared_memory_bytes(shape.head_dim) as u32,
+        let config = flash_config(
+            shape.seqlen_q.div_ceil(tile.block_m),
+            shape.num_heads_q,
+            shape.batch,
+            tile.shared_memory_bytes(shape.head_dim),
+        );
+        let args = ProblemArgs::new(&shape, options);
+        let head: [&dyn KernelArg; 5] = [q.data(), k.data(), v.data(), out.o.data(), out.lse.data()];
+        self.launch(entry, config, &args.with_mask(&head, &[&scale_log2]))
+    }
+
+    /// FlashAttention-2 backward pass (Dao 2023, Algorithm 2): dQ, dK, dV from Q, K, V, the
+    /// forward's O and LSE, and dO = ∂loss/∂O, recomputing attention tiles on chip instead of
+    /// reading a stored score matrix. Shapes: O and dO as Q, LSE `[batch, num_heads_q,
+    /// seqlen_q]`; masks, scale and head_dim as [`Context::flash_attention_forward`], which must
+    /// have produced O and LSE with the same options. `dq` selects how dQ is summed
+    /// ([`DqAccumulation`]).
+    ///
+    /// Extra device memory: one `f32` per query row (D = rowsum(dO ∘ O)).
+    ///
+    /// # Errors
+    /// As [`Context::flash_attention_forward`]; the backward kernels need more shared memory per
+    /// tile than the forward one.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_attention_backward(
+        &self,
+        q: &DeviceTensor,
+        k: &DeviceTensor,
+        v: &DeviceTensor,
+        o: &DeviceTensor,
+        lse: &DeviceTensor,
+        d_o: &DeviceTensor,
+        options: &AttentionOptions,
+        tile: TileConfig,
+        dq: DqAccumulation,
+    ) -> Result<Gradients> {
+        let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
+        for &kernel in backward_kernels(dq) {
+            tile.validate_for(kernel, shape.head_dim, self.device())?;
+        }
+        let mut grads = self.alloc_gradients(&shape)?;
+        self.flash_attention_backward_into(q, k, v, o, lse, d_o, &mut grads, options, tile, dq)?;
+        Ok(grads)
+    }
+
+    /// [`Context::flash_attention_backward`] into existing gradient tensors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_attention_backward_into(
+        &self,
+        q: &DeviceTensor,
+        k: &DeviceTensor,
+        v: &DeviceTensor,
+        o: &DeviceTensor,
+        lse: &DeviceTensor,
+        d_o: &DeviceTensor,
+        grads: &mut Gradients,
+        options: &AttentionOptions,
+        tile: TileConfig,
+        dq: DqAccumulation,
+    ) -> Result<()> {
+        let shape = self.check_backward(q, k, v, o, lse, d_o, grads)?;
+        let entries: Vec<&'static str> = backward_kernels(dq)
+            .iter()
+            .map(|&kernel| tile.validate_for(kernel, shape.head_dim, self.device()))
+            .collect::<Result<_>>()?;
+        check_flash_grid(&shape)?;
+        if dq == DqAccumulation::Atomic {
+            // The kernel adds into dQ: start from zero.
+            self.stream().memset_zeros(grads.dq.data_mut()).during("zeroing dQ")?;
+        }
+        let delta = self.row_deltas(o, d_o, &shape)?;
+        let scale = options.scale_for(shape.head_dim);
+        let args = ProblemArgs::new(&shape, options);
+        let head: [&dyn KernelArg; 9] = [
+            q.data(),
+            k.data(),
+            v.data(),
+            d_o.data(),
+            lse.data(),
+            delta.data(),
+            grads.dq.data(),
+            grads.dk.data(),
+            grads.dv.data(),
+        ];
+        let args = args.with_mask(&head, &[&scale]);
+        let (block_m, block_n, d) = (tile.block_m, tile.block_n, shape.head_dim);
+        let kv_config = |kernel: FlashKernel| {
+            flash_config(
+                shape.seqlen_k.div_ceil(block_n),
+                shape.num_heads_kv,
+                shape.batch,
+                kernel.shared_memory_bytes(block_m, block_n, d),
+            )
         };
-        let shape_args = shape_args(&shape);
-        let mut args: Vec<&dyn KernelArg> = vec![q.data(), k.data(), v.data(), out.o.data(), out.lse.data()];
-        args.extend(shape_args.iter().map(|a| a as &dyn KernelArg));
-        args.push(&scale_log2);
-        self.launch(entry, config, &args)
+        match dq {
+            DqAccumulation::Atomic => self.launch(entries[0], kv_config(FlashKernel::Backward), &args),
+            DqAccumulation::Deterministic => {
+                self.launch(entries[0], kv_config(FlashKernel::BackwardDkDv), &args)?;
+                let smem = FlashKernel::BackwardDq.shared_memory_bytes(block_m, block_n, d);
+                let q_config = flash_config(shape.seqlen_q.div_ceil(block_m), shape.num_heads_q, shape.batch, smem);
+                self.launch(entries[1], q_config, &args)
+            }
+        }
+    }
+
+    /// The backward pass of standard attention (FlashAttention paper, Algorithm 3): P is
+    /// recomputed into a `[batch, num_heads_q, seqlen_q, seqlen_k]` buffer in device memory, then
+    /// dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − D) in place of P, dQ = scale · dS K and dK = scale · dSᵀ Q,
+    /// each a kernel that reads the N×N buffer from HBM. Shapes and masks as
+    /// [`Context::attention_naive`]; O is the forward output (for D = rowsum(dO ∘ O)).
+    ///
+    /// Extra device memory: the N×N buffer and two `f32` per query row.
+    ///
+    /// # Errors
+    /// [`Error::Shape`]; [`Error::Driver`] if an allocation (typically the N×N buffer) fails.
+    pub fn attention_naive_backward(
+        &self,
+        q: &DeviceTensor,
+        k: &DeviceTensor,
+        v: &DeviceTensor,
+        o: &DeviceTensor,
+        d_o: &DeviceTensor,
+        options: &AttentionOptions,
+    ) -> Result<Gradients> {
+        let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
+        let mut grads = self.alloc_gradients(&shape)?;
+        self.attention_naive_backward_into(q, k, v, o, d_o, &mut grads, options)?;
+        Ok(grads)
+    }
+
+    /// [`Context::attention_naive_backward`] into existing gradient tensors.
+    pub fn attention_naive_backward_into(
+        &self,
+        q: &DeviceTensor,
+        k: &DeviceTensor,
+        v: &DeviceTensor,
+        o: &DeviceTensor,
+        d_o: &DeviceTensor,
+        grads: &mut Gradients,
+        options: &AttentionOptions,
+    ) -> Result<()> {
+        let lse = self.alloc_output(&AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?.lse_shape())?;
+        let shape = self.check_backward(q, k, v, o, &lse, d_o, grads)?;
+        let p = self.naive_probabilities(q, k, &lse, &shape, options)?;
+        let delta = self.row_deltas(o, d_o, &shape)?;
+        let scale = options.scale_for(shape.head_dim);
+        let args = ProblemArgs::new(&shape, options);
+        let threads = shape.head_dim.next_multiple_of(32).min(ELEMENTWISE_THREADS);
+        let per_kv_row =
+            one_dim(grid_stride_blocks(self, shape.batch * shape.num_heads_kv * shape.seqlen_k, 1), threads);
+        let per_q_row = one_dim(grid_stride_blocks(self, shape.query_rows(), 1), threads);
+        let per_score_row = one_dim(grid_stride_blocks(self, shape.query_rows(), 1), ELEMENTWISE_THREADS);
+        // dV = Pᵀ dO, before P is overwritten.
+        self.launch(
+            entry::NAIVE_PT_X_F32,
+            per_kv_row,
+            &args.with_shape(&[p.data(), d_o.data(), grads.dv.data()], &[&1.0f32]),
+        )?;
+        // P becomes dS.
+        self.launch(
+            entry::NAIVE_DS_F32,
+            per_score_row,
+            &args.with_shape(&[p.data(), v.data(), d_o.data(), delta.data()], &[]),
+        )?;
+        self.launch(
+            entry::NAIVE_PV_F32,
+            per_q_row,
+            &args.with_shape(&[p.data(), k.data(), grads.dq.data()], &[&scale]),
+        )?;
+        self.launch(
+            entry::NAIVE_PT_X_F32,
+            per_kv_row,
+            &args.with_shape(&[p.data(), q.data(), grads.dk.data()], &[&scale]),
+        )
+    }
+
+    /// D = rowsum(dO ∘ O), one `f32` per query row, in a new tensor.
+    fn row_deltas(&self, o: &DeviceTensor, d_o: &DeviceTensor, shape: &AttentionShape) -> Result<DeviceTensor> {
+        let delta = self.alloc_output(&shape.lse_shape())?;
+        let rows = shape.query_rows();
+        let config = one_dim(grid_stride_blocks(self, rows, SOFTMAX_ROWS_PER_BLOCK), SOFTMAX_THREADS);
+        self.launch(
+            entry::FLASH_BWD_PREPROCESS_F32,
+            config,
+            &[o.data(), d_o.data(), delta.data(), &rows, &shape.head_dim],
+        )?;
+        Ok(delta)
     }
 
     /// Uninitialised O and LSE tensors for `shape`, for a kernel to overwrite whole.
     fn alloc_attention_output(&self, shape: &AttentionShape) -> Result<AttentionOutput> {
         Ok(AttentionOutput { o: self.alloc_output(&shape.q_shape())?, lse: self.alloc_output(&shape.lse_shape())? })
+    }
+
+    /// Uninitialised dQ, dK, dV tensors for `shape`.
+    fn alloc_gradients(&self, shape: &AttentionShape) -> Result<Gradients> {
+        Ok(Gradients {
+            dq: self.alloc_output(&shape.q_shape())?,
+            dk: self.alloc_output(&shape.kv_shape())?,
+            dv: self.alloc_output(&shape.kv_shape())?,
+        })
     }
 
     /// Checks owners and shapes of attention inputs and outputs; returns the problem shape.
@@ -176,26 +440,64 @@ impl Context {
         q: &DeviceTensor,
         k: &DeviceTensor,
         v: &DeviceTensor,
-        out: &AttentionOutput,
+        o: &DeviceTensor,
+        lse: &DeviceTensor,
     ) -> Result<AttentionShape> {
-        for (name, t) in [("q", q), ("k", k), ("v", v), ("o", &out.o), ("lse", &out.lse)] {
+        for (name, t) in [("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)] {
             self.check_owner(name, t)?;
         }
         let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
-        if out.o.shape() != shape.q_shape() || out.lse.shape() != shape.lse_shape() {
-            return Err(Error::Shape(format!(
-                "outputs must be o {:?} and lse {:?}; got o {:?} and lse {:?}",
-                shape.q_shape(),
-                shape.lse_shape(),
-                out.o.shape(),
-                out.lse.shape()
-            )));
+        for (name, t, want) in [("o", o, &shape.q_shape()[..]), ("lse", lse, &shape.lse_shape()[..])] {
+            if t.shape() != want {
+                return Err(Error::Shape(format!("`{name}` must have shape {want:?}; got {:?}", t.shape())));
+            }
+        }
+        Ok(shape)
+    }
+
+    /// [`Context::check_attention`] plus dO and the gradients.
+    #[allow(clippy::too_many_arguments)]
+    fn check_backward(
+        &self,
+        q: &DeviceTensor,
+        k: &DeviceTensor,
+        v: &DeviceTensor,
+        o: &DeviceTensor,
+        lse: &DeviceTensor,
+        d_o: &DeviceTensor,
+        grads: &Gradients,
+    ) -> Result<AttentionShape> {
+        let shape = self.check_attention(q, k, v, o, lse)?;
+        let (q_shape, kv_shape) = (shape.q_shape(), shape.kv_shape());
+        for (name, t, want) in [
+            ("d_o", d_o, q_shape),
+            ("dq", &grads.dq, q_shape),
+            ("dk", &grads.dk, kv_shape),
+            ("dv", &grads.dv, kv_shape),
+        ] {
+            self.check_owner(name, t)?;
+            if t.shape() != want {
+                return Err(Error::Shape(format!("`{name}` must have shape {want:?}; got {:?}", t.shape())));
+            }
         }
         Ok(shape)
     }
 }
 
-/// The shape as the six integer kernel arguments, in the kernels' order.
-fn shape_args(shape: &AttentionShape) -> [usize; 6] {
-    [shape.batch, shape.num_heads_q, shape.num_heads_kv, shape.seqlen_q, shape.seqlen_k, shape.head_dim]
+/// The kernels a backward pass launches, in order.
+fn backward_kernels(dq: DqAccumulation) -> &'static [FlashKernel] {
+    match dq {
+        DqAccumulation::Atomic => &[FlashKernel::Backward],
+        DqAccumulation::Deterministic => &[FlashKernel::BackwardDkDv, FlashKernel::BackwardDq],
+    }
+}
+
+/// A FlashAttention launch: a `(x, y, z)` grid of 128-thread blocks with `smem` bytes of dynamic
+/// shared memory.
+fn flash_config(x: usize, y: usize, z: usize, smem: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (x as u32, y as u32, z as u32),
+        block_dim: (FLASH_THREADS as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    }
 }

@@ -2,9 +2,8 @@
 
 use crate::context::DeviceInfo;
 use crate::error::{Error, Result};
-use crate::kernels::{self, FLASH_FORWARD_F32};
+use crate::kernels::{self, FLASH_INSTANCES, FlashKernel};
 pub use crate::layout::AttentionShape;
-use crate::layout::flash_forward_smem_bytes;
 
 /// CUDA's limit on the y and z dimensions of a grid; the flash kernel puts heads on y and the
 /// batch on z.
@@ -83,22 +82,83 @@ impl AttentionShape {
     }
 }
 
+/// Causal masking: which keys a query may attend to.
+///
+/// With `seqlen_q == seqlen_k` both causal variants are the usual "query i sees keys 0..=i".
+/// They differ when the lengths differ:
+///
+/// * [`Causal::TopLeft`]: query i sees keys `j ≤ i`, the mask's diagonal starting at the top-left
+///   corner of the `seqlen_q × seqlen_k` score matrix (PyTorch's `is_causal=True`). With
+///   `seqlen_q > seqlen_k` the last queries see every key; with `seqlen_q < seqlen_k` the last keys
+///   are seen by nobody.
+/// * [`Causal::BottomRight`]: query i sees keys `j ≤ i + seqlen_k − seqlen_q`, the diagonal ending
+///   at the bottom-right corner (FlashAttention ≥ 2.1; decoding with a KV cache: the last query
+///   sees every key). With `seqlen_q > seqlen_k` the first `seqlen_q − seqlen_k` queries see no key.
+///
+/// A query that sees no key gets O = 0 and LSE = −∞, and contributes nothing to the gradients.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Causal {
+    /// Every query sees every key.
+    #[default]
+    None,
+    /// Query i sees keys j ≤ i.
+    TopLeft,
+    /// Query i sees keys j ≤ i + seqlen_k − seqlen_q.
+    BottomRight,
+}
+
+impl Causal {
+    /// The kernels' two mask arguments: whether to mask (0 or 1) and the diagonal's offset, so
+    /// that key j is visible to query i iff `j ≤ i + offset`.
+    pub(crate) fn kernel_args(self, shape: &AttentionShape) -> (usize, isize) {
+        match self {
+            Self::None => (0, 0),
+            Self::TopLeft => (1, 0),
+            Self::BottomRight => (1, shape.seqlen_k as isize - shape.seqlen_q as isize),
+        }
+    }
+
+    /// Whether key `key` is visible to query `query` (the definition above).
+    pub fn visible(self, query: usize, key: usize, seqlen_q: usize, seqlen_k: usize) -> bool {
+        match self {
+            Self::None => true,
+            Self::TopLeft => key <= query,
+            Self::BottomRight => key as isize <= query as isize + seqlen_k as isize - seqlen_q as isize,
+        }
+    }
+}
+
 /// Options shared by every attention entry point.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct AttentionOptions {
     /// Multiplies Q Kᵀ before the softmax; `None` means 1/√head_dim.
     pub scale: Option<f32>,
+    /// Causal mask; see [`Causal`].
+    pub causal: Causal,
 }
 
 impl AttentionOptions {
     /// Options with an explicit softmax scale.
     pub fn with_scale(scale: f32) -> Self {
-        Self { scale: Some(scale) }
+        Self { scale: Some(scale), ..Self::default() }
+    }
+
+    /// Options with a causal mask.
+    pub fn causal(causal: Causal) -> Self {
+        Self { causal, ..Self::default() }
     }
 
     /// The scale to use for `head_dim`.
     pub fn scale_for(&self, head_dim: usize) -> f32 {
         self.scale.unwrap_or(1.0 / (head_dim as f32).sqrt())
+    }
+
+    /// Floating-point operations of one forward pass in the field's convention: 4 · batch ·
+    /// heads · seqlen_q · seqlen_k · head_dim, halved for a causal mask. The backward pass counts
+    /// 2.5 times this.
+    pub fn forward_flops(&self, shape: &AttentionShape) -> f64 {
+        let full = shape.forward_flops();
+        if self.causal == Causal::None { full } else { full / 2.0 }
     }
 }
 
@@ -119,8 +179,8 @@ impl TileConfig {
         Self { block_m, block_n }
     }
 
-    /// The tile used when none is given, measured fastest on an H200 for each head_dim (see
-    /// `PERFORMANCE.md`).
+    /// The forward tile used when none is given, measured fastest on an H200 for each head_dim
+    /// (see `PERFORMANCE.md`).
     pub fn default_for(head_dim: usize) -> Self {
         match head_dim {
             128 => Self::new(64, 32),
@@ -128,40 +188,63 @@ impl TileConfig {
         }
     }
 
-    /// Dynamic shared memory per block, in bytes, at this head_dim.
-    pub fn shared_memory_bytes(&self, head_dim: usize) -> usize {
-        flash_forward_smem_bytes(self.block_m, self.block_n, head_dim)
+    /// The backward tile used when none is given, measured fastest on an H200 for each head_dim
+    /// (see `PERFORMANCE.md`).
+    pub fn default_backward_for(head_dim: usize) -> Self {
+        match head_dim {
+            128 => Self::new(32, 32),
+            _ => Self::new(32, 64),
+        }
     }
 
-    /// Every compiled tile for `head_dim`, in (block_m, block_n) order.
+    /// Dynamic shared memory per block of the forward kernel, in bytes, at this head_dim.
+    pub fn shared_memory_bytes(&self, head_dim: usize) -> usize {
+        FlashKernel::Forward.shared_memory_bytes(self.block_m, self.block_n, head_dim)
+    }
+
+    /// Every compiled tile for `head_dim`, in (block_m, block_n) order. Every kernel family is
+    /// compiled for the same tiles.
     pub fn compiled(head_dim: usize) -> Vec<Self> {
-        FLASH_FORWARD_F32.iter().filter(|i| i.head_dim == head_dim).map(|i| Self::new(i.block_m, i.block_n)).collect()
+        FLASH_INSTANCES
+            .iter()
+            .filter(|i| i.kernel == FlashKernel::Forward && i.head_dim == head_dim)
+            .map(|i| Self::new(i.block_m, i.block_n))
+            .collect()
     }
 
     /// The head dimensions that have compiled kernels.
     pub fn compiled_head_dims() -> Vec<usize> {
-        let mut dims: Vec<usize> = FLASH_FORWARD_F32.iter().map(|i| i.head_dim).collect();
+        let mut dims: Vec<usize> = FLASH_INSTANCES.iter().map(|i| i.head_dim).collect();
         dims.sort_unstable();
         dims.dedup();
         dims
     }
 
-    /// Checks that a kernel exists for this tile at `head_dim` and that its shared memory fits
-    /// on `device`; returns the kernel's entry name.
+    /// Checks that a forward kernel exists for this tile at `head_dim` and that its shared
+    /// memory fits on `device`; returns the kernel's entry name.
     ///
     /// # Errors
     /// [`Error::TileNotCompiled`] (listing the compiled values) or [`Error::SharedMemory`]
     /// (listing the tiles that fit).
     pub fn validate(&self, head_dim: usize, device: &DeviceInfo) -> Result<&'static str> {
-        let entry = self.compiled_entry(head_dim)?;
-        let needed = self.shared_memory_bytes(head_dim);
+        self.validate_for(FlashKernel::Forward, head_dim, device)
+    }
+
+    /// [`TileConfig::validate`] for any kernel family (the backward kernels need more shared
+    /// memory than the forward one at the same tile).
+    pub fn validate_for(&self, kernel: FlashKernel, head_dim: usize, device: &DeviceInfo) -> Result<&'static str> {
+        let entry = self.compiled_entry(kernel, head_dim)?;
+        let needed = kernel.shared_memory_bytes(self.block_m, self.block_n, head_dim);
         if needed > device.max_shared_memory_per_block {
             let fitting: Vec<String> = Self::compiled(head_dim)
                 .into_iter()
-                .filter(|t| t.shared_memory_bytes(head_dim) <= device.max_shared_memory_per_block)
+                .filter(|t| {
+                    kernel.shared_memory_bytes(t.block_m, t.block_n, head_dim) <= device.max_shared_memory_per_block
+                })
                 .map(|t| format!("({}, {})", t.block_m, t.block_n))
                 .collect();
             return Err(Error::SharedMemory {
+                kernel: kernel.to_string(),
                 block_m: self.block_m,
                 block_n: self.block_n,
                 head_dim,
@@ -174,14 +257,15 @@ impl TileConfig {
         Ok(entry)
     }
 
-    /// The entry name of the kernel compiled for this tile at `head_dim`, without looking at a
+    /// The entry name of `kernel` compiled for this tile at `head_dim`, without looking at a
     /// device (so it can be checked before one is opened).
     ///
     /// # Errors
     /// [`Error::TileNotCompiled`], listing the compiled values.
-    pub fn compiled_entry(&self, head_dim: usize) -> Result<&'static str> {
-        kernels::flash_forward_instance(self.block_m, self.block_n, head_dim).map(|i| i.entry).ok_or_else(|| {
+    pub fn compiled_entry(&self, kernel: FlashKernel, head_dim: usize) -> Result<&'static str> {
+        kernels::flash_instance(kernel, self.block_m, self.block_n, head_dim).map(|i| i.entry).ok_or_else(|| {
             Error::TileNotCompiled {
+                kernel: kernel.to_string(),
                 block_m: self.block_m,
                 block_n: self.block_n,
                 head_dim,
@@ -194,7 +278,7 @@ impl TileConfig {
 /// "block_m ∈ {…}, block_n ∈ {…}, head_dim ∈ {…}" for the compiled instances.
 fn compiled_summary() -> String {
     let values = |f: fn(&kernels::FlashInstance) -> usize| {
-        let mut v: Vec<usize> = FLASH_FORWARD_F32.iter().map(f).collect();
+        let mut v: Vec<usize> = FLASH_INSTANCES.iter().map(f).collect();
         v.sort_unstable();
         v.dedup();
         v.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")

@@ -62,6 +62,10 @@ impl DeviceTensor {
     pub(crate) fn data(&self) -> &CudaSlice<f32> {
         &self.data
     }
+
+    pub(crate) fn data_mut(&mut self) -> &mut CudaSlice<f32> {
+        &mut self.data
+    }
 }
 
 fn element_count(shape: &[usize]) -> Result<usize> {

@@ -10,10 +10,15 @@
 //! logsumexp LSE = m + ln l is saved for the backward pass. Device memory traffic is
 //! O(seqlen · head_dim) per head instead of O(seqlen²).
 //!
+//! With a causal mask ([`Mask`]) a block stops at the last key its last query row may see, and
+//! only the tiles that cross some row's limit (the diagonal, and the ragged end of the keys) are
+//! masked element by element: fully visible tiles skip that work, fully hidden ones are never
+//! loaded. A row that sees no key at all ends with O = 0 and LSE = −∞.
+//!
 //! Scores are multiplied by `scale · log₂e` as they are computed, so that the kernel can use the
 //! hardware's `exp2` throughout; `m` is kept in those base-2 units.
 //!
-//! ## Thread mapping (block of 128 threads = 16 row groups × 8 lanes)
+//! ## Thread mapping (block of 128 threads = 16 row groups × 8 lanes; see [`crate::tiles`])
 //!
 //! Thread `t` is lane `t % 8` of row group `t / 8`; a warp holds 4 row groups. With
 //! `ROWS = BLOCK_M / 16`, `COLS = BLOCK_N / 8` and `DVEC = HEAD_DIM / 32`, a thread owns:
@@ -43,10 +48,11 @@
 //! unnormalised output of row `i`, columns `4·lane + 32·g … +4`; `alpha`: the rescaling factor
 //! `2^(m_old − m_new)` of a row.
 
-use crate::gpu::{self, F32x4, LN_2, SharedMemory, SharedTile};
+use crate::gpu::{self, F32x4, LN_2, SharedMemory};
 use crate::layout::{
     AttentionShape, FLASH_THREAD_COLS as LANES, FLASH_THREAD_ROWS, FLASH_THREADS, flash_forward_strides,
 };
+use crate::tiles::{Mask, a_bt, accumulate_ab, mask_tile, store_rows, store_tile};
 
 /// Per-row state of the online softmax for the `ROWS` query rows of one thread.
 struct OnlineSoftmax<const ROWS: usize> {
@@ -102,81 +108,6 @@ impl<const ROWS: usize> OnlineSoftmax<ROWS> {
     }
 }
 
-/// Scores of this thread's `ROWS × COLS` entries of the tile, S = Q Kᵀ · scale_log2.
-/// Reads 16 bytes of Q and of K at a time and does 4 multiply-adds per pair.
-#[inline(always)]
-fn tile_scores<const HEAD_DIM: usize, const ROWS: usize, const COLS: usize>(
-    q_tile: SharedTile,
-    k_tile: SharedTile,
-    first_row: usize,
-    lane: usize,
-    scale_log2: f32,
-) -> [[f32; COLS]; ROWS] {
-    let mut s = [[0.0f32; COLS]; ROWS];
-    for d in (0..HEAD_DIM).step_by(4) {
-        let q: [F32x4; ROWS] = core::array::from_fn(|i| q_tile.load4(first_row + i, d));
-        let k: [F32x4; COLS] = core::array::from_fn(|j| k_tile.load4(lane + LANES * j, d));
-        for i in 0..ROWS {
-            for j in 0..COLS {
-                s[i][j] = q[i].dot_add(k[j], s[i][j]);
-            }
-        }
-    }
-    s.map(|row| row.map(|x| x * scale_log2))
-}
-
-/// Sets the scores of key columns at or past `valid_cols` (the ragged end of the last key tile)
-/// to −∞, so they get probability exactly 0.
-#[inline(always)]
-fn mask_columns<const ROWS: usize, const COLS: usize>(s: &mut [[f32; COLS]; ROWS], lane: usize, valid_cols: usize) {
-    for row in s.iter_mut() {
-        for (j, x) in row.iter_mut().enumerate() {
-            if lane + LANES * j >= valid_cols {
-                *x = f32::NEG_INFINITY;
-            }
-        }
-    }
-}
-
-/// acc += P V for this thread's rows and output columns, P read back from shared memory (a row
-/// group reads only the rows it wrote), four key columns at a time.
-#[inline(always)]
-fn accumulate_pv<const BLOCK_N: usize, const ROWS: usize, const DVEC: usize>(
-    acc: &mut [[F32x4; DVEC]; ROWS],
-    p_tile: SharedTile,
-    v_tile: SharedTile,
-    first_row: usize,
-    lane: usize,
-) {
-    for c in (0..BLOCK_N).step_by(4) {
-        let p: [F32x4; ROWS] = core::array::from_fn(|i| p_tile.load4(first_row + i, c));
-        // Four calls rather than a loop over 0..4: the index into each vector of `p` must be a
-        // compile-time constant. When LLVM leaves such a loop rolled (it does at head_dim 128),
-        // a run-time index moves `p` to local memory, which is slow.
-        accumulate_key::<0, ROWS, DVEC>(acc, &p, v_tile, c, lane);
-        accumulate_key::<1, ROWS, DVEC>(acc, &p, v_tile, c, lane);
-        accumulate_key::<2, ROWS, DVEC>(acc, &p, v_tile, c, lane);
-        accumulate_key::<3, ROWS, DVEC>(acc, &p, v_tile, c, lane);
-    }
-}
-
-/// acc += p[:, K] · V[c + K, :]: one key's contribution to this thread's outputs.
-#[inline(always)]
-fn accumulate_key<const K: usize, const ROWS: usize, const DVEC: usize>(
-    acc: &mut [[F32x4; DVEC]; ROWS],
-    p: &[F32x4; ROWS],
-    v_tile: SharedTile,
-    c: usize,
-    lane: usize,
-) {
-    let v: [F32x4; DVEC] = core::array::from_fn(|g| v_tile.load4(c + K, 4 * lane + 32 * g));
-    for i in 0..ROWS {
-        for g in 0..DVEC {
-            acc[i][g] = acc[i][g].add_scaled(p[i].0[K], v[g]);
-        }
-    }
-}
-
 /// The kernel body shared by every instance. `ROWS`, `COLS` and `DVEC` are the per-thread tile
 /// (see the module docs); they are derived from the block shape by the instance macro because
 /// register arrays need their sizes as plain const parameters.
@@ -189,8 +120,7 @@ fn accumulate_key<const K: usize, const ROWS: usize, const DVEC: usize>(
 /// `shape.head_dim == HEAD_DIM`; `o` and `lse` (`[batch, num_heads_q, seqlen_q]`) do not overlap
 /// the inputs; the launch has the grid, block and shared memory above.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn flash_forward<
+pub(crate) unsafe fn flash_forward<
     const BLOCK_M: usize,
     const BLOCK_N: usize,
     const HEAD_DIM: usize,
@@ -204,6 +134,7 @@ unsafe fn flash_forward<
     o: *mut f32,
     lse: *mut f32,
     shape: AttentionShape,
+    mask: Mask,
     scale_log2: f32,
 ) {
     const {
@@ -236,7 +167,11 @@ unsafe fn flash_forward<
     let mut softmax = OnlineSoftmax::<ROWS>::new();
     let mut acc = [[F32x4::ZERO; DVEC]; ROWS];
 
-    for kv_start in (0..shape.seqlen_k).step_by(BLOCK_N) {
+    // The last row of the block sees the most keys, the first row the fewest: keys past
+    // `kv_end` are hidden from every row (never loaded), keys before `all_see` from none.
+    let kv_end = mask.key_limit(q_start + q_rows - 1);
+    let all_see = mask.key_limit(q_start);
+    for kv_start in (0..kv_end).step_by(BLOCK_N) {
         let kv_rows = BLOCK_N.min(shape.seqlen_k - kv_start);
         // Nobody may still be reading the previous tile's K, V or P when we overwrite them.
         gpu::sync_threads();
@@ -250,8 +185,12 @@ unsafe fn flash_forward<
         // Q (on the first trip), K and V are complete and visible to every thread.
         gpu::sync_threads();
 
-        let mut s = tile_scores::<HEAD_DIM, ROWS, COLS>(q_tile, k_tile, first_row, lane, scale_log2);
-        mask_columns(&mut s, lane, kv_rows);
+        let mut s = a_bt::<HEAD_DIM, ROWS, COLS>(q_tile, k_tile, first_row, lane).map(|r| r.map(|x| x * scale_log2));
+        // Only tiles that cross some row's key limit (the causal diagonal, the ragged end of
+        // the keys) pay for the per-element mask.
+        if kv_start + BLOCK_N > all_see {
+            mask_tile(&mut s, first_row, lane, f32::NEG_INFINITY, |r, c| mask.visible(q_start + r, kv_start + c));
+        }
         let alpha = softmax.update(&mut s);
         for i in 0..ROWS {
             acc[i] = acc[i].map(|x| x.scale(alpha[i]));
@@ -260,42 +199,29 @@ unsafe fn flash_forward<
         // Each lane holds only every 8th probability of its rows, but needs all of them for
         // P V: exchange them through shared memory. The 8 lanes of a row group are in one
         // warp, so a warp barrier is enough.
-        for i in 0..ROWS {
-            for j in 0..COLS {
-                p_tile.store(first_row + i, lane + LANES * j, s[i][j]);
-            }
-        }
+        store_tile(p_tile, &s, first_row, lane);
         gpu::sync_warp();
-        accumulate_pv::<BLOCK_N, ROWS, DVEC>(&mut acc, p_tile, v_tile, first_row, lane);
+        accumulate_ab::<BLOCK_N, ROWS, DVEC>(&mut acc, p_tile, v_tile, first_row, lane);
     }
 
     let (inv_sum, row_lse) = softmax.finish();
-    for i in 0..ROWS {
-        let row = first_row + i;
-        if row < q_rows {
-            for g in 0..DVEC {
-                let out = acc[i][g].scale(inv_sum[i]);
-                // SAFETY: row < q_rows and the columns are < HEAD_DIM.
-                unsafe { out.store(o_head.add((q_start + row) * HEAD_DIM + 4 * lane + 32 * g)) };
-            }
-            if lane == 0 {
-                // SAFETY: row < q_rows.
-                unsafe { *lse_head.add(q_start + row) = row_lse[i] };
+    // SAFETY: rows q_start .. q_start + q_rows of O exist.
+    unsafe {
+        store_rows::<HEAD_DIM, ROWS, DVEC>(&acc, inv_sum, o_head.add(q_start * HEAD_DIM), q_rows, first_row, lane)
+    };
+    if lane == 0 {
+        for i in 0..ROWS {
+            if first_row + i < q_rows {
+                // SAFETY: the row is below q_rows.
+                unsafe { *lse_head.add(q_start + first_row + i) = row_lse[i] };
             }
         }
     }
 }
 
-/// Exports one `extern "gpu-kernel"` entry per `(block_m, block_n, head_dim)`, named
-/// `flash_fwd_f32_m{block_m}_n{block_n}_d{head_dim}`, for every combination of the three lists.
-macro_rules! flash_forward_instances {
-    ([$($block_m:literal)*], $block_n:tt, $head_dim:tt) => {
-        $( flash_forward_instances!(@m $block_m, $block_n, $head_dim); )*
-    };
-    (@m $block_m:literal, [$($block_n:literal)*], $head_dim:tt) => {
-        $( flash_forward_instances!(@mn $block_m, $block_n, $head_dim); )*
-    };
-    (@mn $block_m:literal, $block_n:literal, [$($head_dim:literal)*]) => {$(
+/// One `extern "gpu-kernel"` entry per tile, named `flash_fwd_f32_m{block_m}_n{block_n}_d{head_dim}`.
+macro_rules! flash_forward_instance {
+    ($block_m:literal, $block_n:literal, $head_dim:literal) => {
         /// FlashAttention-2 forward, `f32`; see the module docs and `flash_forward`.
         ///
         /// # Safety
@@ -313,9 +239,12 @@ macro_rules! flash_forward_instances {
             seqlen_q: usize,
             seqlen_k: usize,
             head_dim: usize,
+            causal: usize,
+            causal_offset: isize,
             scale_log2: f32,
         ) {
             let shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
+            let mask = Mask { seqlen_q, seqlen_k, causal: causal != 0, offset: causal_offset };
             unsafe {
                 flash_forward::<
                     $block_m,
@@ -324,10 +253,10 @@ macro_rules! flash_forward_instances {
                     { $block_m / FLASH_THREAD_ROWS },
                     { $block_n / LANES },
                     { $head_dim / (4 * LANES) },
-                >(q, k, v, o, lse, shape, scale_log2)
+                >(q, k, v, o, lse, shape, mask, scale_log2)
             }
         }
-    )*};
+    };
 }
 
-flash_forward_instances!([16 32 64], [16 32 64], [32 64 128]);
+for_each_tile!(flash_forward_instance);

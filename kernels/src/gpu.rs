@@ -114,6 +114,20 @@ pub fn fma(a: f32, b: f32, c: f32) -> f32 {
     core::intrinsics::fmaf32(a, b, c)
 }
 
+/// `*ptr += value` as one atomic read-modify-write in device memory (`red.add.f32`, which returns
+/// nothing and so is cheaper than `atom.add`). Additions from different threads land in whatever
+/// order the hardware serves them, so the rounding of the sum can differ from run to run.
+///
+/// # Safety
+/// `ptr` points to an `f32` in global memory.
+#[inline(always)]
+pub unsafe fn atomic_add(ptr: *mut f32, value: f32) {
+    // SAFETY: the caller guarantees the address; `red` with no state space takes a generic address.
+    unsafe {
+        core::arch::asm!("red.relaxed.gpu.add.f32 [{ptr}], {value};", ptr = in(reg64) ptr, value = in(reg32) value)
+    };
+}
+
 /// Four `f32` that load and store as one 16-byte access (`ld.v4.f32`), which moves a quarter of
 /// the instructions of four scalar accesses. The address must be 16-byte aligned.
 #[derive(Clone, Copy)]
@@ -263,6 +277,13 @@ impl SharedTile {
     pub fn load4(self, row: usize, col: usize) -> F32x4 {
         // SAFETY: tiles are carved 16-byte aligned with strides that are multiples of 4.
         unsafe { F32x4::load(self.at(row, col)) }
+    }
+
+    /// Reads `(row, col)`.
+    #[inline(always)]
+    pub fn load(self, row: usize, col: usize) -> f32 {
+        // SAFETY: see `at`.
+        unsafe { *self.at(row, col) }
     }
 
     /// Writes `(row, col)`.

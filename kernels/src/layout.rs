@@ -90,3 +90,28 @@ pub const fn flash_forward_smem_bytes(block_m: usize, block_n: usize, head_dim: 
     let [q, k, v, p] = flash_forward_strides(block_n, head_dim);
     (block_m * q + block_n * k + block_n * v + block_m * p) * core::mem::size_of::<f32>()
 }
+
+/// Row strides (in floats) of the FlashAttention backward K/V-outer kernel's tiles: K and V
+/// (`block_n × head_dim`), Q and dO (`block_m × head_dim`), Pᵀ/dSᵀ (`block_n × block_m`) and dS
+/// (`block_m × block_n`); a `2 × block_m` tile of per-query statistics follows them.
+pub const fn flash_backward_kv_strides(block_m: usize, block_n: usize, head_dim: usize) -> [usize; 4] {
+    [head_dim + SMEM_PAD, head_dim + SMEM_PAD, block_m + SMEM_PAD, block_n + SMEM_PAD]
+}
+
+/// Bytes of dynamic shared memory a block of the backward K/V-outer kernel needs.
+pub const fn flash_backward_kv_smem_bytes(block_m: usize, block_n: usize, head_dim: usize) -> usize {
+    let [kv, q, pt, ds] = flash_backward_kv_strides(block_m, block_n, head_dim);
+    (2 * block_n * kv + 2 * block_m * q + block_n * pt + block_m * ds + 2 * block_m) * core::mem::size_of::<f32>()
+}
+
+/// Row strides (in floats) of the deterministic dQ kernel's tiles: Q, dO, K, V (all
+/// `… × head_dim`), then dS (`block_m × block_n`).
+pub const fn flash_backward_q_strides(block_n: usize, head_dim: usize) -> [usize; 2] {
+    [head_dim + SMEM_PAD, block_n + SMEM_PAD]
+}
+
+/// Bytes of dynamic shared memory a block of the deterministic dQ kernel needs.
+pub const fn flash_backward_q_smem_bytes(block_m: usize, block_n: usize, head_dim: usize) -> usize {
+    let [qkv, ds] = flash_backward_q_strides(block_n, head_dim);
+    (2 * (block_m + block_n) * qkv + block_m * ds) * core::mem::size_of::<f32>()
+}

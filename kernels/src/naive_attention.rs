@@ -1,10 +1,17 @@
 //! Level 2: "standard" attention, O = softmax(Q Kᵀ · scale) V, in three kernels that talk through
 //! device memory (FlashAttention paper, Dao et al. 2022, Algorithm 0):
 //!
-//! 1. [`naive_scores_f32`]: S = Q Kᵀ · scale, written to an `[batch, heads, seqlen_q, seqlen_k]`
-//!    buffer in HBM;
+//! 1. [`naive_scores_f32`]: S = Q Kᵀ · scale (−∞ where the causal mask hides a key), written to
+//!    an `[batch, heads, seqlen_q, seqlen_k]` buffer in HBM;
 //! 2. [`naive_softmax_f32`]: P = softmax(S) row by row, in place, and the row's logsumexp;
 //! 3. [`naive_pv_f32`]: O = P V.
+//!
+//! The backward pass (the same paper's Algorithm 3, with P recomputed by the two kernels above)
+//! adds D = rowsum(dO ∘ O) ([`crate::flash_backward::flash_bwd_preprocess_f32`]) and:
+//!
+//! 4. [`naive_pt_x_f32`]: dV = Pᵀ dO (and, later, dK = scale · dSᵀ Q);
+//! 5. [`naive_ds_f32`]: dS = P ∘ (dO Vᵀ − D), in place of P;
+//! 6. [`naive_pv_f32`] again: dQ = scale · dS K.
 //!
 //! The N×N buffer is written once and read twice: for long sequences those round trips, not the
 //! arithmetic, set the speed, and the buffer sets the memory footprint. FlashAttention
@@ -16,6 +23,7 @@
 
 use crate::gpu::{self, LN_2, LOG2_E};
 use crate::layout::AttentionShape;
+use crate::tiles::Mask;
 
 /// For global query row `row` (in `0..shape.query_rows()`): the offset of that row in Q (and O)
 /// and the offset of its key/value head in K (and V).
@@ -45,9 +53,12 @@ pub unsafe extern "gpu-kernel" fn naive_scores_f32(
     seqlen_q: usize,
     seqlen_k: usize,
     head_dim: usize,
+    causal: usize,
+    causal_offset: isize,
     scale: f32,
 ) {
     let shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
+    let mask = Mask { seqlen_q, seqlen_k, causal: causal != 0, offset: causal_offset };
     let mut row = gpu::block_idx().0;
     while row < shape.query_rows() {
         let (q_offset, kv_offset) = row_offsets(&shape, row);
@@ -58,8 +69,9 @@ pub unsafe extern "gpu-kernel" fn naive_scores_f32(
                 // SAFETY: d < head_dim, j < seqlen_k: inside this row of Q and this head of K.
                 unsafe { dot = gpu::fma(*q.add(q_offset + d), *k.add(kv_offset + j * shape.head_dim + d), dot) };
             }
+            let visible = mask.visible(row % shape.seqlen_q, j);
             // SAFETY: row < rows, j < seqlen_k.
-            unsafe { *s.add(row * shape.seqlen_k + j) = dot * scale };
+            unsafe { *s.add(row * shape.seqlen_k + j) = if visible { dot * scale } else { f32::NEG_INFINITY } };
             j += gpu::block_dim_x();
         }
         row += gpu::grid_dim_x();
@@ -99,19 +111,25 @@ pub unsafe extern "gpu-kernel" fn naive_softmax_f32(s: *mut f32, lse: *mut f32, 
         }
         let sum = gpu::group_sum::<32>(sum);
 
+        // A row whose keys are all masked has max = −∞: it gets P = 0 and LSE = −∞, not
+        // the NaN of exp(−∞ − (−∞)).
+        let seen_any = max != f32::NEG_INFINITY;
         let inv_sum = 1.0 / sum;
         for j in lanes() {
-            unsafe { *s_row.add(j) = gpu::exp2((*s_row.add(j) - max) * LOG2_E) * inv_sum };
+            let p = if seen_any { gpu::exp2((unsafe { *s_row.add(j) } - max) * LOG2_E) * inv_sum } else { 0.0 };
+            unsafe { *s_row.add(j) = p };
         }
         if gpu::lane_id() == 0 {
             // ln Σ exp(s) = m + ln Σ exp(s − m)
-            unsafe { *lse.add(row) = max + gpu::log2(sum) * LN_2 };
+            let row_lse = if seen_any { max + gpu::log2(sum) * LN_2 } else { f32::NEG_INFINITY };
+            unsafe { *lse.add(row) = row_lse };
         }
         row += gpu::grid_dim_x() * warps_per_block;
     }
 }
 
-/// O[row, d] = Σ_j P[row, j] · V[j, d].
+/// O[row, d] = scale · Σ_j P[row, j] · V[j, d]: the forward's O = P V (scale 1) and the
+/// backward's dQ = scale · dS K (with dS in place of P and K in place of V).
 ///
 /// Thread mapping: as [`naive_scores_f32`], a block per query row; thread `t` computes output
 /// columns `t`, `t + blockDim`, …. The whole block reads the same P entry at once (one broadcast
@@ -130,6 +148,7 @@ pub unsafe extern "gpu-kernel" fn naive_pv_f32(
     seqlen_q: usize,
     seqlen_k: usize,
     head_dim: usize,
+    scale: f32,
 ) {
     let shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
     let mut row = gpu::block_idx().0;
@@ -145,8 +164,99 @@ pub unsafe extern "gpu-kernel" fn naive_pv_f32(
                 };
             }
             // SAFETY: row < rows, d < head_dim.
-            unsafe { *o.add(o_offset + d) = acc };
+            unsafe { *o.add(o_offset + d) = acc * scale };
             d += gpu::block_dim_x();
+        }
+        row += gpu::grid_dim_x();
+    }
+}
+
+/// out[j, d] = scale · Σ_{h in group} Σ_i P_h[i, j] · X_h[i, d] for every key row j of every
+/// key/value head: dV = Pᵀ dO (scale 1) and dK = scale · dSᵀ Q. Under grouped-query attention a
+/// key/value head receives the sum over the query heads that read it.
+///
+/// Thread mapping: blocks take key rows `(b, kv_head, j)` in a grid-stride loop; thread `t`
+/// computes columns `t`, `t + blockDim`, …. P is read down a column (one broadcast load per
+/// step for the whole block), X along rows (coalesced).
+///
+/// # Safety
+/// `p` holds `[batch, num_heads_q, seqlen_q, seqlen_k]`, `x` has Q's shape, `out` K's shape.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn naive_pt_x_f32(
+    p: *const f32,
+    x: *const f32,
+    out: *mut f32,
+    batch: usize,
+    num_heads_q: usize,
+    num_heads_kv: usize,
+    seqlen_q: usize,
+    seqlen_k: usize,
+    head_dim: usize,
+    scale: f32,
+) {
+    let shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
+    let kv_rows = batch * num_heads_kv * seqlen_k;
+    let mut kv_row = gpu::block_idx().0;
+    while kv_row < kv_rows {
+        let (head_row, j) = (kv_row / seqlen_k, kv_row % seqlen_k); // head_row = b · num_heads_kv + kv_head
+        let (b, kv_head) = (head_row / num_heads_kv, head_row % num_heads_kv);
+        let mut d = gpu::thread_idx_x();
+        while d < head_dim {
+            let mut acc = 0.0f32;
+            for h in kv_head * shape.group_size()..(kv_head + 1) * shape.group_size() {
+                let q_head = shape.q_head_offset(b, h) / head_dim; // first query row of head h
+                for i in 0..seqlen_q {
+                    // SAFETY: i < seqlen_q, j < seqlen_k, d < head_dim, h < num_heads_q.
+                    unsafe {
+                        acc = gpu::fma(*p.add((q_head + i) * seqlen_k + j), *x.add((q_head + i) * head_dim + d), acc)
+                    };
+                }
+            }
+            // SAFETY: kv_row < kv_rows, d < head_dim.
+            unsafe { *out.add(kv_row * head_dim + d) = acc * scale };
+            d += gpu::block_dim_x();
+        }
+        kv_row += gpu::grid_dim_x();
+    }
+}
+
+/// dS[row, j] = P[row, j] · (Σ_d dO[row, d] · V[j, d] − D[row]), written over P.
+///
+/// Thread mapping: as [`naive_scores_f32`], a block per query row, threads over its keys.
+///
+/// # Safety
+/// `p_ds` holds `[batch, num_heads_q, seqlen_q, seqlen_k]`; `d_o` has Q's shape, `v` K's shape,
+/// `delta` holds one float per query row.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn naive_ds_f32(
+    p_ds: *mut f32,
+    v: *const f32,
+    d_o: *const f32,
+    delta: *const f32,
+    batch: usize,
+    num_heads_q: usize,
+    num_heads_kv: usize,
+    seqlen_q: usize,
+    seqlen_k: usize,
+    head_dim: usize,
+) {
+    let shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
+    let mut row = gpu::block_idx().0;
+    while row < shape.query_rows() {
+        let (do_offset, kv_offset) = row_offsets(&shape, row);
+        let mut j = gpu::thread_idx_x();
+        while j < seqlen_k {
+            let mut dp = 0.0f32;
+            for d in 0..head_dim {
+                // SAFETY: d < head_dim, j < seqlen_k.
+                unsafe { dp = gpu::fma(*d_o.add(do_offset + d), *v.add(kv_offset + j * head_dim + d), dp) };
+            }
+            // SAFETY: row < rows, j < seqlen_k.
+            unsafe {
+                let entry = p_ds.add(row * seqlen_k + j);
+                *entry *= dp - *delta.add(row);
+            }
+            j += gpu::block_dim_x();
         }
         row += gpu::grid_dim_x();
     }

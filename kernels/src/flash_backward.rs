@@ -1,0 +1,435 @@
+//! Level 4: FlashAttention-2 backward pass (Dao 2023, "FlashAttention-2", Algorithm 2), in `f32`.
+//!
+//! Given Q, K, V, the forward's O and logsumexp (LSE), and dO = ∂loss/∂O, compute dQ, dK, dV
+//! without reading or writing any `seqlen_q × seqlen_k` matrix: every tile of P is *recomputed*
+//! from Q, K and the saved LSE, P = exp(S − LSE), which is exact (no running max is needed any
+//! more: LSE is the final normaliser). Per tile of query rows i and key rows j:
+//!
+//! ```text
+//! S   = Q_i K_jᵀ · scale        P  = exp(S − LSE_i)           (masked entries: P = 0)
+//! dV_j += P ᵀ dO_i              dP = dO_i V_jᵀ
+//! dS  = P ∘ (dP − D_i)          where D_i = rowsum(dO_i ∘ O_i)
+//! dK_j += dSᵀ Q_i · scale       dQ_i += dS K_j · scale
+//! ```
+//!
+//! Three kernels, as FlashAttention-2/3 and the Triton tutorial split it:
+//!
+//! 1. [`flash_bwd_preprocess_f32`]: D = rowsum(dO ∘ O), one float per query row.
+//! 2. `flash_bwd_f32_m*_n*_d*` and `flash_bwd_dkdv_f32_m*_n*_d*` ([`flash_backward_kv`]): one
+//!    block per `BLOCK_N` keys of one key/value head. The block keeps K_j, V_j in shared memory and
+//!    dK_j, dV_j in registers while it loops over every query head of its group (grouped-query
+//!    attention sums their contributions on chip) and over the query tiles that can see its keys.
+//!    The first variant also adds each tile's dQ contribution to device memory with atomic adds
+//!    (fast; the order of the additions, and so the last bits of dQ, vary from run to run).
+//! 3. `flash_bwd_dq_f32_m*_n*_d*` ([`flash_backward_q`]): the deterministic alternative for dQ, one
+//!    block per `BLOCK_M` query rows looping over key tiles like the forward pass; no atomics, the
+//!    same bits on every run.
+//!
+//! ## Thread mapping of the K/V-outer kernel
+//!
+//! The 16 × 8 thread grid of [`crate::tiles`] with *key* rows as rows: a thread owns key rows
+//! `row_group · KROWS + i` (`KROWS = BLOCK_N / 16`), query columns `lane + 8j` of Pᵀ and dSᵀ
+//! (`QCOLS = BLOCK_M / 8`) and head_dim columns `4·lane + 32·g` of dK and dV. For the atomic dQ it
+//! switches to query rows: `row_group · QROWS + i` (`QROWS = BLOCK_M / 16`).
+//!
+//! ## Shared memory of the K/V-outer kernel (see `layout::flash_backward_kv_strides`)
+//!
+//! | tile | shape | written by | read by |
+//! |---|---|---|---|
+//! | K, V | BLOCK_N × HEAD_DIM | whole block, once | Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, dQ = dS K |
+//! | Q, dO | BLOCK_M × HEAD_DIM | whole block, every query tile | the products above, dV, dK |
+//! | Pᵀ, then dSᵀ | BLOCK_N × BLOCK_M | a row group, its key rows | the same row group |
+//! | dS | BLOCK_M × BLOCK_N | every row group (transposed store) | whole block, for dQ |
+//! | LSE·log₂e, D | 2 × BLOCK_M | whole block, every query tile | every thread |
+
+use crate::gpu::{self, F32x4, LOG2_E, SharedMemory};
+use crate::layout::{
+    AttentionShape, FLASH_THREAD_COLS as LANES, FLASH_THREAD_ROWS, FLASH_THREADS, flash_backward_kv_strides,
+    flash_backward_q_strides,
+};
+use crate::tiles::{Mask, a_bt, accumulate_ab, mask_tile, store_rows, store_tile, store_tile_transposed};
+
+/// D[row] = Σ_d dO[row, d] · O[row, d] for every query row (`rows = batch · heads · seqlen_q`).
+///
+/// Thread mapping: one warp per row (rows in a grid-stride loop), lanes stride over head_dim,
+/// a warp reduction adds their partial sums.
+///
+/// # Safety
+/// `o` and `d_o` hold `rows × head_dim` floats, `delta` holds `rows`; blocks are whole warps.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn flash_bwd_preprocess_f32(
+    o: *const f32,
+    d_o: *const f32,
+    delta: *mut f32,
+    rows: usize,
+    head_dim: usize,
+) {
+    let warps_per_block = gpu::block_dim_x() / gpu::WARP_SIZE;
+    let mut row = gpu::block_idx().0 * warps_per_block + gpu::warp_id();
+    while row < rows {
+        let mut sum = 0.0f32;
+        for d in (gpu::lane_id()..head_dim).step_by(gpu::WARP_SIZE) {
+            // SAFETY: row < rows, d < head_dim.
+            unsafe { sum = gpu::fma(*o.add(row * head_dim + d), *d_o.add(row * head_dim + d), sum) };
+        }
+        let sum = gpu::group_sum::<32>(sum);
+        if gpu::lane_id() == 0 {
+            // SAFETY: row < rows.
+            unsafe { *delta.add(row) = sum };
+        }
+        row += gpu::grid_dim_x() * warps_per_block;
+    }
+}
+
+/// Pointers of one backward problem, as the kernels receive them.
+#[derive(Clone, Copy)]
+pub(crate) struct BackwardTensors {
+    q: *const f32,
+    k: *const f32,
+    v: *const f32,
+    d_o: *const f32,
+    lse: *const f32,
+    delta: *const f32,
+    dq: *mut f32,
+    dk: *mut f32,
+    dv: *mut f32,
+}
+
+/// Unnormalised → normalised probabilities of a tile: `p = 2^(s·scale_log2 − lse2)`, with `lse2`
+/// the row's (or column's) LSE in base 2. Rows that see no key have LSE = −∞ and so p = +∞ here;
+/// the mask, which hides every key from such rows, replaces those entries with 0.
+#[inline(always)]
+fn probabilities<const ROWS: usize, const COLS: usize>(
+    s: [[f32; COLS]; ROWS],
+    scale_log2: f32,
+    lse2: impl Fn(usize, usize) -> f32,
+) -> [[f32; COLS]; ROWS] {
+    let mut p = s;
+    for i in 0..ROWS {
+        for j in 0..COLS {
+            p[i][j] = gpu::exp2(s[i][j] * scale_log2 - lse2(i, j));
+        }
+    }
+    p
+}
+
+/// dS = P ∘ (dP − D), entry by entry, `delta(i, j)` giving the D of the entry's query row.
+#[inline(always)]
+fn softmax_grad<const ROWS: usize, const COLS: usize>(
+    p: &[[f32; COLS]; ROWS],
+    dp: &[[f32; COLS]; ROWS],
+    delta: impl Fn(usize, usize) -> f32,
+) -> [[f32; COLS]; ROWS] {
+    core::array::from_fn(|i| core::array::from_fn(|j| p[i][j] * (dp[i][j] - delta(i, j))))
+}
+
+/// The K/V-outer kernel body; see the module docs. With `ATOMIC_DQ` it also accumulates dQ into
+/// `t.dq` (which the host zeroes first) with atomic adds.
+///
+/// Grid: `(ceil(seqlen_k / BLOCK_N), num_heads_kv, batch)`; block: [`FLASH_THREADS`] threads;
+/// dynamic shared memory: `layout::flash_backward_kv_smem_bytes(BLOCK_M, BLOCK_N, HEAD_DIM)`.
+///
+/// # Safety
+/// Tensors of the shapes in `shape`, 16-byte aligned; `lse` and `delta` hold one float per query
+/// row; dK and dV do not overlap the inputs; the launch has the grid, block and shared memory above.
+#[inline(always)]
+pub(crate) unsafe fn flash_backward_kv<
+    const BLOCK_M: usize,
+    const BLOCK_N: usize,
+    const HEAD_DIM: usize,
+    const KROWS: usize,
+    const QCOLS: usize,
+    const QROWS: usize,
+    const DVEC: usize,
+    const ATOMIC_DQ: bool,
+>(
+    t: BackwardTensors,
+    shape: AttentionShape,
+    mask: Mask,
+    scale: f32,
+) {
+    const {
+        assert!(BLOCK_N == FLASH_THREAD_ROWS * KROWS && BLOCK_N.is_multiple_of(4));
+        assert!(BLOCK_M == LANES * QCOLS && BLOCK_M == FLASH_THREAD_ROWS * QROWS);
+        assert!(HEAD_DIM == 4 * LANES * DVEC);
+    };
+    let scale_log2 = scale * LOG2_E;
+    let (kv_block, kv_head, batch) = gpu::block_idx();
+    let kv_start = kv_block * BLOCK_N;
+    let kv_rows = BLOCK_N.min(shape.seqlen_k - kv_start);
+    // Offset of this key block in K, V, dK, dV (all of K's layout).
+    let kv_offset = ((batch * shape.num_heads_kv + kv_head) * shape.seqlen_k + kv_start) * HEAD_DIM;
+
+    let (row_group, lane) = (gpu::thread_idx_x() / LANES, gpu::thread_idx_x() % LANES);
+    let (first_key, first_query) = (row_group * KROWS, row_group * QROWS);
+
+    let [kv_stride, q_stride, pt_stride, ds_stride] = flash_backward_kv_strides(BLOCK_M, BLOCK_N, HEAD_DIM);
+    let mut smem = SharedMemory::new();
+    let k_tile = smem.tile(BLOCK_N, kv_stride);
+    let v_tile = smem.tile(BLOCK_N, kv_stride);
+    let q_tile = smem.tile(BLOCK_M, q_stride);
+    let do_tile = smem.tile(BLOCK_M, q_stride);
+    let pt_tile = smem.tile(BLOCK_N, pt_stride);
+    let ds_tile = smem.tile(BLOCK_M, ds_stride);
+    let stats = smem.tile(2, BLOCK_M); // row 0: LSE·log₂e, row 1: D, per query of the tile
+
+    // SAFETY: rows kv_start .. kv_start + kv_rows of this head exist.
+    unsafe {
+        k_tile.copy_rows_from::<FLASH_THREADS>(t.k.add(kv_offset), BLOCK_N, HEAD_DIM, kv_rows);
+        v_tile.copy_rows_from::<FLASH_THREADS>(t.v.add(kv_offset), BLOCK_N, HEAD_DIM, kv_rows);
+    }
+
+    let mut dk = [[F32x4::ZERO; DVEC]; KROWS];
+    let mut dv = [[F32x4::ZERO; DVEC]; KROWS];
+    // Queries before `first_seeing` see none of this block's keys: their tiles are skipped.
+    let first_seeing = mask.first_query_seeing(kv_start);
+
+    for head in kv_head * shape.group_size()..(kv_head + 1) * shape.group_size() {
+        let q_offset = shape.q_head_offset(batch, head);
+        let row_offset = q_offset / HEAD_DIM; // first query row of this head, in LSE and D
+        for q_start in (first_seeing..shape.seqlen_q).step_by(BLOCK_M) {
+            let q_rows = BLOCK_M.min(shape.seqlen_q - q_start);
+            // Nobody may still be reading the previous tiles.
+            gpu::sync_threads();
+            // SAFETY: rows q_start .. q_start + q_rows of this head exist.
+            unsafe {
+                let rows = q_offset + q_start * HEAD_DIM;
+                q_tile.copy_rows_from::<FLASH_THREADS>(t.q.add(rows), BLOCK_M, HEAD_DIM, q_rows);
+                do_tile.copy_rows_from::<FLASH_THREADS>(t.d_o.add(rows), BLOCK_M, HEAD_DIM, q_rows);
+            }
+            let mut c = gpu::thread_idx_x();
+            while c < BLOCK_M {
+                let (lse2, delta) = if c < q_rows {
+                    // SAFETY: the query row exists.
+                    unsafe { (*t.lse.add(row_offset + q_start + c) * LOG2_E, *t.delta.add(row_offset + q_start + c)) }
+                } else {
+                    (0.0, 0.0)
+                };
+                stats.store(0, c, lse2);
+                stats.store(1, c, delta);
+                c += FLASH_THREADS;
+            }
+            gpu::sync_threads();
+
+            // Pᵀ for this thread's key rows and query columns.
+            let st = a_bt::<HEAD_DIM, KROWS, QCOLS>(k_tile, q_tile, first_key, lane);
+            let mut pt = probabilities(st, scale_log2, |_, j| stats.load(0, lane + LANES * j));
+            // Tiles where some query cannot see some key (the causal diagonal, the ragged ends)
+            // pay for the per-element mask.
+            if q_start + BLOCK_M > shape.seqlen_q || kv_start + BLOCK_N > mask.key_limit(q_start) {
+                mask_tile(&mut pt, first_key, lane, 0.0, |r, c| mask.visible(q_start + c, kv_start + r));
+            }
+            // dV += Pᵀ dO. A row group reads back only the key rows it wrote: a warp barrier.
+            store_tile(pt_tile, &pt, first_key, lane);
+            gpu::sync_warp();
+            accumulate_ab::<BLOCK_M, KROWS, DVEC>(&mut dv, pt_tile, do_tile, first_key, lane);
+
+            // dSᵀ = Pᵀ ∘ (dPᵀ − D), dPᵀ = V dOᵀ; then dK += dSᵀ Q (scaled at the end).
+            let dpt = a_bt::<HEAD_DIM, KROWS, QCOLS>(v_tile, do_tile, first_key, lane);
+            let dst = softmax_grad(&pt, &dpt, |_, j| stats.load(1, lane + LANES * j));
+            gpu::sync_warp(); // the row group has finished reading Pᵀ
+            store_tile(pt_tile, &dst, first_key, lane);
+            gpu::sync_warp();
+            accumulate_ab::<BLOCK_M, KROWS, DVEC>(&mut dk, pt_tile, q_tile, first_key, lane);
+
+            if ATOMIC_DQ {
+                // dQ_i += dS K · scale needs every key row of dS: publish it to the whole block.
+                store_tile_transposed(ds_tile, &dst, first_key, lane);
+                gpu::sync_threads();
+                let mut dq = [[F32x4::ZERO; DVEC]; QROWS];
+                accumulate_ab::<BLOCK_N, QROWS, DVEC>(&mut dq, ds_tile, k_tile, first_query, lane);
+                for i in 0..QROWS {
+                    if first_query + i < q_rows {
+                        for g in 0..DVEC {
+                            let column = 4 * lane + 32 * g;
+                            for (e, &value) in dq[i][g].0.iter().enumerate() {
+                                // SAFETY: the query row and column exist.
+                                unsafe {
+                                    gpu::atomic_add(
+                                        t.dq.add(q_offset + (q_start + first_query + i) * HEAD_DIM + column + e),
+                                        value * scale,
+                                    )
+                                };
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // SAFETY: rows kv_start .. kv_start + kv_rows of dK and dV exist.
+    unsafe {
+        store_rows::<HEAD_DIM, KROWS, DVEC>(&dk, [scale; KROWS], t.dk.add(kv_offset), kv_rows, first_key, lane);
+        store_rows::<HEAD_DIM, KROWS, DVEC>(&dv, [1.0; KROWS], t.dv.add(kv_offset), kv_rows, first_key, lane);
+    }
+}
+
+/// The deterministic dQ kernel body: one block per `BLOCK_M` query rows of one query head, looping
+/// over key tiles like the forward pass (and skipping hidden ones the same way).
+///
+/// Grid: `(ceil(seqlen_q / BLOCK_M), num_heads_q, batch)`; block: [`FLASH_THREADS`] threads;
+/// dynamic shared memory: `layout::flash_backward_q_smem_bytes(BLOCK_M, BLOCK_N, HEAD_DIM)`.
+///
+/// # Safety
+/// As [`flash_backward_kv`]; only `t.dq` is written.
+#[inline(always)]
+pub(crate) unsafe fn flash_backward_q<
+    const BLOCK_M: usize,
+    const BLOCK_N: usize,
+    const HEAD_DIM: usize,
+    const ROWS: usize,
+    const COLS: usize,
+    const DVEC: usize,
+>(
+    t: BackwardTensors,
+    shape: AttentionShape,
+    mask: Mask,
+    scale: f32,
+) {
+    const {
+        assert!(BLOCK_M == FLASH_THREAD_ROWS * ROWS);
+        assert!(BLOCK_N == LANES * COLS && BLOCK_N.is_multiple_of(4));
+        assert!(HEAD_DIM == 4 * LANES * DVEC);
+    };
+    let scale_log2 = scale * LOG2_E;
+    let (q_block, head, batch) = gpu::block_idx();
+    let q_start = q_block * BLOCK_M;
+    let q_rows = BLOCK_M.min(shape.seqlen_q - q_start);
+    let (q_offset, kv_offset) = (shape.q_head_offset(batch, head), shape.kv_head_offset(batch, head));
+    let row_offset = q_offset / HEAD_DIM + q_start; // first query row of this block, in LSE and D
+
+    let (row_group, lane) = (gpu::thread_idx_x() / LANES, gpu::thread_idx_x() % LANES);
+    let first_row = row_group * ROWS;
+
+    let [qkv_stride, ds_stride] = flash_backward_q_strides(BLOCK_N, HEAD_DIM);
+    let mut smem = SharedMemory::new();
+    let q_tile = smem.tile(BLOCK_M, qkv_stride);
+    let do_tile = smem.tile(BLOCK_M, qkv_stride);
+    let k_tile = smem.tile(BLOCK_N, qkv_stride);
+    let v_tile = smem.tile(BLOCK_N, qkv_stride);
+    let ds_tile = smem.tile(BLOCK_M, ds_stride);
+
+    // SAFETY: rows q_start .. q_start + q_rows of this head exist.
+    unsafe {
+        let rows = q_offset + q_start * HEAD_DIM;
+        q_tile.copy_rows_from::<FLASH_THREADS>(t.q.add(rows), BLOCK_M, HEAD_DIM, q_rows);
+        do_tile.copy_rows_from::<FLASH_THREADS>(t.d_o.add(rows), BLOCK_M, HEAD_DIM, q_rows);
+    }
+    // This thread's rows' LSE (base 2) and D; padding rows get 0 and are never written.
+    let (mut lse2, mut delta) = ([0.0f32; ROWS], [0.0f32; ROWS]);
+    for i in 0..ROWS {
+        if first_row + i < q_rows {
+            // SAFETY: the row exists.
+            unsafe {
+                lse2[i] = *t.lse.add(row_offset + first_row + i) * LOG2_E;
+                delta[i] = *t.delta.add(row_offset + first_row + i);
+            }
+        }
+    }
+
+    let mut dq = [[F32x4::ZERO; DVEC]; ROWS];
+    let kv_end = mask.key_limit(q_start + q_rows - 1);
+    let all_see = mask.key_limit(q_start);
+    for kv_start in (0..kv_end).step_by(BLOCK_N) {
+        let kv_rows = BLOCK_N.min(shape.seqlen_k - kv_start);
+        gpu::sync_threads();
+        // SAFETY: rows kv_start .. kv_start + kv_rows of this head exist.
+        unsafe {
+            let rows = kv_offset + kv_start * HEAD_DIM;
+            k_tile.copy_rows_from::<FLASH_THREADS>(t.k.add(rows), BLOCK_N, HEAD_DIM, kv_rows);
+            v_tile.copy_rows_from::<FLASH_THREADS>(t.v.add(rows), BLOCK_N, HEAD_DIM, kv_rows);
+        }
+        gpu::sync_threads();
+
+        let s = a_bt::<HEAD_DIM, ROWS, COLS>(q_tile, k_tile, first_row, lane);
+        let mut p = probabilities(s, scale_log2, |i, _| lse2[i]);
+        if kv_start + BLOCK_N > all_see {
+            mask_tile(&mut p, first_row, lane, 0.0, |r, c| mask.visible(q_start + r, kv_start + c));
+        }
+        let dp = a_bt::<HEAD_DIM, ROWS, COLS>(do_tile, v_tile, first_row, lane);
+        let ds = softmax_grad(&p, &dp, |i, _| delta[i]);
+        store_tile(ds_tile, &ds, first_row, lane);
+        gpu::sync_warp();
+        accumulate_ab::<BLOCK_N, ROWS, DVEC>(&mut dq, ds_tile, k_tile, first_row, lane);
+    }
+    // SAFETY: rows q_start .. q_start + q_rows of dQ exist.
+    unsafe {
+        store_rows::<HEAD_DIM, ROWS, DVEC>(
+            &dq,
+            [scale; ROWS],
+            t.dq.add(q_offset + q_start * HEAD_DIM),
+            q_rows,
+            first_row,
+            lane,
+        )
+    };
+}
+
+/// The three backward entries for one tile: `flash_bwd_f32_*` (dK, dV and atomic dQ),
+/// `flash_bwd_dkdv_f32_*` (dK, dV only) and `flash_bwd_dq_f32_*` (deterministic dQ). All take
+/// the same arguments.
+macro_rules! flash_backward_instance {
+    ($block_m:literal, $block_n:literal, $head_dim:literal) => {
+        flash_backward_instance!(@kv ${concat(flash_bwd_f32_m, $block_m, _n, $block_n, _d, $head_dim)}, $block_m, $block_n, $head_dim, true);
+        flash_backward_instance!(@kv ${concat(flash_bwd_dkdv_f32_m, $block_m, _n, $block_n, _d, $head_dim)}, $block_m, $block_n, $head_dim, false);
+        flash_backward_instance!(@q ${concat(flash_bwd_dq_f32_m, $block_m, _n, $block_n, _d, $head_dim)}, $block_m, $block_n, $head_dim);
+    };
+    (@kv $name:ident, $block_m:literal, $block_n:literal, $head_dim:literal, $atomic_dq:literal) => {
+        flash_backward_instance!(@entry $name, |t, shape, mask, scale| flash_backward_kv::<
+            $block_m,
+            $block_n,
+            $head_dim,
+            { $block_n / FLASH_THREAD_ROWS },
+            { $block_m / LANES },
+            { $block_m / FLASH_THREAD_ROWS },
+            { $head_dim / (4 * LANES) },
+            $atomic_dq,
+        >(t, shape, mask, scale));
+    };
+    (@q $name:ident, $block_m:literal, $block_n:literal, $head_dim:literal) => {
+        flash_backward_instance!(@entry $name, |t, shape, mask, scale| flash_backward_q::<
+            $block_m,
+            $block_n,
+            $head_dim,
+            { $block_m / FLASH_THREAD_ROWS },
+            { $block_n / LANES },
+            { $head_dim / (4 * LANES) },
+        >(t, shape, mask, scale));
+    };
+    (@entry $name:ident, |$t:ident, $shape:ident, $mask:ident, $scale:ident| $body:expr) => {
+        /// FlashAttention-2 backward, `f32`; see the module docs.
+        ///
+        /// # Safety
+        /// As `flash_backward_kv` / `flash_backward_q`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "gpu-kernel" fn $name(
+            q: *const f32,
+            k: *const f32,
+            v: *const f32,
+            d_o: *const f32,
+            lse: *const f32,
+            delta: *const f32,
+            dq: *mut f32,
+            dk: *mut f32,
+            dv: *mut f32,
+            batch: usize,
+            num_heads_q: usize,
+            num_heads_kv: usize,
+            seqlen_q: usize,
+            seqlen_k: usize,
+            head_dim: usize,
+            causal: usize,
+            causal_offset: isize,
+            scale: f32,
+        ) {
+            let $t = BackwardTensors { q, k, v, d_o, lse, delta, dq, dk, dv };
+            let $shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
+            let $mask = Mask { seqlen_q, seqlen_k, causal: causal != 0, offset: causal_offset };
+            let $scale = scale;
+            unsafe { $body }
+        }
+    };
+}
+
+for_each_tile!(flash_backward_instance);

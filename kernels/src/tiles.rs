@@ -1,0 +1,206 @@
+//! Block-level tile math shared by the FlashAttention kernels (forward and backward), and the one
+//! causal-mask helper they all use.
+//!
+//! ## The thread grid
+//!
+//! Every FlashAttention block has 128 threads, seen as 16 *row groups* of 8 *lanes*
+//! (`layout::FLASH_THREAD_ROWS × FLASH_THREAD_COLS`). A thread owns `ROWS` consecutive rows of a
+//! tile, starting at `first_row = row_group · ROWS`. In a product tile it owns the columns
+//! `lane + 8·j`, `j < COLS`: interleaved, so the 8 lanes of a row group read 8 different rows of
+//! the right-hand operand at once. In a `… × head_dim` accumulator it owns the columns
+//! `4·lane + 32·g … +4`, `g < DVEC`: the 8 lanes cover 32 contiguous columns, one 16-byte vector
+//! each. A row group lies inside one warp, so rows a row group writes to shared memory and reads
+//! back itself need only a warp barrier.
+//!
+//! The forward pass uses query rows as its rows; the K/V-outer backward kernel uses key rows.
+
+use crate::gpu::{F32x4, SharedTile};
+use crate::layout::FLASH_THREAD_COLS as LANES;
+
+/// Which keys each query may attend to (causal masking), and the sequence bounds.
+///
+/// Key `j` is visible to query `i` iff `j < key_limit(i)`:
+///
+/// * not causal: every key, `key_limit(i) = seqlen_k`;
+/// * causal: keys `j ≤ i + offset`, where `offset = 0` aligns the mask to the top-left corner
+///   (PyTorch's `is_causal`) and `offset = seqlen_k − seqlen_q` to the bottom-right corner
+///   (FlashAttention ≥ 2.1). The host computes the offset.
+///
+/// Queries at or past `seqlen_q` (padding rows of the last tile) see no key at all.
+#[derive(Clone, Copy)]
+pub struct Mask {
+    pub seqlen_q: usize,
+    pub seqlen_k: usize,
+    pub causal: bool,
+    pub offset: isize,
+}
+
+impl Mask {
+    /// Number of keys query `query` sees: keys `0 .. key_limit(query)`. Non-decreasing in
+    /// `query` (for queries below `seqlen_q`), which is what lets whole tiles be skipped.
+    #[inline(always)]
+    pub fn key_limit(&self, query: usize) -> usize {
+        if query >= self.seqlen_q {
+            0
+        } else if self.causal {
+            // 0 ≤ result ≤ seqlen_k; computed in isize because the offset can be negative.
+            (query as isize + 1 + self.offset).clamp(0, self.seqlen_k as isize) as usize
+        } else {
+            self.seqlen_k
+        }
+    }
+
+    /// The first query that sees `key` (`seqlen_q` if none does): queries before it can be
+    /// skipped by a block that owns this key.
+    #[inline(always)]
+    pub fn first_query_seeing(&self, key: usize) -> usize {
+        if self.causal {
+            // key < query + 1 + offset  ⇔  query ≥ key − offset
+            (key as isize - self.offset).clamp(0, self.seqlen_q as isize) as usize
+        } else {
+            0
+        }
+    }
+
+    /// Whether `key` is visible to `query`.
+    #[inline(always)]
+    pub fn visible(&self, query: usize, key: usize) -> bool {
+        key < self.key_limit(query)
+    }
+}
+
+/// This thread's entries of A Bᵀ: `out[i][j] = Σ_d A[first_row + i][d] · B[lane + 8j][d]` over
+/// `d < K`. A and B are row-major tiles with strides that are multiples of 4; the loop reads 16
+/// bytes of each per step and does 4 multiply-adds per pair.
+#[inline(always)]
+pub fn a_bt<const K: usize, const ROWS: usize, const COLS: usize>(
+    a: SharedTile,
+    b: SharedTile,
+    first_row: usize,
+    lane: usize,
+) -> [[f32; COLS]; ROWS] {
+    let mut out = [[0.0f32; COLS]; ROWS];
+    for d in (0..K).step_by(4) {
+        let a4: [F32x4; ROWS] = core::array::from_fn(|i| a.load4(first_row + i, d));
+        let b4: [F32x4; COLS] = core::array::from_fn(|j| b.load4(lane + LANES * j, d));
+        for i in 0..ROWS {
+            for j in 0..COLS {
+                out[i][j] = a4[i].dot_add(b4[j], out[i][j]);
+            }
+        }
+    }
+    out
+}
+
+/// `acc[i][g] += Σ_c A[first_row + i][c] · B[c][4·lane + 32·g … +4]` over `c < K` (K a multiple
+/// of 4): this thread's share of an A B product whose rows are its rows and whose columns are its
+/// `head_dim` columns. A is read 16 bytes (4 values of c) at a time.
+#[inline(always)]
+pub fn accumulate_ab<const K: usize, const ROWS: usize, const DVEC: usize>(
+    acc: &mut [[F32x4; DVEC]; ROWS],
+    a: SharedTile,
+    b: SharedTile,
+    first_row: usize,
+    lane: usize,
+) {
+    for c in (0..K).step_by(4) {
+        let a4: [F32x4; ROWS] = core::array::from_fn(|i| a.load4(first_row + i, c));
+        // Four calls rather than a loop over 0..4: the index into each vector of `a4` must be a
+        // compile-time constant. When LLVM leaves such a loop rolled (it does at head_dim 128),
+        // a run-time index moves `a4` to local memory, which is slow.
+        accumulate_row::<0, ROWS, DVEC>(acc, &a4, b, c, lane);
+        accumulate_row::<1, ROWS, DVEC>(acc, &a4, b, c, lane);
+        accumulate_row::<2, ROWS, DVEC>(acc, &a4, b, c, lane);
+        accumulate_row::<3, ROWS, DVEC>(acc, &a4, b, c, lane);
+    }
+}
+
+/// `acc[i][g] += a4[i][K] · B[c + K][4·lane + 32·g … +4]`: row `c + K` of B's contribution.
+#[inline(always)]
+fn accumulate_row<const K: usize, const ROWS: usize, const DVEC: usize>(
+    acc: &mut [[F32x4; DVEC]; ROWS],
+    a4: &[F32x4; ROWS],
+    b: SharedTile,
+    c: usize,
+    lane: usize,
+) {
+    let b4: [F32x4; DVEC] = core::array::from_fn(|g| b.load4(c + K, 4 * lane + 32 * g));
+    for i in 0..ROWS {
+        for g in 0..DVEC {
+            acc[i][g] = acc[i][g].add_scaled(a4[i].0[K], b4[g]);
+        }
+    }
+}
+
+/// Sets `x[i][j] = value` wherever `visible(first_row + i, lane + 8j)` is false (tile-local
+/// row and column; the caller maps them to queries and keys).
+#[inline(always)]
+pub fn mask_tile<const ROWS: usize, const COLS: usize>(
+    x: &mut [[f32; COLS]; ROWS],
+    first_row: usize,
+    lane: usize,
+    value: f32,
+    visible: impl Fn(usize, usize) -> bool,
+) {
+    for i in 0..ROWS {
+        for j in 0..COLS {
+            if !visible(first_row + i, lane + LANES * j) {
+                x[i][j] = value;
+            }
+        }
+    }
+}
+
+/// Writes this thread's entries `x[i][j]` to `tile` at `(first_row + i, lane + 8j)`.
+#[inline(always)]
+pub fn store_tile<const ROWS: usize, const COLS: usize>(
+    tile: SharedTile,
+    x: &[[f32; COLS]; ROWS],
+    first_row: usize,
+    lane: usize,
+) {
+    for i in 0..ROWS {
+        for j in 0..COLS {
+            tile.store(first_row + i, lane + LANES * j, x[i][j]);
+        }
+    }
+}
+
+/// Writes this thread's entries `x[i][j]` to `tile` transposed, at `(lane + 8j, first_row + i)`.
+#[inline(always)]
+pub fn store_tile_transposed<const ROWS: usize, const COLS: usize>(
+    tile: SharedTile,
+    x: &[[f32; COLS]; ROWS],
+    first_row: usize,
+    lane: usize,
+) {
+    for i in 0..ROWS {
+        for j in 0..COLS {
+            tile.store(lane + LANES * j, first_row + i, x[i][j]);
+        }
+    }
+}
+
+/// Writes `scale · acc` (this thread's rows and `head_dim` columns) to the row-major global
+/// tensor rows starting at `dst`, for the tile-local rows below `valid_rows` only.
+///
+/// # Safety
+/// `dst` points to at least `valid_rows` rows of `HEAD_DIM` floats, 16-byte aligned.
+#[inline(always)]
+pub unsafe fn store_rows<const HEAD_DIM: usize, const ROWS: usize, const DVEC: usize>(
+    acc: &[[F32x4; DVEC]; ROWS],
+    scale: [f32; ROWS],
+    dst: *mut f32,
+    valid_rows: usize,
+    first_row: usize,
+    lane: usize,
+) {
+    for i in 0..ROWS {
+        if first_row + i < valid_rows {
+            for g in 0..DVEC {
+                // SAFETY: the row is below valid_rows and the columns below HEAD_DIM.
+                unsafe { acc[i][g].scale(scale[i]).store(dst.add((first_row + i) * HEAD_DIM + 4 * lane + 32 * g)) };
+            }
+        }
+    }
+}
