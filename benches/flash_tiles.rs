@@ -4,7 +4,9 @@
 
 use attn_host::check::random_normal;
 use attn_host::timing::{tflops, time_gpu};
-use attn_host::{AttentionOptions, AttentionShape, Context, DqAccumulation, FlashKernel, Result, TileConfig};
+use attn_host::{
+    AttentionOptions, AttentionOutput, AttentionShape, Context, DqAccumulation, FlashKernel, Result, TileConfig,
+};
 
 const WARMUP: usize = 3;
 const REPEATS: usize = 15;
@@ -19,6 +21,7 @@ fn main() -> Result<()> {
     };
     println!("device: {}", ctx.device());
     vector_add_bandwidth(&ctx)?;
+    small_problem_overhead(&ctx)?;
     let options = AttentionOptions::default();
     println!("\n| head_dim | pass | block_m | block_n | smem (KiB) | regs | time (ms) | TFLOP/s |");
     println!("|---|---|---|---|---|---|---|---|");
@@ -92,5 +95,25 @@ fn vector_add_bandwidth(ctx: &Context) -> Result<()> {
         let t = time_gpu(ctx, WARMUP, REPEATS, || ctx.vector_add_into(&a, &b, &mut c))?;
         println!("| 2^{log2} | {:.4} | {:.0} |", t.median_ms, 12.0 * n as f64 / (t.median_ms * 1e-3) / 1e9);
     }
+    Ok(())
+}
+
+/// A ViT-B/16-sized forward (8 × 12 × 197 × 64, one wave of blocks, tens of microseconds): the
+/// allocating call against the `_into` call that reuses its outputs, to show how much of a small
+/// problem's time is host-side work (allocation, argument checks, launch).
+fn small_problem_overhead(ctx: &Context) -> Result<()> {
+    let shape = AttentionShape { batch: 8, num_heads_q: 12, num_heads_kv: 12, seqlen_q: 197, seqlen_k: 197, head_dim: 64 };
+    let n: usize = shape.q_shape().iter().product();
+    let q = ctx.upload(&random_normal(n, 1), &shape.q_shape())?;
+    let k = ctx.upload(&random_normal(n, 2), &shape.kv_shape())?;
+    let v = ctx.upload(&random_normal(n, 3), &shape.kv_shape())?;
+    let (options, tile) = (AttentionOptions::default(), TileConfig::default_for(64));
+    let mut out = AttentionOutput { o: ctx.full(&shape.q_shape(), 0.0)?, lse: ctx.full(&shape.lse_shape(), 0.0)? };
+    let allocating = time_gpu(ctx, 10, 50, || ctx.flash_attention_forward(&q, &k, &v, &options, tile).map(drop))?;
+    let into = time_gpu(ctx, 10, 50, || ctx.flash_attention_forward_into(&q, &k, &v, &mut out, &options, tile))?;
+    println!("\n| ViT-B/16 forward [8, 12, 197, 64] | median (ms) | min (ms) |");
+    println!("|---|---|---|");
+    println!("| flash_attention_forward (allocates O, LSE) | {:.4} | {:.4} |", allocating.median_ms, allocating.min_ms);
+    println!("| flash_attention_forward_into | {:.4} | {:.4} |", into.median_ms, into.min_ms);
     Ok(())
 }

@@ -184,6 +184,7 @@ fn tile_validation_lists_allowed_values() {
             assert!(tile.validate(head_dim, &big).is_ok(), "{tile:?} d{head_dim} should fit 227 KiB");
         }
         assert!(TileConfig::compiled(head_dim).contains(&TileConfig::default_for(head_dim)));
+        assert!(TileConfig::compiled(head_dim).contains(&TileConfig::default_backward_for(head_dim)));
     }
     let err = TileConfig::new(48, 64).validate(64, &big).unwrap_err();
     let message = err.to_string();

@@ -183,8 +183,8 @@ impl TileConfig {
     /// (see `PERFORMANCE.md`).
     pub fn default_for(head_dim: usize) -> Self {
         match head_dim {
-            128 => Self::new(64, 32),
-            _ => Self::new(64, 64),
+            64 => Self::new(64, 64),
+            _ => Self::new(64, 32),
         }
     }
 
@@ -192,7 +192,7 @@ impl TileConfig {
     /// (see `PERFORMANCE.md`).
     pub fn default_backward_for(head_dim: usize) -> Self {
         match head_dim {
-            128 => Self::new(32, 32),
+            128 => Self::new(64, 64),
             _ => Self::new(32, 64),
         }
     }
