@@ -102,7 +102,8 @@ fn vector_add_bandwidth(ctx: &Context) -> Result<()> {
 /// allocating call against the `_into` call that reuses its outputs, to show how much of a small
 /// problem's time is host-side work (allocation, argument checks, launch).
 fn small_problem_overhead(ctx: &Context) -> Result<()> {
-    let shape = AttentionShape { batch: 8, num_heads_q: 12, num_heads_kv: 12, seqlen_q: 197, seqlen_k: 197, head_dim: 64 };
+    let shape =
+        AttentionShape { batch: 8, num_heads_q: 12, num_heads_kv: 12, seqlen_q: 197, seqlen_k: 197, head_dim: 64 };
     let n: usize = shape.q_shape().iter().product();
     let q = ctx.upload(&random_normal(n, 1), &shape.q_shape())?;
     let k = ctx.upload(&random_normal(n, 2), &shape.kv_shape())?;

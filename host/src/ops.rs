@@ -362,6 +362,7 @@ impl Context {
     }
 
     /// [`Context::attention_naive_backward`] into existing gradient tensors.
+    #[allow(clippy::too_many_arguments)]
     pub fn attention_naive_backward_into(
         &self,
         q: &DeviceTensor,

@@ -120,6 +120,7 @@ impl<const ROWS: usize> OnlineSoftmax<ROWS> {
 /// `shape.head_dim == HEAD_DIM`; `o` and `lse` (`[batch, num_heads_q, seqlen_q]`) do not overlap
 /// the inputs; the launch has the grid, block and shared memory above.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn flash_forward<
     const BLOCK_M: usize,
     const BLOCK_N: usize,
