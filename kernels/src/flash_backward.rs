@@ -47,9 +47,7 @@ use crate::layout::{
     AttentionShape, FLASH_THREAD_COLS as LANES, FLASH_THREAD_ROWS, FLASH_THREADS, flash_backward_kv_strides,
     flash_backward_q_strides,
 };
-use crate::tiles::{
-    Mask, a_bt, accumulate_ab, mask_tile, query_tile_heaviest_first, store_rows, store_tile, store_tile_transposed,
-};
+use crate::tiles::{Mask, a_bt, accumulate_ab, mask_tile, store_rows, store_tile, store_tile_transposed};
 
 /// D[row] = Σ_d dO[row, d] · O[row, d] for every query row (`rows = batch · heads · seqlen_q`).
 ///
@@ -295,8 +293,7 @@ pub(crate) unsafe fn flash_backward_q<
         assert!(HEAD_DIM == 4 * LANES * DVEC);
     };
     let scale_log2 = scale * LOG2_E;
-    let (_, head, batch) = gpu::block_idx();
-    let q_block = query_tile_heaviest_first();
+    let (q_block, head, batch) = gpu::block_idx();
     let q_start = q_block * BLOCK_M;
     let q_rows = BLOCK_M.min(shape.seqlen_q - q_start);
     let (q_offset, kv_offset) = (shape.q_head_offset(batch, head), shape.kv_head_offset(batch, head));

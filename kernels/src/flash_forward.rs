@@ -52,7 +52,7 @@ use crate::gpu::{self, F32x4, LN_2, SharedMemory};
 use crate::layout::{
     AttentionShape, FLASH_THREAD_COLS as LANES, FLASH_THREAD_ROWS, FLASH_THREADS, flash_forward_strides,
 };
-use crate::tiles::{Mask, a_bt, accumulate_ab, mask_tile, query_tile_heaviest_first, store_rows, store_tile};
+use crate::tiles::{Mask, a_bt, accumulate_ab, mask_tile, store_rows, store_tile};
 
 /// Per-row state of the online softmax for the `ROWS` query rows of one thread.
 struct OnlineSoftmax<const ROWS: usize> {
@@ -143,8 +143,7 @@ pub(crate) unsafe fn flash_forward<
         assert!(BLOCK_N == LANES * COLS && BLOCK_N.is_multiple_of(4));
         assert!(HEAD_DIM == 4 * LANES * DVEC);
     };
-    let (_, head, batch) = gpu::block_idx();
-    let q_block = query_tile_heaviest_first();
+    let (q_block, head, batch) = gpu::block_idx();
     let q_start = q_block * BLOCK_M;
     let q_rows = BLOCK_M.min(shape.seqlen_q - q_start);
     // This block's head in each tensor. O has Q's layout; LSE has one float per query row.

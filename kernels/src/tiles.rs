@@ -69,15 +69,6 @@ impl Mask {
     }
 }
 
-/// This block's query tile, heaviest first: block x of the grid takes query tile
-/// `gridDim.x − 1 − x`. Under a causal mask the last query tiles see the most keys; started first,
-/// they do not leave the GPU waiting on a few long blocks at the end of the launch. Without a
-/// mask every tile costs the same and the order does not matter.
-#[inline(always)]
-pub fn query_tile_heaviest_first() -> usize {
-    crate::gpu::grid_dim_x() - 1 - crate::gpu::block_idx().0
-}
-
 /// This thread's entries of A Bᵀ: `out[i][j] = Σ_d A[first_row + i][d] · B[lane + 8j][d]` over
 /// `d < K`. A and B are row-major tiles with strides that are multiples of 4; the loop reads 16
 /// bytes of each per step and does 4 multiply-adds per pair.
