@@ -6,7 +6,7 @@
 //! this crate builds and its CPU parts run on machines without a GPU).
 //!
 //! ```no_run
-//! use attn_host::{AttentionOptions, Context, TileConfig, check};
+//! use attn_host::{AttentionOptions, Causal, Context, DqAccumulation, TileConfig, check};
 //!
 //! # fn main() -> attn_host::Result<()> {
 //! let ctx = Context::new(0)?;
@@ -15,9 +15,16 @@
 //! let q = ctx.upload(&check::random_normal(n, 1), &shape)?;
 //! let k = ctx.upload(&check::random_normal(n, 2), &shape)?;
 //! let v = ctx.upload(&check::random_normal(n, 3), &shape)?;
-//! let out = ctx.flash_attention_forward(&q, &k, &v, &AttentionOptions::default(), TileConfig::default_for(64))?;
-//! let o: Vec<f32> = out.o.to_host()?; // [2, 8, 1024, 64]
-//! let lse: Vec<f32> = out.lse.to_host()?; // [2, 8, 1024]
+//! let options = AttentionOptions::causal(Causal::TopLeft);
+//! let out = ctx.flash_attention_forward(&q, &k, &v, &options, TileConfig::default_for(64))?;
+//! let (o, lse) = (out.o.to_host()?, out.lse.to_host()?); // [2, 8, 1024, 64] and [2, 8, 1024]
+//!
+//! // Backward: dO = ∂loss/∂O in, dQ, dK, dV out.
+//! let d_o = ctx.upload(&check::random_normal(n, 4), &shape)?;
+//! let grads = ctx.flash_attention_backward(
+//!     &q, &k, &v, &out.o, &out.lse, &d_o, &options, TileConfig::default_backward_for(64), DqAccumulation::Atomic,
+//! )?;
+//! let dq = grads.dq.to_host()?;
 //! # Ok(()) }
 //! ```
 //!
