@@ -39,8 +39,8 @@ proptest! {
         let q = random_normal(s.q_shape().iter().product(), seed as u64);
         let k = random_normal(s.kv_shape().iter().product(), seed as u64 + 1);
         let v = random_normal(s.kv_shape().iter().product(), seed as u64 + 2);
-        let plain = cpu::attention(&q, &k, &v, &s, params(scale, causal));
-        let tiled = cpu::flash_attention(&q, &k, &v, &s, params(scale, causal), TileConfig::new(block_m, block_n));
+        let plain = cpu::attention(&q, &k, &v, &s, params(scale, causal)).unwrap();
+        let tiled = cpu::flash_attention(&q, &k, &v, &s, params(scale, causal), TileConfig::new(block_m, block_n)).unwrap();
         for (a, b) in plain.o.iter().zip(&tiled.o) {
             prop_assert!((a - b).abs() <= 1e-12 * (1.0 + a.abs()), "O: {a} vs {b}");
         }
@@ -52,7 +52,7 @@ proptest! {
 
 /// loss(Q, K, V) = Σ O ∘ W: its gradient is what `attention_backward` computes with dO = W.
 fn loss(q: &[f32], k: &[f32], v: &[f32], w: &[f32], s: &AttentionShape, p: cpu::Params) -> f64 {
-    cpu::attention(q, k, v, s, p).o.iter().zip(w).map(|(o, &w)| o * w as f64).sum()
+    cpu::attention(q, k, v, s, p).unwrap().o.iter().zip(w).map(|(o, &w)| o * w as f64).sum()
 }
 
 /// The CPU backward against central finite differences of the CPU forward, on tiny shapes with
@@ -74,7 +74,7 @@ fn cpu_backward_matches_finite_differences() {
             random_normal(s.kv_shape().iter().product(), seed + 2),
         ];
         let w = random_normal(s.q_shape().iter().product(), seed + 3);
-        let grads = cpu::attention_backward(&inputs[0], &inputs[1], &inputs[2], &w, &s, p);
+        let grads = cpu::attention_backward(&inputs[0], &inputs[1], &inputs[2], &w, &s, p).unwrap();
         for (which, analytic) in [(0, &grads.dq), (1, &grads.dk), (2, &grads.dv)] {
             for index in 0..inputs[which].len() {
                 let original = inputs[which][index];
@@ -108,7 +108,7 @@ fn causal_masks_follow_their_definitions() {
     assert_eq!(visible(Causal::BottomRight), vec![vec![false, false], vec![true, false], vec![true, true]]);
     // And the reference turns a row with no key into O = 0, LSE = −∞.
     let s = shape(1, 1, 1, 3, 2, 2);
-    let r = cpu::attention(&[1.0; 6], &[1.0; 4], &[1.0; 4], &s, params(1.0, Causal::BottomRight));
+    let r = cpu::attention(&[1.0; 6], &[1.0; 4], &[1.0; 4], &s, params(1.0, Causal::BottomRight)).unwrap();
     assert_eq!((&r.o[..2], r.lse[0]), (&[0.0, 0.0][..], f64::NEG_INFINITY));
 }
 
@@ -119,7 +119,7 @@ fn attention_of_one_key_is_that_value() {
     let q = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5];
     let k = [2.0, 0.0, 0.0, 0.0];
     let v = [1.0, 2.0, 3.0, 4.0];
-    let r = cpu::attention(&q, &k, &v, &s, params(1.0, Causal::None));
+    let r = cpu::attention(&q, &k, &v, &s, params(1.0, Causal::None)).unwrap();
     for row in r.o.chunks(4) {
         assert_eq!(row, [1.0, 2.0, 3.0, 4.0]);
     }
@@ -132,8 +132,8 @@ fn attention_head_matches_full_reference() {
     let q = random_normal(s.q_shape().iter().product(), 1);
     let k = random_normal(s.kv_shape().iter().product(), 2);
     let v = random_normal(s.kv_shape().iter().product(), 3);
-    let full = cpu::attention(&q, &k, &v, &s, params(0.3, Causal::TopLeft));
-    let one = cpu::attention_head(&q, &k, &v, &s, params(0.3, Causal::TopLeft), 1, 3);
+    let full = cpu::attention(&q, &k, &v, &s, params(0.3, Causal::TopLeft)).unwrap();
+    let one = cpu::attention_head(&q, &k, &v, &s, params(0.3, Causal::TopLeft), 1, 3).unwrap();
     let start = s.q_head_offset(1, 3);
     assert_eq!(&full.o[start..start + 33 * 8], &one.o[..]);
 }
@@ -206,4 +206,25 @@ fn tile_validation_checks_shared_memory() {
         }
         other => panic!("expected a shared-memory error, got {other:?}"),
     }
+}
+
+#[test]
+fn cpu_references_reject_inputs_that_do_not_match_the_shape() {
+    let s = shape(1, 2, 1, 5, 3, 4);
+    let (q, kv) = (vec![1.0; 40], vec![1.0; 12]);
+    let p = params(1.0, Causal::None);
+    assert!(matches!(cpu::attention(&q[..20], &kv, &kv, &s, p), Err(Error::Length { expected: 40, got: 20 })));
+    assert!(matches!(cpu::attention_backward(&q, &kv, &kv, &q[..1], &s, p), Err(Error::Length { .. })));
+    assert!(matches!(cpu::attention_head(&q, &kv, &kv, &s, p, 0, 2), Err(Error::Shape(_))));
+    assert!(matches!(cpu::flash_attention(&q, &kv, &kv, &s, p, TileConfig::new(0, 4)), Err(Error::Shape(_))));
+    assert!(matches!(cpu::attention(&q, &kv, &kv, &shape(1, 2, 0, 5, 3, 4), p), Err(Error::Shape(_))));
+    assert!(matches!(cpu::vector_add(&[1.0], &[1.0, 2.0]), Err(Error::Length { .. })));
+}
+
+#[test]
+fn uncompiled_head_dim_is_reported_before_the_tile() {
+    let big = device_with_shared_memory(227 * 1024);
+    let err = TileConfig::default_for(96).validate(96, &big).unwrap_err();
+    assert!(matches!(err, Error::HeadDimNotCompiled { head_dim: 96, .. }), "{err}");
+    assert!(err.to_string().contains("32, 64, 128"), "{err}");
 }

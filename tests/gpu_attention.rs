@@ -85,7 +85,7 @@ fn check(ctx: &Context, shape: AttentionShape, kernel: Kernel, options: Attentio
     let problem = Problem::new(ctx, shape, seed);
     let [q, k, v, d_o] = &problem.host;
     let fwd = problem.forward(ctx, kernel, &options);
-    let reference = cpu::attention(q, k, v, &shape, problem.params(&options));
+    let reference = cpu::attention(q, k, v, &shape, problem.params(&options)).unwrap();
     let (o, lse) = (fwd.o.to_host().unwrap(), fwd.lse.to_host().unwrap());
     let (err_o, err_lse) = (relative_l2_error(&o, &reference.o), lse_error(&lse, &reference.lse));
     assert!(
@@ -96,7 +96,7 @@ fn check(ctx: &Context, shape: AttentionShape, kernel: Kernel, options: Attentio
         return;
     }
     let grads = problem.backward(ctx, kernel, &options, &fwd);
-    let reference = cpu::attention_backward(q, k, v, d_o, &shape, problem.params(&options));
+    let reference = cpu::attention_backward(q, k, v, d_o, &shape, problem.params(&options)).unwrap();
     for (name, got, want) in
         [("dQ", &grads.dq, &reference.dq), ("dK", &grads.dk, &reference.dk), ("dV", &grads.dv, &reference.dv)]
     {

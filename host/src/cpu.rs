@@ -2,16 +2,40 @@
 //! against, and, in [`flash_attention`], the FlashAttention algorithm without any GPU detail.
 //!
 //! Inputs are `f32` tensors in the layouts of [`AttentionShape`]; outputs are `f64`. Masks follow
-//! [`Causal::visible`]; a query row that sees no key gets O = 0, LSE = −∞ and no gradient.
+//! [`Causal::visible`]; a query row that sees no key gets O = 0, LSE = −∞ and no gradient. Every
+//! function checks its inputs' lengths against the shape and returns [`Error`] rather than
+//! panicking.
 
 use rayon::prelude::*;
 
+use crate::error::{Error, Result};
 use crate::problem::{AttentionShape, Causal, TileConfig};
 
-/// C = A + B elementwise. Panics if the lengths differ (a caller bug in test code).
-pub fn vector_add(a: &[f32], b: &[f32]) -> Vec<f64> {
-    assert_eq!(a.len(), b.len(), "vector_add: lengths differ");
-    a.par_iter().zip(b).map(|(&x, &y)| x as f64 + y as f64).collect()
+/// C = A + B elementwise.
+///
+/// # Errors
+/// [`Error::Length`] if the lengths differ.
+pub fn vector_add(a: &[f32], b: &[f32]) -> Result<Vec<f64>> {
+    if a.len() != b.len() {
+        return Err(Error::Length { expected: a.len(), got: b.len() });
+    }
+    Ok(a.par_iter().zip(b).map(|(&x, &y)| x as f64 + y as f64).collect())
+}
+
+/// Checks `shape` (as [`AttentionShape::from_qkv`] does) and that Q (and dO) hold
+/// `shape.q_shape()` elements and K, V `shape.kv_shape()`.
+fn check_inputs(shape: &AttentionShape, q: &[f32], k: &[f32], v: &[f32], d_o: Option<&[f32]>) -> Result<()> {
+    let (q_shape, kv_shape) = (shape.q_shape(), shape.kv_shape());
+    AttentionShape::from_qkv(&q_shape, &kv_shape, &kv_shape)?;
+    let (q_len, kv_len) = (q_shape.iter().product::<usize>(), kv_shape.iter().product::<usize>());
+    for (got, expected) in
+        [(q.len(), q_len), (k.len(), kv_len), (v.len(), kv_len), (d_o.map_or(q_len, <[f32]>::len), q_len)]
+    {
+        if got != expected {
+            return Err(Error::Length { expected, got });
+        }
+    }
+    Ok(())
 }
 
 /// Attention outputs in `f64`: O `[batch, num_heads_q, seqlen_q, head_dim]` and the natural-log
@@ -94,7 +118,11 @@ fn plain_row(q_row: &[f32], i: usize, head: &Head, shape: &AttentionShape, param
 
 /// Attention by the plain formula, O = softmax(mask(Q Kᵀ · scale)) V, every head (rows in
 /// parallel).
-pub fn attention(q: &[f32], k: &[f32], v: &[f32], shape: &AttentionShape, params: Params) -> Reference {
+///
+/// # Errors
+/// [`Error::Shape`] or [`Error::Length`] when the inputs do not match `shape`.
+pub fn attention(q: &[f32], k: &[f32], v: &[f32], shape: &AttentionShape, params: Params) -> Result<Reference> {
+    check_inputs(shape, q, k, v, None)?;
     let d = shape.head_dim;
     let mut o = vec![0.0; shape.query_rows() * d];
     let mut lse = vec![0.0; shape.query_rows()];
@@ -105,11 +133,14 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], shape: &AttentionShape, params
         let i = row % shape.seqlen_q;
         *lse_row = plain_row(&head.q[i * d..(i + 1) * d], i, &head, shape, params, o_row);
     });
-    Reference { o, lse }
+    Ok(Reference { o, lse })
 }
 
 /// The plain formula for a single head `(b, h)`: O `[seqlen_q, head_dim]` and LSE `[seqlen_q]`
 /// of that head only. For checking a large problem on a few heads.
+///
+/// # Errors
+/// As [`attention`], and [`Error::Shape`] if `(b, h)` is not a head of `shape`.
 pub fn attention_head(
     q: &[f32],
     k: &[f32],
@@ -118,7 +149,14 @@ pub fn attention_head(
     params: Params,
     b: usize,
     h: usize,
-) -> Reference {
+) -> Result<Reference> {
+    check_inputs(shape, q, k, v, None)?;
+    if b >= shape.batch || h >= shape.num_heads_q {
+        return Err(Error::Shape(format!(
+            "head ({b}, {h}) is outside batch {} × {} heads",
+            shape.batch, shape.num_heads_q
+        )));
+    }
     let d = shape.head_dim;
     let head = head(q, k, v, shape, b, h);
     let mut o = vec![0.0; shape.seqlen_q * d];
@@ -128,7 +166,7 @@ pub fn attention_head(
             *lse_row = plain_row(q_row, i, &head, shape, params, o_row);
         },
     );
-    Reference { o, lse }
+    Ok(Reference { o, lse })
 }
 
 /// The gradients of `loss = Σ O ∘ dO` by the plain formula (FlashAttention paper, Algorithm 3):
@@ -140,6 +178,9 @@ pub fn attention_head(
 /// ```
 ///
 /// summed over the query heads of each group for dK and dV. Key/value heads in parallel.
+///
+/// # Errors
+/// [`Error::Shape`] or [`Error::Length`] when the inputs do not match `shape`.
 pub fn attention_backward(
     q: &[f32],
     k: &[f32],
@@ -147,7 +188,8 @@ pub fn attention_backward(
     d_o: &[f32],
     shape: &AttentionShape,
     params: Params,
-) -> GradientReference {
+) -> Result<GradientReference> {
+    check_inputs(shape, q, k, v, Some(d_o))?;
     let d = shape.head_dim;
     let mut dq = vec![0.0; q.len()];
     let mut dk = vec![0.0; k.len()];
@@ -167,7 +209,7 @@ pub fn attention_backward(
                 backward_head(&head, do_head, shape, params, dq_head, dk_head, dv_head);
             }
         });
-    GradientReference { dq, dk, dv }
+    Ok(GradientReference { dq, dk, dv })
 }
 
 /// One query head's contribution: writes its dQ, adds to its key/value head's dK and dV.
@@ -216,7 +258,10 @@ fn backward_head(
 /// ```
 ///
 /// and at the end O = acc / l, LSE = m + ln l (O = 0, LSE = −∞ for a row that saw no key). The
-/// result equals [`attention`] up to rounding.
+/// result equals [`attention`] up to rounding. Any tile sizes ≥ 1 work here.
+///
+/// # Errors
+/// As [`attention`], and [`Error::Shape`] for a tile size of 0.
 pub fn flash_attention(
     q: &[f32],
     k: &[f32],
@@ -224,7 +269,11 @@ pub fn flash_attention(
     shape: &AttentionShape,
     params: Params,
     tile: TileConfig,
-) -> Reference {
+) -> Result<Reference> {
+    check_inputs(shape, q, k, v, None)?;
+    if tile.block_m == 0 || tile.block_n == 0 {
+        return Err(Error::Shape(format!("tile sizes must be at least 1; got {tile:?}")));
+    }
     let d = shape.head_dim;
     let mut o = vec![0.0; shape.query_rows() * d];
     let mut lse = vec![0.0; shape.query_rows()];
@@ -243,7 +292,7 @@ pub fn flash_attention(
             );
         },
     );
-    Reference { o, lse }
+    Ok(Reference { o, lse })
 }
 
 /// One block of query rows (the first is query `first_row`) against all key/value tiles; see

@@ -44,6 +44,12 @@ pub enum Error {
     #[error("length mismatch: the tensor holds {expected} elements, the host data {got}")]
     Length { expected: usize, got: usize },
 
+    /// No FlashAttention kernel was compiled for this head dimension, whatever the tile.
+    #[error(
+        "no flash kernels for head_dim={head_dim}; compiled head dims: {allowed} (the naive kernels take any head_dim)"
+    )]
+    HeadDimNotCompiled { head_dim: usize, allowed: String },
+
     /// No kernel was compiled for this tile shape and head dimension.
     #[error(
         "no flash {kernel} kernel for block_m={block_m}, block_n={block_n}, head_dim={head_dim}; \

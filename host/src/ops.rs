@@ -230,6 +230,9 @@ impl Context {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
         let entry = tile.validate(shape.head_dim, self.device())?;
         check_flash_grid(&shape)?;
+        // The forward kernel only ever exponentiates, so it takes the scale with log₂e folded in
+        // (it uses exp2); the backward kernels also need the plain scale for dQ and dK, and fold
+        // log₂e in themselves.
         let scale_log2 = options.scale_for(shape.head_dim) * std::f32::consts::LOG2_E;
         let config = flash_config(
             shape.seqlen_q.div_ceil(tile.block_m),

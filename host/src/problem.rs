@@ -224,8 +224,8 @@ impl TileConfig {
     /// memory fits on `device`; returns the kernel's entry name.
     ///
     /// # Errors
-    /// [`Error::TileNotCompiled`] (listing the compiled values) or [`Error::SharedMemory`]
-    /// (listing the tiles that fit).
+    /// [`Error::HeadDimNotCompiled`], [`Error::TileNotCompiled`] (listing the compiled values) or
+    /// [`Error::SharedMemory`] (listing the tiles that fit).
     pub fn validate(&self, head_dim: usize, device: &DeviceInfo) -> Result<&'static str> {
         self.validate_for(FlashKernel::Forward, head_dim, device)
     }
@@ -261,8 +261,13 @@ impl TileConfig {
     /// device (so it can be checked before one is opened).
     ///
     /// # Errors
-    /// [`Error::TileNotCompiled`], listing the compiled values.
+    /// [`Error::HeadDimNotCompiled`], or [`Error::TileNotCompiled`] listing the compiled values.
     pub fn compiled_entry(&self, kernel: FlashKernel, head_dim: usize) -> Result<&'static str> {
+        let head_dims = Self::compiled_head_dims();
+        if !head_dims.contains(&head_dim) {
+            let allowed = head_dims.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
+            return Err(Error::HeadDimNotCompiled { head_dim, allowed });
+        }
         kernels::flash_instance(kernel, self.block_m, self.block_n, head_dim).map(|i| i.entry).ok_or_else(|| {
             Error::TileNotCompiled {
                 kernel: kernel.to_string(),

@@ -41,13 +41,24 @@
 //! | Pᵀ, then dSᵀ | BLOCK_N × BLOCK_M | a row group, its key rows | the same row group |
 //! | dS | BLOCK_M × BLOCK_N | every row group (transposed store) | whole block, for dQ |
 //! | LSE·log₂e, D | 2 × BLOCK_M | whole block, every query tile | every thread |
+//!
+//! ## The deterministic dQ kernel
+//!
+//! Thread mapping as the forward pass ([`crate::flash_forward`]): query rows
+//! `row_group · ROWS + i` (`ROWS = BLOCK_M / 16`), key columns `lane + 8j` of P, dP and dS
+//! (`COLS = BLOCK_N / 8`), head_dim columns `4·lane + 32·g` of dQ; each thread keeps its rows'
+//! LSE and D in registers. Shared memory (`layout::flash_backward_q_strides`): Q and dO
+//! (`BLOCK_M × HEAD_DIM`, loaded once), K and V (`BLOCK_N × HEAD_DIM`, every key tile) and dS
+//! (`BLOCK_M × BLOCK_N`, each row group its own rows, read back for dQ += dS K).
 
 use crate::gpu::{self, F32x4, LOG2_E, SharedMemory};
 use crate::layout::{
     AttentionShape, FLASH_THREAD_COLS as LANES, FLASH_THREAD_ROWS, FLASH_THREADS, flash_backward_kv_strides,
     flash_backward_q_strides,
 };
-use crate::tiles::{Mask, a_bt, accumulate_ab, mask_tile, store_rows, store_tile, store_tile_transposed};
+use crate::tiles::{
+    Mask, QueryBlock, a_bt, accumulate_ab, mask_tile, refill_tiles, store_rows, store_tile, store_tile_transposed,
+};
 
 /// D[row] = Σ_d dO[row, d] · O[row, d] for every query row (`rows = batch · heads · seqlen_q`).
 ///
@@ -293,11 +304,9 @@ pub(crate) unsafe fn flash_backward_q<
         assert!(HEAD_DIM == 4 * LANES * DVEC);
     };
     let scale_log2 = scale * LOG2_E;
-    let (q_block, head, batch) = gpu::block_idx();
-    let q_start = q_block * BLOCK_M;
-    let q_rows = BLOCK_M.min(shape.seqlen_q - q_start);
-    let (q_offset, kv_offset) = (shape.q_head_offset(batch, head), shape.kv_head_offset(batch, head));
-    let row_offset = q_offset / HEAD_DIM + q_start; // first query row of this block, in LSE and D
+    let block = QueryBlock::current::<BLOCK_M>(&shape);
+    let (q_start, q_rows) = (block.q_start, block.q_rows);
+    let row_offset = block.q_offset / HEAD_DIM + q_start; // first query row of this block, in LSE and D
 
     let (row_group, lane) = (gpu::thread_idx_x() / LANES, gpu::thread_idx_x() % LANES);
     let first_row = row_group * ROWS;
@@ -312,7 +321,7 @@ pub(crate) unsafe fn flash_backward_q<
 
     // SAFETY: rows q_start .. q_start + q_rows of this head exist.
     unsafe {
-        let rows = q_offset + q_start * HEAD_DIM;
+        let rows = block.first_row_offset(HEAD_DIM);
         q_tile.copy_rows_from::<FLASH_THREADS>(t.q.add(rows), BLOCK_M, HEAD_DIM, q_rows);
         do_tile.copy_rows_from::<FLASH_THREADS>(t.d_o.add(rows), BLOCK_M, HEAD_DIM, q_rows);
     }
@@ -332,15 +341,18 @@ pub(crate) unsafe fn flash_backward_q<
     let kv_end = mask.key_limit(q_start + q_rows - 1);
     let all_see = mask.key_limit(q_start);
     for kv_start in (0..kv_end).step_by(BLOCK_N) {
-        let kv_rows = BLOCK_N.min(shape.seqlen_k - kv_start);
-        gpu::sync_threads();
-        // SAFETY: rows kv_start .. kv_start + kv_rows of this head exist.
+        // SAFETY: rows kv_start .. of this head exist; the first barrier inside also publishes Q
+        // and dO on the first trip.
         unsafe {
-            let rows = kv_offset + kv_start * HEAD_DIM;
-            k_tile.copy_rows_from::<FLASH_THREADS>(t.k.add(rows), BLOCK_N, HEAD_DIM, kv_rows);
-            v_tile.copy_rows_from::<FLASH_THREADS>(t.v.add(rows), BLOCK_N, HEAD_DIM, kv_rows);
+            let rows = block.kv_offset + kv_start * HEAD_DIM;
+            refill_tiles::<BLOCK_N, HEAD_DIM>(
+                k_tile,
+                t.k.add(rows),
+                v_tile,
+                t.v.add(rows),
+                BLOCK_N.min(shape.seqlen_k - kv_start),
+            );
         }
-        gpu::sync_threads();
 
         let s = a_bt::<HEAD_DIM, ROWS, COLS>(q_tile, k_tile, first_row, lane);
         let mut p = probabilities(s, scale_log2, |i, _| lse2[i]);
@@ -358,7 +370,7 @@ pub(crate) unsafe fn flash_backward_q<
         store_rows::<HEAD_DIM, ROWS, DVEC>(
             &dq,
             [scale; ROWS],
-            t.dq.add(q_offset + q_start * HEAD_DIM),
+            t.dq.add(block.first_row_offset(HEAD_DIM)),
             q_rows,
             first_row,
             lane,
@@ -366,7 +378,8 @@ pub(crate) unsafe fn flash_backward_q<
     };
 }
 
-/// The three backward entries for one tile: `flash_bwd_f32_*` (dK, dV and atomic dQ),
+/// The three backward entries for one tile (see `flash_forward_instance!` for how the names are
+/// made and `for_each_tile!` for the list of tiles): `flash_bwd_f32_*` (dK, dV and atomic dQ),
 /// `flash_bwd_dkdv_f32_*` (dK, dV only) and `flash_bwd_dq_f32_*` (deterministic dQ). All take
 /// the same arguments.
 macro_rules! flash_backward_instance {

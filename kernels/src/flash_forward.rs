@@ -52,7 +52,7 @@ use crate::gpu::{self, F32x4, LN_2, SharedMemory};
 use crate::layout::{
     AttentionShape, FLASH_THREAD_COLS as LANES, FLASH_THREAD_ROWS, FLASH_THREADS, flash_forward_strides,
 };
-use crate::tiles::{Mask, a_bt, accumulate_ab, mask_tile, store_rows, store_tile};
+use crate::tiles::{Mask, QueryBlock, a_bt, accumulate_ab, mask_tile, refill_tiles, store_rows, store_tile};
 
 /// Per-row state of the online softmax for the `ROWS` query rows of one thread.
 struct OnlineSoftmax<const ROWS: usize> {
@@ -143,14 +143,14 @@ pub(crate) unsafe fn flash_forward<
         assert!(BLOCK_N == LANES * COLS && BLOCK_N.is_multiple_of(4));
         assert!(HEAD_DIM == 4 * LANES * DVEC);
     };
-    let (q_block, head, batch) = gpu::block_idx();
-    let q_start = q_block * BLOCK_M;
-    let q_rows = BLOCK_M.min(shape.seqlen_q - q_start);
+    let block = QueryBlock::current::<BLOCK_M>(&shape);
+    let (q_start, q_rows) = (block.q_start, block.q_rows);
     // This block's head in each tensor. O has Q's layout; LSE has one float per query row.
-    let (q_offset, kv_offset) = (shape.q_head_offset(batch, head), shape.kv_head_offset(batch, head));
     // SAFETY: the host sized the grid, so these heads exist.
-    let (q_head, k_head, v_head, o_head, lse_head) =
-        unsafe { (q.add(q_offset), k.add(kv_offset), v.add(kv_offset), o.add(q_offset), lse.add(q_offset / HEAD_DIM)) };
+    let (q_head, k_head, v_head, o_head, lse_head) = unsafe {
+        let (q_offset, kv_offset) = (block.q_offset, block.kv_offset);
+        (q.add(q_offset), k.add(kv_offset), v.add(kv_offset), o.add(q_offset), lse.add(q_offset / HEAD_DIM))
+    };
 
     let (row_group, lane) = (gpu::thread_idx_x() / LANES, gpu::thread_idx_x() % LANES);
     let first_row = row_group * ROWS;
@@ -173,18 +173,14 @@ pub(crate) unsafe fn flash_forward<
     let kv_end = mask.key_limit(q_start + q_rows - 1);
     let all_see = mask.key_limit(q_start);
     for kv_start in (0..kv_end).step_by(BLOCK_N) {
-        let kv_rows = BLOCK_N.min(shape.seqlen_k - kv_start);
-        // Nobody may still be reading the previous tile's K, V or P when we overwrite them.
-        gpu::sync_threads();
         // Rows past the end of the sequence are zero-filled: their scores are masked to −∞
         // below, and a zero V row keeps 0 · (uninitialised shared memory, possibly NaN) out.
+        // The first barrier inside also publishes Q on the first trip.
         // SAFETY: rows kv_start .. kv_start + kv_rows of this head exist.
         unsafe {
-            k_tile.copy_rows_from::<FLASH_THREADS>(k_head.add(kv_start * HEAD_DIM), BLOCK_N, HEAD_DIM, kv_rows);
-            v_tile.copy_rows_from::<FLASH_THREADS>(v_head.add(kv_start * HEAD_DIM), BLOCK_N, HEAD_DIM, kv_rows);
+            let (k_rows, v_rows) = (k_head.add(kv_start * HEAD_DIM), v_head.add(kv_start * HEAD_DIM));
+            refill_tiles::<BLOCK_N, HEAD_DIM>(k_tile, k_rows, v_tile, v_rows, BLOCK_N.min(shape.seqlen_k - kv_start));
         }
-        // Q (on the first trip), K and V are complete and visible to every thread.
-        gpu::sync_threads();
 
         let mut s = a_bt::<HEAD_DIM, ROWS, COLS>(q_tile, k_tile, first_row, lane).map(|r| r.map(|x| x * scale_log2));
         // Only tiles that cross some row's key limit (the causal diagonal, the ragged end of
@@ -220,7 +216,9 @@ pub(crate) unsafe fn flash_forward<
     }
 }
 
-/// One `extern "gpu-kernel"` entry per tile, named `flash_fwd_f32_m{block_m}_n{block_n}_d{head_dim}`.
+/// One `extern "gpu-kernel"` entry per tile, named `flash_fwd_f32_m{block_m}_n{block_n}_d{head_dim}`:
+/// `${concat(…)}` (nightly `macro_metavar_expr_concat`) glues the numbers into the name, and
+/// `for_each_tile!` (in `lib.rs`, the one list of compiled tiles) calls this macro once per tile.
 macro_rules! flash_forward_instance {
     ($block_m:literal, $block_n:literal, $head_dim:literal) => {
         /// FlashAttention-2 forward, `f32`; see the module docs and `flash_forward`.

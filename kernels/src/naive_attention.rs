@@ -172,7 +172,7 @@ pub unsafe extern "gpu-kernel" fn naive_pv_f32(
 }
 
 /// out[j, d] = scale · Σ_{h in group} Σ_i P_h[i, j] · X_h[i, d] for every key row j of every
-/// key/value head: dV = Pᵀ dO (scale 1) and dK = scale · dSᵀ Q. Under grouped-query attention a
+/// key/value head (hence the name: Pᵀ·X): dV = Pᵀ dO (scale 1) and dK = scale · dSᵀ Q. Under grouped-query attention a
 /// key/value head receives the sum over the query heads that read it.
 ///
 /// Thread mapping: blocks take key rows `(b, kv_head, j)` in a grid-stride loop; thread `t`

@@ -14,8 +14,71 @@
 //!
 //! The forward pass uses query rows as its rows; the K/V-outer backward kernel uses key rows.
 
-use crate::gpu::{F32x4, SharedTile};
-use crate::layout::FLASH_THREAD_COLS as LANES;
+use crate::gpu::{self, F32x4, SharedTile};
+use crate::layout::{AttentionShape, FLASH_THREAD_COLS as LANES, FLASH_THREADS};
+
+/// The query rows a block of a Q-outer kernel (the forward pass, the deterministic dQ) owns:
+/// rows `q_start .. q_start + q_rows` of query head `head` of batch `batch`. The grid is
+/// `(ceil(seqlen_q / BLOCK_M), num_heads_q, batch)`.
+#[derive(Clone, Copy)]
+pub struct QueryBlock {
+    pub q_start: usize,
+    /// Rows of the tile that exist: `BLOCK_M`, or fewer for the last tile of a head.
+    pub q_rows: usize,
+    pub head: usize,
+    pub batch: usize,
+    /// Offset (in floats) of the head's first row in Q, O, dO and dQ.
+    pub q_offset: usize,
+    /// Offset (in floats) of its key/value head's first row in K and V.
+    pub kv_offset: usize,
+}
+
+impl QueryBlock {
+    /// This block's rows.
+    #[inline(always)]
+    pub fn current<const BLOCK_M: usize>(shape: &AttentionShape) -> Self {
+        let (q_block, head, batch) = gpu::block_idx();
+        let q_start = q_block * BLOCK_M;
+        Self {
+            q_start,
+            q_rows: BLOCK_M.min(shape.seqlen_q - q_start),
+            head,
+            batch,
+            q_offset: shape.q_head_offset(batch, head),
+            kv_offset: shape.kv_head_offset(batch, head),
+        }
+    }
+
+    /// Offset (in floats) of this block's first row in Q-shaped tensors.
+    #[inline(always)]
+    pub fn first_row_offset(&self, head_dim: usize) -> usize {
+        self.q_offset + self.q_start * head_dim
+    }
+}
+
+/// Replaces the contents of two `ROWS × COLS` tiles with rows from global memory (rows past
+/// `valid_rows` zero-filled), between the two block barriers every tile loop needs: the first
+/// waits until no thread still reads the old contents, the second publishes the new ones.
+///
+/// # Safety
+/// `a_src` and `b_src` point to `valid_rows · COLS` readable floats, 16-byte aligned; every
+/// thread of the block calls this together.
+#[inline(always)]
+pub unsafe fn refill_tiles<const ROWS: usize, const COLS: usize>(
+    a: SharedTile,
+    a_src: *const f32,
+    b: SharedTile,
+    b_src: *const f32,
+    valid_rows: usize,
+) {
+    gpu::sync_threads();
+    // SAFETY: the caller's contract.
+    unsafe {
+        a.copy_rows_from::<FLASH_THREADS>(a_src, ROWS, COLS, valid_rows);
+        b.copy_rows_from::<FLASH_THREADS>(b_src, ROWS, COLS, valid_rows);
+    }
+    gpu::sync_threads();
+}
 
 /// Which keys each query may attend to (causal masking), and the sequence bounds.
 ///
@@ -108,26 +171,27 @@ pub fn accumulate_ab<const K: usize, const ROWS: usize, const DVEC: usize>(
         // Four calls rather than a loop over 0..4: the index into each vector of `a4` must be a
         // compile-time constant. When LLVM leaves such a loop rolled (it does at head_dim 128),
         // a run-time index moves `a4` to local memory, which is slow.
-        accumulate_row::<0, ROWS, DVEC>(acc, &a4, b, c, lane);
-        accumulate_row::<1, ROWS, DVEC>(acc, &a4, b, c, lane);
-        accumulate_row::<2, ROWS, DVEC>(acc, &a4, b, c, lane);
-        accumulate_row::<3, ROWS, DVEC>(acc, &a4, b, c, lane);
+        accumulate_b_row::<0, ROWS, DVEC>(acc, &a4, b, c, lane);
+        accumulate_b_row::<1, ROWS, DVEC>(acc, &a4, b, c, lane);
+        accumulate_b_row::<2, ROWS, DVEC>(acc, &a4, b, c, lane);
+        accumulate_b_row::<3, ROWS, DVEC>(acc, &a4, b, c, lane);
     }
 }
 
-/// `acc[i][g] += a4[i][K] · B[c + K][4·lane + 32·g … +4]`: row `c + K` of B's contribution.
+/// `acc[i][g] += a4[i][STEP] · B[c + STEP][4·lane + 32·g … +4]`: the contribution of row
+/// `c + STEP` of B, `STEP` (0..4) being the position within the 4 values of each `a4[i]`.
 #[inline(always)]
-fn accumulate_row<const K: usize, const ROWS: usize, const DVEC: usize>(
+fn accumulate_b_row<const STEP: usize, const ROWS: usize, const DVEC: usize>(
     acc: &mut [[F32x4; DVEC]; ROWS],
     a4: &[F32x4; ROWS],
     b: SharedTile,
     c: usize,
     lane: usize,
 ) {
-    let b4: [F32x4; DVEC] = core::array::from_fn(|g| b.load4(c + K, 4 * lane + 32 * g));
+    let b4: [F32x4; DVEC] = core::array::from_fn(|g| b.load4(c + STEP, 4 * lane + 32 * g));
     for i in 0..ROWS {
         for g in 0..DVEC {
-            acc[i][g] = acc[i][g].add_scaled(a4[i].0[K], b4[g]);
+            acc[i][g] = acc[i][g].add_scaled(a4[i].0[STEP], b4[g]);
         }
     }
 }
