@@ -1,7 +1,7 @@
 //! Compiles the device crate `kernels/` to one PTX module and embeds it in this crate.
 //!
-//! 1. `cargo build -Zbuild-std=core --target nvptx64-nvidia-cuda` builds `kernels/` as a static
-//!    library. On this target rustc writes LLVM bitcode, not machine code, into the archive. The
+//! 1. `cargo rustc -Zbuild-std=core --target nvptx64-nvidia-cuda --crate-type staticlib` builds
+//!    `kernels/` as a static library (panic=abort, one codegen unit). On this target rustc writes LLVM bitcode, not machine code, into the archive. The
 //!    nested cargo gets a target directory of its own: sharing ours would deadlock on its lock.
 //! 2. `llvm-link` joins the kernel crate's bitcode with what it uses of `core` and
 //!    `compiler_builtins` (`--only-needed --internalize`, so nothing else of them is kept).
@@ -95,11 +95,15 @@ fn registry_source(entries: &[String]) -> String {
             }
         }
     }
+    let emulated: String =
+        entries.iter().map(|name| format!("        {name:?} => Some(&attn_kernels::kernels::emu_{name}),\n")).collect();
     format!(
         "/// `.entry` names of the kernels that have a single instance.\npub mod entry {{\n{plain}    \
          /// All of the above.\n    pub const ALL: &[&str] = &[{}];\n}}\n\n\
          /// Every compiled FlashAttention instance.\n\
-         pub const FLASH_INSTANCES: &[FlashInstance] = &[\n{flash}];\n",
+         pub const FLASH_INSTANCES: &[FlashInstance] = &[\n{flash}];\n\n\
+         /// The CPU emulator's entry for a kernel of the PTX, by its `.entry` name.\n\
+         pub fn emulated(name: &str) -> Option<&'static attn_kernels::emu::HostKernel> {{\n    match name {{\n{emulated}        _ => None,\n    }}\n}}\n",
         all.join(", ")
     )
 }
@@ -124,7 +128,10 @@ fn build_ptx(kernels_dir: &Path, out_dir: &Path, tools: &LlvmTools, arch: &str) 
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(kernels_dir)
-        .args(["build", "--release", "--locked", "-Zbuild-std=core", "--target", NVPTX_TARGET])
+        .args(["rustc", "--release", "--locked", "-Zbuild-std=core", "--target", NVPTX_TARGET])
+        .args(["--crate-type", "staticlib"])
+        .args(["--config", "profile.release.panic='abort'", "--config", "profile.release.codegen-units=1"])
+        .args(["--config", "profile.release.opt-level=3", "--config", "profile.release.debug=false"])
         .arg("--target-dir")
         .arg(&target_dir)
         // Flags meant for the host build (and cargo's own target settings) must not reach the

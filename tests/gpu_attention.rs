@@ -6,104 +6,11 @@
 
 mod common;
 
-use attn_host::check::{lse_error, random_normal, relative_l2_error};
-use attn_host::{
-    AttentionOptions, AttentionOutput, AttentionShape, Causal, Context, DeviceTensor, DqAccumulation, Gradients,
-    TileConfig, cpu,
-};
+use attn_host::check::relative_l2_error;
+use attn_host::{AttentionOptions, AttentionShape, Causal, Context, DeviceTensor, DqAccumulation, TileConfig};
+use common::attention::{GRAD_TOLERANCE, Kernel, O_TOLERANCE, Problem, check};
 use common::{gpu, gpu_proptest_config, mha};
 use proptest::prelude::*;
-
-/// Tolerances of the f32 kernels: relative L2 error against the float64 reference.
-const O_TOLERANCE: f64 = 1e-5;
-const LSE_TOLERANCE: f64 = 1e-5;
-const GRAD_TOLERANCE: f64 = 1e-4;
-
-#[derive(Clone, Copy, Debug)]
-enum Kernel {
-    Naive,
-    Flash(TileConfig, DqAccumulation),
-}
-
-/// Device copies of one problem's random inputs.
-struct Problem {
-    shape: AttentionShape,
-    host: [Vec<f32>; 4], // q, k, v, dO
-    q: DeviceTensor,
-    k: DeviceTensor,
-    v: DeviceTensor,
-    d_o: DeviceTensor,
-}
-
-impl Problem {
-    fn new(ctx: &Context, shape: AttentionShape, seed: u64) -> Self {
-        let shapes = [shape.q_shape(), shape.kv_shape(), shape.kv_shape(), shape.q_shape()];
-        let host: [Vec<f32>; 4] = std::array::from_fn(|i| random_normal(shapes[i].iter().product(), seed + i as u64));
-        let upload = |i: usize| ctx.upload(&host[i], &shapes[i]).unwrap();
-        let (q, k, v, d_o) = (upload(0), upload(1), upload(2), upload(3));
-        Self { shape, host, q, k, v, d_o }
-    }
-
-    fn forward(&self, ctx: &Context, kernel: Kernel, options: &AttentionOptions) -> AttentionOutput {
-        let mut out = AttentionOutput {
-            o: ctx.full(&self.shape.q_shape(), f32::NAN).unwrap(),
-            lse: ctx.full(&self.shape.lse_shape(), f32::NAN).unwrap(),
-        };
-        match kernel {
-            Kernel::Naive => ctx.attention_naive_into(&self.q, &self.k, &self.v, &mut out, options).unwrap(),
-            Kernel::Flash(tile, _) => {
-                ctx.flash_attention_forward_into(&self.q, &self.k, &self.v, &mut out, options, tile).unwrap()
-            }
-        }
-        out
-    }
-
-    fn backward(&self, ctx: &Context, kernel: Kernel, options: &AttentionOptions, fwd: &AttentionOutput) -> Gradients {
-        let mut grads = Gradients {
-            dq: ctx.full(&self.shape.q_shape(), f32::NAN).unwrap(),
-            dk: ctx.full(&self.shape.kv_shape(), f32::NAN).unwrap(),
-            dv: ctx.full(&self.shape.kv_shape(), f32::NAN).unwrap(),
-        };
-        let (q, k, v, d_o) = (&self.q, &self.k, &self.v, &self.d_o);
-        match kernel {
-            Kernel::Naive => ctx.attention_naive_backward_into(q, k, v, &fwd.o, d_o, &mut grads, options).unwrap(),
-            Kernel::Flash(tile, mode) => ctx
-                .flash_attention_backward_into(q, k, v, &fwd.o, &fwd.lse, d_o, &mut grads, options, tile, mode)
-                .unwrap(),
-        }
-        grads
-    }
-
-    fn params(&self, options: &AttentionOptions) -> cpu::Params {
-        cpu::Params { scale: options.scale_for(self.shape.head_dim) as f64, causal: options.causal }
-    }
-}
-
-/// Runs `kernel` forward (and, with `backward`, backward) on fresh random inputs of `shape` and
-/// checks every output against the CPU.
-fn check(ctx: &Context, shape: AttentionShape, kernel: Kernel, options: AttentionOptions, seed: u64, backward: bool) {
-    let problem = Problem::new(ctx, shape, seed);
-    let [q, k, v, d_o] = &problem.host;
-    let fwd = problem.forward(ctx, kernel, &options);
-    let reference = cpu::attention(q, k, v, &shape, problem.params(&options)).unwrap();
-    let (o, lse) = (fwd.o.to_host().unwrap(), fwd.lse.to_host().unwrap());
-    let (err_o, err_lse) = (relative_l2_error(&o, &reference.o), lse_error(&lse, &reference.lse));
-    assert!(
-        err_o <= O_TOLERANCE && err_lse <= LSE_TOLERANCE,
-        "{kernel:?} {options:?} on {shape:?}: relative L2 error O {err_o:.3e}, LSE {err_lse:.3e}"
-    );
-    if !backward {
-        return;
-    }
-    let grads = problem.backward(ctx, kernel, &options, &fwd);
-    let reference = cpu::attention_backward(q, k, v, d_o, &shape, problem.params(&options)).unwrap();
-    for (name, got, want) in
-        [("dQ", &grads.dq, &reference.dq), ("dK", &grads.dk, &reference.dk), ("dV", &grads.dv, &reference.dv)]
-    {
-        let err = relative_l2_error(&got.to_host().unwrap(), want);
-        assert!(err <= GRAD_TOLERANCE, "{kernel:?} {options:?} on {shape:?}: {name} relative L2 error {err:.3e}");
-    }
-}
 
 /// A shape in the test's range with a compiled head_dim, seqlen_q and seqlen_k drawn
 /// independently (cross-attention), and a GQA ratio from {1, 2, 4}.

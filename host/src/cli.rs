@@ -16,7 +16,8 @@ use comfy_table::{Table, presets::ASCII_MARKDOWN};
 use crate::check::{lse_error, random_normal, relative_l2_error};
 use crate::timing::{tflops, time_gpu};
 use crate::{
-    AttentionOptions, AttentionShape, Causal, Context, DeviceTensor, DqAccumulation, Error, Result, TileConfig, cpu,
+    AttentionOptions, AttentionShape, Causal, Context, Device, DeviceTensor, DqAccumulation, Error, Result, TileConfig,
+    cpu,
 };
 
 /// `--causal`: the mask of the custom case (see `Causal`).
@@ -82,9 +83,12 @@ pub struct Args {
     /// Untimed warm-up runs per kernel.
     #[arg(long, default_value_t = 10)]
     pub warmup: usize,
-    /// CUDA device ordinal.
-    #[arg(long, default_value_t = 0)]
-    pub device: usize,
+    /// Where to run: a CUDA device ordinal (0, 1, …), or `cpu-emulated` for the CPU emulator,
+    /// which runs the kernels' own code with one OS thread per GPU thread and checks shared-memory
+    /// races and barriers (slow by design: it runs a small case unless shape flags are given,
+    /// and its times say nothing about a GPU).
+    #[arg(long, default_value = "0")]
+    pub device: Device,
     /// Heads checked against the CPU when checking all of them would take long.
     #[arg(long, default_value_t = 2)]
     pub check_heads: usize,
@@ -107,9 +111,14 @@ impl Args {
         }
     }
 
-    fn cases(&self) -> Vec<Case> {
+    /// Whether no shape flag was given (the default cases run).
+    fn uses_default_cases(&self) -> bool {
         let custom = [self.batch, self.heads, self.heads_kv, self.seqlen, self.seqlen_k, self.head_dim];
-        if custom.iter().all(Option::is_none) && self.causal == CausalArg::None {
+        custom.iter().all(Option::is_none) && self.causal == CausalArg::None
+    }
+
+    fn cases(&self) -> Vec<Case> {
+        if self.uses_default_cases() {
             return vec![
                 Case { name: "ViT-B/16".into(), shape: mha(8, 12, 197, 64), causal: Causal::None },
                 Case { name: "long".into(), shape: mha(1, 12, 4096, 64), causal: Causal::None },
@@ -166,7 +175,7 @@ fn run(args: &Args) -> Result<()> {
             args.tile(shape.head_dim, backward).compiled_entry(kernel, shape.head_dim)?;
         }
     }
-    let ctx = match Context::new(args.device) {
+    let ctx = match Context::open(args.device) {
         Ok(ctx) => ctx,
         Err(e @ (Error::NoDriver | Error::NoDevice { .. })) => {
             println!("no CUDA device ({e}); running the CPU reference instead");
@@ -175,6 +184,21 @@ fn run(args: &Args) -> Result<()> {
         Err(e) => return Err(e),
     };
     println!("device: {}", ctx.device());
+    let (cases, warmup, repeats) = if ctx.is_emulated() {
+        println!(
+            "the CPU emulator runs the kernels' own code, one OS thread per GPU thread, checking \
+             shared-memory races and barriers: slow by design, and its times say nothing about a GPU"
+        );
+        let small = args.uses_default_cases();
+        let cases = if small {
+            vec![Case { name: "small (emulated)".into(), shape: mha(1, 2, 100, 64), causal: Causal::TopLeft }]
+        } else {
+            cases
+        };
+        (cases, 0, 1)
+    } else {
+        (cases, args.warmup, args.repeats)
+    };
     let mut table = Table::new();
     table.load_style(ASCII_MARKDOWN).set_header([
         "case [B, Hq, Hkv, Sq, Sk, D]",
@@ -186,14 +210,14 @@ fn run(args: &Args) -> Result<()> {
         "rel L2 error vs CPU (f64)",
     ]);
     for case in &cases {
-        run_case(&ctx, args, case, &mut table)?;
+        run_case(&ctx, args, case, (warmup, repeats), &mut table)?;
     }
     println!("{table}");
     println!(
-        "time: median of {} runs after {} warm-up runs (CUDA events); TFLOP/s counts the forward as \
+        "time: median of {repeats} runs after {warmup} warm-up runs ({}); TFLOP/s counts the forward as \
          4·B·Hq·Sq·Sk·D (half with a causal mask) and the backward as 2.5× that; extra memory: \
          device memory beyond the inputs and outputs",
-        args.repeats, args.warmup
+        if ctx.is_emulated() { "host clock" } else { "CUDA events" }
     );
     Ok(())
 }
@@ -260,7 +284,13 @@ impl CheckedPart {
     }
 }
 
-fn run_case(ctx: &Context, args: &Args, case: &Case, table: &mut Table) -> Result<()> {
+fn run_case(
+    ctx: &Context,
+    args: &Args,
+    case: &Case,
+    (warmup, repeats): (usize, usize),
+    table: &mut Table,
+) -> Result<()> {
     let shape = case.shape;
     let options = AttentionOptions { scale: args.scale, causal: case.causal };
     let (tile, backward_tile) = (args.tile(shape.head_dim, false), args.tile(shape.head_dim, true));
@@ -317,8 +347,7 @@ fn run_case(ctx: &Context, args: &Args, case: &Case, table: &mut Table) -> Resul
             relative_l2_error(part.slice(&dv, false), &backward_ref.dv)
         ))
     };
-    let time =
-        |work: &mut dyn FnMut() -> Result<()>| time_gpu(ctx, args.warmup, args.repeats, work).map(|t| t.median_ms);
+    let time = |work: &mut dyn FnMut() -> Result<()>| time_gpu(ctx, warmup, repeats, work).map(|t| t.median_ms);
 
     // Each operation runs once for the error check; then it is timed writing into those same
     // outputs (the `_into` calls), so that the times are the kernels', not the allocator's.

@@ -1,14 +1,52 @@
-//! The CUDA context: one device, one stream, the embedded PTX module loaded once.
+//! The context: a CUDA device with one stream and the embedded PTX module loaded once, or the CPU
+//! emulator running the same kernels' source on the host.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
+use attn_kernels::emu::{Arg, Launch};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
 use crate::error::{During, Error, Result};
 use crate::kernels;
-use crate::tensor::DeviceTensor;
+use crate::tensor::{DeviceTensor, Storage};
+
+/// Where a [`Context`] runs kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Device {
+    /// The CUDA device with this ordinal.
+    Gpu(usize),
+    /// The CPU emulator (`attn_kernels::emu`): the same kernel source run with one OS thread per
+    /// GPU thread, checking shared-memory bounds, races and barriers. Slow by design: for
+    /// testing, learning and debugging on machines without a GPU, not for timing.
+    CpuEmulated,
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+
+    /// `0`, `1`, … for a GPU ordinal, or `cpu-emulated`.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu-emulated" => Ok(Self::CpuEmulated),
+            _ => s
+                .parse()
+                .map(Self::Gpu)
+                .map_err(|_| format!("`{s}` is neither a GPU ordinal (0, 1, …) nor `cpu-emulated`")),
+        }
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Gpu(ordinal) => write!(f, "GPU {ordinal}"),
+            Self::CpuEmulated => f.write_str("CPU emulator"),
+        }
+    }
+}
 
 /// Facts about the device that decide what can be launched on it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -43,17 +81,29 @@ impl std::fmt::Display for DeviceInfo {
     }
 }
 
-/// A CUDA device with the kernels of this crate loaded, and the stream every operation runs on.
+/// A CUDA device with the kernels of this crate loaded, and the stream every operation runs on;
+/// or the CPU emulator ([`Context::cpu_emulated`]).
 ///
-/// Creating one loads the driver library at run time, so programs that use this crate build and
-/// start on machines without a GPU; [`Context::new`] then returns [`Error::NoDriver`] or
-/// [`Error::NoDevice`]. All operations are queued on one stream and are therefore ordered; reads
-/// back to the host ([`DeviceTensor::to_host`]) wait for them.
+/// Creating a GPU context loads the driver library at run time, so programs that use this crate
+/// build and start on machines without a GPU; [`Context::new`] then returns [`Error::NoDriver`]
+/// or [`Error::NoDevice`]. All operations are queued on one stream and are therefore ordered;
+/// reads back to the host ([`DeviceTensor::to_host`]) wait for them. On the emulator every
+/// operation runs to completion before it returns.
 pub struct Context {
-    cuda: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
-    module: Arc<CudaModule>,
+    /// Unique per context: tensors record it, so that one context refuses another's tensors.
+    id: u64,
+    backend: Backend,
     info: DeviceInfo,
+}
+
+enum Backend {
+    Cuda { cuda: Arc<CudaContext>, stream: Arc<CudaStream>, module: Arc<CudaModule> },
+    Emulated,
+}
+
+fn next_context_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 /// The oldest compute capability the embedded `sm_80` PTX runs on.
@@ -93,7 +143,31 @@ impl Context {
         }
         let module = cuda.load_module(Ptx::from_src(kernels::PTX_SM_80)).during("loading the kernels' PTX module")?;
         let stream = cuda.new_stream().during("creating a stream")?;
-        Ok(Self { cuda, stream, module, info })
+        Ok(Self { id: next_context_id(), backend: Backend::Cuda { cuda, stream, module }, info })
+    }
+
+    /// The CPU emulator: the kernels' own source, run on the host with one OS thread per GPU
+    /// thread (see [`Device::CpuEmulated`]). It needs no GPU and never fails to open. It reports
+    /// itself as a device with one SM, so that grid-stride kernels launch few blocks, and with a
+    /// Hopper's 227 KiB of shared memory per block, so that every compiled tile runs.
+    pub fn cpu_emulated() -> Self {
+        let info = DeviceInfo {
+            ordinal: 0,
+            name: "CPU emulator (slow by design)".into(),
+            compute_capability: MIN_COMPUTE_CAPABILITY,
+            sm_count: 1,
+            max_shared_memory_per_block: 227 * 1024,
+            total_memory: 0,
+        };
+        Self { id: next_context_id(), backend: Backend::Emulated, info }
+    }
+
+    /// Opens `device`: [`Context::new`] for a GPU, [`Context::cpu_emulated`] for the emulator.
+    pub fn open(device: Device) -> Result<Self> {
+        match device {
+            Device::Gpu(ordinal) => Self::new(ordinal),
+            Device::CpuEmulated => Ok(Self::cpu_emulated()),
+        }
     }
 
     /// The device this context runs on.
@@ -101,23 +175,47 @@ impl Context {
         &self.info
     }
 
-    /// The stream every operation of this context is queued on.
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+    /// Whether this is the CPU emulator.
+    pub fn is_emulated(&self) -> bool {
+        matches!(self.backend, Backend::Emulated)
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The stream every operation is queued on; `None` on the emulator.
+    pub fn cuda_stream(&self) -> Option<&Arc<CudaStream>> {
+        match &self.backend {
+            Backend::Cuda { stream, .. } => Some(stream),
+            Backend::Emulated => None,
+        }
     }
 
     /// Waits until everything queued so far has finished; reports a failed kernel.
     pub fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize().during("waiting for the GPU")
+        match &self.backend {
+            Backend::Cuda { stream, .. } => stream.synchronize().during("waiting for the GPU"),
+            Backend::Emulated => Ok(()),
+        }
     }
 
     /// (free, total) device memory in bytes, as the driver reports it now.
+    ///
+    /// # Errors
+    /// [`Error::NotOnEmulator`] on the emulator.
     pub fn memory_info(&self) -> Result<(usize, usize)> {
-        self.cuda.mem_get_info().during("reading free device memory")
+        match &self.backend {
+            Backend::Cuda { cuda, .. } => cuda.mem_get_info().during("reading free device memory"),
+            Backend::Emulated => Err(Error::NotOnEmulator("device memory information")),
+        }
     }
 
     /// Registers per thread and local (spilled) bytes per thread of a kernel, as the driver
     /// compiled it for this device.
+    ///
+    /// # Errors
+    /// [`Error::NotOnEmulator`] on the emulator.
     pub fn kernel_resources(&self, entry: &str) -> Result<(usize, usize)> {
         let function = self.function(entry)?;
         let regs = function.num_regs().during(format!("reading the registers of {entry}"))?;
@@ -125,28 +223,31 @@ impl Context {
         Ok((regs as usize, local as usize))
     }
 
-    pub(crate) fn function(&self, entry: &str) -> Result<CudaFunction> {
-        self.module.load_function(entry).during(format!("looking up kernel {entry}"))
+    fn function(&self, entry: &str) -> Result<CudaFunction> {
+        match &self.backend {
+            Backend::Cuda { module, .. } => module.load_function(entry).during(format!("looking up kernel {entry}")),
+            Backend::Emulated => Err(Error::NotOnEmulator("compiled kernel functions")),
+        }
     }
 
     /// Checks that `tensor` was made by this context.
     pub(crate) fn check_owner(&self, name: &'static str, tensor: &DeviceTensor) -> Result<()> {
-        let tensor_ctx = tensor.data().context();
-        if Arc::ptr_eq(tensor_ctx, &self.cuda) {
+        if tensor.owner() == self.id {
             Ok(())
         } else {
-            Err(Error::ForeignTensor {
-                tensor: name,
-                tensor_device: tensor_ctx.ordinal(),
-                context_device: self.info.ordinal,
-            })
+            Err(Error::ForeignTensor { tensor: name, context: self.info.name.clone() })
         }
     }
 
     /// Launches `entry` with `args` pushed in order, and checks that the launch was accepted.
     /// Kernels that ask for more than the default 48 KiB of dynamic shared memory are opted in
-    /// first. Errors inside the kernel surface at the next synchronisation.
+    /// first. On a GPU, errors inside the kernel surface at the next synchronisation; on the
+    /// emulator the launch runs to completion and returns them.
     pub(crate) fn launch(&self, entry: &str, config: LaunchConfig, args: &[&dyn KernelArg]) -> Result<()> {
+        if let Backend::Emulated = self.backend {
+            return self.launch_emulated(entry, config, args);
+        }
+        let Backend::Cuda { stream, .. } = &self.backend else { unreachable!("handled above") };
         let function = self.function(entry)?;
         if config.shared_mem_bytes > 48 * 1024 {
             function
@@ -156,35 +257,70 @@ impl Context {
                 )
                 .during(format!("raising the shared-memory limit of {entry}"))?;
         }
-        let mut builder = self.stream.launch_builder(&function);
+        let mut builder = stream.launch_builder(&function);
         for arg in args {
-            arg.push(&mut builder);
+            arg.push(&mut builder)?;
         }
         // SAFETY: every caller passes the arguments in the order and types of the kernel's
         // signature (see `ops.rs`), with buffers whose sizes it checked against the shape.
         unsafe { builder.launch(config) }.during(format!("launching {entry}"))?;
         Ok(())
     }
+
+    fn launch_emulated(&self, entry: &str, config: LaunchConfig, args: &[&dyn KernelArg]) -> Result<()> {
+        let kernel = kernels::emulated(entry).ok_or(Error::NotOnEmulator("a kernel missing from the emulator"))?;
+        let args: Vec<Arg> = args.iter().map(|a| a.emulated()).collect::<Result<_>>()?;
+        let (x, y, z) = config.grid_dim;
+        let launch = Launch::new(
+            (x as usize, y as usize, z as usize),
+            config.block_dim.0 as usize,
+            config.shared_mem_bytes as usize,
+        );
+        // SAFETY: as for the GPU launch: the arguments match the kernel's signature and every
+        // pointer is a live host buffer of the size the shapes say.
+        unsafe { attn_kernels::emu::launch(kernel, launch, &args) }.map_err(Error::Emulated)
+    }
 }
 
-/// A value that can be passed to a kernel: a device buffer (its address) or a scalar.
+/// A value that can be passed to a kernel: a tensor (its address) or a scalar.
 pub(crate) trait KernelArg {
-    fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>);
+    /// Pushes the value onto a CUDA launch.
+    fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) -> Result<()>;
+    /// The value as the emulator passes it.
+    fn emulated(&self) -> Result<Arg>;
 }
 
 macro_rules! scalar_kernel_arg {
-    ($($t:ty),*) => {$(
+    ($($t:ty => $variant:ident),*) => {$(
         impl KernelArg for $t {
-            fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) {
+            fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) -> Result<()> {
                 builder.arg(self);
+                Ok(())
+            }
+
+            fn emulated(&self) -> Result<Arg> {
+                Ok(Arg::$variant(*self))
             }
         }
     )*};
 }
-scalar_kernel_arg!(f32, usize, isize);
+scalar_kernel_arg!(f32 => F32, usize => Usize, isize => Isize);
 
-impl KernelArg for cudarc::driver::CudaSlice<f32> {
-    fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) {
-        builder.arg(self);
+impl KernelArg for DeviceTensor {
+    fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) -> Result<()> {
+        match self.storage() {
+            Storage::Cuda(data) => {
+                builder.arg(data);
+                Ok(())
+            }
+            Storage::Host(_) => Err(Error::Shape("an emulator tensor was passed to a GPU kernel".into())),
+        }
+    }
+
+    fn emulated(&self) -> Result<Arg> {
+        match self.storage() {
+            Storage::Host(data) => Ok(Arg::Ptr(data.as_ptr())),
+            Storage::Cuda(_) => Err(Error::Shape("a GPU tensor was passed to an emulated kernel".into())),
+        }
     }
 }

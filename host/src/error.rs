@@ -34,11 +34,20 @@ pub enum Error {
     #[error("shape error: {0}")]
     Shape(String),
 
-    /// A tensor lives on another context (device) than the one asked to use it.
+    /// A tensor was made by another context than the one asked to use it.
     #[error(
-        "tensor `{tensor}` belongs to another CUDA context (device {tensor_device}); this context is device {context_device}"
+        "tensor `{tensor}` belongs to another context than this one ({context}); copy it to the host and upload it here"
     )]
-    ForeignTensor { tensor: &'static str, tensor_device: usize, context_device: usize },
+    ForeignTensor { tensor: &'static str, context: String },
+
+    /// The operation needs a GPU; the CPU emulator cannot do it.
+    #[error("{0} is not available on the CPU emulator")]
+    NotOnEmulator(&'static str),
+
+    /// An emulated kernel failed: a shared-memory race or out-of-bounds access, a barrier that
+    /// not every thread reached, or a panic; the message names the kernel, block and thread.
+    #[error(transparent)]
+    Emulated(#[from] attn_kernels::emu::EmuError),
 
     /// A host slice has a different length from the tensor it is copied into or out of.
     #[error("length mismatch: the tensor holds {expected} elements, the host data {got}")]

@@ -56,7 +56,7 @@ mod problem;
 mod tensor;
 pub mod timing;
 
-pub use context::{Context, DeviceInfo};
+pub use context::{Context, Device, DeviceInfo};
 pub use error::{Error, Result};
 pub use kernels::FlashKernel;
 pub use ops::{AttentionOutput, DqAccumulation, Gradients};

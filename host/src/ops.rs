@@ -3,7 +3,7 @@
 use cudarc::driver::LaunchConfig;
 
 use crate::context::{Context, KernelArg};
-use crate::error::{During, Error, Result};
+use crate::error::{Error, Result};
 use crate::kernels::{FlashKernel, entry};
 use crate::layout::{ELEMENTWISE_THREADS, FLASH_THREADS, SOFTMAX_ROWS_PER_BLOCK, SOFTMAX_THREADS};
 use crate::problem::{AttentionOptions, AttentionShape, TileConfig, check_flash_grid};
@@ -118,7 +118,7 @@ impl Context {
         let n = a.len();
         // Each thread handles one 4-float chunk per trip of its grid-stride loop.
         let config = one_dim(grid_stride_blocks(self, n.div_ceil(4), ELEMENTWISE_THREADS), ELEMENTWISE_THREADS);
-        self.launch(entry::VECTOR_ADD_F32, config, &[a.data(), b.data(), c.data(), &n])
+        self.launch(entry::VECTOR_ADD_F32, config, &[a, b, c, &n])
     }
 
     /// Standard attention, O = softmax(Q Kᵀ · scale) V, with the `[batch, num_heads_q, seqlen_q,
@@ -160,11 +160,7 @@ impl Context {
         let args = ProblemArgs::new(&shape, options);
         let pv_threads = shape.head_dim.next_multiple_of(32).min(ELEMENTWISE_THREADS);
         let per_row = one_dim(grid_stride_blocks(self, shape.query_rows(), 1), pv_threads);
-        self.launch(
-            entry::NAIVE_PV_F32,
-            per_row,
-            &args.with_shape(&[scores.data(), v.data(), out.o.data()], &[&1.0f32]),
-        )
+        self.launch(entry::NAIVE_PV_F32, per_row, &args.with_shape(&[&scores, v, &out.o], &[&1.0f32]))
         // `scores` is freed here; the driver orders the free after the queued kernels.
     }
 
@@ -184,13 +180,9 @@ impl Context {
         let args = ProblemArgs::new(shape, options);
         // One block per query row; threads stride over the row's keys.
         let per_row = one_dim(grid_stride_blocks(self, rows, 1), ELEMENTWISE_THREADS);
-        self.launch(
-            entry::NAIVE_SCORES_F32,
-            per_row,
-            &args.with_mask(&[q.data(), k.data(), scores.data()], &[&scale]),
-        )?;
+        self.launch(entry::NAIVE_SCORES_F32, per_row, &args.with_mask(&[q, k, &scores], &[&scale]))?;
         let softmax = one_dim(grid_stride_blocks(self, rows, SOFTMAX_ROWS_PER_BLOCK), SOFTMAX_THREADS);
-        self.launch(entry::NAIVE_SOFTMAX_F32, softmax, &[scores.data(), lse.data(), &rows, &shape.seqlen_k])?;
+        self.launch(entry::NAIVE_SOFTMAX_F32, softmax, &[&scores, lse, &rows, &shape.seqlen_k])?;
         Ok(scores)
     }
 
@@ -241,7 +233,7 @@ impl Context {
             tile.shared_memory_bytes(shape.head_dim),
         );
         let args = ProblemArgs::new(&shape, options);
-        let head: [&dyn KernelArg; 5] = [q.data(), k.data(), v.data(), out.o.data(), out.lse.data()];
+        let head: [&dyn KernelArg; 5] = [q, k, v, &out.o, &out.lse];
         self.launch(entry, config, &args.with_mask(&head, &[&scale_log2]))
     }
 
@@ -302,22 +294,12 @@ impl Context {
         check_flash_grid(&shape)?;
         if dq == DqAccumulation::Atomic {
             // The kernel adds into dQ: start from zero.
-            self.stream().memset_zeros(grads.dq.data_mut()).during("zeroing dQ")?;
+            self.fill_zeros(&mut grads.dq)?;
         }
         let delta = self.row_deltas(o, d_o, &shape)?;
         let scale = options.scale_for(shape.head_dim);
         let args = ProblemArgs::new(&shape, options);
-        let head: [&dyn KernelArg; 9] = [
-            q.data(),
-            k.data(),
-            v.data(),
-            d_o.data(),
-            lse.data(),
-            delta.data(),
-            grads.dq.data(),
-            grads.dk.data(),
-            grads.dv.data(),
-        ];
+        let head: [&dyn KernelArg; 9] = [q, k, v, d_o, lse, &delta, &grads.dq, &grads.dk, &grads.dv];
         let args = args.with_mask(&head, &[&scale]);
         let (block_m, block_n, d) = (tile.block_m, tile.block_n, shape.head_dim);
         let kv_config = |kernel: FlashKernel| {
@@ -388,27 +370,11 @@ impl Context {
         let per_q_row = one_dim(grid_stride_blocks(self, shape.query_rows(), 1), threads);
         let per_score_row = one_dim(grid_stride_blocks(self, shape.query_rows(), 1), ELEMENTWISE_THREADS);
         // dV = Pᵀ dO, before P is overwritten.
-        self.launch(
-            entry::NAIVE_PT_X_F32,
-            per_kv_row,
-            &args.with_shape(&[p.data(), d_o.data(), grads.dv.data()], &[&1.0f32]),
-        )?;
+        self.launch(entry::NAIVE_PT_X_F32, per_kv_row, &args.with_shape(&[&p, d_o, &grads.dv], &[&1.0f32]))?;
         // P becomes dS.
-        self.launch(
-            entry::NAIVE_DS_F32,
-            per_score_row,
-            &args.with_shape(&[p.data(), v.data(), d_o.data(), delta.data()], &[]),
-        )?;
-        self.launch(
-            entry::NAIVE_PV_F32,
-            per_q_row,
-            &args.with_shape(&[p.data(), k.data(), grads.dq.data()], &[&scale]),
-        )?;
-        self.launch(
-            entry::NAIVE_PT_X_F32,
-            per_kv_row,
-            &args.with_shape(&[p.data(), q.data(), grads.dk.data()], &[&scale]),
-        )
+        self.launch(entry::NAIVE_DS_F32, per_score_row, &args.with_shape(&[&p, v, d_o, &delta], &[]))?;
+        self.launch(entry::NAIVE_PV_F32, per_q_row, &args.with_shape(&[&p, k, &grads.dq], &[&scale]))?;
+        self.launch(entry::NAIVE_PT_X_F32, per_kv_row, &args.with_shape(&[&p, q, &grads.dk], &[&scale]))
     }
 
     /// D = rowsum(dO ∘ O), one `f32` per query row, in a new tensor.
@@ -416,11 +382,7 @@ impl Context {
         let delta = self.alloc_output(&shape.lse_shape())?;
         let rows = shape.query_rows();
         let config = one_dim(grid_stride_blocks(self, rows, SOFTMAX_ROWS_PER_BLOCK), SOFTMAX_THREADS);
-        self.launch(
-            entry::FLASH_BWD_PREPROCESS_F32,
-            config,
-            &[o.data(), d_o.data(), delta.data(), &rows, &shape.head_dim],
-        )?;
+        self.launch(entry::FLASH_BWD_PREPROCESS_F32, config, &[o, d_o, &delta, &rows, &shape.head_dim])?;
         Ok(delta)
     }
 

@@ -60,6 +60,7 @@ use crate::tiles::{
     Mask, QueryBlock, a_bt, accumulate_ab, mask_tile, refill_tiles, store_rows, store_tile, store_tile_transposed,
 };
 
+kernel! {
 /// D[row] = Σ_d dO[row, d] · O[row, d] for every query row (`rows = batch · heads · seqlen_q`).
 ///
 /// Thread mapping: one warp per row (rows in a grid-stride loop), lanes stride over head_dim,
@@ -67,8 +68,7 @@ use crate::tiles::{
 ///
 /// # Safety
 /// `o` and `d_o` hold `rows × head_dim` floats, `delta` holds `rows`; blocks are whole warps.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn flash_bwd_preprocess_f32(
+pub unsafe fn flash_bwd_preprocess_f32(
     o: *const f32,
     d_o: *const f32,
     delta: *mut f32,
@@ -90,6 +90,7 @@ pub unsafe extern "gpu-kernel" fn flash_bwd_preprocess_f32(
         }
         row += gpu::grid_dim_x() * warps_per_block;
     }
+}
 }
 
 /// Pointers of one backward problem, as the kernels receive them.
@@ -411,12 +412,12 @@ macro_rules! flash_backward_instance {
         >(t, shape, mask, scale));
     };
     (@entry $name:ident, |$t:ident, $shape:ident, $mask:ident, $scale:ident| $body:expr) => {
+        kernel! {
         /// FlashAttention-2 backward, `f32`; see the module docs.
         ///
         /// # Safety
         /// As `flash_backward_kv` / `flash_backward_q`.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "gpu-kernel" fn $name(
+        pub unsafe fn $name(
             q: *const f32,
             k: *const f32,
             v: *const f32,
@@ -441,6 +442,7 @@ macro_rules! flash_backward_instance {
             let $mask = Mask { seqlen_q, seqlen_k, causal: causal != 0, offset: causal_offset };
             let $scale = scale;
             unsafe { $body }
+        }
         }
     };
 }

@@ -221,12 +221,12 @@ pub(crate) unsafe fn flash_forward<
 /// `for_each_tile!` (in `lib.rs`, the one list of compiled tiles) calls this macro once per tile.
 macro_rules! flash_forward_instance {
     ($block_m:literal, $block_n:literal, $head_dim:literal) => {
+        kernel! {
         /// FlashAttention-2 forward, `f32`; see the module docs and `flash_forward`.
         ///
         /// # Safety
         /// As `flash_forward`.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "gpu-kernel" fn ${concat(flash_fwd_f32_m, $block_m, _n, $block_n, _d, $head_dim)}(
+        pub unsafe fn ${concat(flash_fwd_f32_m, $block_m, _n, $block_n, _d, $head_dim)}(
             q: *const f32,
             k: *const f32,
             v: *const f32,
@@ -254,6 +254,7 @@ macro_rules! flash_forward_instance {
                     { $head_dim / (4 * LANES) },
                 >(q, k, v, o, lse, shape, mask, scale_log2)
             }
+        }
         }
     };
 }

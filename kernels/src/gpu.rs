@@ -11,9 +11,18 @@
 //! Warp-level operations call LLVM's NVPTX intrinsics rather than `asm!`: the intrinsics are known
 //! to LLVM as *convergent* (every lane of the warp must reach them together), so the optimiser will
 //! never move them into a branch that only some lanes take.
+//!
+//! Every hardware primitive lives in `backend`: on nvptx64 the module [`hw`] below (special
+//! registers, intrinsics, PTX), on the host the CPU emulator ([`crate::emu`]), which implements the
+//! same functions with threads, barriers and a checked shared memory. The functions of this file
+//! are the same on both, so a kernel is written once.
 
-use core::arch::nvptx;
 use core::simd::Simd;
+
+#[cfg(not(target_arch = "nvptx64"))]
+use crate::emu as backend;
+#[cfg(target_arch = "nvptx64")]
+use hw as backend;
 
 // ---------------------------------------------------------------------------------------------
 // Thread: indices
@@ -22,29 +31,25 @@ use core::simd::Simd;
 /// Index of this thread within its block along x (`threadIdx.x`).
 #[inline(always)]
 pub fn thread_idx_x() -> usize {
-    // SAFETY: reading a special register has no preconditions.
-    unsafe { nvptx::_thread_idx_x() as usize }
+    backend::thread_idx_x()
 }
 
 /// Index of this block within the grid along x, y and z (`blockIdx`).
 #[inline(always)]
 pub fn block_idx() -> (usize, usize, usize) {
-    // SAFETY: reading special registers has no preconditions.
-    unsafe { (nvptx::_block_idx_x() as usize, nvptx::_block_idx_y() as usize, nvptx::_block_idx_z() as usize) }
+    backend::block_idx()
 }
 
 /// Threads per block along x (`blockDim.x`).
 #[inline(always)]
 pub fn block_dim_x() -> usize {
-    // SAFETY: reading a special register has no preconditions.
-    unsafe { nvptx::_block_dim_x() as usize }
+    backend::block_dim_x()
 }
 
 /// Blocks in the grid along x (`gridDim.x`).
 #[inline(always)]
 pub fn grid_dim_x() -> usize {
-    // SAFETY: reading a special register has no preconditions.
-    unsafe { nvptx::_grid_dim_x() as usize }
+    backend::grid_dim_x()
 }
 
 /// This thread's index in a one-dimensional grid: `blockIdx.x · blockDim.x + threadIdx.x`.
@@ -79,8 +84,7 @@ pub fn warp_id() -> usize {
 /// Stops the kernel; the host sees a launch failure at its next synchronisation.
 #[inline(always)]
 pub fn trap() -> ! {
-    // SAFETY: `trap` has no preconditions; it never returns.
-    unsafe { nvptx::trap() }
+    backend::trap()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -97,21 +101,20 @@ pub const LN_2: f32 = core::f32::consts::LN_2;
 /// 2^x with the hardware's `ex2.approx.f32` (relative error about 2⁻²²; exact 0 for x = −∞).
 #[inline(always)]
 pub fn exp2(x: f32) -> f32 {
-    core::intrinsics::exp2f32(x)
+    backend::exp2(x)
 }
 
 /// log₂(x) with the hardware's `lg2.approx.f32` (absolute error about 2⁻²²; −∞ for x = 0).
 /// `core`'s `log2` has no NVPTX lowering (llc aborts), hence the intrinsic.
 #[inline(always)]
 pub fn log2(x: f32) -> f32 {
-    // SAFETY: a pure arithmetic intrinsic.
-    unsafe { intrinsics::lg2_approx(x) }
+    backend::log2(x)
 }
 
 /// a·b + c with a single rounding (`fma.rn.f32`).
 #[inline(always)]
 pub fn fma(a: f32, b: f32, c: f32) -> f32 {
-    core::intrinsics::fmaf32(a, b, c)
+    backend::fma(a, b, c)
 }
 
 /// `*ptr += value` as one atomic read-modify-write in device memory (`red.add.f32`, which returns
@@ -122,10 +125,8 @@ pub fn fma(a: f32, b: f32, c: f32) -> f32 {
 /// `ptr` points to an `f32` in global memory.
 #[inline(always)]
 pub unsafe fn atomic_add(ptr: *mut f32, value: f32) {
-    // SAFETY: the caller guarantees the address; `red` with no state space takes a generic address.
-    unsafe {
-        core::arch::asm!("red.relaxed.gpu.add.f32 [{ptr}], {value};", ptr = in(reg64) ptr, value = in(reg32) value)
-    };
+    // SAFETY: the caller's contract.
+    unsafe { backend::atomic_add(ptr, value) }
 }
 
 /// Four `f32` that load and store as one 16-byte access (`ld.v4.f32`), which moves a quarter of
@@ -144,8 +145,13 @@ impl F32x4 {
     #[inline(always)]
     pub unsafe fn load(ptr: *const f32) -> Self {
         // Read through a SIMD type: LLVM then emits one vector load. Copying `Self` as a plain
-        // 16-byte aggregate would be split into two 8-byte loads.
-        Self(unsafe { (ptr as *const Simd<f32, 4>).read() }.to_array())
+        // 16-byte aggregate would be split into two 8-byte loads. (Host buffers need not be
+        // 16-byte aligned, so the emulator reads unaligned.)
+        #[cfg(target_arch = "nvptx64")]
+        let v = unsafe { (ptr as *const Simd<f32, 4>).read() };
+        #[cfg(not(target_arch = "nvptx64"))]
+        let v = unsafe { (ptr as *const Simd<f32, 4>).read_unaligned() };
+        Self(v.to_array())
     }
 
     /// Writes four consecutive floats; `ptr` must be 16-byte aligned.
@@ -154,7 +160,14 @@ impl F32x4 {
     /// `ptr..ptr+4` must be writable (global or shared memory).
     #[inline(always)]
     pub unsafe fn store(self, ptr: *mut f32) {
-        unsafe { (ptr as *mut Simd<f32, 4>).write(Simd::from_array(self.0)) }
+        #[cfg(target_arch = "nvptx64")]
+        unsafe {
+            (ptr as *mut Simd<f32, 4>).write(Simd::from_array(self.0))
+        }
+        #[cfg(not(target_arch = "nvptx64"))]
+        unsafe {
+            (ptr as *mut Simd<f32, 4>).write_unaligned(Simd::from_array(self.0))
+        }
     }
 
     /// Σ self[i]·other[i], as four fused multiply-adds onto `acc`.
@@ -192,20 +205,17 @@ impl F32x4 {
 /// accesses (`bar.warp.sync`). Enough when the threads that write and read a piece of shared
 /// memory are all in one warp; cheaper than [`sync_threads`].
 #[inline(always)]
+#[cfg_attr(not(target_arch = "nvptx64"), track_caller)]
 pub fn sync_warp() {
-    // SAFETY: every kernel in this crate runs full warps, so all lanes in the mask exist.
-    unsafe { intrinsics::bar_warp_sync(FULL_MASK) }
+    backend::sync_warp()
 }
-
-const FULL_MASK: u32 = 0xffff_ffff;
 
 /// The value of `x` held by lane `lane_id() ^ lane_mask` (`shfl.sync.bfly`): the butterfly
 /// exchange that tree reductions are built from. All 32 lanes must call it together.
 #[inline(always)]
+#[cfg_attr(not(target_arch = "nvptx64"), track_caller)]
 pub fn shfl_xor(x: f32, lane_mask: u32) -> f32 {
-    // `0x1f` is the "clamp" operand: lanes exchange within the whole warp.
-    // SAFETY: all lanes take part (FULL_MASK), which every caller in this crate guarantees.
-    unsafe { intrinsics::shfl_sync_bfly_f32(FULL_MASK, x, lane_mask, 0x1f) }
+    backend::shfl_xor(x, lane_mask)
 }
 
 /// Maximum of `x` over each aligned group of `LANES` consecutive lanes (LANES = 1, 2, 4, …, 32);
@@ -243,16 +253,16 @@ pub fn group_sum<const LANES: usize>(x: f32) -> f32 {
 /// before it are visible to every thread after it (`bar.sync 0`, CUDA's `__syncthreads`).
 /// Every thread of the block must reach the same call.
 #[inline(always)]
+#[cfg_attr(not(target_arch = "nvptx64"), track_caller)]
 pub fn sync_threads() {
-    // SAFETY: callers in this crate reach barriers in uniform control flow.
-    unsafe { nvptx::_syncthreads() }
+    backend::sync_threads()
 }
 
 /// Start of the block's dynamic shared memory: the bytes the host asked for at launch
 /// (`sharedMemBytes` of `cuLaunchKernel`), 16-byte aligned, uninitialised.
 #[inline(always)]
 pub fn dynamic_shared_memory() -> *mut f32 {
-    core::intrinsics::gpu::gpu_launch_sized_workgroup_mem::<F32x4>() as *mut f32
+    backend::dynamic_shared_memory()
 }
 
 /// A `ROWS × cols` tile of `f32` in shared memory, row-major with a row stride of `stride`
@@ -267,7 +277,7 @@ pub struct SharedTile {
 impl SharedTile {
     /// Pointer to element `(row, col)`.
     #[inline(always)]
-    pub fn at(self, row: usize, col: usize) -> *mut f32 {
+    fn at(self, row: usize, col: usize) -> *mut f32 {
         // SAFETY: only address arithmetic; callers stay within the carved tile.
         unsafe { self.ptr.add(row * self.stride + col) }
     }
@@ -275,22 +285,37 @@ impl SharedTile {
     /// Reads `(row, col..col+4)`; `col` must be a multiple of 4 and the stride too.
     #[inline(always)]
     pub fn load4(self, row: usize, col: usize) -> F32x4 {
+        let ptr = self.at(row, col);
+        backend::check_shared(ptr, 4, false);
         // SAFETY: tiles are carved 16-byte aligned with strides that are multiples of 4.
-        unsafe { F32x4::load(self.at(row, col)) }
+        unsafe { F32x4::load(ptr) }
+    }
+
+    /// Writes `(row, col..col+4)`; `col` must be a multiple of 4 and the stride too.
+    #[inline(always)]
+    pub fn store4(self, row: usize, col: usize, value: F32x4) {
+        let ptr = self.at(row, col);
+        backend::check_shared(ptr, 4, true);
+        // SAFETY: as `load4`.
+        unsafe { value.store(ptr) }
     }
 
     /// Reads `(row, col)`.
     #[inline(always)]
     pub fn load(self, row: usize, col: usize) -> f32 {
+        let ptr = self.at(row, col);
+        backend::check_shared(ptr, 1, false);
         // SAFETY: see `at`.
-        unsafe { *self.at(row, col) }
+        unsafe { *ptr }
     }
 
     /// Writes `(row, col)`.
     #[inline(always)]
     pub fn store(self, row: usize, col: usize, value: f32) {
+        let ptr = self.at(row, col);
+        backend::check_shared(ptr, 1, true);
         // SAFETY: see `at`.
-        unsafe { *self.at(row, col) = value }
+        unsafe { *ptr = value }
     }
 
     /// Block-cooperative copy of `rows` consecutive rows of `cols` floats from global memory,
@@ -321,8 +346,7 @@ impl SharedTile {
             } else {
                 F32x4::ZERO
             };
-            // SAFETY: row < rows and col + 4 <= cols: inside the tile.
-            unsafe { value.store(self.at(row, col)) };
+            self.store4(row, col, value);
             chunk += THREADS;
         }
     }
@@ -358,14 +382,104 @@ impl Default for SharedMemory {
     }
 }
 
-/// LLVM's NVPTX intrinsics, declared by their LLVM names.
-mod intrinsics {
+/// The hardware backend: special registers, NVPTX intrinsics and PTX. Only this module talks
+/// to the GPU; the emulator ([`crate::emu`]) provides the same functions on the host.
+#[cfg(target_arch = "nvptx64")]
+mod hw {
+    use core::arch::nvptx;
+
+    #[inline(always)]
+    pub fn thread_idx_x() -> usize {
+        // SAFETY: reading a special register has no preconditions.
+        unsafe { nvptx::_thread_idx_x() as usize }
+    }
+
+    #[inline(always)]
+    pub fn block_idx() -> (usize, usize, usize) {
+        // SAFETY: reading special registers has no preconditions.
+        unsafe { (nvptx::_block_idx_x() as usize, nvptx::_block_idx_y() as usize, nvptx::_block_idx_z() as usize) }
+    }
+
+    #[inline(always)]
+    pub fn block_dim_x() -> usize {
+        // SAFETY: reading a special register has no preconditions.
+        unsafe { nvptx::_block_dim_x() as usize }
+    }
+
+    #[inline(always)]
+    pub fn grid_dim_x() -> usize {
+        // SAFETY: reading a special register has no preconditions.
+        unsafe { nvptx::_grid_dim_x() as usize }
+    }
+
+    #[inline(always)]
+    pub fn trap() -> ! {
+        // SAFETY: `trap` has no preconditions; it never returns.
+        unsafe { nvptx::trap() }
+    }
+
+    #[inline(always)]
+    pub fn exp2(x: f32) -> f32 {
+        core::intrinsics::exp2f32(x)
+    }
+
+    #[inline(always)]
+    pub fn log2(x: f32) -> f32 {
+        // SAFETY: a pure arithmetic intrinsic.
+        unsafe { lg2_approx(x) }
+    }
+
+    #[inline(always)]
+    pub fn fma(a: f32, b: f32, c: f32) -> f32 {
+        core::intrinsics::fmaf32(a, b, c)
+    }
+
+    #[inline(always)]
+    pub unsafe fn atomic_add(ptr: *mut f32, value: f32) {
+        // SAFETY: the caller guarantees the address; `red` with no state space takes a generic
+        // address.
+        unsafe {
+            core::arch::asm!("red.relaxed.gpu.add.f32 [{ptr}], {value};", ptr = in(reg64) ptr, value = in(reg32) value)
+        };
+    }
+
+    const FULL_MASK: u32 = 0xffff_ffff;
+
+    #[inline(always)]
+    pub fn sync_warp() {
+        // SAFETY: every kernel in this crate runs full warps, so all lanes in the mask exist.
+        unsafe { bar_warp_sync(FULL_MASK) }
+    }
+
+    #[inline(always)]
+    pub fn shfl_xor(x: f32, lane_mask: u32) -> f32 {
+        // `0x1f` is the "clamp" operand: lanes exchange within the whole warp.
+        // SAFETY: all lanes take part (FULL_MASK), which every caller in this crate guarantees.
+        unsafe { shfl_sync_bfly_f32(FULL_MASK, x, lane_mask, 0x1f) }
+    }
+
+    #[inline(always)]
+    pub fn sync_threads() {
+        // SAFETY: callers in this crate reach barriers in uniform control flow.
+        unsafe { nvptx::_syncthreads() }
+    }
+
+    #[inline(always)]
+    pub fn dynamic_shared_memory() -> *mut f32 {
+        core::intrinsics::gpu::gpu_launch_sized_workgroup_mem::<super::F32x4>() as *mut f32
+    }
+
+    /// Shared-memory accesses are not checked on the GPU (the emulator checks them).
+    #[inline(always)]
+    pub fn check_shared(_ptr: *const f32, _words: usize, _write: bool) {}
+
+    // LLVM's NVPTX intrinsics, declared by their LLVM names.
     unsafe extern "C" {
         #[link_name = "llvm.nvvm.shfl.sync.bfly.f32"]
-        pub fn shfl_sync_bfly_f32(member_mask: u32, value: f32, lane_mask: u32, clamp: u32) -> f32;
+        fn shfl_sync_bfly_f32(member_mask: u32, value: f32, lane_mask: u32, clamp: u32) -> f32;
         #[link_name = "llvm.nvvm.bar.warp.sync"]
-        pub fn bar_warp_sync(member_mask: u32);
+        fn bar_warp_sync(member_mask: u32);
         #[link_name = "llvm.nvvm.lg2.approx.f"]
-        pub fn lg2_approx(x: f32) -> f32;
+        fn lg2_approx(x: f32) -> f32;
     }
 }

@@ -18,22 +18,67 @@
 //!
 //! Tensors are row-major `[batch, heads, seqlen, head_dim]` `f32` arrays (PyTorch's
 //! `scaled_dot_product_attention` layout); the host crate validates every shape before a launch.
-#![no_std]
-#![feature(
-    abi_gpu_kernel,
-    asm_experimental_arch,
-    core_intrinsics,
-    gpu_intrinsics,
-    gpu_launch_sized_workgroup_mem,
-    link_llvm_intrinsics,
-    macro_metavar_expr_concat,
-    portable_simd,
-    stdarch_nvptx
+// On nvptx64 the crate is `no_std` and its kernels are GPU entry points; on the host it is an
+// ordinary library whose kernels run in the CPU emulator (`emu`), which needs `std`.
+#![cfg_attr(target_arch = "nvptx64", no_std)]
+#![cfg_attr(
+    target_arch = "nvptx64",
+    feature(
+        abi_gpu_kernel,
+        asm_experimental_arch,
+        core_intrinsics,
+        gpu_intrinsics,
+        gpu_launch_sized_workgroup_mem,
+        link_llvm_intrinsics,
+        stdarch_nvptx
+    )
 )]
+#![feature(macro_metavar_expr_concat, portable_simd)]
 #![allow(internal_features)]
 // Kernels index small register arrays by row and column on purpose: `acc[i][g]` with the thread
 // mapping's names reads like the algorithm, where iterator chains would hide it.
 #![allow(clippy::needless_range_loop)]
+
+/// Defines a kernel once for both targets. On nvptx64 it is an `extern "gpu-kernel"` function with
+/// an unmangled name: an entry of the PTX module that the host loads by name. On the host it is a
+/// plain `unsafe fn`, plus a constant `emu_<name>` ([`emu::HostKernel`]) through which the CPU
+/// emulator calls it with the launch's arguments.
+macro_rules! kernel {
+    ($(#[$attr:meta])* pub unsafe fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
+        $(#[$attr])*
+        #[cfg(target_arch = "nvptx64")]
+        #[unsafe(no_mangle)]
+        pub unsafe extern "gpu-kernel" fn $name($($arg: $ty),*) $body
+
+        $(#[$attr])*
+        #[cfg(not(target_arch = "nvptx64"))]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe fn $name($($arg: $ty),*) $body
+
+        /// The CPU emulator's entry for the kernel of the same name.
+        #[cfg(not(target_arch = "nvptx64"))]
+        #[allow(non_upper_case_globals)]
+        pub const ${concat(emu_, $name)}: $crate::emu::HostKernel = $crate::emu::HostKernel {
+            name: stringify!($name),
+            run: |args| {
+                let expected = [$(stringify!($arg)),*].len();
+                if args.len() != expected {
+                    return Err(format!("{} arguments given, {} expected", args.len(), expected));
+                }
+                let mut args = args.iter();
+                $(
+                    let $arg = args
+                        .next()
+                        .and_then(<$ty as $crate::emu::FromArg>::from_arg)
+                        .ok_or_else(|| format!("argument `{}` has the wrong type", stringify!($arg)))?;
+                )*
+                // SAFETY: the caller of `emu::launch` guarantees the pointers.
+                unsafe { $name($($arg),*) };
+                Ok(())
+            },
+        };
+    };
+}
 
 /// Calls `$instance!(block_m, block_n, head_dim)` for every compiled FlashAttention tile: the one
 /// list of tile shapes, shared by the forward and backward kernels (the host reads the resulting
@@ -53,6 +98,8 @@ macro_rules! for_each_tile {
     };
 }
 
+#[cfg(not(target_arch = "nvptx64"))]
+pub mod emu;
 pub mod gpu;
 pub mod layout;
 pub mod tiles;
@@ -62,10 +109,20 @@ pub mod flash_forward;
 pub mod naive_attention;
 pub mod vector_add;
 
+/// Every kernel and, on the host, its emulator entry `emu_<name>`, in one namespace (the host
+/// crate's build script names them from the PTX's entry list).
+pub mod kernels {
+    pub use crate::flash_backward::*;
+    pub use crate::flash_forward::*;
+    pub use crate::naive_attention::*;
+    pub use crate::vector_add::*;
+}
+
 /// A panic on the device cannot print: it stops the kernel with `trap`, which the host sees as a
 /// launch failure (`CUDA_ERROR_LAUNCH_FAILED`) at its next synchronisation. Kernels are written so
 /// that they cannot panic (no slices, no bounds checks, no integer division by a value that can be
 /// zero), so this is only reached through a bug.
+#[cfg(target_arch = "nvptx64")]
 #[panic_handler]
 fn panic(_: &core::panic::PanicInfo) -> ! {
     gpu::trap()

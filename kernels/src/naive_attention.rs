@@ -33,6 +33,7 @@ fn row_offsets(shape: &AttentionShape, row: usize) -> (usize, usize) {
     (row * shape.head_dim, shape.kv_head_offset(b, h))
 }
 
+kernel! {
 /// S[row, j] = scale · Σ_d Q[row, d] · K[j, d].
 ///
 /// Thread mapping: blocks take query rows in a grid-stride loop (`row = blockIdx.x`,
@@ -42,8 +43,7 @@ fn row_offsets(shape: &AttentionShape, row: usize) -> (usize, usize) {
 ///
 /// # Safety
 /// Pointers hold the shapes given in the module docs; `s` holds `rows × seqlen_k` floats.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn naive_scores_f32(
+pub unsafe fn naive_scores_f32(
     q: *const f32,
     k: *const f32,
     s: *mut f32,
@@ -77,7 +77,9 @@ pub unsafe extern "gpu-kernel" fn naive_scores_f32(
         row += gpu::grid_dim_x();
     }
 }
+}
 
+kernel! {
 /// P[row, :] = softmax(S[row, :]) in place, and lse[row] = ln Σ_j exp(S[row, j]).
 ///
 /// Thread mapping: one warp per row (`rows_per_block` warps per block, rows in a grid-stride
@@ -88,8 +90,7 @@ pub unsafe extern "gpu-kernel" fn naive_scores_f32(
 /// # Safety
 /// `s` holds `rows × seqlen_k` floats and `lse` holds `rows` floats, `rows = batch · heads ·
 /// seqlen_q`; the block has `32 · rows_per_block` threads.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn naive_softmax_f32(s: *mut f32, lse: *mut f32, rows: usize, seqlen_k: usize) {
+pub unsafe fn naive_softmax_f32(s: *mut f32, lse: *mut f32, rows: usize, seqlen_k: usize) {
     let warps_per_block = gpu::block_dim_x() / gpu::WARP_SIZE;
     let mut row = gpu::block_idx().0 * warps_per_block + gpu::warp_id();
     // Uniform per warp: all 32 lanes of a warp agree on `row`, so the warp reductions below are
@@ -127,7 +128,9 @@ pub unsafe extern "gpu-kernel" fn naive_softmax_f32(s: *mut f32, lse: *mut f32, 
         row += gpu::grid_dim_x() * warps_per_block;
     }
 }
+}
 
+kernel! {
 /// O[row, d] = scale · Σ_j P[row, j] · V[j, d]: the forward's O = P V (scale 1) and the
 /// backward's dQ = scale · dS K (with dS in place of P and K in place of V).
 ///
@@ -137,8 +140,7 @@ pub unsafe extern "gpu-kernel" fn naive_softmax_f32(s: *mut f32, lse: *mut f32, 
 ///
 /// # Safety
 /// As [`naive_scores_f32`]; `p` is the softmaxed `s`, `o` holds `rows × head_dim` floats.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn naive_pv_f32(
+pub unsafe fn naive_pv_f32(
     p: *const f32,
     v: *const f32,
     o: *mut f32,
@@ -170,7 +172,9 @@ pub unsafe extern "gpu-kernel" fn naive_pv_f32(
         row += gpu::grid_dim_x();
     }
 }
+}
 
+kernel! {
 /// out[j, d] = scale · Σ_{h in group} Σ_i P_h[i, j] · X_h[i, d] for every key row j of every
 /// key/value head (hence the name: Pᵀ·X): dV = Pᵀ dO (scale 1) and dK = scale · dSᵀ Q. Under grouped-query attention a
 /// key/value head receives the sum over the query heads that read it.
@@ -181,8 +185,7 @@ pub unsafe extern "gpu-kernel" fn naive_pv_f32(
 ///
 /// # Safety
 /// `p` holds `[batch, num_heads_q, seqlen_q, seqlen_k]`, `x` has Q's shape, `out` K's shape.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn naive_pt_x_f32(
+pub unsafe fn naive_pt_x_f32(
     p: *const f32,
     x: *const f32,
     out: *mut f32,
@@ -219,7 +222,9 @@ pub unsafe extern "gpu-kernel" fn naive_pt_x_f32(
         kv_row += gpu::grid_dim_x();
     }
 }
+}
 
+kernel! {
 /// dS[row, j] = P[row, j] · (Σ_d dO[row, d] · V[j, d] − D[row]), written over P.
 ///
 /// Thread mapping: as [`naive_scores_f32`], a block per query row, threads over its keys.
@@ -227,8 +232,7 @@ pub unsafe extern "gpu-kernel" fn naive_pt_x_f32(
 /// # Safety
 /// `p_ds` holds `[batch, num_heads_q, seqlen_q, seqlen_k]`; `d_o` has Q's shape, `v` K's shape,
 /// `delta` holds one float per query row.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn naive_ds_f32(
+pub unsafe fn naive_ds_f32(
     p_ds: *mut f32,
     v: *const f32,
     d_o: *const f32,
@@ -260,4 +264,5 @@ pub unsafe extern "gpu-kernel" fn naive_ds_f32(
         }
         row += gpu::grid_dim_x();
     }
+}
 }

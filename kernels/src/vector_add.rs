@@ -13,13 +13,13 @@
 
 use crate::gpu::{self, F32x4};
 
+kernel! {
 /// `c[i] = a[i] + b[i]` for `i < n`.
 ///
 /// # Safety
 /// `a`, `b` and `c` point to `n` floats of device memory each, 16-byte aligned; `c` does not
 /// overlap `a` or `b`.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn vector_add_f32(a: *const f32, b: *const f32, c: *mut f32, n: usize) {
+pub unsafe fn vector_add_f32(a: *const f32, b: *const f32, c: *mut f32, n: usize) {
     let chunks = n / 4;
     let mut chunk = gpu::global_thread_idx();
     while chunk < chunks {
@@ -36,4 +36,5 @@ pub unsafe extern "gpu-kernel" fn vector_add_f32(a: *const f32, b: *const f32, c
         // SAFETY: i < n.
         unsafe { *c.add(i) = *a.add(i) + *b.add(i) };
     }
+}
 }

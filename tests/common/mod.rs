@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod attention;
+
 use std::collections::HashSet;
 use std::io::Write;
 use std::sync::{Mutex, OnceLock};

@@ -1,0 +1,621 @@
+//! The CPU emulator: the same kernel source, run on the host with a grid of real threads.
+//!
+//! Only built for the host (not for nvptx64). [`launch`] runs a kernel over a grid of
+//! blocks: blocks run in parallel (rayon), and each block's threads run as real OS threads (scoped)
+//! that share the block's dynamic shared memory, so barriers and warp shuffles behave as on the GPU.
+//! The helpers of [`crate::gpu`] route here on the host.
+//!
+//! What it checks, which a GPU would not tell you:
+//!
+//! * every shared-memory access through [`crate::gpu::SharedTile`] stays inside the block's
+//!   dynamic shared memory;
+//! * a read of shared memory that another thread wrote after the last barrier both have passed
+//!   (a block barrier, or a warp barrier when both threads are in one warp) is a *race*; a read
+//!   of a word nobody has written is an *uninitialised read*;
+//! * every barrier and every warp shuffle is reached by all the threads it waits for, from the
+//!   same place in the source; a thread that never arrives is reported after a timeout instead
+//!   of hanging.
+//!
+//! Errors name the kernel, the block, the thread and (for memory) the offset in bytes.
+//!
+//! What it does not model: timing, memory coalescing, bank conflicts, the hardware's rounding of
+//! `ex2.approx`/`lg2.approx` (the host uses `f32::exp2`/`log2`, which are more accurate), the
+//! order of atomic additions, and global-memory bounds (host pointers are used as they are).
+
+use std::cell::Cell;
+use std::fmt;
+use std::panic::{AssertUnwindSafe, Location};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use rayon::prelude::*;
+
+/// Lanes in a warp.
+const WARP_SIZE: usize = 32;
+
+/// A kernel argument as the emulator passes it: what the GPU launch would pass by value.
+#[derive(Clone, Copy, Debug)]
+pub enum Arg {
+    /// A pointer to `f32` data in host memory (a device buffer's emulated counterpart).
+    Ptr(*mut f32),
+    Usize(usize),
+    Isize(isize),
+    F32(f32),
+}
+
+/// Converts an [`Arg`] back into the kernel parameter's type; `None` for a type mismatch.
+pub trait FromArg: Sized {
+    fn from_arg(arg: &Arg) -> Option<Self>;
+}
+
+impl FromArg for *mut f32 {
+    fn from_arg(arg: &Arg) -> Option<Self> {
+        if let Arg::Ptr(p) = arg { Some(*p) } else { None }
+    }
+}
+
+impl FromArg for *const f32 {
+    fn from_arg(arg: &Arg) -> Option<Self> {
+        if let Arg::Ptr(p) = arg { Some(*p as *const f32) } else { None }
+    }
+}
+
+impl FromArg for usize {
+    fn from_arg(arg: &Arg) -> Option<Self> {
+        if let Arg::Usize(x) = arg { Some(*x) } else { None }
+    }
+}
+
+impl FromArg for isize {
+    fn from_arg(arg: &Arg) -> Option<Self> {
+        if let Arg::Isize(x) = arg { Some(*x) } else { None }
+    }
+}
+
+impl FromArg for f32 {
+    fn from_arg(arg: &Arg) -> Option<Self> {
+        if let Arg::F32(x) = arg { Some(*x) } else { None }
+    }
+}
+
+/// A kernel the emulator can run: the `kernel!` macro defines one, `emu_<name>`, next to every
+/// kernel, and [`crate::kernels`] gathers them.
+pub struct HostKernel {
+    /// The kernel's name, the same as its PTX `.entry`.
+    pub name: &'static str,
+    /// Decodes the arguments and runs the kernel body for the calling (emulated) thread.
+    pub run: fn(&[Arg]) -> Result<(), String>,
+}
+
+/// The shape of a launch: a grid of blocks of one-dimensional blocks of threads.
+#[derive(Clone, Copy, Debug)]
+pub struct Launch {
+    /// Blocks along x, y and z.
+    pub grid: (usize, usize, usize),
+    /// Threads per block (a multiple of 32).
+    pub block: usize,
+    /// Bytes of dynamic shared memory per block.
+    pub shared_bytes: usize,
+    /// How long a thread waits at a barrier before the launch is declared stuck.
+    pub barrier_timeout: Duration,
+}
+
+impl Launch {
+    /// A launch with the default barrier timeout (30 s: far beyond any legitimate wait).
+    pub fn new(grid: (usize, usize, usize), block: usize, shared_bytes: usize) -> Self {
+        Self { grid, block, shared_bytes, barrier_timeout: Duration::from_secs(30) }
+    }
+}
+
+/// What went wrong in an emulated launch, and where.
+#[derive(Clone, Debug)]
+pub struct EmuError {
+    /// The kernel's name.
+    pub kernel: String,
+    /// The block (x, y, z), if the error is inside one.
+    pub block: Option<(usize, usize, usize)>,
+    /// The thread within the block.
+    pub thread: Option<usize>,
+    /// What happened.
+    pub kind: EmuErrorKind,
+}
+
+/// The kinds of [`EmuError`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum EmuErrorKind {
+    /// No kernel of that name exists, or the arguments do not match its parameters.
+    BadLaunch(String),
+    /// A shared-memory access outside the block's dynamic shared memory.
+    SharedOutOfBounds { offset: isize, bytes: usize, size: usize },
+    /// A read of shared memory written by another thread with no barrier between the two.
+    SharedRace { offset: usize, writer: usize },
+    /// A read of shared memory that no thread has written.
+    SharedUninitialised { offset: usize },
+    /// Threads reached one barrier (or warp shuffle) from different places in the source.
+    DivergentBarrier { here: String, other: String },
+    /// Not every thread reached a barrier (or warp shuffle) within the timeout.
+    BarrierTimeout { site: String, arrived: usize, expected: usize },
+    /// The kernel trapped or panicked.
+    Panic(String),
+}
+
+impl fmt::Display for EmuError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "emulated kernel `{}`", self.kernel)?;
+        if let Some((x, y, z)) = self.block {
+            write!(f, ", block ({x}, {y}, {z})")?;
+        }
+        if let Some(t) = self.thread {
+            write!(f, ", thread {t}")?;
+        }
+        match &self.kind {
+            EmuErrorKind::BadLaunch(why) => write!(f, ": {why}"),
+            EmuErrorKind::SharedOutOfBounds { offset, bytes, size } => write!(
+                f,
+                ": shared-memory access of {bytes} bytes at offset {offset} is outside the block's {size} bytes"
+            ),
+            EmuErrorKind::SharedRace { offset, writer } => write!(
+                f,
+                ": race: read shared memory at offset {offset} that thread {writer} wrote with no barrier in between"
+            ),
+            EmuErrorKind::SharedUninitialised { offset } => {
+                write!(f, ": read shared memory at offset {offset} that no thread has written")
+            }
+            EmuErrorKind::DivergentBarrier { here, other } => {
+                write!(f, ": divergent barrier: reached at {here} while other threads wait at {other}")
+            }
+            EmuErrorKind::BarrierTimeout { site, arrived, expected } => write!(
+                f,
+                ": stuck at the barrier at {site}: {arrived} of {expected} threads arrived (a thread returned early or waits elsewhere)"
+            ),
+            EmuErrorKind::Panic(message) => write!(f, ": {message}"),
+        }
+    }
+}
+
+impl std::error::Error for EmuError {}
+
+/// Runs `kernel` over the grid of `launch` with `args` (as the GPU launch would pass them).
+/// Returns the first error any thread met; the kernel's writes up to that point stay in place.
+///
+/// # Safety
+/// The pointers in `args` must be valid for everything the kernel reads and writes, as for a GPU
+/// launch.
+pub unsafe fn launch(kernel: &HostKernel, launch: Launch, args: &[Arg]) -> Result<(), EmuError> {
+    let bad = |why: String| EmuError {
+        kernel: kernel.name.to_string(),
+        block: None,
+        thread: None,
+        kind: EmuErrorKind::BadLaunch(why),
+    };
+    if launch.block == 0 || !launch.block.is_multiple_of(WARP_SIZE) {
+        return Err(bad(format!("{} threads per block: the emulator needs a multiple of 32", launch.block)));
+    }
+    let (gx, gy, gz) = launch.grid;
+    let args = SendArgs(args);
+    (0..gx * gy * gz).into_par_iter().try_for_each(|b| {
+        let block = (b % gx, (b / gx) % gy, b / (gx * gy));
+        run_block(kernel, launch, block, &args)
+    })
+}
+
+/// Raw pointers are not `Send`; the launch's contract makes sharing them across threads sound.
+struct SendArgs<'a>(&'a [Arg]);
+unsafe impl Send for SendArgs<'_> {}
+unsafe impl Sync for SendArgs<'_> {}
+
+/// Runs one block: one OS thread per GPU thread.
+fn run_block(
+    kernel: &HostKernel,
+    launch: Launch,
+    block: (usize, usize, usize),
+    args: &SendArgs,
+) -> Result<(), EmuError> {
+    let state = BlockState::new(kernel.name, launch, block);
+    std::thread::scope(|scope| {
+        for thread in 0..launch.block {
+            let state = &state;
+            scope.spawn(move || {
+                let ctx = ThreadCtx { thread, block_epoch: Cell::new(0), warp_epoch: Cell::new(0), state };
+                CURRENT.with(|c| c.set(&ctx as *const ThreadCtx as *const ()));
+                let result = std::panic::catch_unwind(AssertUnwindSafe(|| (kernel.run)(args.0)));
+                CURRENT.with(|c| c.set(std::ptr::null()));
+                match result {
+                    Ok(Ok(())) => {}
+                    Ok(Err(why)) => state.fail(thread, EmuErrorKind::BadLaunch(why)),
+                    Err(payload) if payload.is::<Abort>() => {}
+                    Err(payload) => {
+                        let message = payload
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                            .unwrap_or_else(|| "the kernel panicked".into());
+                        state.fail(thread, EmuErrorKind::Panic(message));
+                    }
+                }
+                // A thread that has finished no longer takes part in barriers: let the others
+                // find out (a barrier that still waits for it then times out).
+                state.finished(thread);
+            });
+        }
+    });
+    match state.error.into_inner().unwrap() {
+        Some(error) => Err(error),
+        None => Ok(()),
+    }
+}
+
+/// The panic payload with which emulated threads unwind once their block has failed.
+struct Abort;
+
+/// One block's shared state.
+struct BlockState {
+    kernel: &'static str,
+    grid: (usize, usize, usize),
+    block: (usize, usize, usize),
+    /// The dynamic shared memory, 16-byte aligned.
+    shared: Box<[u128]>,
+    shared_bytes: usize,
+    /// Per 4-byte word of shared memory: who wrote it last and when (see [`Writer`]).
+    shadow: Box<[AtomicU64]>,
+    barrier: Barrier,
+    warps: Box<[Warp]>,
+    timeout: Duration,
+    aborted: AtomicBool,
+    error: Mutex<Option<EmuError>>,
+}
+
+struct Warp {
+    barrier: Barrier,
+    lanes: [AtomicU32; WARP_SIZE],
+}
+
+impl BlockState {
+    fn new(kernel: &'static str, launch: Launch, block: (usize, usize, usize)) -> Self {
+        let warps = launch.block / WARP_SIZE;
+        Self {
+            kernel,
+            grid: launch.grid,
+            block,
+            shared: vec![0u128; launch.shared_bytes.div_ceil(16)].into_boxed_slice(),
+            shared_bytes: launch.shared_bytes,
+            shadow: (0..launch.shared_bytes.div_ceil(4)).map(|_| AtomicU64::new(0)).collect(),
+            barrier: Barrier::new(launch.block),
+            warps: (0..warps)
+                .map(|_| Warp { barrier: Barrier::new(WARP_SIZE), lanes: std::array::from_fn(|_| AtomicU32::new(0)) })
+                .collect(),
+            timeout: launch.barrier_timeout,
+            aborted: AtomicBool::new(false),
+            error: Mutex::new(None),
+        }
+    }
+
+    /// Records the first error of the block and wakes every waiting thread so that they unwind.
+    fn fail(&self, thread: usize, kind: EmuErrorKind) {
+        let mut error = self.error.lock().unwrap();
+        if error.is_none() {
+            *error =
+                Some(EmuError { kernel: self.kernel.to_string(), block: Some(self.block), thread: Some(thread), kind });
+        }
+        drop(error);
+        self.aborted.store(true, Ordering::SeqCst);
+        self.barrier.wake_all();
+        for warp in self.warps.iter() {
+            warp.barrier.wake_all();
+        }
+    }
+
+    /// Fails and unwinds the calling thread.
+    fn abort(&self, thread: usize, kind: EmuErrorKind) -> ! {
+        self.fail(thread, kind);
+        std::panic::panic_any(Abort)
+    }
+
+    fn finished(&self, _thread: usize) {
+        self.barrier.wake_all();
+        for warp in self.warps.iter() {
+            warp.barrier.wake_all();
+        }
+    }
+}
+
+/// Who wrote a word of shared memory, packed into a `u64` (0: nobody yet): the writer thread,
+/// the number of block barriers it had passed, and the number of warp barriers.
+struct Writer {
+    thread: usize,
+    block_epoch: u64,
+    warp_epoch: u64,
+}
+
+impl Writer {
+    fn pack(&self) -> u64 {
+        (self.thread as u64 + 1) | (self.block_epoch << 16) | (self.warp_epoch << 40)
+    }
+
+    fn unpack(word: u64) -> Option<Self> {
+        (word != 0).then(|| Self {
+            thread: (word & 0xffff) as usize - 1,
+            block_epoch: (word >> 16) & 0xff_ffff,
+            warp_epoch: word >> 40,
+        })
+    }
+}
+
+/// A barrier for `n` threads that reports where it was reached from and times out.
+struct Barrier {
+    n: usize,
+    state: Mutex<BarrierState>,
+    cv: Condvar,
+}
+
+struct BarrierState {
+    arrived: usize,
+    generation: u64,
+    site: Option<&'static Location<'static>>,
+}
+
+impl Barrier {
+    fn new(n: usize) -> Self {
+        Self { n, state: Mutex::new(BarrierState { arrived: 0, generation: 0, site: None }), cv: Condvar::new() }
+    }
+
+    fn wake_all(&self) {
+        let _guard = self.state.lock().unwrap();
+        self.cv.notify_all();
+    }
+
+    /// Waits until all `n` threads have arrived from the same `site`.
+    fn wait(&self, block: &BlockState, thread: usize, site: &'static Location<'static>) {
+        let mut state = self.state.lock().unwrap();
+        if block.aborted.load(Ordering::SeqCst) {
+            drop(state);
+            std::panic::panic_any(Abort);
+        }
+        match state.site {
+            Some(other) if other != site => {
+                let kind = EmuErrorKind::DivergentBarrier { here: site.to_string(), other: other.to_string() };
+                drop(state);
+                block.abort(thread, kind);
+            }
+            _ => state.site = Some(site),
+        }
+        state.arrived += 1;
+        if state.arrived == self.n {
+            state.arrived = 0;
+            state.site = None;
+            state.generation += 1;
+            self.cv.notify_all();
+            return;
+        }
+        let generation = state.generation;
+        let deadline = Instant::now() + block.timeout;
+        while state.generation == generation {
+            if block.aborted.load(Ordering::SeqCst) {
+                drop(state);
+                std::panic::panic_any(Abort);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let kind =
+                    EmuErrorKind::BarrierTimeout { site: site.to_string(), arrived: state.arrived, expected: self.n };
+                drop(state);
+                block.abort(thread, kind);
+            }
+            state = self.cv.wait_timeout(state, deadline - now).unwrap().0;
+        }
+    }
+}
+
+/// The emulated thread running on this OS thread.
+struct ThreadCtx<'a> {
+    thread: usize,
+    block_epoch: Cell<u64>,
+    warp_epoch: Cell<u64>,
+    state: &'a BlockState,
+}
+
+thread_local! {
+    static CURRENT: Cell<*const ()> = const { Cell::new(std::ptr::null()) };
+}
+
+fn with_ctx<R>(f: impl FnOnce(&ThreadCtx) -> R) -> R {
+    let ptr = CURRENT.with(Cell::get);
+    assert!(!ptr.is_null(), "a GPU helper was called outside an emulated kernel launch (use emu::launch)");
+    // SAFETY: set by `run_block` for the lifetime of the kernel call on this thread.
+    f(unsafe { &*(ptr as *const ThreadCtx) })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The helpers `gpu` calls on the host.
+// ---------------------------------------------------------------------------------------------
+
+pub(crate) fn thread_idx_x() -> usize {
+    with_ctx(|c| c.thread)
+}
+
+pub(crate) fn block_idx() -> (usize, usize, usize) {
+    with_ctx(|c| c.state.block)
+}
+
+pub(crate) fn block_dim_x() -> usize {
+    with_ctx(|c| c.state.barrier.n)
+}
+
+pub(crate) fn grid_dim_x() -> usize {
+    with_ctx(|c| c.state.grid.0)
+}
+
+pub(crate) fn exp2(x: f32) -> f32 {
+    x.exp2()
+}
+
+pub(crate) fn log2(x: f32) -> f32 {
+    x.log2()
+}
+
+pub(crate) fn fma(a: f32, b: f32, c: f32) -> f32 {
+    a.mul_add(b, c)
+}
+
+pub(crate) fn trap() -> ! {
+    std::panic::panic_any("the kernel executed `trap`".to_string())
+}
+
+#[track_caller]
+pub(crate) fn sync_threads() {
+    let site = Location::caller();
+    with_ctx(|c| {
+        c.state.barrier.wait(c.state, c.thread, site);
+        c.block_epoch.set(c.block_epoch.get() + 1);
+    })
+}
+
+#[track_caller]
+pub(crate) fn sync_warp() {
+    let site = Location::caller();
+    with_ctx(|c| {
+        c.state.warps[c.thread / WARP_SIZE].barrier.wait(c.state, c.thread, site);
+        c.warp_epoch.set(c.warp_epoch.get() + 1);
+    })
+}
+
+/// `shfl.sync.bfly` among the 32 lanes of the calling thread's warp: every lane posts its value,
+/// waits for the others, reads its partner's, and waits again before the slots are reused.
+#[track_caller]
+pub(crate) fn shfl_xor(x: f32, lane_mask: u32) -> f32 {
+    let site = Location::caller();
+    with_ctx(|c| {
+        let warp = &c.state.warps[c.thread / WARP_SIZE];
+        let lane = c.thread % WARP_SIZE;
+        warp.lanes[lane].store(x.to_bits(), Ordering::Relaxed);
+        warp.barrier.wait(c.state, c.thread, site);
+        let y = f32::from_bits(warp.lanes[(lane ^ lane_mask as usize) % WARP_SIZE].load(Ordering::Relaxed));
+        warp.barrier.wait(c.state, c.thread, site);
+        y
+    })
+}
+
+pub(crate) fn dynamic_shared_memory() -> *mut f32 {
+    with_ctx(|c| c.state.shared.as_ptr() as *mut f32)
+}
+
+/// Checks an access of `words` 4-byte words of shared memory at `ptr` (bounds, and for reads,
+/// races and uninitialised data), and records writes.
+pub(crate) fn check_shared(ptr: *const f32, words: usize, write: bool) {
+    with_ctx(|c| {
+        let state = c.state;
+        let offset = ptr as isize - state.shared.as_ptr() as isize;
+        let bytes = words * 4;
+        if offset < 0 || offset as usize + bytes > state.shared_bytes {
+            state.abort(c.thread, EmuErrorKind::SharedOutOfBounds { offset, bytes, size: state.shared_bytes });
+        }
+        let first = offset as usize / 4;
+        let me = Writer { thread: c.thread, block_epoch: c.block_epoch.get(), warp_epoch: c.warp_epoch.get() };
+        for (i, slot) in state.shadow[first..first + words].iter().enumerate() {
+            if write {
+                slot.store(me.pack(), Ordering::Relaxed);
+                continue;
+            }
+            let offset = (first + i) * 4;
+            let Some(writer) = Writer::unpack(slot.load(Ordering::Relaxed)) else {
+                state.abort(c.thread, EmuErrorKind::SharedUninitialised { offset });
+            };
+            let ordered = writer.thread == c.thread
+                || writer.block_epoch < me.block_epoch
+                || (writer.thread / WARP_SIZE == c.thread / WARP_SIZE && writer.warp_epoch < me.warp_epoch);
+            if !ordered {
+                state.abort(c.thread, EmuErrorKind::SharedRace { offset, writer: writer.thread });
+            }
+        }
+    })
+}
+
+/// `*ptr += value` atomically (the emulated `red.add.f32`).
+///
+/// # Safety
+/// `ptr` points to a live, 4-byte aligned `f32`.
+pub(crate) unsafe fn atomic_add(ptr: *mut f32, value: f32) {
+    // SAFETY: f32 and AtomicU32 have the same size and alignment.
+    let word = unsafe { &*(ptr as *const AtomicU32) };
+    let mut current = word.load(Ordering::Relaxed);
+    loop {
+        let new = (f32::from_bits(current) + value).to_bits();
+        match word.compare_exchange_weak(current, new, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return,
+            Err(seen) => current = seen,
+        }
+    }
+}
+
+/// Kernels with planted bugs, for testing that the emulator reports them. Host-only: they are
+/// never part of the PTX. Each takes one pointer to 64 writable floats and runs as one block of
+/// 64 threads with 256 bytes of shared memory (that is their `# Safety` contract).
+#[allow(clippy::missing_safety_doc)]
+pub mod selftest {
+    use crate::gpu::{self, SharedMemory};
+
+    kernel! {
+        /// Every thread writes its own shared-memory word, then reads its neighbour's, but the
+        /// barrier between the two is missing: the emulator reports a race (or, if the neighbour
+        /// has not written yet, an uninitialised read).
+        pub unsafe fn missing_barrier(out: *mut f32) {
+            let t = gpu::thread_idx_x();
+            let tile = SharedMemory::new().tile(1, gpu::block_dim_x());
+            tile.store(0, t, t as f32);
+            // gpu::sync_threads() belongs here.
+            let neighbour = tile.load(0, (t + 1) % gpu::block_dim_x());
+            unsafe { *out.add(t) = neighbour };
+        }
+    }
+
+    kernel! {
+        /// The same with the barrier in place: the emulator must accept it.
+        pub unsafe fn with_barrier(out: *mut f32) {
+            let t = gpu::thread_idx_x();
+            let tile = SharedMemory::new().tile(1, gpu::block_dim_x());
+            tile.store(0, t, t as f32);
+            gpu::sync_threads();
+            let neighbour = tile.load(0, (t + 1) % gpu::block_dim_x());
+            unsafe { *out.add(t) = neighbour };
+        }
+    }
+
+    kernel! {
+        /// Half the threads wait at one barrier and half at another: divergent barriers. (The two
+        /// branches are the same code on purpose: what differs is where the barrier is.)
+        #[allow(clippy::if_same_then_else)]
+        pub unsafe fn divergent_barrier(out: *mut f32) {
+            let t = gpu::thread_idx_x();
+            if t < gpu::block_dim_x() / 2 {
+                gpu::sync_threads();
+            } else {
+                gpu::sync_threads();
+            }
+            unsafe { *out.add(t) = 1.0 };
+        }
+    }
+
+    kernel! {
+        /// Thread 0 returns before the barrier the others wait at.
+        pub unsafe fn early_return(out: *mut f32) {
+            let t = gpu::thread_idx_x();
+            if t == 0 {
+                return;
+            }
+            gpu::sync_threads();
+            unsafe { *out.add(t) = 1.0 };
+        }
+    }
+
+    kernel! {
+        /// Reads one word past the end of the block's dynamic shared memory.
+        pub unsafe fn out_of_bounds(out: *mut f32) {
+            let t = gpu::thread_idx_x();
+            let tile = SharedMemory::new().tile(1, gpu::block_dim_x());
+            tile.store(0, t, 1.0);
+            gpu::sync_threads();
+            unsafe { *out.add(t) = tile.load(0, t + 1) };
+        }
+    }
+}

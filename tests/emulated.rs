@@ -1,0 +1,163 @@
+//! Every kernel family run through the CPU emulator, in plain `cargo test` on any machine: the
+//! kernels' own source, not a reference, against the float64 CPU reference, with ragged tails,
+//! causal masks and GQA; and the emulator's own checks on kernels with planted bugs.
+//!
+//! Shapes are small: the emulator runs one OS thread per GPU thread. Each test prints how many
+//! emulated cases it ran.
+
+mod common;
+
+use std::io::Write;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use attn_host::check::{random_normal, relative_l2_error};
+use attn_host::{AttentionShape, Causal, Context, DqAccumulation, TileConfig, cpu};
+use attn_kernels::emu::{self, Arg, EmuErrorKind, Launch};
+use common::attention::{Kernel, check};
+
+fn emulator() -> &'static Context {
+    static CONTEXT: OnceLock<Context> = OnceLock::new();
+    CONTEXT.get_or_init(Context::cpu_emulated)
+}
+
+/// Prints, outside the test harness's capture, how many emulated cases a test ran.
+fn report(test: &str, cases: u64) {
+    let line = format!("{test}: {cases} emulated cases passed\n");
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+}
+
+fn options(causal: Causal) -> attn_host::AttentionOptions {
+    attn_host::AttentionOptions::causal(causal)
+}
+
+#[test]
+fn emulated_vector_add_every_tail() {
+    let ctx = emulator();
+    let lengths = [1, 2, 3, 4, 5, 255, 257, 1023, 40_003];
+    for len in lengths {
+        let (a, b) = (random_normal(len, len as u64), random_normal(len, len as u64 + 1));
+        let (da, db) = (ctx.upload(&a, &[len]).unwrap(), ctx.upload(&b, &[len]).unwrap());
+        let mut dc = ctx.full(&[len], f32::NAN).unwrap();
+        ctx.vector_add_into(&da, &db, &mut dc).unwrap();
+        let err = relative_l2_error(&dc.to_host().unwrap(), &cpu::vector_add(&a, &b).unwrap());
+        assert!(err <= 1e-7, "emulated vector_add of {len}: {err:.3e}");
+    }
+    report("emulated_vector_add_every_tail", lengths.len() as u64);
+}
+
+/// Naive forward and backward (scores, softmax, P·V, Pᵀ·X, dS, the D preprocess) with every
+/// mask, cross lengths and a GQA group.
+#[test]
+fn emulated_naive_attention_forward_and_backward() {
+    let ctx = emulator();
+    let mut cases = 0;
+    for (seqlen_q, seqlen_k) in [(17, 23), (23, 9)] {
+        for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+            let shape = AttentionShape { batch: 2, num_heads_q: 2, num_heads_kv: 1, seqlen_q, seqlen_k, head_dim: 20 };
+            check(ctx, shape, Kernel::Naive, options(causal), cases, true);
+            cases += 1;
+        }
+    }
+    report("emulated_naive_attention_forward_and_backward", cases);
+}
+
+/// The flash forward and both backward modes at every compiled head_dim, on ragged causal GQA
+/// shapes, with tiles of every block_m and block_n.
+#[test]
+fn emulated_flash_forward_and_backward() {
+    let ctx = emulator();
+    let mut cases = 0;
+    let runs = [
+        (32, TileConfig::new(16, 16), Causal::None, DqAccumulation::Atomic),
+        (32, TileConfig::new(16, 32), Causal::TopLeft, DqAccumulation::Deterministic),
+        (64, TileConfig::new(32, 16), Causal::BottomRight, DqAccumulation::Atomic),
+        (64, TileConfig::new(64, 64), Causal::TopLeft, DqAccumulation::Deterministic),
+        (128, TileConfig::new(16, 64), Causal::None, DqAccumulation::Deterministic),
+        (128, TileConfig::new(32, 32), Causal::BottomRight, DqAccumulation::Atomic),
+    ];
+    for (head_dim, tile, causal, mode) in runs {
+        let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q: 37, seqlen_k: 45, head_dim };
+        check(ctx, shape, Kernel::Flash(tile, mode), options(causal), 100 + cases, true);
+        cases += 1;
+    }
+    // Rows that see no key (bottom-right, seqlen_q > seqlen_k), through every flash kernel.
+    let shape = AttentionShape { batch: 1, num_heads_q: 1, num_heads_kv: 1, seqlen_q: 40, seqlen_k: 9, head_dim: 32 };
+    for mode in [DqAccumulation::Atomic, DqAccumulation::Deterministic] {
+        check(ctx, shape, Kernel::Flash(TileConfig::new(16, 16), mode), options(Causal::BottomRight), 200, true);
+        cases += 1;
+    }
+    report("emulated_flash_forward_and_backward", cases);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The emulator's own checks, on kernels with planted bugs (`attn_kernels::emu::selftest`).
+// ---------------------------------------------------------------------------------------------
+
+/// Runs a self-test kernel on one block of 64 threads writing to a 64-float output.
+fn run_selftest(kernel: &emu::HostKernel, timeout: Duration) -> Result<Vec<f32>, emu::EmuError> {
+    let mut out = vec![0.0f32; 64];
+    let launch = Launch { grid: (1, 1, 1), block: 64, shared_bytes: 64 * 4, barrier_timeout: timeout };
+    // SAFETY: the self-test kernels write at most 64 floats through their one pointer.
+    unsafe { emu::launch(kernel, launch, &[Arg::Ptr(out.as_mut_ptr())]) }?;
+    Ok(out)
+}
+
+#[test]
+fn emulator_reports_a_missing_barrier() {
+    let err = run_selftest(&emu::selftest::emu_missing_barrier, Duration::from_secs(30)).unwrap_err();
+    assert_eq!(err.kernel, "missing_barrier");
+    assert_eq!(err.block, Some((0, 0, 0)));
+    assert!(err.thread.is_some());
+    assert!(
+        matches!(err.kind, EmuErrorKind::SharedRace { .. } | EmuErrorKind::SharedUninitialised { .. }),
+        "expected a race report, got: {err}"
+    );
+    let message = err.to_string();
+    assert!(message.contains("missing_barrier") && message.contains("offset"), "{message}");
+    // With the barrier in place the same kernel passes and reads its neighbour's value.
+    let out = run_selftest(&emu::selftest::emu_with_barrier, Duration::from_secs(30)).unwrap();
+    assert_eq!(out[0], 1.0);
+    assert_eq!(out[63], 0.0);
+}
+
+#[test]
+fn emulator_reports_divergent_and_abandoned_barriers() {
+    let err = run_selftest(&emu::selftest::emu_divergent_barrier, Duration::from_secs(30)).unwrap_err();
+    assert!(matches!(err.kind, EmuErrorKind::DivergentBarrier { .. }), "expected a divergent barrier, got: {err}");
+    let err = run_selftest(&emu::selftest::emu_early_return, Duration::from_millis(300)).unwrap_err();
+    match &err.kind {
+        EmuErrorKind::BarrierTimeout { arrived, expected, .. } => assert_eq!((*arrived, *expected), (63, 64), "{err}"),
+        _ => panic!("expected a barrier timeout, got: {err}"),
+    }
+}
+
+#[test]
+fn emulator_reports_an_out_of_bounds_shared_access() {
+    let err = run_selftest(&emu::selftest::emu_out_of_bounds, Duration::from_secs(30)).unwrap_err();
+    match &err.kind {
+        EmuErrorKind::SharedOutOfBounds { offset, bytes, size } => {
+            assert_eq!((*offset, *bytes, *size), (256, 4, 256), "{err}");
+            assert_eq!(err.thread, Some(63));
+        }
+        _ => panic!("expected an out-of-bounds report, got: {err}"),
+    }
+}
+
+#[test]
+fn emulator_errors_reach_the_library_caller() {
+    // A tile the kernels were compiled for but with a shape whose data is smaller than the
+    // launch claims is not possible through the API; what the API can do is refuse bad input
+    // before launching, on the emulator exactly as on a GPU.
+    let ctx = emulator();
+    let q = ctx.full(&[1, 2, 8, 32], 1.0).unwrap();
+    let k = ctx.full(&[1, 3, 8, 32], 1.0).unwrap();
+    let err = ctx.flash_attention_forward(&q, &k, &k, &Default::default(), TileConfig::new(16, 16)).unwrap_err();
+    assert!(err.to_string().contains("not a multiple"), "{err}");
+    // And a tensor from another context is refused.
+    let other = Context::cpu_emulated();
+    let foreign = other.full(&[1, 2, 8, 32], 1.0).unwrap();
+    let err = ctx.vector_add(&q, &foreign).unwrap_err();
+    assert!(err.to_string().contains("another context"), "{err}");
+    assert!(ctx.memory_info().is_err());
+}
