@@ -30,7 +30,7 @@
 //!
 //! | item | what |
 //! |---|---|
-//! | [`Context`] | one device, its stream, the loaded kernels; [`DeviceInfo`] |
+//! | [`Context`] | one device, its stream, the loaded kernels; [`DeviceInfo`]; or the CPU emulator ([`Context::cpu_emulated`], [`Device`]) |
 //! | [`DeviceTensor`] | an `f32` buffer in device memory with its shape |
 //! | [`Context::vector_add`], [`Context::attention_naive`], [`Context::flash_attention_forward`] | the forward operations |
 //! | [`Context::attention_naive_backward`], [`Context::flash_attention_backward`] | the backward operations ([`Gradients`], [`DqAccumulation`]) |

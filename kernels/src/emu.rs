@@ -216,7 +216,10 @@ fn run_block(
     std::thread::scope(|scope| {
         for thread in 0..launch.block {
             let state = &state;
-            scope.spawn(move || {
+            // Named after the GPU thread it runs ("b<x>.<y>.<z>t<thread>"), so that a debugger's
+            // thread list says which one it stopped in.
+            let name = format!("b{}.{}.{}t{thread}", block.0, block.1, block.2);
+            let spawned = std::thread::Builder::new().name(name).spawn_scoped(scope, move || {
                 let ctx = ThreadCtx { thread, block_epoch: Cell::new(0), warp_epoch: Cell::new(0), state };
                 CURRENT.with(|c| c.set(&ctx as *const ThreadCtx as *const ()));
                 let result = std::panic::catch_unwind(AssertUnwindSafe(|| (kernel.run)(args.0)));
@@ -238,6 +241,10 @@ fn run_block(
                 // find out (a barrier that still waits for it then times out).
                 state.finished(thread);
             });
+            if let Err(e) = spawned {
+                state.fail(thread, EmuErrorKind::Panic(format!("could not start an OS thread: {e}")));
+                break;
+            }
         }
     });
     match state.error.into_inner().unwrap() {

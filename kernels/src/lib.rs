@@ -14,7 +14,10 @@
 //! | 4 | [`flash_backward`] | FlashAttention-2 backward (Algorithm 2): recomputing P from the saved logsumexp instead of storing it; dQ by atomics or by a deterministic second pass |
 //!
 //! Kernels never touch `core::arch::nvptx` or `asm!` directly: they go through [`gpu`], so the
-//! hardware-facing surface is one short file.
+//! hardware-facing surface is one short file, and on the host the same helpers run the kernels
+//! in the CPU emulator (`emu`, host builds only), which checks shared-memory bounds, races and
+//! barriers. Kernels are declared with the `kernel!` macro, which makes them GPU entry points
+//! on nvptx64 and emulator entries on the host.
 //!
 //! Tensors are row-major `[batch, heads, seqlen, head_dim]` `f32` arrays (PyTorch's
 //! `scaled_dot_product_attention` layout); the host crate validates every shape before a launch.
