@@ -95,6 +95,7 @@ fn emulated_flash_forward_and_backward() {
 // ---------------------------------------------------------------------------------------------
 
 /// Runs a self-test kernel on one block of 64 threads writing to a 64-float output.
+#[allow(clippy::result_large_err)] // the error is the point of these tests
 fn run_selftest(kernel: &emu::HostKernel, timeout: Duration) -> Result<Vec<f32>, emu::EmuError> {
     let mut out = vec![0.0f32; 64];
     let launch = Launch { grid: (1, 1, 1), block: 64, shared_bytes: 64 * 4, barrier_timeout: timeout };
@@ -114,7 +115,10 @@ fn emulator_reports_a_missing_barrier() {
         "expected a race report, got: {err}"
     );
     let message = err.to_string();
-    assert!(message.contains("missing_barrier") && message.contains("offset"), "{message}");
+    assert!(
+        message.contains("missing_barrier") && message.contains("offset") && message.contains("barrier"),
+        "{message}"
+    );
     // With the barrier in place the same kernel passes and reads its neighbour's value.
     let out = run_selftest(&emu::selftest::emu_with_barrier, Duration::from_secs(30)).unwrap();
     assert_eq!(out[0], 1.0);
@@ -136,9 +140,11 @@ fn emulator_reports_divergent_and_abandoned_barriers() {
 fn emulator_reports_an_out_of_bounds_shared_access() {
     let err = run_selftest(&emu::selftest::emu_out_of_bounds, Duration::from_secs(30)).unwrap_err();
     match &err.kind {
-        EmuErrorKind::SharedOutOfBounds { offset, bytes, size } => {
+        EmuErrorKind::SharedOutOfBounds { offset, bytes, size, site } => {
             assert_eq!((*offset, *bytes, *size), (256, 4, 256), "{err}");
             assert_eq!(err.thread, Some(63));
+            // The report points at the kernel's line, not at the emulator.
+            assert!(site.contains("emu.rs"), "{err}");
         }
         _ => panic!("expected an out-of-bounds report, got: {err}"),
     }

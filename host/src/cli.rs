@@ -183,7 +183,11 @@ fn run(args: &Args) -> Result<()> {
         }
         Err(e) => return Err(e),
     };
-    println!("device: {}", ctx.device());
+    if ctx.is_emulated() {
+        println!("device: CPU emulator");
+    } else {
+        println!("device: {}", ctx.device());
+    }
     let (cases, warmup, repeats) = if ctx.is_emulated() {
         println!(
             "the CPU emulator runs the kernels' own code, one OS thread per GPU thread, checking \
@@ -213,11 +217,14 @@ fn run(args: &Args) -> Result<()> {
         run_case(&ctx, args, case, (warmup, repeats), &mut table)?;
     }
     println!("{table}");
+    let timing = if ctx.is_emulated() {
+        "time: one run, host clock (the emulator's time says nothing about a GPU)".to_string()
+    } else {
+        format!("time: median of {repeats} runs after {warmup} warm-up runs (CUDA events)")
+    };
     println!(
-        "time: median of {repeats} runs after {warmup} warm-up runs ({}); TFLOP/s counts the forward as \
-         4·B·Hq·Sq·Sk·D (half with a causal mask) and the backward as 2.5× that; extra memory: \
-         device memory beyond the inputs and outputs",
-        if ctx.is_emulated() { "host clock" } else { "CUDA events" }
+        "{timing}; TFLOP/s counts the forward as 4·B·Hq·Sq·Sk·D (half with a causal mask) and the \
+         backward as 2.5× that; extra memory: device memory beyond the inputs and outputs"
     );
     Ok(())
 }

@@ -153,7 +153,7 @@ impl Context {
     pub fn cpu_emulated() -> Self {
         let info = DeviceInfo {
             ordinal: 0,
-            name: "CPU emulator (slow by design)".into(),
+            name: "CPU emulator".into(),
             compute_capability: MIN_COMPUTE_CAPABILITY,
             sm_count: 1,
             max_shared_memory_per_block: 227 * 1024,
@@ -278,7 +278,7 @@ impl Context {
         );
         // SAFETY: as for the GPU launch: the arguments match the kernel's signature and every
         // pointer is a live host buffer of the size the shapes say.
-        unsafe { attn_kernels::emu::launch(kernel, launch, &args) }.map_err(Error::Emulated)
+        unsafe { attn_kernels::emu::launch(kernel, launch, &args) }.map_err(|e| Error::Emulated(Box::new(e)))
     }
 }
 

@@ -47,7 +47,7 @@ pub enum Error {
     /// An emulated kernel failed: a shared-memory race or out-of-bounds access, a barrier that
     /// not every thread reached, or a panic; the message names the kernel, block and thread.
     #[error(transparent)]
-    Emulated(#[from] attn_kernels::emu::EmuError),
+    Emulated(Box<attn_kernels::emu::EmuError>),
 
     /// A host slice has a different length from the tensor it is copied into or out of.
     #[error("length mismatch: the tensor holds {expected} elements, the host data {got}")]

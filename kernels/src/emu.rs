@@ -22,6 +22,10 @@
 //! `ex2.approx`/`lg2.approx` (the host uses `f32::exp2`/`log2`, which are more accurate), the
 //! order of atomic additions, and global-memory bounds (host pointers are used as they are).
 
+// Errors end an emulated launch and carry the strings that locate the bug; their size does not
+// matter next to a launch's cost.
+#![allow(clippy::result_large_err)]
+
 use std::cell::Cell;
 use std::fmt;
 use std::panic::{AssertUnwindSafe, Location};
@@ -126,12 +130,12 @@ pub struct EmuError {
 pub enum EmuErrorKind {
     /// No kernel of that name exists, or the arguments do not match its parameters.
     BadLaunch(String),
-    /// A shared-memory access outside the block's dynamic shared memory.
-    SharedOutOfBounds { offset: isize, bytes: usize, size: usize },
-    /// A read of shared memory written by another thread with no barrier between the two.
-    SharedRace { offset: usize, writer: usize },
-    /// A read of shared memory that no thread has written.
-    SharedUninitialised { offset: usize },
+    /// A shared-memory access outside the block's dynamic shared memory, at `site` in the source.
+    SharedOutOfBounds { offset: isize, bytes: usize, size: usize, site: String },
+    /// A read (at `site`) of shared memory written by another thread with no barrier between.
+    SharedRace { offset: usize, writer: usize, site: String },
+    /// A read (at `site`) of shared memory that no thread has written yet.
+    SharedUninitialised { offset: usize, site: String },
     /// Threads reached one barrier (or warp shuffle) from different places in the source.
     DivergentBarrier { here: String, other: String },
     /// Not every thread reached a barrier (or warp shuffle) within the timeout.
@@ -151,17 +155,19 @@ impl fmt::Display for EmuError {
         }
         match &self.kind {
             EmuErrorKind::BadLaunch(why) => write!(f, ": {why}"),
-            EmuErrorKind::SharedOutOfBounds { offset, bytes, size } => write!(
+            EmuErrorKind::SharedOutOfBounds { offset, bytes, size, site } => write!(
                 f,
-                ": shared-memory access of {bytes} bytes at offset {offset} is outside the block's {size} bytes"
+                ": shared-memory access of {bytes} bytes at offset {offset}, at {site}, is outside the block's {size} bytes"
             ),
-            EmuErrorKind::SharedRace { offset, writer } => write!(
+            EmuErrorKind::SharedRace { offset, writer, site } => write!(
                 f,
-                ": race: read shared memory at offset {offset} that thread {writer} wrote with no barrier in between"
+                ": race: the read at {site} of shared memory at offset {offset} sees a write by thread {writer} with no barrier in between"
             ),
-            EmuErrorKind::SharedUninitialised { offset } => {
-                write!(f, ": read shared memory at offset {offset} that no thread has written")
-            }
+            EmuErrorKind::SharedUninitialised { offset, site } => write!(
+                f,
+                ": the read at {site} of shared memory at offset {offset} finds no write by any thread yet \
+                 (if another thread writes it, a barrier between that write and this read is probably missing)"
+            ),
             EmuErrorKind::DivergentBarrier { here, other } => {
                 write!(f, ": divergent barrier: reached at {here} while other threads wait at {other}")
             }
@@ -316,7 +322,7 @@ impl BlockState {
     /// Fails and unwinds the calling thread.
     fn abort(&self, thread: usize, kind: EmuErrorKind) -> ! {
         self.fail(thread, kind);
-        std::panic::panic_any(Abort)
+        std::panic::resume_unwind(Box::new(Abort))
     }
 
     fn finished(&self, _thread: usize) {
@@ -377,7 +383,7 @@ impl Barrier {
         let mut state = self.state.lock().unwrap();
         if block.aborted.load(Ordering::SeqCst) {
             drop(state);
-            std::panic::panic_any(Abort);
+            std::panic::resume_unwind(Box::new(Abort));
         }
         match state.site {
             Some(other) if other != site => {
@@ -400,7 +406,7 @@ impl Barrier {
         while state.generation == generation {
             if block.aborted.load(Ordering::SeqCst) {
                 drop(state);
-                std::panic::panic_any(Abort);
+                std::panic::resume_unwind(Box::new(Abort));
             }
             let now = Instant::now();
             if now >= deadline {
@@ -508,14 +514,16 @@ pub(crate) fn dynamic_shared_memory() -> *mut f32 {
 }
 
 /// Checks an access of `words` 4-byte words of shared memory at `ptr` (bounds, and for reads,
-/// races and uninitialised data), and records writes.
+/// races and uninitialised data), and records writes. `site` is where the access is in the source.
+#[track_caller]
 pub(crate) fn check_shared(ptr: *const f32, words: usize, write: bool) {
+    let site = Location::caller().to_string();
     with_ctx(|c| {
         let state = c.state;
         let offset = ptr as isize - state.shared.as_ptr() as isize;
         let bytes = words * 4;
         if offset < 0 || offset as usize + bytes > state.shared_bytes {
-            state.abort(c.thread, EmuErrorKind::SharedOutOfBounds { offset, bytes, size: state.shared_bytes });
+            state.abort(c.thread, EmuErrorKind::SharedOutOfBounds { offset, bytes, size: state.shared_bytes, site });
         }
         let first = offset as usize / 4;
         let me = Writer { thread: c.thread, block_epoch: c.block_epoch.get(), warp_epoch: c.warp_epoch.get() };
@@ -526,13 +534,13 @@ pub(crate) fn check_shared(ptr: *const f32, words: usize, write: bool) {
             }
             let offset = (first + i) * 4;
             let Some(writer) = Writer::unpack(slot.load(Ordering::Relaxed)) else {
-                state.abort(c.thread, EmuErrorKind::SharedUninitialised { offset });
+                state.abort(c.thread, EmuErrorKind::SharedUninitialised { offset, site });
             };
             let ordered = writer.thread == c.thread
                 || writer.block_epoch < me.block_epoch
                 || (writer.thread / WARP_SIZE == c.thread / WARP_SIZE && writer.warp_epoch < me.warp_epoch);
             if !ordered {
-                state.abort(c.thread, EmuErrorKind::SharedRace { offset, writer: writer.thread });
+                state.abort(c.thread, EmuErrorKind::SharedRace { offset, writer: writer.thread, site });
             }
         }
     })

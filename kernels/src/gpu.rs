@@ -284,6 +284,7 @@ impl SharedTile {
 
     /// Reads `(row, col..col+4)`; `col` must be a multiple of 4 and the stride too.
     #[inline(always)]
+    #[cfg_attr(not(target_arch = "nvptx64"), track_caller)]
     pub fn load4(self, row: usize, col: usize) -> F32x4 {
         let ptr = self.at(row, col);
         backend::check_shared(ptr, 4, false);
@@ -293,6 +294,7 @@ impl SharedTile {
 
     /// Writes `(row, col..col+4)`; `col` must be a multiple of 4 and the stride too.
     #[inline(always)]
+    #[cfg_attr(not(target_arch = "nvptx64"), track_caller)]
     pub fn store4(self, row: usize, col: usize, value: F32x4) {
         let ptr = self.at(row, col);
         backend::check_shared(ptr, 4, true);
@@ -302,6 +304,7 @@ impl SharedTile {
 
     /// Reads `(row, col)`.
     #[inline(always)]
+    #[cfg_attr(not(target_arch = "nvptx64"), track_caller)]
     pub fn load(self, row: usize, col: usize) -> f32 {
         let ptr = self.at(row, col);
         backend::check_shared(ptr, 1, false);
@@ -311,6 +314,7 @@ impl SharedTile {
 
     /// Writes `(row, col)`.
     #[inline(always)]
+    #[cfg_attr(not(target_arch = "nvptx64"), track_caller)]
     pub fn store(self, row: usize, col: usize, value: f32) {
         let ptr = self.at(row, col);
         backend::check_shared(ptr, 1, true);

@@ -217,6 +217,7 @@ pub fn mask_tile<const ROWS: usize, const COLS: usize>(
 
 /// Writes this thread's entries `x[i][j]` to `tile` at `(first_row + i, lane + 8j)`.
 #[inline(always)]
+#[cfg_attr(not(target_arch = "nvptx64"), track_caller)]
 pub fn store_tile<const ROWS: usize, const COLS: usize>(
     tile: SharedTile,
     x: &[[f32; COLS]; ROWS],
@@ -232,6 +233,7 @@ pub fn store_tile<const ROWS: usize, const COLS: usize>(
 
 /// Writes this thread's entries `x[i][j]` to `tile` transposed, at `(lane + 8j, first_row + i)`.
 #[inline(always)]
+#[cfg_attr(not(target_arch = "nvptx64"), track_caller)]
 pub fn store_tile_transposed<const ROWS: usize, const COLS: usize>(
     tile: SharedTile,
     x: &[[f32; COLS]; ROWS],

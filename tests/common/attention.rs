@@ -43,11 +43,12 @@ impl Problem {
             lse: ctx.full(&self.shape.lse_shape(), f32::NAN).unwrap(),
         };
         match kernel {
-            Kernel::Naive => ctx.attention_naive_into(&self.q, &self.k, &self.v, &mut out, options).unwrap(),
+            Kernel::Naive => ctx.attention_naive_into(&self.q, &self.k, &self.v, &mut out, options),
             Kernel::Flash(tile, _) => {
-                ctx.flash_attention_forward_into(&self.q, &self.k, &self.v, &mut out, options, tile).unwrap()
+                ctx.flash_attention_forward_into(&self.q, &self.k, &self.v, &mut out, options, tile)
             }
         }
+        .unwrap_or_else(|e| panic!("{kernel:?} forward: {e}"));
         out
     }
 
@@ -65,11 +66,12 @@ impl Problem {
         };
         let (q, k, v, d_o) = (&self.q, &self.k, &self.v, &self.d_o);
         match kernel {
-            Kernel::Naive => ctx.attention_naive_backward_into(q, k, v, &fwd.o, d_o, &mut grads, options).unwrap(),
-            Kernel::Flash(tile, mode) => ctx
-                .flash_attention_backward_into(q, k, v, &fwd.o, &fwd.lse, d_o, &mut grads, options, tile, mode)
-                .unwrap(),
+            Kernel::Naive => ctx.attention_naive_backward_into(q, k, v, &fwd.o, d_o, &mut grads, options),
+            Kernel::Flash(tile, mode) => {
+                ctx.flash_attention_backward_into(q, k, v, &fwd.o, &fwd.lse, d_o, &mut grads, options, tile, mode)
+            }
         }
+        .unwrap_or_else(|e| panic!("{kernel:?} backward: {e}"));
         grads
     }
 
