@@ -234,7 +234,7 @@ pub(crate) unsafe fn flash_backward_kv<
             // dV += Pᵀ dO. A row group reads back only the key rows it wrote: a warp barrier.
             store_tile(pt_tile, &pt, first_key, lane);
             gpu::sync_warp();
-            accumulate_ab::<BLOCK_M, KROWS, DVEC>(&mut dv, pt_tile, do_tile, first_key, lane);
+            accumulate_ab::<BLOCK_M, KROWS, DVEC, false>(&mut dv, pt_tile, do_tile, first_key, lane);
 
             // dSᵀ = Pᵀ ∘ (dPᵀ − D), dPᵀ = V dOᵀ; then dK += dSᵀ Q (scaled at the end).
             let dpt = a_bt::<HEAD_DIM, KROWS, QCOLS>(v_tile, do_tile, first_key, lane);
@@ -242,14 +242,14 @@ pub(crate) unsafe fn flash_backward_kv<
             gpu::sync_warp(); // the row group has finished reading Pᵀ
             store_tile(pt_tile, &dst, first_key, lane);
             gpu::sync_warp();
-            accumulate_ab::<BLOCK_M, KROWS, DVEC>(&mut dk, pt_tile, q_tile, first_key, lane);
+            accumulate_ab::<BLOCK_M, KROWS, DVEC, false>(&mut dk, pt_tile, q_tile, first_key, lane);
 
             if ATOMIC_DQ {
                 // dQ_i += dS K · scale needs every key row of dS: publish it to the whole block.
                 store_tile_transposed(ds_tile, &dst, first_key, lane);
                 gpu::sync_threads();
                 let mut dq = [[F32x4::ZERO; DVEC]; QROWS];
-                accumulate_ab::<BLOCK_N, QROWS, DVEC>(&mut dq, ds_tile, k_tile, first_query, lane);
+                accumulate_ab::<BLOCK_N, QROWS, DVEC, false>(&mut dq, ds_tile, k_tile, first_query, lane);
                 for i in 0..QROWS {
                     if first_query + i < q_rows {
                         for g in 0..DVEC {
@@ -364,7 +364,7 @@ pub(crate) unsafe fn flash_backward_q<
         let ds = softmax_grad(&p, &dp, |i, _| delta[i]);
         store_tile(ds_tile, &ds, first_row, lane);
         gpu::sync_warp();
-        accumulate_ab::<BLOCK_N, ROWS, DVEC>(&mut dq, ds_tile, k_tile, first_row, lane);
+        accumulate_ab::<BLOCK_N, ROWS, DVEC, false>(&mut dq, ds_tile, k_tile, first_row, lane);
     }
     // SAFETY: rows q_start .. q_start + q_rows of dQ exist.
     unsafe {

@@ -185,7 +185,8 @@ pub(crate) unsafe fn flash_forward<
         let mut s = a_bt::<HEAD_DIM, ROWS, COLS>(q_tile, k_tile, first_row, lane).map(|r| r.map(|x| x * scale_log2));
         // Only tiles that cross some row's key limit (the causal diagonal, the ragged end of
         // the keys) pay for the per-element mask.
-        if kv_start + BLOCK_N > all_see {
+        let masked = kv_start + BLOCK_N > all_see;
+        if masked {
             mask_tile(&mut s, first_row, lane, f32::NEG_INFINITY, |r, c| mask.visible(q_start + r, kv_start + c));
         }
         let alpha = softmax.update(&mut s);
@@ -198,7 +199,13 @@ pub(crate) unsafe fn flash_forward<
         // warp, so a warp barrier is enough.
         store_tile(p_tile, &s, first_row, lane);
         gpu::sync_warp();
-        accumulate_ab::<BLOCK_N, ROWS, DVEC>(&mut acc, p_tile, v_tile, first_row, lane);
+        // On masked tiles a hidden key's V row must not reach the rows it is hidden from, even
+        // as 0 · NaN: skip the zero probabilities there.
+        if masked {
+            accumulate_ab::<BLOCK_N, ROWS, DVEC, true>(&mut acc, p_tile, v_tile, first_row, lane);
+        } else {
+            accumulate_ab::<BLOCK_N, ROWS, DVEC, false>(&mut acc, p_tile, v_tile, first_row, lane);
+        }
     }
 
     let (inv_sum, row_lse) = softmax.finish();

@@ -161,9 +161,12 @@ pub unsafe fn naive_pv_f32(
             let mut acc = 0.0f32;
             for j in 0..shape.seqlen_k {
                 // SAFETY: j < seqlen_k, d < head_dim.
-                unsafe {
-                    acc = gpu::fma(*p.add(row * shape.seqlen_k + j), *v.add(kv_offset + j * shape.head_dim + d), acc)
-                };
+                let weight = unsafe { *p.add(row * shape.seqlen_k + j) };
+                // A masked (zero) weight skips its V row, so a NaN or ∞ there cannot reach rows
+                // that do not see it (0 · NaN would be NaN).
+                if weight != 0.0 {
+                    unsafe { acc = gpu::fma(weight, *v.add(kv_offset + j * shape.head_dim + d), acc) };
+                }
             }
             // SAFETY: row < rows, d < head_dim.
             unsafe { *o.add(o_offset + d) = acc * scale };

@@ -158,8 +158,13 @@ pub fn a_bt<const K: usize, const ROWS: usize, const COLS: usize>(
 /// `acc[i][g] += Σ_c A[first_row + i][c] · B[c][4·lane + 32·g … +4]` over `c < K` (K a multiple
 /// of 4): this thread's share of an A B product whose rows are its rows and whose columns are its
 /// `head_dim` columns. A is read 16 bytes (4 values of c) at a time.
+///
+/// With `SKIP_ZEROS`, terms whose A entry is exactly 0 are skipped rather than multiplied: a
+/// masked probability must not turn a NaN or ∞ in a row of B that its row cannot see into
+/// 0 · NaN = NaN. Callers pass it on tiles that were masked; elsewhere the branch is not worth
+/// its cost.
 #[inline(always)]
-pub fn accumulate_ab<const K: usize, const ROWS: usize, const DVEC: usize>(
+pub fn accumulate_ab<const K: usize, const ROWS: usize, const DVEC: usize, const SKIP_ZEROS: bool>(
     acc: &mut [[F32x4; DVEC]; ROWS],
     a: SharedTile,
     b: SharedTile,
@@ -171,17 +176,17 @@ pub fn accumulate_ab<const K: usize, const ROWS: usize, const DVEC: usize>(
         // Four calls rather than a loop over 0..4: the index into each vector of `a4` must be a
         // compile-time constant. When LLVM leaves such a loop rolled (it does at head_dim 128),
         // a run-time index moves `a4` to local memory, which is slow.
-        accumulate_b_row::<0, ROWS, DVEC>(acc, &a4, b, c, lane);
-        accumulate_b_row::<1, ROWS, DVEC>(acc, &a4, b, c, lane);
-        accumulate_b_row::<2, ROWS, DVEC>(acc, &a4, b, c, lane);
-        accumulate_b_row::<3, ROWS, DVEC>(acc, &a4, b, c, lane);
+        accumulate_b_row::<0, ROWS, DVEC, SKIP_ZEROS>(acc, &a4, b, c, lane);
+        accumulate_b_row::<1, ROWS, DVEC, SKIP_ZEROS>(acc, &a4, b, c, lane);
+        accumulate_b_row::<2, ROWS, DVEC, SKIP_ZEROS>(acc, &a4, b, c, lane);
+        accumulate_b_row::<3, ROWS, DVEC, SKIP_ZEROS>(acc, &a4, b, c, lane);
     }
 }
 
 /// `acc[i][g] += a4[i][STEP] · B[c + STEP][4·lane + 32·g … +4]`: the contribution of row
 /// `c + STEP` of B, `STEP` (0..4) being the position within the 4 values of each `a4[i]`.
 #[inline(always)]
-fn accumulate_b_row<const STEP: usize, const ROWS: usize, const DVEC: usize>(
+fn accumulate_b_row<const STEP: usize, const ROWS: usize, const DVEC: usize, const SKIP_ZEROS: bool>(
     acc: &mut [[F32x4; DVEC]; ROWS],
     a4: &[F32x4; ROWS],
     b: SharedTile,
@@ -190,6 +195,9 @@ fn accumulate_b_row<const STEP: usize, const ROWS: usize, const DVEC: usize>(
 ) {
     let b4: [F32x4; DVEC] = core::array::from_fn(|g| b.load4(c + STEP, 4 * lane + 32 * g));
     for i in 0..ROWS {
+        if SKIP_ZEROS && a4[i].0[STEP] == 0.0 {
+            continue;
+        }
         for g in 0..DVEC {
             acc[i][g] = acc[i][g].add_scaled(a4[i].0[STEP], b4[g]);
         }

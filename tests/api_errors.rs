@@ -1,0 +1,66 @@
+//! Every public entry point, given bad input, returns a typed error that names the argument and
+//! leaves the context usable. These run on the CPU emulator, so they need no GPU: the checks
+//! happen on the host before any launch, the same on both kinds of context.
+
+use attn_host::{AttentionOptions, AttentionOutput, Context, DqAccumulation, Error, Gradients, TileConfig};
+
+fn tensors(ctx: &Context, shapes: &[&[usize]]) -> Vec<attn_host::DeviceTensor> {
+    shapes.iter().map(|s| ctx.full(s, 0.25).unwrap()).collect()
+}
+
+#[test]
+fn every_entry_point_rejects_bad_shapes_with_a_message() {
+    let ctx = Context::cpu_emulated();
+    let opts = AttentionOptions::default();
+    let tile = TileConfig::new(16, 16);
+    let (q_shape, kv_shape, lse_shape): (&[usize], &[usize], &[usize]) = (&[1, 2, 8, 32], &[1, 1, 6, 32], &[1, 2, 8]);
+    let t = tensors(&ctx, &[q_shape, kv_shape, kv_shape, q_shape, lse_shape, q_shape]);
+    let (q, k, v, o, lse, d_o) = (&t[0], &t[1], &t[2], &t[3], &t[4], &t[5]);
+    let wrong = tensors(&ctx, &[&[1, 2, 8, 16], &[1, 2, 7], &[2, 1, 6, 32], &[1, 3, 6, 32], &[0, 2, 8, 32]]);
+    let (wrong_dim, wrong_lse, wrong_batch, not_divisor, empty) =
+        (&wrong[0], &wrong[1], &wrong[2], &wrong[3], &wrong[4]);
+
+    let expect = |result: Result<(), Error>, needle: &str| {
+        let err = result.expect_err(needle);
+        assert!(err.to_string().contains(needle), "expected {needle:?} in: {err}");
+    };
+    // Q, K, V shapes.
+    expect(ctx.flash_attention_forward(q, wrong_batch, wrong_batch, &opts, tile).map(drop), "batch");
+    expect(ctx.flash_attention_forward(q, not_divisor, not_divisor, &opts, tile).map(drop), "not a multiple");
+    expect(ctx.flash_attention_forward(empty, k, v, &opts, tile).map(drop), "at least 1");
+    expect(ctx.flash_attention_forward(q, k, q, &opts, tile).map(drop), "same shape");
+    expect(ctx.attention_naive(wrong_dim, k, v, &opts).map(drop), "head_dim");
+    // Outputs and gradients.
+    let mut out = AttentionOutput { o: ctx.full(q_shape, 0.0).unwrap(), lse: ctx.full(&[1, 2, 7], 0.0).unwrap() };
+    expect(ctx.flash_attention_forward_into(q, k, v, &mut out, &opts, tile), "`lse` must have shape");
+    expect(
+        ctx.flash_attention_backward(q, k, v, o, wrong_lse, d_o, &opts, tile, DqAccumulation::Atomic).map(drop),
+        "`lse`",
+    );
+    expect(
+        ctx.flash_attention_backward(q, k, v, o, lse, wrong_dim, &opts, tile, DqAccumulation::Atomic).map(drop),
+        "`d_o`",
+    );
+    expect(ctx.attention_naive_backward(q, k, v, wrong_dim, d_o, &opts).map(drop), "`o`");
+    let mut grads = Gradients {
+        dq: ctx.full(q_shape, 0.0).unwrap(),
+        dk: ctx.full(q_shape, 0.0).unwrap(), // should be K's shape
+        dv: ctx.full(kv_shape, 0.0).unwrap(),
+    };
+    let result =
+        ctx.flash_attention_backward_into(q, k, v, o, lse, d_o, &mut grads, &opts, tile, DqAccumulation::Deterministic);
+    expect(result, "`dk`");
+    // Tiles and head dims.
+    expect(ctx.flash_attention_forward(q, k, v, &opts, TileConfig::new(48, 16)).map(drop), "block_m ∈ {16, 32, 64}");
+    let t96 = tensors(&ctx, &[&[1, 1, 8, 96]]);
+    expect(ctx.flash_attention_forward(&t96[0], &t96[0], &t96[0], &opts, tile).map(drop), "head_dim=96");
+    // Vector add and host copies.
+    expect(ctx.vector_add(q, k).map(drop), "equal shapes");
+    let mut copy = ctx.full(&[4], 0.0).unwrap();
+    expect(copy.copy_from_host(&[1.0; 5]), "5");
+    expect(ctx.upload(&[1.0; 3], &[2, 2]).map(drop), "4 elements");
+    // Nothing was corrupted and the context still works.
+    assert_eq!(q.to_host().unwrap(), vec![0.25; 2 * 8 * 32]);
+    let out = ctx.flash_attention_forward(q, k, v, &opts, tile).unwrap();
+    assert!(out.o.to_host().unwrap().iter().all(|&x| (x - 0.25).abs() < 1e-6));
+}

@@ -1,0 +1,223 @@
+//! What the library does on inputs nobody planned for: device memory running out, tensors from
+//! another context, offsets past 2³¹, huge logits, NaN and ∞ in the inputs, degenerate sizes.
+
+mod common;
+
+use attn_host::check::{lse_error, random_normal, relative_l2_error};
+use attn_host::{
+    AttentionOptions, AttentionOutput, AttentionShape, Causal, Context, DqAccumulation, Error, TileConfig, cpu,
+};
+use common::attention::{Kernel, Problem, check};
+use common::{gpu, mha};
+use rayon::prelude::*;
+
+/// Naive attention at seqlen 65536 with 16 heads needs a 275 GB score matrix: the allocation
+/// fails, the call returns an error, the memory it had already taken is given back, and the
+/// context goes on working.
+#[test]
+fn out_of_memory_is_an_error_and_leaks_nothing() {
+    let Some(ctx) = gpu("out_of_memory_is_an_error_and_leaks_nothing") else { return };
+    let shape = mha(1, 16, 65_536, 64);
+    let q = ctx.full(&shape.q_shape(), 0.5).unwrap();
+    ctx.synchronize().unwrap();
+    let (free_before, _) = ctx.memory_info().unwrap();
+    let err = ctx.attention_naive(&q, &q, &q, &AttentionOptions::default()).unwrap_err();
+    assert!(matches!(err, Error::Driver { .. }), "expected an allocation error, got {err}");
+    assert!(err.to_string().contains("OUT_OF_MEMORY"), "{err}");
+    ctx.synchronize().unwrap();
+    let (free_after, _) = ctx.memory_info().unwrap();
+    assert_eq!(free_before, free_after, "device memory in use changed across the failed call");
+    // The context still works.
+    check(ctx, mha(1, 2, 33, 64), Kernel::Naive, AttentionOptions::default(), 1, true);
+}
+
+#[test]
+fn tensors_from_another_context_are_refused() {
+    let Some(ctx) = gpu("tensors_from_another_context_are_refused") else { return };
+    let other = Context::new(0).unwrap();
+    let mine = ctx.full(&[1, 1, 16, 32], 1.0).unwrap();
+    let theirs = other.full(&[1, 1, 16, 32], 1.0).unwrap();
+    let err =
+        ctx.flash_attention_forward(&mine, &theirs, &mine, &Default::default(), TileConfig::new(16, 16)).unwrap_err();
+    assert!(matches!(err, Error::ForeignTensor { tensor: "k", .. }), "{err}");
+    let err = ctx.vector_add(&theirs, &mine).unwrap_err();
+    assert!(matches!(err, Error::ForeignTensor { tensor: "a", .. }), "{err}");
+}
+
+/// A cheap, deterministic stand-in for random data at billions of elements (generating normal
+/// draws would take minutes): a hash of the index, in [-2, 2).
+fn hashed(i: usize, salt: u64) -> f32 {
+    let mut x = (i as u64 ^ salt).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x ^= x >> 29;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 32;
+    (x >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
+}
+
+/// 2³¹ + 17 floats: every index past 2³¹ must be computed with 64-bit arithmetic.
+#[test]
+fn vector_add_beyond_two_to_the_31_elements() {
+    let Some(ctx) = gpu("vector_add_beyond_two_to_the_31_elements") else { return };
+    let n = (1usize << 31) + 17;
+    let a: Vec<f32> = (0..n).into_par_iter().map(|i| hashed(i, 1)).collect();
+    let b: Vec<f32> = (0..n).into_par_iter().map(|i| hashed(i, 2)).collect();
+    let c = {
+        let (da, db) = (ctx.upload(&a, &[n]).unwrap(), ctx.upload(&b, &[n]).unwrap());
+        ctx.vector_add(&da, &db).unwrap().to_host().unwrap()
+    };
+    // f32 + f32 rounds the same way on both sides: compare exactly.
+    let wrong = (0..n).into_par_iter().filter(|&i| c[i] != a[i] + b[i]).count();
+    assert_eq!(wrong, 0, "{wrong} of {n} sums differ");
+}
+
+/// Q and O of 2³¹ + 384 elements ([1, 1, 2²⁴ + 3, 128]) with a short K and V: flash and naive
+/// forward, checked against the CPU on rows at the start, around element 2³¹ and at the end.
+#[test]
+fn attention_beyond_two_to_the_31_elements() {
+    let Some(ctx) = gpu("attention_beyond_two_to_the_31_elements") else { return };
+    let (seqlen_q, seqlen_k, d) = ((1usize << 24) + 3, 40, 128);
+    let shape = AttentionShape { batch: 1, num_heads_q: 1, num_heads_kv: 1, seqlen_q, seqlen_k, head_dim: d };
+    let q: Vec<f32> = (0..seqlen_q * d).into_par_iter().map(|i| hashed(i, 3)).collect();
+    let (k, v) = (random_normal(seqlen_k * d, 4), random_normal(seqlen_k * d, 5));
+    let (dq, dk, dv) = (
+        ctx.upload(&q, &shape.q_shape()).unwrap(),
+        ctx.upload(&k, &shape.kv_shape()).unwrap(),
+        ctx.upload(&v, &shape.kv_shape()).unwrap(),
+    );
+    let options = AttentionOptions::default();
+    let rows: Vec<usize> = [0..64, (1 << 24) - 64..(1 << 24) + 3].into_iter().flatten().collect();
+    // The reference for just those rows: a problem whose queries are those rows (rows of a
+    // non-causal problem are independent).
+    let picked: Vec<f32> = rows.iter().flat_map(|&r| q[r * d..(r + 1) * d].iter().copied()).collect();
+    let sub = AttentionShape { seqlen_q: rows.len(), ..shape };
+    let params = cpu::Params { scale: options.scale_for(d) as f64, causal: Causal::None };
+    let reference = cpu::attention(&picked, &k, &v, &sub, params).unwrap();
+    for (name, out) in [
+        ("flash", ctx.flash_attention_forward(&dq, &dk, &dv, &options, TileConfig::default_for(d)).unwrap()),
+        ("naive", ctx.attention_naive(&dq, &dk, &dv, &options).unwrap()),
+    ] {
+        let (o, lse) = (out.o.to_host().unwrap(), out.lse.to_host().unwrap());
+        let o_rows: Vec<f32> = rows.iter().flat_map(|&r| o[r * d..(r + 1) * d].iter().copied()).collect();
+        let lse_rows: Vec<f32> = rows.iter().map(|&r| lse[r]).collect();
+        let (err_o, err_lse) = (relative_l2_error(&o_rows, &reference.o), lse_error(&lse_rows, &reference.lse));
+        assert!(err_o <= 1e-5 && err_lse <= 1e-5, "{name}: O {err_o:.2e}, LSE {err_lse:.2e}");
+        assert!(o.par_iter().all(|x| x.is_finite()), "{name}: a non-finite output");
+    }
+}
+
+/// Logits of ±1e4 after scaling must not overflow: the online softmax subtracts the running
+/// maximum. Inputs are small integers, so the scores are exact in f32; what is left is the
+/// rounding of `score · scale · log₂e` in the exponent, about |logit| · 2⁻²⁴, hence a tolerance
+/// of 1e-3 rather than the usual 1e-5.
+#[test]
+fn large_logits_do_not_overflow() {
+    let Some(ctx) = gpu("large_logits_do_not_overflow") else { return };
+    let shape = mha(1, 2, 150, 64);
+    let ints = |n: usize, salt: u64| -> Vec<f32> { (0..n).map(|i| (hashed(i, salt) * 2.0).round()).collect() };
+    let (q, k, v) = (ints(150 * 128, 6), ints(150 * 128, 7), random_normal(150 * 128, 8));
+    let options = AttentionOptions { scale: Some(500.0), causal: Causal::TopLeft };
+    let params = cpu::Params { scale: 500.0, causal: Causal::TopLeft };
+    let reference = cpu::attention(&q, &k, &v, &shape, params).unwrap();
+    let max_logit = reference.lse.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    assert!(max_logit > 5e3, "the test should produce logits in the thousands (max LSE {max_logit})");
+    let (dq, dk, dv) = (
+        ctx.upload(&q, &shape.q_shape()).unwrap(),
+        ctx.upload(&k, &shape.kv_shape()).unwrap(),
+        ctx.upload(&v, &shape.kv_shape()).unwrap(),
+    );
+    for (name, out) in [
+        ("flash", ctx.flash_attention_forward(&dq, &dk, &dv, &options, TileConfig::new(32, 32)).unwrap()),
+        ("naive", ctx.attention_naive(&dq, &dk, &dv, &options).unwrap()),
+    ] {
+        let (o, lse) = (out.o.to_host().unwrap(), out.lse.to_host().unwrap());
+        assert!(o.iter().chain(&lse).all(|x| x.is_finite()), "{name}: overflow");
+        let (err_o, err_lse) = (relative_l2_error(&o, &reference.o), lse_error(&lse, &reference.lse));
+        assert!(err_o <= 1e-3 && err_lse <= 1e-6, "{name}: O {err_o:.2e}, LSE {err_lse:.2e}");
+    }
+}
+
+/// A NaN or ∞ in Q, K or V reaches exactly the rows the math says: with a causal mask, key j
+/// reaches only the queries that see it, and query i only its own row. Rows whose reference is
+/// finite must match it; rows whose reference is not finite must not be finite either.
+#[test]
+fn nan_and_infinity_reach_exactly_the_rows_that_see_them() {
+    let Some(ctx) = gpu("nan_and_infinity_reach_exactly_the_rows_that_see_them") else { return };
+    let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q: 70, seqlen_k: 70, head_dim: 32 };
+    let d = shape.head_dim;
+    let poisons: [(&str, usize, f32); 4] =
+        [("q", 5, f32::NAN), ("k", 40, f32::NAN), ("v", 50, f32::INFINITY), ("v", 63, f32::NAN)];
+    for (tensor, row, value) in poisons {
+        for kernel in [Kernel::Naive, Kernel::Flash(TileConfig::new(32, 32), DqAccumulation::Atomic)] {
+            let mut problem = Problem::new(ctx, shape, 300);
+            let index = match tensor {
+                "q" => 0,
+                "k" => 1,
+                _ => 2,
+            };
+            problem.host[index][row * d + 3] = value;
+            let device = match index {
+                0 => &mut problem.q,
+                1 => &mut problem.k,
+                _ => &mut problem.v,
+            };
+            device.copy_from_host(&problem.host[index]).unwrap();
+            let options = AttentionOptions::causal(Causal::TopLeft);
+            let out = problem.forward(ctx, kernel, &options);
+            let [q, k, v, _] = &problem.host;
+            let reference = cpu::attention(q, k, v, &shape, problem.params(&options)).unwrap();
+            compare_rows(&out, &reference, d, &format!("{kernel:?}, {value} in {tensor} row {row}"));
+        }
+    }
+}
+
+/// Row by row: finite reference rows match within 1e-5 (relative L2), non-finite ones are not
+/// finite in the result either.
+fn compare_rows(out: &AttentionOutput, reference: &cpu::Reference, d: usize, what: &str) {
+    let (o, lse) = (out.o.to_host().unwrap(), out.lse.to_host().unwrap());
+    let mut affected = 0;
+    for row in 0..lse.len() {
+        let (got, want) = (&o[row * d..(row + 1) * d], &reference.o[row * d..(row + 1) * d]);
+        let reference_finite = want.iter().all(|x| x.is_finite()) && reference.lse[row].is_finite();
+        if reference_finite {
+            let err = relative_l2_error(got, want);
+            assert!(err <= 1e-5, "{what}: row {row} should be untouched, error {err:.2e}");
+        } else {
+            affected += 1;
+            let finite = got.iter().all(|x| x.is_finite()) && lse[row].is_finite();
+            assert!(!finite, "{what}: row {row} should be affected but is finite");
+        }
+    }
+    assert!(affected > 0, "{what}: the poison should reach some rows");
+}
+
+/// scale = 0 makes every visible key equally likely: O is the mean of the V rows a query sees.
+#[test]
+fn scale_zero_gives_the_mean_of_v() {
+    let Some(ctx) = gpu("scale_zero_gives_the_mean_of_v") else { return };
+    let shape = mha(1, 1, 9, 32);
+    let problem = Problem::new(ctx, shape, 400);
+    let options = AttentionOptions { scale: Some(0.0), causal: Causal::TopLeft };
+    for kernel in [Kernel::Naive, Kernel::Flash(TileConfig::new(16, 16), DqAccumulation::Atomic)] {
+        let o = problem.forward(ctx, kernel, &options).o.to_host().unwrap();
+        let v = &problem.host[2];
+        for i in 0..9 {
+            for c in 0..32 {
+                let mean = (0..=i).map(|j| v[j * 32 + c] as f64).sum::<f64>() / (i + 1) as f64;
+                assert!((o[i * 32 + c] as f64 - mean).abs() <= 1e-5, "{kernel:?}: row {i} col {c}");
+            }
+        }
+    }
+}
+
+/// The smallest problems: one query and one key, at the smallest compiled head_dim, every mask,
+/// forward and backward.
+#[test]
+fn one_query_one_key_smallest_head_dim() {
+    let Some(ctx) = gpu("one_query_one_key_smallest_head_dim") else { return };
+    let d = TileConfig::compiled_head_dims()[0];
+    for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+        for kernel in [Kernel::Naive, Kernel::Flash(TileConfig::new(16, 16), DqAccumulation::Deterministic)] {
+            check(ctx, mha(1, 1, 1, d), kernel, AttentionOptions::causal(causal), 500, true);
+        }
+    }
+}
