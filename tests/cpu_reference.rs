@@ -228,3 +228,17 @@ fn uncompiled_head_dim_is_reported_before_the_tile() {
     assert!(matches!(err, Error::HeadDimNotCompiled { head_dim: 96, .. }), "{err}");
     assert!(err.to_string().contains("32, 64, 128"), "{err}");
 }
+
+#[test]
+fn hidden_keys_do_not_reach_rows_even_when_infinite() {
+    // Causal top-left over 3 keys: row 0 sees only key 0, so an ∞ in V's row 2 must leave it
+    // finite, while rows 2.. (which see key 2) become infinite.
+    let s = shape(1, 1, 1, 3, 3, 2);
+    let q = random_normal(6, 1);
+    let k = random_normal(6, 2);
+    let mut v = random_normal(6, 3);
+    v[2 * 2] = f32::INFINITY;
+    let r = cpu::attention(&q, &k, &v, &s, params(1.0, Causal::TopLeft)).unwrap();
+    assert!(r.o[..4].iter().all(|x| x.is_finite()), "{:?}", r.o);
+    assert!(!r.o[4..].iter().all(|x| x.is_finite()), "{:?}", r.o);
+}

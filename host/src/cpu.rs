@@ -109,6 +109,10 @@ fn plain_row(q_row: &[f32], i: usize, head: &Head, shape: &AttentionShape, param
     let (p, lse) = probabilities(q_row, i, head, shape, params);
     o_row.fill(0.0);
     for (p_j, v_row) in p.iter().zip(head.v.chunks_exact(shape.head_dim)) {
+        // Keys the row does not see (p = 0) take no part at all: not even as 0 · ∞ = NaN.
+        if *p_j == 0.0 {
+            continue;
+        }
         for (o, &x) in o_row.iter_mut().zip(v_row) {
             *o += p_j * x as f64;
         }
