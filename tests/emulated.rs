@@ -14,7 +14,7 @@ use std::time::Duration;
 use attn_host::check::{random_normal, relative_l2_error};
 use attn_host::{AttentionShape, Causal, Context, DqAccumulation, TileConfig, cpu};
 use attn_kernels::emu::{self, Arg, EmuErrorKind, Launch};
-use common::attention::{Kernel, check};
+use common::attention::{Kernel, check, poisoned_rows};
 
 fn emulator() -> &'static Context {
     static CONTEXT: OnceLock<Context> = OnceLock::new();
@@ -88,6 +88,17 @@ fn emulated_flash_forward_and_backward() {
         cases += 1;
     }
     report("emulated_flash_forward_and_backward", cases);
+}
+
+/// A NaN or ∞ in Q, K or V reaches exactly the rows that see it, through the kernels' own code.
+#[test]
+fn emulated_nan_and_infinity_reach_exactly_the_rows_that_see_them() {
+    let ctx = emulator();
+    let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q: 40, seqlen_k: 40, head_dim: 32 };
+    for kernel in [Kernel::Naive, Kernel::Flash(TileConfig::new(16, 16), DqAccumulation::Atomic)] {
+        poisoned_rows(ctx, kernel, shape);
+    }
+    report("emulated_nan_and_infinity_reach_exactly_the_rows_that_see_them", 8);
 }
 
 // ---------------------------------------------------------------------------------------------

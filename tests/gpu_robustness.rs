@@ -4,10 +4,8 @@
 mod common;
 
 use attn_host::check::{lse_error, random_normal, relative_l2_error};
-use attn_host::{
-    AttentionOptions, AttentionOutput, AttentionShape, Causal, Context, DqAccumulation, Error, TileConfig, cpu,
-};
-use common::attention::{Kernel, Problem, check};
+use attn_host::{AttentionOptions, AttentionShape, Causal, Context, DqAccumulation, Error, TileConfig, cpu};
+use common::attention::{Kernel, Problem, check, poisoned_rows};
 use common::{gpu, mha};
 use rayon::prelude::*;
 
@@ -143,51 +141,9 @@ fn large_logits_do_not_overflow() {
 fn nan_and_infinity_reach_exactly_the_rows_that_see_them() {
     let Some(ctx) = gpu("nan_and_infinity_reach_exactly_the_rows_that_see_them") else { return };
     let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q: 70, seqlen_k: 70, head_dim: 32 };
-    let d = shape.head_dim;
-    let poisons: [(&str, usize, f32); 4] =
-        [("q", 5, f32::NAN), ("k", 40, f32::NAN), ("v", 50, f32::INFINITY), ("v", 63, f32::NAN)];
-    for (tensor, row, value) in poisons {
-        for kernel in [Kernel::Naive, Kernel::Flash(TileConfig::new(32, 32), DqAccumulation::Atomic)] {
-            let mut problem = Problem::new(ctx, shape, 300);
-            let index = match tensor {
-                "q" => 0,
-                "k" => 1,
-                _ => 2,
-            };
-            problem.host[index][row * d + 3] = value;
-            let device = match index {
-                0 => &mut problem.q,
-                1 => &mut problem.k,
-                _ => &mut problem.v,
-            };
-            device.copy_from_host(&problem.host[index]).unwrap();
-            let options = AttentionOptions::causal(Causal::TopLeft);
-            let out = problem.forward(ctx, kernel, &options);
-            let [q, k, v, _] = &problem.host;
-            let reference = cpu::attention(q, k, v, &shape, problem.params(&options)).unwrap();
-            compare_rows(&out, &reference, d, &format!("{kernel:?}, {value} in {tensor} row {row}"));
-        }
+    for kernel in [Kernel::Naive, Kernel::Flash(TileConfig::new(32, 32), DqAccumulation::Atomic)] {
+        poisoned_rows(ctx, kernel, shape);
     }
-}
-
-/// Row by row: finite reference rows match within 1e-5 (relative L2), non-finite ones are not
-/// finite in the result either.
-fn compare_rows(out: &AttentionOutput, reference: &cpu::Reference, d: usize, what: &str) {
-    let (o, lse) = (out.o.to_host().unwrap(), out.lse.to_host().unwrap());
-    let mut affected = 0;
-    for row in 0..lse.len() {
-        let (got, want) = (&o[row * d..(row + 1) * d], &reference.o[row * d..(row + 1) * d]);
-        let reference_finite = want.iter().all(|x| x.is_finite()) && reference.lse[row].is_finite();
-        if reference_finite {
-            let err = relative_l2_error(got, want);
-            assert!(err <= 1e-5, "{what}: row {row} should be untouched, error {err:.2e}");
-        } else {
-            affected += 1;
-            let finite = got.iter().all(|x| x.is_finite()) && lse[row].is_finite();
-            assert!(!finite, "{what}: row {row} should be affected but is finite");
-        }
-    }
-    assert!(affected > 0, "{what}: the poison should reach some rows");
 }
 
 /// scale = 0 makes every visible key equally likely: O is the mean of the V rows a query sees.

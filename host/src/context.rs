@@ -226,7 +226,7 @@ impl Context {
     fn function(&self, entry: &str) -> Result<CudaFunction> {
         match &self.backend {
             Backend::Cuda { module, .. } => module.load_function(entry).during(format!("looking up kernel {entry}")),
-            Backend::Emulated => Err(Error::NotOnEmulator("compiled kernel functions")),
+            Backend::Emulated => Err(Error::NotOnEmulator("information about a compiled kernel")),
         }
     }
 
@@ -268,7 +268,7 @@ impl Context {
     }
 
     fn launch_emulated(&self, entry: &str, config: LaunchConfig, args: &[&dyn KernelArg]) -> Result<()> {
-        let kernel = kernels::emulated(entry).ok_or(Error::NotOnEmulator("a kernel missing from the emulator"))?;
+        let kernel = kernels::emulated(entry).ok_or(Error::NotOnEmulator("this kernel"))?;
         let args: Vec<Arg> = args.iter().map(|a| a.emulated()).collect::<Result<_>>()?;
         let (x, y, z) = config.grid_dim;
         let launch = Launch::new(

@@ -112,3 +112,53 @@ pub fn check(
         assert!(err <= GRAD_TOLERANCE, "{kernel:?} {options:?} on {shape:?}: {name} relative L2 error {err:.3e}");
     }
 }
+
+/// Poisons one element of Q, K or V at a time (NaN or ∞) and checks, under a top-left causal
+/// mask, that exactly the rows whose reference is non-finite are non-finite, and every other row
+/// is untouched.
+pub fn poisoned_rows(ctx: &Context, kernel: Kernel, shape: AttentionShape) {
+    let d = shape.head_dim;
+    let last = shape.seqlen_k - 1;
+    let poisons: [(usize, usize, f32); 4] = [
+        (0, 5.min(last), f32::NAN),
+        (1, 40.min(last), f32::NAN),
+        (2, 50.min(last), f32::INFINITY),
+        (2, last, f32::NAN),
+    ];
+    for (index, row, value) in poisons {
+        let mut problem = Problem::new(ctx, shape, 300);
+        problem.host[index][row * d + 3] = value;
+        let device = match index {
+            0 => &mut problem.q,
+            1 => &mut problem.k,
+            _ => &mut problem.v,
+        };
+        device.copy_from_host(&problem.host[index]).unwrap();
+        let options = AttentionOptions::causal(attn_host::Causal::TopLeft);
+        let out = problem.forward(ctx, kernel, &options);
+        let [q, k, v, _] = &problem.host;
+        let reference = cpu::attention(q, k, v, &shape, problem.params(&options)).unwrap();
+        let tensor = ["q", "k", "v"][index];
+        compare_rows(&out, &reference, d, &format!("{kernel:?}, {value} in {tensor} row {row}"));
+    }
+}
+
+/// Row by row: finite reference rows match within 1e-5 (relative L2), non-finite ones are not
+/// finite in the result either.
+pub fn compare_rows(out: &AttentionOutput, reference: &cpu::Reference, d: usize, what: &str) {
+    let (o, lse) = (out.o.to_host().unwrap(), out.lse.to_host().unwrap());
+    let mut affected = 0;
+    for row in 0..lse.len() {
+        let (got, want) = (&o[row * d..(row + 1) * d], &reference.o[row * d..(row + 1) * d]);
+        let reference_finite = want.iter().all(|x| x.is_finite()) && reference.lse[row].is_finite();
+        if reference_finite {
+            let err = relative_l2_error(got, want);
+            assert!(err <= 1e-5, "{what}: row {row} should be untouched, error {err:.2e}");
+        } else {
+            affected += 1;
+            let finite = got.iter().all(|x| x.is_finite()) && lse[row].is_finite();
+            assert!(!finite, "{what}: row {row} should be affected but is finite");
+        }
+    }
+    assert!(affected > 0, "{what}: the poison should reach some rows");
+}
