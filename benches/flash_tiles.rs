@@ -5,7 +5,7 @@
 use attn_host::check::random_normal;
 use attn_host::timing::{tflops, time_gpu};
 use attn_host::{
-    AttentionOptions, AttentionOutput, AttentionShape, Context, DqAccumulation, FlashKernel, Result, TileConfig,
+    AttentionOptions, AttentionOutput, AttentionShape, Context, DType, DqAccumulation, FlashKernel, Result, TileConfig,
 };
 
 const WARMUP: usize = 3;
@@ -25,7 +25,7 @@ fn main() -> Result<()> {
     let options = AttentionOptions::default();
     println!("\n| head_dim | pass | block_m | block_n | smem (KiB) | regs | time (ms) | TFLOP/s |");
     println!("|---|---|---|---|---|---|---|---|");
-    for head_dim in TileConfig::compiled_head_dims() {
+    for head_dim in TileConfig::compiled_head_dims_for(DType::F32) {
         let shape =
             AttentionShape { batch: 4, num_heads_q: 16, num_heads_kv: 16, seqlen_q: 4096, seqlen_k: 4096, head_dim };
         let n: usize = shape.q_shape().iter().product();
@@ -65,7 +65,7 @@ fn main() -> Result<()> {
                     )
                 };
                 let t = time_gpu(&ctx, 1, 5, || backward().map(drop))?;
-                let smem = FlashKernel::Backward.shared_memory_bytes(tile.block_m, tile.block_n, head_dim);
+                let smem = tile.shared_memory_bytes_for(FlashKernel::Backward, DType::F32, head_dim);
                 rows.push(("backward", t.median_ms, tile, ctx.kernel_resources(entry)?.0, smem, 2.5 * forward_flops));
             }
         }

@@ -15,6 +15,7 @@ use attn_host::check::{random_normal, relative_l2_error};
 use attn_host::{AttentionShape, Causal, Context, DqAccumulation, TileConfig, cpu};
 use attn_kernels::emu::{self, Arg, EmuErrorKind, Launch};
 use common::attention::{Kernel, check, poisoned_rows};
+use common::tensor_cores::{Inputs, check16};
 
 fn emulator() -> &'static Context {
     static CONTEXT: OnceLock<Context> = OnceLock::new();
@@ -177,4 +178,33 @@ fn emulator_errors_reach_the_library_caller() {
     let err = ctx.vector_add(&q, &foreign).unwrap_err();
     assert!(err.to_string().contains("another context"), "{err}");
     assert!(ctx.memory_info().is_err());
+}
+
+/// The tensor-core kernels (`mma.sync`, `ldmatrix`, `cp.async`, emulated lane by lane): forward
+/// and both backward modes, `f16` and `bf16`, both head_dims, ragged lengths, GQA and both
+/// causal alignments.
+#[test]
+fn emulated_tensor_core_forward_and_backward() {
+    let ctx = emulator();
+    let mut cases = 0;
+    for (head_dim, seqlen_q, seqlen_k, causal) in
+        [(64, 70, 90, Causal::BottomRight), (128, 33, 20, Causal::TopLeft), (64, 17, 40, Causal::None)]
+    {
+        let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q, seqlen_k, head_dim };
+        let fwd = TileConfig::default_for_dtype(attn_host::DType::F16, head_dim);
+        let bwd = TileConfig::default_backward_for_dtype(attn_host::DType::F16, head_dim);
+        let mode = if cases % 2 == 0 { DqAccumulation::Atomic } else { DqAccumulation::Deterministic };
+        check16::<attn_host::f16>(ctx, shape, fwd, Some((bwd, mode)), options(causal), cases, Inputs::Normal);
+        check16::<attn_host::bf16>(ctx, shape, fwd, Some((bwd, DqAccumulation::Deterministic)), options(causal), cases + 1, Inputs::LargeLogits);
+        cases += 2;
+    }
+    // Negative and zero scales (the forward kernel folds the scale into its exponent).
+    for scale in [-0.3, 0.0] {
+        let shape = AttentionShape { batch: 1, num_heads_q: 1, num_heads_kv: 1, seqlen_q: 40, seqlen_k: 70, head_dim: 64 };
+        let options = attn_host::AttentionOptions { scale: Some(scale), causal: Causal::TopLeft };
+        let (fwd, bwd) = (TileConfig::default_for_dtype(attn_host::DType::F16, 64), TileConfig::default_backward_for_dtype(attn_host::DType::F16, 64));
+        check16::<attn_host::f16>(ctx, shape, fwd, Some((bwd, DqAccumulation::Atomic)), options, cases, Inputs::Normal);
+        cases += 1;
+    }
+    report("emulated_tensor_core_forward_and_backward", cases);
 }

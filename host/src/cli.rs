@@ -1,5 +1,6 @@
 //! The main job, `cargo run --release`: naive attention against FlashAttention on the GPU,
-//! forward and backward, each checked against the CPU reference, in one table.
+//! forward and backward, each checked against the CPU reference, in one table: the `f32` kernels
+//! (CUDA cores) and the `f16`/`bf16` kernels (tensor cores).
 //!
 //! With no shape flags it runs three cases: the attention of a ViT-B/16 (a 224×224 image in 16×16
 //! patches: 196 patches and a class token, so 197 tokens; 12 heads of head_dim 64; a batch of 8
@@ -14,6 +15,7 @@ use clap::{Parser, ValueEnum};
 use comfy_table::{Table, presets::ASCII_MARKDOWN};
 
 use crate::check::{lse_error, random_normal, relative_l2_error};
+use crate::dtype::{DType, Element, from_f32_slice, to_f32_vec};
 use crate::timing::{tflops, time_gpu};
 use crate::{
     AttentionOptions, AttentionShape, Causal, Context, Device, DeviceTensor, DqAccumulation, Error, Result, TileConfig,
@@ -65,12 +67,20 @@ pub struct Args {
     /// Head dimension (flash kernels exist for 32, 64 and 128).
     #[arg(long)]
     pub head_dim: Option<usize>,
-    /// Query rows per flash block (Br), given together with --block-n; default: tuned per head_dim.
+    /// Query rows per flash block (Br), given together with --block-n; default: tuned per head_dim
+    /// and element type.
     #[arg(long, requires = "block_n")]
     pub block_m: Option<usize>,
     /// Key/value rows per flash tile (Bc), given together with --block-m.
     #[arg(long, requires = "block_m")]
     pub block_n: Option<usize>,
+    /// Pipeline stages of the f16/bf16 kernels with --block-m/--block-n (the f32 kernels have 1).
+    #[arg(long, default_value_t = 2)]
+    pub stages: usize,
+    /// Element types of the flash rows: f32 (CUDA cores), f16 and bf16 (tensor cores); a comma
+    /// list. The naive rows are f32.
+    #[arg(long, value_delimiter = ',', default_value = "f32,f16,bf16")]
+    pub dtype: Vec<DType>,
     /// Softmax scale; default 1/sqrt(head_dim).
     #[arg(long)]
     pub scale: Option<f32>,
@@ -102,12 +112,14 @@ struct Case {
 }
 
 impl Args {
-    /// The flash tile: the flags', or the tuned default for `head_dim` and the pass.
-    fn tile(&self, head_dim: usize, backward: bool) -> TileConfig {
+    /// The flash tile: the flags', or the tuned default for `dtype`, `head_dim` and the pass.
+    fn tile(&self, dtype: DType, head_dim: usize, backward: bool) -> TileConfig {
         match (self.block_m, self.block_n, backward) {
-            (Some(m), Some(n), _) => TileConfig::new(m, n),
-            (_, _, false) => TileConfig::default_for(head_dim),
-            (_, _, true) => TileConfig::default_backward_for(head_dim),
+            (Some(m), Some(n), _) => {
+                TileConfig::new(m, n).with_stages(if dtype == DType::F32 { 1 } else { self.stages })
+            }
+            (_, _, false) => TileConfig::default_for_dtype(dtype, head_dim),
+            (_, _, true) => TileConfig::default_backward_for_dtype(dtype, head_dim),
         }
     }
 
@@ -171,8 +183,15 @@ fn run(args: &Args) -> Result<()> {
     for case in &cases {
         let shape = case.shape;
         AttentionShape::from_qkv(&shape.q_shape(), &shape.kv_shape(), &shape.kv_shape())?;
-        for (kernel, backward) in [(crate::FlashKernel::Forward, false), (crate::FlashKernel::Backward, true)] {
-            args.tile(shape.head_dim, backward).compiled_entry(kernel, shape.head_dim)?;
+        for &dtype in &args.dtype {
+            let d = shape.head_dim;
+            for (kernel, backward) in [(crate::FlashKernel::Forward, false), (crate::FlashKernel::Backward, true)] {
+                // Without tile flags a missing head_dim only costs that type its rows.
+                let checked = args.tile(dtype, d, backward).compiled_entry_for(kernel, dtype, d);
+                if args.block_m.is_some() || matches!(checked, Err(Error::TileNotCompiled { .. })) {
+                    checked?;
+                }
+            }
         }
     }
     let ctx = match Context::open(args.device) {
@@ -229,7 +248,7 @@ fn run(args: &Args) -> Result<()> {
     Ok(())
 }
 
-/// The inputs of a case on the host and on the device.
+/// The inputs of a case on the host and on the device (`f32`).
 struct Inputs {
     host: [Vec<f32>; 4], // q, k, v, dO
     device: [DeviceTensor; 4],
@@ -263,8 +282,8 @@ struct CheckedPart {
 const FULL_CHECK_FLOPS: f64 = 2e9;
 
 impl CheckedPart {
-    fn new(inputs: &Inputs, shape: &AttentionShape) -> Self {
-        let [q, k, v, d_o] = &inputs.host;
+    fn new(host: &[Vec<f32>; 4], shape: &AttentionShape) -> Self {
+        let [q, k, v, d_o] = host;
         if shape.forward_flops() <= FULL_CHECK_FLOPS {
             return Self { shape: *shape, q: q.clone(), k: k.clone(), v: v.clone(), d_o: d_o.clone() };
         }
@@ -300,10 +319,10 @@ fn run_case(
 ) -> Result<()> {
     let shape = case.shape;
     let options = AttentionOptions { scale: args.scale, causal: case.causal };
-    let (tile, backward_tile) = (args.tile(shape.head_dim, false), args.tile(shape.head_dim, true));
+    let (tile, backward_tile) = (args.tile(DType::F32, shape.head_dim, false), args.tile(DType::F32, shape.head_dim, true));
     let inputs = Inputs::new(ctx, &shape)?;
     let [q, k, v, d_o] = &inputs.device;
-    let part = CheckedPart::new(&inputs, &shape);
+    let part = CheckedPart::new(&inputs.host, &shape);
     let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: case.causal };
     let forward_ref = cpu::attention(&part.q, &part.k, &part.v, &part.shape, params)?;
     let backward_ref = cpu::attention_backward(&part.q, &part.k, &part.v, &part.d_o, &part.shape, params)?;
@@ -369,6 +388,18 @@ fn run_case(
             Ok((time(&mut || ctx.attention_naive_into(q, k, v, out, &options))?, errors))
         }),
     );
+    if !args.dtype.contains(&DType::F32) {
+        add_row(
+            "naive backward",
+            true,
+            score_bytes + 2 * row_bytes,
+            naive.as_ref().map_err(clone_error).and_then(|out| {
+                let mut grads = ctx.attention_naive_backward(q, k, v, &out.o, d_o, &options)?;
+                let errors = backward_errors(&grads)?;
+                Ok((time(&mut || ctx.attention_naive_backward_into(q, k, v, &out.o, d_o, &mut grads, &options))?, errors))
+            }),
+        );
+    } else {
     let mut flash = ctx.flash_attention_forward(q, k, v, &options, tile)?;
     let errors = forward_errors(&flash.o, &flash.lse);
     add_row(
@@ -398,7 +429,97 @@ fn run_case(
         });
         add_row(&format!("flash backward, {name} (m{}, n{})", tile.block_m, tile.block_n), true, row_bytes, result);
     }
+    }
+    drop(add_row);
+    for &dtype in &args.dtype {
+        let rows = match dtype {
+            DType::F32 => continue,
+            DType::F16 => tensor_core_rows::<crate::f16>(ctx, args, case, &inputs, (warmup, repeats)),
+            DType::Bf16 => tensor_core_rows::<crate::bf16>(ctx, args, case, &inputs, (warmup, repeats)),
+        };
+        for row in rows {
+            table.add_row(std::iter::once(label.clone()).chain(row));
+        }
+    }
     Ok(())
+}
+
+/// The flash rows of one 16-bit type: the inputs rounded to `T`, the forward and the backward
+/// (in the faster dQ mode for the type) on the tensor cores, checked against the float64
+/// reference computed on the rounded inputs. A type without kernels for the case's head_dim gets
+/// a row that says so.
+fn tensor_core_rows<T: Element>(
+    ctx: &Context,
+    args: &Args,
+    case: &Case,
+    inputs: &Inputs,
+    (warmup, repeats): (usize, usize),
+) -> Vec<[String; 6]> {
+    let (shape, dtype) = (case.shape, T::DTYPE);
+    let options = AttentionOptions { scale: args.scale, causal: case.causal };
+    let (tile, backward_tile) = (args.tile(dtype, shape.head_dim, false), args.tile(dtype, shape.head_dim, true));
+    let mode = DqAccumulation::fastest_for(dtype);
+    let mode_name = if mode == DqAccumulation::Atomic { "atomic dQ" } else { "deterministic" };
+    let names = [
+        format!("flash forward {dtype} ({tile})"),
+        format!("flash backward {dtype}, {mode_name} ({backward_tile})"),
+    ];
+    let flops = options.forward_flops(&shape);
+    let result = (|| -> Result<[(f64, String); 2]> {
+        let rounded: Vec<Vec<f32>> = inputs.host.iter().map(|x| to_f32_vec(&from_f32_slice::<T>(x))).collect();
+        let shapes = [shape.q_shape(), shape.kv_shape(), shape.kv_shape(), shape.q_shape()];
+        let device: Vec<DeviceTensor<T>> = (0..4)
+            .map(|i| ctx.upload(&from_f32_slice::<T>(&rounded[i]), &shapes[i]))
+            .collect::<Result<_>>()?;
+        let (q, k, v, d_o) = (&device[0], &device[1], &device[2], &device[3]);
+        let part = CheckedPart::new(&[0, 1, 2, 3].map(|i| rounded[i].clone()), &shape);
+        let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: case.causal };
+        let forward_ref = cpu::attention(&part.q, &part.k, &part.v, &part.shape, params)?;
+        let backward_ref = cpu::attention_backward(&part.q, &part.k, &part.v, &part.d_o, &part.shape, params)?;
+        let time = |work: &mut dyn FnMut() -> Result<()>| time_gpu(ctx, warmup, repeats, work).map(|t| t.median_ms);
+
+        let mut out = ctx.flash_attention_forward(q, k, v, &options, tile)?;
+        let o = to_f32_vec(&out.o.to_host()?);
+        let lse = out.lse.to_host()?;
+        let forward_errors = format!(
+            "O {:.1e}, LSE {:.1e}",
+            relative_l2_error(part.slice(&o, true), &forward_ref.o),
+            lse_error(&lse[..part.shape.query_rows()], &forward_ref.lse)
+        );
+        let forward_ms = time(&mut || ctx.flash_attention_forward_into(q, k, v, &mut out, &options, tile))?;
+
+        let (o, lse) = (&out.o, &out.lse);
+        let mut grads = ctx.flash_attention_backward(q, k, v, o, lse, d_o, &options, backward_tile, mode)?;
+        let host = |t: &DeviceTensor<T>| t.to_host().map(|x| to_f32_vec(&x));
+        let (dq, dk, dv) = (host(&grads.dq)?, host(&grads.dk)?, host(&grads.dv)?);
+        let backward_errors = format!(
+            "dQ {:.1e}, dK {:.1e}, dV {:.1e}",
+            relative_l2_error(part.slice(&dq, true), &backward_ref.dq),
+            relative_l2_error(part.slice(&dk, false), &backward_ref.dk),
+            relative_l2_error(part.slice(&dv, false), &backward_ref.dv)
+        );
+        let backward_ms = time(&mut || {
+            ctx.flash_attention_backward_into(q, k, v, o, lse, d_o, &mut grads, &options, backward_tile, mode)
+        })?;
+        Ok([(forward_ms, forward_errors), (backward_ms, backward_errors)])
+    })();
+    let checked = {
+        let part_heads = if shape.forward_flops() <= FULL_CHECK_FLOPS { shape.batch * shape.num_heads_q } else { shape.group_size() };
+        format!("{part_heads}/{}", shape.batch * shape.num_heads_q)
+    };
+    let row_bytes = shape.lse_bytes();
+    match result {
+        Ok(measured) => names
+            .into_iter()
+            .zip(measured)
+            .enumerate()
+            .map(|(i, (name, (ms, errors)))| {
+                let tf = tflops(if i == 1 { 2.5 * flops } else { flops }, ms);
+                [name, format!("{ms:.3}"), format!("{tf:.2}"), format_bytes(row_bytes), checked.clone(), errors]
+            })
+            .collect(),
+        Err(e) => vec![[names[0].clone(), format!("failed: {e}"), String::new(), String::new(), String::new(), String::new()]],
+    }
 }
 
 /// Errors are not `Clone` (the driver error inside is not); a failed naive forward is reported
@@ -436,7 +557,7 @@ fn run_cpu_only(args: &Args, cases: &[Case]) -> Result<()> {
             scale: AttentionOptions { scale: args.scale, causal: case.causal }.scale_for(shape.head_dim) as f64,
             causal: case.causal,
         };
-        let tile = args.tile(shape.head_dim, false);
+        let tile = args.tile(DType::F32, shape.head_dim, false);
         let start = Instant::now();
         let plain = cpu::attention(&q, &k, &v, &shape, params)?;
         let plain_ms = start.elapsed().as_secs_f64() * 1e3;

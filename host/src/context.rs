@@ -9,6 +9,7 @@ use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
+use crate::dtype::{DType, Element};
 use crate::error::{During, Error, Result};
 use crate::kernels;
 use crate::tensor::{DeviceTensor, Storage};
@@ -97,7 +98,8 @@ pub struct Context {
 }
 
 enum Backend {
-    Cuda { cuda: Arc<CudaContext>, stream: Arc<CudaStream>, module: Arc<CudaModule> },
+    /// `modules[kernels::module_of(entry)]` holds kernel `entry`.
+    Cuda { cuda: Arc<CudaContext>, stream: Arc<CudaStream>, modules: Vec<Arc<CudaModule>> },
     Emulated,
 }
 
@@ -141,9 +143,15 @@ impl Context {
             let (major, minor) = info.compute_capability;
             return Err(Error::UnsupportedDevice { name: info.name, major, minor, needed: "8.0 (Ampere)" });
         }
-        let module = cuda.load_module(Ptx::from_src(kernels::PTX_SM_80)).during("loading the kernels' PTX module")?;
+        let modules = kernels::PTX_SM_80
+            .iter()
+            .zip(kernels::MODULES)
+            .map(|(ptx, group)| {
+                cuda.load_module(Ptx::from_src(*ptx)).during(format!("loading the kernels' PTX module ({group})"))
+            })
+            .collect::<Result<Vec<_>>>()?;
         let stream = cuda.new_stream().during("creating a stream")?;
-        Ok(Self { id: next_context_id(), backend: Backend::Cuda { cuda, stream, module }, info })
+        Ok(Self { id: next_context_id(), backend: Backend::Cuda { cuda, stream, modules }, info })
     }
 
     /// The CPU emulator: the kernels' own source, run on the host with one OS thread per GPU
@@ -225,13 +233,15 @@ impl Context {
 
     fn function(&self, entry: &str) -> Result<CudaFunction> {
         match &self.backend {
-            Backend::Cuda { module, .. } => module.load_function(entry).during(format!("looking up kernel {entry}")),
+            Backend::Cuda { modules, .. } => modules[kernels::module_of(entry)]
+                .load_function(entry)
+                .during(format!("looking up kernel {entry}")),
             Backend::Emulated => Err(Error::NotOnEmulator("information about a compiled kernel")),
         }
     }
 
     /// Checks that `tensor` was made by this context.
-    pub(crate) fn check_owner(&self, name: &'static str, tensor: &DeviceTensor) -> Result<()> {
+    pub(crate) fn check_owner<T: Element>(&self, name: &'static str, tensor: &DeviceTensor<T>) -> Result<()> {
         if tensor.owner() == self.id {
             Ok(())
         } else {
@@ -306,7 +316,7 @@ macro_rules! scalar_kernel_arg {
 }
 scalar_kernel_arg!(f32 => F32, usize => Usize, isize => Isize);
 
-impl KernelArg for DeviceTensor {
+impl<T: Element> KernelArg for DeviceTensor<T> {
     fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) -> Result<()> {
         match self.storage() {
             Storage::Cuda(data) => {
@@ -319,7 +329,11 @@ impl KernelArg for DeviceTensor {
 
     fn emulated(&self) -> Result<Arg> {
         match self.storage() {
-            Storage::Host(data) => Ok(Arg::Ptr(data.as_ptr())),
+            // The emulated kernels take 16-bit tensors as raw bits.
+            Storage::Host(data) => Ok(match T::DTYPE {
+                DType::F32 => Arg::Ptr(data.as_ptr() as *mut f32),
+                DType::F16 | DType::Bf16 => Arg::Ptr16(data.as_ptr() as *mut u16),
+            }),
             Storage::Cuda(_) => Err(Error::Shape("a GPU tensor was passed to an emulated kernel".into())),
         }
     }

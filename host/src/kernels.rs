@@ -5,20 +5,23 @@
 //! ([`FLASH_INSTANCES`]). Host code names kernels only through these, so a kernel that is
 //! renamed or removed on the device side breaks the host build, not a launch at run time.
 
+use crate::dtype::DType;
 use crate::layout;
 
 include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 
-/// The FlashAttention kernel families; each is compiled once per tile shape and head_dim.
+/// The FlashAttention kernel families; each is compiled once per element type, tile shape and
+/// head_dim. `f32` instances run on the CUDA cores (`flash_*_f32_*`, 128 threads); `f16` and
+/// `bf16` instances on the tensor cores (`flash_*_{f16,bf16}_*_s{stages}`, a warp per 16 rows).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum FlashKernel {
-    /// `flash_fwd_f32_*`: the forward pass (O and LSE).
+    /// `flash_fwd_*`: the forward pass (O and LSE).
     Forward,
-    /// `flash_bwd_f32_*`: dK and dV, and dQ by atomic adds.
+    /// `flash_bwd_*`: dK and dV, and dQ by atomic adds.
     Backward,
-    /// `flash_bwd_dkdv_f32_*`: dK and dV only (the deterministic backward's first kernel).
+    /// `flash_bwd_dkdv_*`: dK and dV only (the deterministic backward's first kernel).
     BackwardDkDv,
-    /// `flash_bwd_dq_f32_*`: dQ without atomics (the deterministic backward's second kernel).
+    /// `flash_bwd_dq_*`: dQ without atomics (the deterministic backward's second kernel).
     BackwardDq,
 }
 
@@ -34,41 +37,72 @@ impl std::fmt::Display for FlashKernel {
 }
 
 impl FlashKernel {
-    /// Dynamic shared memory per block, in bytes, for this tile.
-    pub fn shared_memory_bytes(self, block_m: usize, block_n: usize, head_dim: usize) -> usize {
-        match self {
-            Self::Forward => layout::flash_forward_smem_bytes(block_m, block_n, head_dim),
-            Self::Backward | Self::BackwardDkDv => layout::flash_backward_kv_smem_bytes(block_m, block_n, head_dim),
-            Self::BackwardDq => layout::flash_backward_q_smem_bytes(block_m, block_n, head_dim),
+    /// Dynamic shared memory per block, in bytes, for this tile (`stages` counts only for the
+    /// tensor-core kernels).
+    pub fn shared_memory_bytes(self, dtype: DType, block_m: usize, block_n: usize, head_dim: usize, stages: usize) -> usize {
+        match (dtype, self) {
+            (DType::F32, Self::Forward) => layout::flash_forward_smem_bytes(block_m, block_n, head_dim),
+            (DType::F32, Self::Backward | Self::BackwardDkDv) => {
+                layout::flash_backward_kv_smem_bytes(block_m, block_n, head_dim)
+            }
+            (DType::F32, Self::BackwardDq) => layout::flash_backward_q_smem_bytes(block_m, block_n, head_dim),
+            (_, Self::Forward) => layout::mma_forward_smem_bytes(block_m, block_n, head_dim, stages),
+            (_, Self::Backward | Self::BackwardDkDv) => {
+                layout::mma_backward_kv_smem_bytes(block_m, block_n, head_dim, stages)
+            }
+            (_, Self::BackwardDq) => layout::mma_backward_dq_smem_bytes(block_m, block_n, head_dim, stages),
+        }
+    }
+
+    /// Threads per block: 128 for the `f32` kernels; for the tensor-core kernels a warp per 16
+    /// rows of the tile dimension the block owns (queries for the forward and dQ kernels, keys
+    /// for the K/V-outer ones).
+    pub fn threads(self, dtype: DType, block_m: usize, block_n: usize) -> usize {
+        match (dtype, self) {
+            (DType::F32, _) => layout::FLASH_THREADS,
+            (_, Self::Forward | Self::BackwardDq) => layout::mma_threads(block_m),
+            (_, Self::Backward | Self::BackwardDkDv) => layout::mma_threads(block_n),
         }
     }
 }
 
-/// One compiled instance of a FlashAttention kernel: its family, tile shape and entry name.
+/// One compiled instance of a FlashAttention kernel: its family, element type, tile shape and
+/// entry name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FlashInstance {
     /// Which kernel.
     pub kernel: FlashKernel,
+    /// Element type of Q, K, V, O and the gradients.
+    pub dtype: DType,
     /// Query rows per query tile (the paper's Br).
     pub block_m: usize,
     /// Key/value rows per key tile (the paper's Bc).
     pub block_n: usize,
     /// Head dimension the instance is specialised for.
     pub head_dim: usize,
-    /// `.entry` name in the PTX, e.g. `flash_fwd_f32_m64_n64_d64`.
+    /// Slots of the `cp.async` ring (tensor-core kernels); 1 for the `f32` kernels.
+    pub stages: usize,
+    /// `.entry` name in the PTX, e.g. `flash_fwd_f16_m128_n64_d64_s2`.
     pub entry: &'static str,
 }
 
-/// The compiled instance of `kernel` for this tile and head dimension, if there is one.
+/// The compiled instance of `kernel` for this element type, tile and head dimension, if any.
 pub fn flash_instance(
     kernel: FlashKernel,
+    dtype: DType,
     block_m: usize,
     block_n: usize,
     head_dim: usize,
+    stages: usize,
 ) -> Option<&'static FlashInstance> {
-    FLASH_INSTANCES
-        .iter()
-        .find(|i| i.kernel == kernel && i.block_m == block_m && i.block_n == block_n && i.head_dim == head_dim)
+    FLASH_INSTANCES.iter().find(|i| {
+        i.kernel == kernel
+            && i.dtype == dtype
+            && i.block_m == block_m
+            && i.block_n == block_n
+            && i.head_dim == head_dim
+            && i.stages == stages
+    })
 }
 
 #[cfg(test)]
@@ -78,7 +112,8 @@ mod tests {
     #[test]
     fn every_entry_is_in_the_ptx() {
         for name in entry::ALL.iter().copied().chain(FLASH_INSTANCES.iter().map(|i| i.entry)) {
-            assert!(PTX_SM_80.contains(&format!(".entry {name}(")), "{name} missing from the PTX");
+            let module = PTX_SM_80[module_of(name)];
+            assert!(module.contains(&format!(".entry {name}(")), "{name} missing from its PTX module");
         }
     }
 
@@ -94,12 +129,28 @@ mod tests {
             for block_m in [16, 32, 64] {
                 for block_n in [16, 32, 64] {
                     for head_dim in [32, 64, 128] {
-                        let instance = flash_instance(kernel, block_m, block_n, head_dim).expect("instance compiled");
+                        let instance = flash_instance(kernel, DType::F32, block_m, block_n, head_dim, 1)
+                            .expect("instance compiled");
                         assert_eq!(instance.entry, format!("{prefix}_m{block_m}_n{block_n}_d{head_dim}"));
                     }
                 }
             }
         }
-        assert_eq!(FLASH_INSTANCES.len(), 4 * 27);
+        let f32_count = FLASH_INSTANCES.iter().filter(|i| i.dtype == DType::F32).count();
+        assert_eq!(f32_count, 4 * 27);
+    }
+
+    #[test]
+    fn tensor_core_instances_come_in_both_formats_and_all_families() {
+        for i in FLASH_INSTANCES.iter().filter(|i| i.dtype == DType::F16) {
+            assert!(i.stages >= 2, "{}", i.entry);
+            assert!(flash_instance(i.kernel, DType::Bf16, i.block_m, i.block_n, i.head_dim, i.stages).is_some());
+            if i.kernel == FlashKernel::Backward {
+                for kernel in [FlashKernel::BackwardDkDv, FlashKernel::BackwardDq] {
+                    assert!(flash_instance(kernel, DType::F16, i.block_m, i.block_n, i.head_dim, i.stages).is_some());
+                }
+            }
+        }
+        assert!(FLASH_INSTANCES.iter().any(|i| i.dtype == DType::F16 && i.kernel == FlashKernel::Forward));
     }
 }

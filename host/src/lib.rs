@@ -45,6 +45,7 @@ pub mod check;
 pub mod cli;
 mod context;
 pub mod cpu;
+pub mod dtype;
 mod error;
 pub mod kernels;
 /// Argument structs, block sizes and shared-memory layouts shared with the device crate (the
@@ -57,6 +58,10 @@ mod tensor;
 pub mod timing;
 
 pub use context::{Context, Device, DeviceInfo};
+pub use dtype::{DType, Element};
+/// The 16-bit float types of the `half` crate, re-exported: tensors of [`f16`] or [`bf16`] run on
+/// the tensor-core kernels.
+pub use half::{bf16, f16};
 pub use error::{Error, Result};
 pub use kernels::FlashKernel;
 pub use ops::{AttentionOutput, DqAccumulation, Gradients};

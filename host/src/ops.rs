@@ -3,36 +3,38 @@
 use cudarc::driver::LaunchConfig;
 
 use crate::context::{Context, KernelArg};
+use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::kernels::{FlashKernel, entry};
-use crate::layout::{ELEMENTWISE_THREADS, FLASH_THREADS, SOFTMAX_ROWS_PER_BLOCK, SOFTMAX_THREADS};
+use crate::layout::{ELEMENTWISE_THREADS, SOFTMAX_ROWS_PER_BLOCK, SOFTMAX_THREADS};
 use crate::problem::{AttentionOptions, AttentionShape, TileConfig, check_flash_grid};
 use crate::tensor::DeviceTensor;
 
-/// The outputs of an attention forward pass.
+/// The outputs of an attention forward pass: O in the inputs' element type, LSE always `f32`.
 #[derive(Debug)]
-pub struct AttentionOutput {
+pub struct AttentionOutput<T: Element = f32> {
     /// O, `[batch, num_heads_q, seqlen_q, head_dim]`.
-    pub o: DeviceTensor,
+    pub o: DeviceTensor<T>,
     /// Natural-log logsumexp of each score row, LSE = ln Σ_j exp(scale · q·k_j) over the keys
     /// the row sees (−∞ for a row that sees none), `[batch, num_heads_q, seqlen_q]`; what the
     /// backward pass needs to recompute P.
     pub lse: DeviceTensor,
 }
 
-/// The gradients of a loss with respect to the attention inputs.
+/// The gradients of a loss with respect to the attention inputs, in the inputs' element type.
 #[derive(Debug)]
-pub struct Gradients {
+pub struct Gradients<T: Element = f32> {
     /// ∂loss/∂Q, Q's shape `[batch, num_heads_q, seqlen_q, head_dim]`.
-    pub dq: DeviceTensor,
+    pub dq: DeviceTensor<T>,
     /// ∂loss/∂K, K's shape `[batch, num_heads_kv, seqlen_k, head_dim]` (summed over the query heads
     /// of each group under grouped-query attention).
-    pub dk: DeviceTensor,
+    pub dk: DeviceTensor<T>,
     /// ∂loss/∂V, V's shape.
-    pub dv: DeviceTensor,
+    pub dv: DeviceTensor<T>,
 }
 
-/// How the FlashAttention backward pass accumulates dQ.
+/// How the FlashAttention backward pass accumulates dQ. Which is faster depends on the kernels:
+/// [`DqAccumulation::fastest_for`] gives the measured choice per element type.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum DqAccumulation {
     /// The K/V-outer kernel adds each key tile's share of dQ to device memory with atomic adds:
@@ -43,6 +45,19 @@ pub enum DqAccumulation {
     /// A second kernel, outer loop over query tiles, recomputes P and dS and sums dQ in a fixed
     /// order: bit-identical results on every run, at the cost of recomputing the tiles.
     Deterministic,
+}
+
+impl DqAccumulation {
+    /// The faster mode on an H200 for `dtype` (see `PERFORMANCE.md`): [`DqAccumulation::Atomic`]
+    /// for `f32`; [`DqAccumulation::Deterministic`] for `f16` and `bf16`, whose second kernel
+    /// recomputes S and dP on the tensor cores more cheaply than the K/V-outer kernel can add a
+    /// 16-bit problem's dQ with `f32` atomics (at 4×16×4096×64: 4.2 ms against 5.2 ms).
+    pub fn fastest_for(dtype: DType) -> Self {
+        match dtype {
+            DType::F32 => Self::Atomic,
+            DType::F16 | DType::Bf16 => Self::Deterministic,
+        }
+    }
 }
 
 /// Blocks for a grid-stride loop over `work` items at `per_block` items per block: enough to
@@ -188,49 +203,52 @@ impl Context {
 
     /// FlashAttention-2 forward pass (Dao 2023, Algorithm 1): O = softmax(Q Kᵀ · scale) V and the
     /// logsumexp, without materialising the score matrix. Shapes and masks as
-    /// [`Context::attention_naive`]; head_dim must have compiled kernels (32, 64, 128) and `tile`
-    /// must be compiled and fit the device's shared memory ([`TileConfig::validate`]).
+    /// [`Context::attention_naive`]. `T` is `f32` (CUDA-core kernels) or [`half::f16`] /
+    /// [`half::bf16`] (tensor-core kernels, `f32` accumulation, LSE in `f32`); head_dim must have
+    /// compiled kernels for `T` and `tile` must be compiled for it and fit the device's shared
+    /// memory ([`TileConfig::validate_kernel`]; defaults: [`TileConfig::default_for_dtype`]).
     ///
     /// # Errors
-    /// [`Error::Shape`], [`Error::TileNotCompiled`], [`Error::SharedMemory`], [`Error::Driver`].
-    pub fn flash_attention_forward(
+    /// [`Error::Shape`], [`Error::HeadDimNotCompiled`], [`Error::TileNotCompiled`],
+    /// [`Error::SharedMemory`], [`Error::Driver`].
+    pub fn flash_attention_forward<T: Element>(
         &self,
-        q: &DeviceTensor,
-        k: &DeviceTensor,
-        v: &DeviceTensor,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
         options: &AttentionOptions,
         tile: TileConfig,
-    ) -> Result<AttentionOutput> {
+    ) -> Result<AttentionOutput<T>> {
         let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
         // Validate before allocating, so a bad tile costs no device memory.
-        tile.validate(shape.head_dim, self.device())?;
+        tile.validate_kernel(FlashKernel::Forward, T::DTYPE, shape.head_dim, self.device())?;
         let mut out = self.alloc_attention_output(&shape)?;
         self.flash_attention_forward_into(q, k, v, &mut out, options, tile)?;
         Ok(out)
     }
 
     /// [`Context::flash_attention_forward`] into existing output tensors.
-    pub fn flash_attention_forward_into(
+    pub fn flash_attention_forward_into<T: Element>(
         &self,
-        q: &DeviceTensor,
-        k: &DeviceTensor,
-        v: &DeviceTensor,
-        out: &mut AttentionOutput,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        out: &mut AttentionOutput<T>,
         options: &AttentionOptions,
         tile: TileConfig,
     ) -> Result<()> {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
-        let entry = tile.validate(shape.head_dim, self.device())?;
+        let kernel = FlashKernel::Forward;
+        let entry = tile.validate_kernel(kernel, T::DTYPE, shape.head_dim, self.device())?;
         check_flash_grid(&shape)?;
         // The forward kernel only ever exponentiates, so it takes the scale with log₂e folded in
         // (it uses exp2); the backward kernels also need the plain scale for dQ and dK, and fold
         // log₂e in themselves.
         let scale_log2 = options.scale_for(shape.head_dim) * std::f32::consts::LOG2_E;
         let config = flash_config(
-            shape.seqlen_q.div_ceil(tile.block_m),
-            shape.num_heads_q,
-            shape.batch,
-            tile.shared_memory_bytes(shape.head_dim),
+            (shape.seqlen_q.div_ceil(tile.block_m), shape.num_heads_q, shape.batch),
+            kernel.threads(T::DTYPE, tile.block_m, tile.block_n),
+            tile.shared_memory_bytes_for(kernel, T::DTYPE, shape.head_dim),
         );
         let args = ProblemArgs::new(&shape, options);
         let head: [&dyn KernelArg; 5] = [q, k, v, &out.o, &out.lse];
@@ -240,31 +258,33 @@ impl Context {
     /// FlashAttention-2 backward pass (Dao 2023, Algorithm 2): dQ, dK, dV from Q, K, V, the
     /// forward's O and LSE, and dO = ∂loss/∂O, recomputing attention tiles on chip instead of
     /// reading a stored score matrix. Shapes: O and dO as Q, LSE `[batch, num_heads_q,
-    /// seqlen_q]`; masks, scale and head_dim as [`Context::flash_attention_forward`], which must
-    /// have produced O and LSE with the same options. `dq` selects how dQ is summed
-    /// ([`DqAccumulation`]).
+    /// seqlen_q]`; element type, masks, scale and head_dim as
+    /// [`Context::flash_attention_forward`], which must have produced O and LSE with the same
+    /// options. `dq` selects how dQ is summed ([`DqAccumulation`]); defaults for `tile`:
+    /// [`TileConfig::default_backward_for_dtype`].
     ///
-    /// Extra device memory: one `f32` per query row (D = rowsum(dO ∘ O)).
+    /// Extra device memory, all O(seqlen): one `f32` per query row (D = rowsum(dO ∘ O)); with
+    /// 16-bit types and atomic dQ also an `f32` copy of dQ to accumulate into.
     ///
     /// # Errors
     /// As [`Context::flash_attention_forward`]; the backward kernels need more shared memory per
     /// tile than the forward one.
     #[allow(clippy::too_many_arguments)]
-    pub fn flash_attention_backward(
+    pub fn flash_attention_backward<T: Element>(
         &self,
-        q: &DeviceTensor,
-        k: &DeviceTensor,
-        v: &DeviceTensor,
-        o: &DeviceTensor,
-        lse: &DeviceTensor,
-        d_o: &DeviceTensor,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        o: &DeviceTensor<T>,
+        lse: &DeviceTensor<f32>,
+        d_o: &DeviceTensor<T>,
         options: &AttentionOptions,
         tile: TileConfig,
         dq: DqAccumulation,
-    ) -> Result<Gradients> {
+    ) -> Result<Gradients<T>> {
         let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
         for &kernel in backward_kernels(dq) {
-            tile.validate_for(kernel, shape.head_dim, self.device())?;
+            tile.validate_kernel(kernel, T::DTYPE, shape.head_dim, self.device())?;
         }
         let mut grads = self.alloc_gradients(&shape)?;
         self.flash_attention_backward_into(q, k, v, o, lse, d_o, &mut grads, options, tile, dq)?;
@@ -273,50 +293,77 @@ impl Context {
 
     /// [`Context::flash_attention_backward`] into existing gradient tensors.
     #[allow(clippy::too_many_arguments)]
-    pub fn flash_attention_backward_into(
+    pub fn flash_attention_backward_into<T: Element>(
         &self,
-        q: &DeviceTensor,
-        k: &DeviceTensor,
-        v: &DeviceTensor,
-        o: &DeviceTensor,
-        lse: &DeviceTensor,
-        d_o: &DeviceTensor,
-        grads: &mut Gradients,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        o: &DeviceTensor<T>,
+        lse: &DeviceTensor<f32>,
+        d_o: &DeviceTensor<T>,
+        grads: &mut Gradients<T>,
         options: &AttentionOptions,
         tile: TileConfig,
         dq: DqAccumulation,
     ) -> Result<()> {
         let shape = self.check_backward(q, k, v, o, lse, d_o, grads)?;
+        let dtype = T::DTYPE;
         let entries: Vec<&'static str> = backward_kernels(dq)
             .iter()
-            .map(|&kernel| tile.validate_for(kernel, shape.head_dim, self.device()))
+            .map(|&kernel| tile.validate_kernel(kernel, dtype, shape.head_dim, self.device()))
             .collect::<Result<_>>()?;
         check_flash_grid(&shape)?;
-        if dq == DqAccumulation::Atomic {
-            // The kernel adds into dQ: start from zero.
-            self.fill_zeros(&mut grads.dq)?;
-        }
         let delta = self.row_deltas(o, d_o, &shape)?;
         let scale = options.scale_for(shape.head_dim);
         let args = ProblemArgs::new(&shape, options);
-        let head: [&dyn KernelArg; 9] = [q, k, v, d_o, lse, &delta, &grads.dq, &grads.dk, &grads.dv];
-        let args = args.with_mask(&head, &[&scale]);
-        let (block_m, block_n, d) = (tile.block_m, tile.block_n, shape.head_dim);
-        let kv_config = |kernel: FlashKernel| {
+        let d = shape.head_dim;
+        let config = |kernel: FlashKernel| {
+            let blocks = match kernel {
+                FlashKernel::Backward | FlashKernel::BackwardDkDv => {
+                    (shape.seqlen_k.div_ceil(tile.block_n), shape.num_heads_kv, shape.batch)
+                }
+                FlashKernel::Forward | FlashKernel::BackwardDq => {
+                    (shape.seqlen_q.div_ceil(tile.block_m), shape.num_heads_q, shape.batch)
+                }
+            };
             flash_config(
-                shape.seqlen_k.div_ceil(block_n),
-                shape.num_heads_kv,
-                shape.batch,
-                kernel.shared_memory_bytes(block_m, block_n, d),
+                blocks,
+                kernel.threads(dtype, tile.block_m, tile.block_n),
+                tile.shared_memory_bytes_for(kernel, dtype, d),
             )
         };
-        match dq {
-            DqAccumulation::Atomic => self.launch(entries[0], kv_config(FlashKernel::Backward), &args),
-            DqAccumulation::Deterministic => {
-                self.launch(entries[0], kv_config(FlashKernel::BackwardDkDv), &args)?;
-                let smem = FlashKernel::BackwardDq.shared_memory_bytes(block_m, block_n, d);
-                let q_config = flash_config(shape.seqlen_q.div_ceil(block_m), shape.num_heads_q, shape.batch, smem);
-                self.launch(entries[1], q_config, &args)
+        let (q_, k_, v_, do_, lse_, delta_): (&dyn KernelArg, &dyn KernelArg, &dyn KernelArg, &dyn KernelArg, &dyn KernelArg, &dyn KernelArg) =
+            (q, k, v, d_o, lse, &delta);
+        match (dtype, dq) {
+            // The f32 kernels share one signature, dQ included.
+            (DType::F32, DqAccumulation::Atomic) => {
+                // The kernel adds into dQ: start from zero.
+                self.fill_zeros(&mut grads.dq)?;
+                let head: [&dyn KernelArg; 9] = [q_, k_, v_, do_, lse_, delta_, &grads.dq, &grads.dk, &grads.dv];
+                self.launch(entries[0], config(FlashKernel::Backward), &args.with_mask(&head, &[&scale]))
+            }
+            (DType::F32, DqAccumulation::Deterministic) => {
+                let head: [&dyn KernelArg; 9] = [q_, k_, v_, do_, lse_, delta_, &grads.dq, &grads.dk, &grads.dv];
+                let args = args.with_mask(&head, &[&scale]);
+                self.launch(entries[0], config(FlashKernel::BackwardDkDv), &args)?;
+                self.launch(entries[1], config(FlashKernel::BackwardDq), &args)
+            }
+            // The tensor-core kernels add dQ into an f32 accumulator, rounded to T at the end.
+            (_, DqAccumulation::Atomic) => {
+                let mut accum = self.alloc_output::<f32>(&shape.q_shape())?;
+                self.fill_zeros(&mut accum)?;
+                let head: [&dyn KernelArg; 9] = [q_, k_, v_, do_, lse_, delta_, &accum, &grads.dk, &grads.dv];
+                self.launch(entries[0], config(FlashKernel::Backward), &args.with_mask(&head, &[&scale]))?;
+                let n = accum.len();
+                let convert = one_dim(grid_stride_blocks(self, n / 8, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS);
+                let entry = if dtype == DType::F16 { entry::FLASH_BWD_CONVERT_DQ_F16 } else { entry::FLASH_BWD_CONVERT_DQ_BF16 };
+                self.launch(entry, convert, &[&accum, &grads.dq, &n])
+            }
+            (_, DqAccumulation::Deterministic) => {
+                let head: [&dyn KernelArg; 8] = [q_, k_, v_, do_, lse_, delta_, &grads.dk, &grads.dv];
+                self.launch(entries[0], config(FlashKernel::BackwardDkDv), &args.with_mask(&head, &[&scale]))?;
+                let head: [&dyn KernelArg; 7] = [q_, k_, v_, do_, lse_, delta_, &grads.dq];
+                self.launch(entries[1], config(FlashKernel::BackwardDq), &args.with_mask(&head, &[&scale]))
             }
         }
     }
@@ -378,21 +425,31 @@ impl Context {
     }
 
     /// D = rowsum(dO ∘ O), one `f32` per query row, in a new tensor.
-    fn row_deltas(&self, o: &DeviceTensor, d_o: &DeviceTensor, shape: &AttentionShape) -> Result<DeviceTensor> {
+    fn row_deltas<T: Element>(
+        &self,
+        o: &DeviceTensor<T>,
+        d_o: &DeviceTensor<T>,
+        shape: &AttentionShape,
+    ) -> Result<DeviceTensor<f32>> {
         let delta = self.alloc_output(&shape.lse_shape())?;
         let rows = shape.query_rows();
         let config = one_dim(grid_stride_blocks(self, rows, SOFTMAX_ROWS_PER_BLOCK), SOFTMAX_THREADS);
-        self.launch(entry::FLASH_BWD_PREPROCESS_F32, config, &[o, d_o, &delta, &rows, &shape.head_dim])?;
+        let entry = match T::DTYPE {
+            DType::F32 => entry::FLASH_BWD_PREPROCESS_F32,
+            DType::F16 => entry::FLASH_BWD_PREPROCESS_F16,
+            DType::Bf16 => entry::FLASH_BWD_PREPROCESS_BF16,
+        };
+        self.launch(entry, config, &[o, d_o, &delta, &rows, &shape.head_dim])?;
         Ok(delta)
     }
 
     /// Uninitialised O and LSE tensors for `shape`, for a kernel to overwrite whole.
-    fn alloc_attention_output(&self, shape: &AttentionShape) -> Result<AttentionOutput> {
+    fn alloc_attention_output<T: Element>(&self, shape: &AttentionShape) -> Result<AttentionOutput<T>> {
         Ok(AttentionOutput { o: self.alloc_output(&shape.q_shape())?, lse: self.alloc_output(&shape.lse_shape())? })
     }
 
     /// Uninitialised dQ, dK, dV tensors for `shape`.
-    fn alloc_gradients(&self, shape: &AttentionShape) -> Result<Gradients> {
+    fn alloc_gradients<T: Element>(&self, shape: &AttentionShape) -> Result<Gradients<T>> {
         Ok(Gradients {
             dq: self.alloc_output(&shape.q_shape())?,
             dk: self.alloc_output(&shape.kv_shape())?,
@@ -401,21 +458,22 @@ impl Context {
     }
 
     /// Checks owners and shapes of attention inputs and outputs; returns the problem shape.
-    fn check_attention(
+    fn check_attention<T: Element>(
         &self,
-        q: &DeviceTensor,
-        k: &DeviceTensor,
-        v: &DeviceTensor,
-        o: &DeviceTensor,
-        lse: &DeviceTensor,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        o: &DeviceTensor<T>,
+        lse: &DeviceTensor<f32>,
     ) -> Result<AttentionShape> {
-        for (name, t) in [("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)] {
+        for (name, t) in [("q", q), ("k", k), ("v", v), ("o", o)] {
             self.check_owner(name, t)?;
         }
+        self.check_owner("lse", lse)?;
         let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
-        for (name, t, want) in [("o", o, &shape.q_shape()[..]), ("lse", lse, &shape.lse_shape()[..])] {
-            if t.shape() != want {
-                return Err(Error::Shape(format!("`{name}` must have shape {want:?}; got {:?}", t.shape())));
+        for (name, got, want) in [("o", o.shape(), &shape.q_shape()[..]), ("lse", lse.shape(), &shape.lse_shape()[..])] {
+            if got != want {
+                return Err(Error::Shape(format!("`{name}` must have shape {want:?}; got {got:?}")));
             }
         }
         Ok(shape)
@@ -423,15 +481,15 @@ impl Context {
 
     /// [`Context::check_attention`] plus dO and the gradients.
     #[allow(clippy::too_many_arguments)]
-    fn check_backward(
+    fn check_backward<T: Element>(
         &self,
-        q: &DeviceTensor,
-        k: &DeviceTensor,
-        v: &DeviceTensor,
-        o: &DeviceTensor,
-        lse: &DeviceTensor,
-        d_o: &DeviceTensor,
-        grads: &Gradients,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        o: &DeviceTensor<T>,
+        lse: &DeviceTensor<f32>,
+        d_o: &DeviceTensor<T>,
+        grads: &Gradients<T>,
     ) -> Result<AttentionShape> {
         let shape = self.check_attention(q, k, v, o, lse)?;
         let (q_shape, kv_shape) = (shape.q_shape(), shape.kv_shape());
@@ -458,12 +516,12 @@ fn backward_kernels(dq: DqAccumulation) -> &'static [FlashKernel] {
     }
 }
 
-/// A FlashAttention launch: a `(x, y, z)` grid of 128-thread blocks with `smem` bytes of dynamic
-/// shared memory.
-fn flash_config(x: usize, y: usize, z: usize, smem: usize) -> LaunchConfig {
+/// A FlashAttention launch: a `(x, y, z)` grid of `threads`-thread blocks with `smem` bytes of
+/// dynamic shared memory.
+fn flash_config((x, y, z): (usize, usize, usize), threads: usize, smem: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (x as u32, y as u32, z as u32),
-        block_dim: (FLASH_THREADS as u32, 1, 1),
+        block_dim: (threads as u32, 1, 1),
         shared_mem_bytes: smem as u32,
     }
 }

@@ -1,8 +1,11 @@
 //! The problem (shapes, scale) and tile (block sizes) descriptions, validated on the host.
 
 use crate::context::DeviceInfo;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kernels::{self, FLASH_INSTANCES, FlashKernel};
+#[allow(unused_imports)] // for docs
+use crate::ops::DqAccumulation;
 pub use crate::layout::AttentionShape;
 
 /// CUDA's limit on the y and z dimensions of a grid; the flash kernel puts heads on y and the
@@ -162,57 +165,112 @@ impl AttentionOptions {
     }
 }
 
-/// Tile sizes of the FlashAttention kernels: `block_m` query rows per block (the paper's Br) and
-/// `block_n` key/value rows per shared-memory tile (Bc). Each compiled (block_m, block_n,
-/// head_dim) is a separate kernel; [`TileConfig::validate`] says which exist and fit.
+/// Tile sizes of the FlashAttention kernels: `block_m` query rows per block (the paper's Br),
+/// `block_n` key/value rows per shared-memory tile (Bc) and, for the tensor-core kernels
+/// (`f16`, `bf16`), `stages`: the slots of the `cp.async` ring that streams tiles in while earlier
+/// ones are used. The number of warps follows from the tile: 4 for the `f32` kernels; for the
+/// tensor-core kernels one per 16 rows of the dimension a block owns (`block_m / 16` in the
+/// forward and dQ kernels, `block_n / 16` in the K/V-outer backward kernels; see
+/// [`TileConfig::warps`]).
+///
+/// Each compiled (kernel, dtype, block_m, block_n, head_dim, stages) is a separate kernel;
+/// [`TileConfig::validate_kernel`] says which exist and fit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TileConfig {
-    /// Query rows per block (Br); a multiple of 16 in the compiled set.
+    /// Query rows per query tile (Br); a multiple of 16.
     pub block_m: usize,
-    /// Key/value rows per shared-memory tile (Bc); a multiple of 8 in the compiled set.
+    /// Key/value rows per key tile (Bc); a multiple of 16 in the compiled set.
     pub block_n: usize,
+    /// Pipeline stages of the tensor-core kernels (2 or 3); 1 for the `f32` kernels, which load
+    /// tiles synchronously.
+    pub stages: usize,
+}
+
+impl std::fmt::Display for TileConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "m{}_n{}", self.block_m, self.block_n)?;
+        if self.stages > 1 { write!(f, "_s{}", self.stages) } else { Ok(()) }
+    }
 }
 
 impl TileConfig {
-    /// A tile of `block_m` query rows and `block_n` key/value rows; not validated until used.
+    /// A tile of `block_m` query rows and `block_n` key/value rows, one stage (the `f32`
+    /// kernels); not validated until used.
     pub const fn new(block_m: usize, block_n: usize) -> Self {
-        Self { block_m, block_n }
+        Self { block_m, block_n, stages: 1 }
     }
 
-    /// The forward tile used when none is given, measured fastest on an H200 for each head_dim
-    /// (see `PERFORMANCE.md`).
+    /// The same tile with `stages` pipeline stages (the tensor-core kernels).
+    pub const fn with_stages(self, stages: usize) -> Self {
+        Self { stages, ..self }
+    }
+
+    /// The `f32` forward tile used when none is given, measured fastest on an H200 for each
+    /// head_dim (see `PERFORMANCE.md`).
     pub fn default_for(head_dim: usize) -> Self {
-        match head_dim {
-            64 => Self::new(64, 64),
-            _ => Self::new(64, 32),
-        }
+        Self::default_for_dtype(DType::F32, head_dim)
     }
 
-    /// The backward tile used when none is given, measured fastest on an H200 for each head_dim
-    /// (see `PERFORMANCE.md`).
+    /// The `f32` backward tile used when none is given (see `PERFORMANCE.md`).
     pub fn default_backward_for(head_dim: usize) -> Self {
-        match head_dim {
-            128 => Self::new(64, 64),
-            _ => Self::new(32, 64),
+        Self::default_backward_for_dtype(DType::F32, head_dim)
+    }
+
+    /// The forward tile used when none is given, per element type and head_dim, measured fastest
+    /// on an H200 (see `PERFORMANCE.md`).
+    pub fn default_for_dtype(dtype: DType, head_dim: usize) -> Self {
+        match (dtype, head_dim) {
+            (DType::F32, 64) => Self::new(64, 64),
+            (DType::F32, _) => Self::new(64, 32),
+            (_, _) => Self::new(64, 64).with_stages(2),
         }
     }
 
-    /// Dynamic shared memory per block of the forward kernel, in bytes, at this head_dim.
+    /// The backward tile used when none is given, per element type and head_dim, measured fastest
+    /// on an H200 with the dQ mode of [`DqAccumulation::fastest_for`] (see `PERFORMANCE.md`).
+    pub fn default_backward_for_dtype(dtype: DType, head_dim: usize) -> Self {
+        match (dtype, head_dim) {
+            (DType::F32, 128) => Self::new(64, 64),
+            (DType::F32, _) => Self::new(32, 64),
+            (_, 64) => Self::new(64, 128).with_stages(2),
+            (_, _) => Self::new(64, 64).with_stages(2),
+        }
+    }
+
+    /// Warps per block of `kernel` with this tile at `dtype`.
+    pub fn warps(&self, kernel: FlashKernel, dtype: DType) -> usize {
+        kernel.threads(dtype, self.block_m, self.block_n) / 32
+    }
+
+    /// Dynamic shared memory per block of the `f32` forward kernel, in bytes, at this head_dim.
     pub fn shared_memory_bytes(&self, head_dim: usize) -> usize {
-        FlashKernel::Forward.shared_memory_bytes(self.block_m, self.block_n, head_dim)
+        self.shared_memory_bytes_for(FlashKernel::Forward, DType::F32, head_dim)
     }
 
-    /// Every compiled tile for `head_dim`, in (block_m, block_n) order. Every kernel family is
-    /// compiled for the same tiles.
+    /// Dynamic shared memory per block of `kernel` at `dtype` and `head_dim`, in bytes.
+    pub fn shared_memory_bytes_for(&self, kernel: FlashKernel, dtype: DType, head_dim: usize) -> usize {
+        kernel.shared_memory_bytes(dtype, self.block_m, self.block_n, head_dim, self.stages)
+    }
+
+    /// Every compiled `f32` tile for `head_dim`, in (block_m, block_n) order. Every `f32` kernel
+    /// family is compiled for the same tiles.
     pub fn compiled(head_dim: usize) -> Vec<Self> {
-        FLASH_INSTANCES
-            .iter()
-            .filter(|i| i.kernel == FlashKernel::Forward && i.head_dim == head_dim)
-            .map(|i| Self::new(i.block_m, i.block_n))
-            .collect()
+        Self::compiled_for(FlashKernel::Forward, DType::F32, head_dim)
     }
 
-    /// The head dimensions that have compiled kernels.
+    /// Every compiled tile of `kernel` at `dtype` and `head_dim`, in (block_m, block_n, stages)
+    /// order. The three backward families share their tiles.
+    pub fn compiled_for(kernel: FlashKernel, dtype: DType, head_dim: usize) -> Vec<Self> {
+        let mut tiles: Vec<Self> = FLASH_INSTANCES
+            .iter()
+            .filter(|i| i.kernel == kernel && i.dtype == dtype && i.head_dim == head_dim)
+            .map(|i| Self::new(i.block_m, i.block_n).with_stages(i.stages))
+            .collect();
+        tiles.sort_by_key(|t| (t.block_m, t.block_n, t.stages));
+        tiles
+    }
+
+    /// The head dimensions that have compiled kernels (of any element type).
     pub fn compiled_head_dims() -> Vec<usize> {
         let mut dims: Vec<usize> = FLASH_INSTANCES.iter().map(|i| i.head_dim).collect();
         dims.sort_unstable();
@@ -220,31 +278,52 @@ impl TileConfig {
         dims
     }
 
-    /// Checks that a forward kernel exists for this tile at `head_dim` and that its shared
+    /// The head dimensions that have compiled kernels for `dtype`.
+    pub fn compiled_head_dims_for(dtype: DType) -> Vec<usize> {
+        let mut dims: Vec<usize> = FLASH_INSTANCES.iter().filter(|i| i.dtype == dtype).map(|i| i.head_dim).collect();
+        dims.sort_unstable();
+        dims.dedup();
+        dims
+    }
+
+    /// Checks that an `f32` forward kernel exists for this tile at `head_dim` and that its shared
     /// memory fits on `device`; returns the kernel's entry name.
     ///
     /// # Errors
-    /// [`Error::HeadDimNotCompiled`], [`Error::TileNotCompiled`] (listing the compiled values) or
-    /// [`Error::SharedMemory`] (listing the tiles that fit).
+    /// As [`TileConfig::validate_kernel`].
     pub fn validate(&self, head_dim: usize, device: &DeviceInfo) -> Result<&'static str> {
-        self.validate_for(FlashKernel::Forward, head_dim, device)
+        self.validate_kernel(FlashKernel::Forward, DType::F32, head_dim, device)
     }
 
-    /// [`TileConfig::validate`] for any kernel family (the backward kernels need more shared
-    /// memory than the forward one at the same tile).
+    /// [`TileConfig::validate`] for any `f32` kernel family (the backward kernels need more
+    /// shared memory than the forward one at the same tile).
     pub fn validate_for(&self, kernel: FlashKernel, head_dim: usize, device: &DeviceInfo) -> Result<&'static str> {
-        let entry = self.compiled_entry(kernel, head_dim)?;
-        let needed = kernel.shared_memory_bytes(self.block_m, self.block_n, head_dim);
+        self.validate_kernel(kernel, DType::F32, head_dim, device)
+    }
+
+    /// Checks that `kernel` is compiled for `dtype`, this tile and `head_dim`, and that its shared
+    /// memory fits on `device`; returns the kernel's entry name.
+    ///
+    /// # Errors
+    /// [`Error::HeadDimNotCompiled`], [`Error::TileNotCompiled`] (listing the compiled tiles) or
+    /// [`Error::SharedMemory`] (listing the tiles that fit).
+    pub fn validate_kernel(
+        &self,
+        kernel: FlashKernel,
+        dtype: DType,
+        head_dim: usize,
+        device: &DeviceInfo,
+    ) -> Result<&'static str> {
+        let entry = self.compiled_entry_for(kernel, dtype, head_dim)?;
+        let needed = self.shared_memory_bytes_for(kernel, dtype, head_dim);
         if needed > device.max_shared_memory_per_block {
-            let fitting: Vec<String> = Self::compiled(head_dim)
+            let fitting: Vec<String> = Self::compiled_for(kernel, dtype, head_dim)
                 .into_iter()
-                .filter(|t| {
-                    kernel.shared_memory_bytes(t.block_m, t.block_n, head_dim) <= device.max_shared_memory_per_block
-                })
-                .map(|t| format!("({}, {})", t.block_m, t.block_n))
+                .filter(|t| t.shared_memory_bytes_for(kernel, dtype, head_dim) <= device.max_shared_memory_per_block)
+                .map(|t| t.describe())
                 .collect();
             return Err(Error::SharedMemory {
-                kernel: kernel.to_string(),
+                kernel: kernel_name(kernel, dtype),
                 block_m: self.block_m,
                 block_n: self.block_n,
                 head_dim,
@@ -257,33 +336,61 @@ impl TileConfig {
         Ok(entry)
     }
 
-    /// The entry name of `kernel` compiled for this tile at `head_dim`, without looking at a
-    /// device (so it can be checked before one is opened).
+    /// The entry name of the `f32` `kernel` compiled for this tile at `head_dim`, without
+    /// looking at a device (so it can be checked before one is opened).
+    ///
+    /// # Errors
+    /// As [`TileConfig::compiled_entry_for`].
+    pub fn compiled_entry(&self, kernel: FlashKernel, head_dim: usize) -> Result<&'static str> {
+        self.compiled_entry_for(kernel, DType::F32, head_dim)
+    }
+
+    /// The entry name of `kernel` compiled for `dtype`, this tile and `head_dim`.
     ///
     /// # Errors
     /// [`Error::HeadDimNotCompiled`], or [`Error::TileNotCompiled`] listing the compiled values.
-    pub fn compiled_entry(&self, kernel: FlashKernel, head_dim: usize) -> Result<&'static str> {
-        let head_dims = Self::compiled_head_dims();
+    pub fn compiled_entry_for(&self, kernel: FlashKernel, dtype: DType, head_dim: usize) -> Result<&'static str> {
+        let head_dims = Self::compiled_head_dims_for(dtype);
         if !head_dims.contains(&head_dim) {
             let allowed = head_dims.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
-            return Err(Error::HeadDimNotCompiled { head_dim, allowed });
+            return Err(Error::HeadDimNotCompiled { head_dim, allowed: format!("{allowed} (for {dtype})") });
         }
-        kernels::flash_instance(kernel, self.block_m, self.block_n, head_dim).map(|i| i.entry).ok_or_else(|| {
-            Error::TileNotCompiled {
-                kernel: kernel.to_string(),
+        kernels::flash_instance(kernel, dtype, self.block_m, self.block_n, head_dim, self.stages)
+            .map(|i| i.entry)
+            .ok_or_else(|| Error::TileNotCompiled {
+                kernel: kernel_name(kernel, dtype),
                 block_m: self.block_m,
                 block_n: self.block_n,
                 head_dim,
-                allowed: compiled_summary(),
-            }
-        })
+                allowed: if dtype == DType::F32 {
+                    compiled_summary()
+                } else {
+                    let tiles = Self::compiled_for(kernel, dtype, head_dim);
+                    let tiles: Vec<String> = tiles.iter().map(Self::describe).collect();
+                    format!("{} (block_m, block_n, stages)", tiles.join(", "))
+                },
+            })
+    }
+
+    /// `(block_m, block_n)`, or `(block_m, block_n, stages)` for a pipelined tile.
+    fn describe(&self) -> String {
+        if self.stages > 1 {
+            format!("({}, {}, {})", self.block_m, self.block_n, self.stages)
+        } else {
+            format!("({}, {})", self.block_m, self.block_n)
+        }
     }
 }
 
-/// "block_m ∈ {…}, block_n ∈ {…}, head_dim ∈ {…}" for the compiled instances.
+/// "forward" for `f32` (as before the tensor-core kernels), "f16 forward" otherwise.
+fn kernel_name(kernel: FlashKernel, dtype: DType) -> String {
+    if dtype == DType::F32 { kernel.to_string() } else { format!("{dtype} {kernel}") }
+}
+
+/// "block_m ∈ {…}, block_n ∈ {…}, head_dim ∈ {…}" for the compiled `f32` instances.
 fn compiled_summary() -> String {
     let values = |f: fn(&kernels::FlashInstance) -> usize| {
-        let mut v: Vec<usize> = FLASH_INSTANCES.iter().map(f).collect();
+        let mut v: Vec<usize> = FLASH_INSTANCES.iter().filter(|i| i.dtype == DType::F32).map(f).collect();
         v.sort_unstable();
         v.dedup();
         v.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")

@@ -43,6 +43,8 @@ const WARP_SIZE: usize = 32;
 pub enum Arg {
     /// A pointer to `f32` data in host memory (a device buffer's emulated counterpart).
     Ptr(*mut f32),
+    /// A pointer to 16-bit floats (f16 or bf16 bits) in host memory.
+    Ptr16(*mut u16),
     Usize(usize),
     Isize(isize),
     F32(f32),
@@ -62,6 +64,18 @@ impl FromArg for *mut f32 {
 impl FromArg for *const f32 {
     fn from_arg(arg: &Arg) -> Option<Self> {
         if let Arg::Ptr(p) = arg { Some(*p as *const f32) } else { None }
+    }
+}
+
+impl FromArg for *mut u16 {
+    fn from_arg(arg: &Arg) -> Option<Self> {
+        if let Arg::Ptr16(p) = arg { Some(*p) } else { None }
+    }
+}
+
+impl FromArg for *const u16 {
+    fn from_arg(arg: &Arg) -> Option<Self> {
+        if let Arg::Ptr16(p) = arg { Some(*p as *const u16) } else { None }
     }
 }
 
@@ -282,6 +296,8 @@ struct BlockState {
 struct Warp {
     barrier: Barrier,
     lanes: [AtomicU32; WARP_SIZE],
+    /// `EXCHANGE_WORDS` words per lane for [`warp_gather`].
+    exchange: Box<[AtomicU64]>,
 }
 
 impl BlockState {
@@ -296,7 +312,11 @@ impl BlockState {
             shadow: (0..launch.shared_bytes.div_ceil(4)).map(|_| AtomicU64::new(0)).collect(),
             barrier: Barrier::new(launch.block),
             warps: (0..warps)
-                .map(|_| Warp { barrier: Barrier::new(WARP_SIZE), lanes: std::array::from_fn(|_| AtomicU32::new(0)) })
+                .map(|_| Warp {
+                    barrier: Barrier::new(WARP_SIZE),
+                    lanes: std::array::from_fn(|_| AtomicU32::new(0)),
+                    exchange: (0..WARP_SIZE * EXCHANGE_WORDS).map(|_| AtomicU64::new(0)).collect(),
+                })
                 .collect(),
             timeout: launch.barrier_timeout,
             aborted: AtomicBool::new(false),
@@ -459,8 +479,10 @@ pub(crate) fn grid_dim_x() -> usize {
     with_ctx(|c| c.state.grid.0)
 }
 
+/// 2^x, flushing results below 2⁻¹²⁶ to 0 as the GPU's `ex2.approx.ftz` does.
 pub(crate) fn exp2(x: f32) -> f32 {
-    x.exp2()
+    let y = x.exp2();
+    if y < f32::MIN_POSITIVE { 0.0 } else { y }
 }
 
 pub(crate) fn log2(x: f32) -> f32 {
@@ -509,6 +531,12 @@ pub(crate) fn shfl_xor(x: f32, lane_mask: u32) -> f32 {
     })
 }
 
+/// `vote.sync.any` among the 32 lanes of the calling thread's warp.
+#[track_caller]
+pub(crate) fn warp_any(predicate: bool) -> bool {
+    warp_gather([predicate as u64]).iter().any(|&[p]| p != 0)
+}
+
 pub(crate) fn dynamic_shared_memory() -> *mut f32 {
     with_ctx(|c| c.state.shared.as_ptr() as *mut f32)
 }
@@ -545,6 +573,167 @@ pub(crate) fn check_shared(ptr: *const f32, words: usize, write: bool) {
         }
     })
 }
+
+// ---------------------------------------------------------------------------------------------
+// Tensor cores and asynchronous copies
+// ---------------------------------------------------------------------------------------------
+
+/// 64-bit words per lane in a warp's exchange area (enough for one `mma`'s ten registers).
+const EXCHANGE_WORDS: usize = 16;
+
+/// Every lane of the calling thread's warp posts `values`; each receives what all 32 posted
+/// (indexed by lane). The collective step that `ldmatrix` and `mma` are built on.
+#[track_caller]
+fn warp_gather<const N: usize>(values: [u64; N]) -> [[u64; N]; WARP_SIZE] {
+    const { assert!(N <= EXCHANGE_WORDS) };
+    let site = Location::caller();
+    with_ctx(|c| {
+        let warp = &c.state.warps[c.thread / WARP_SIZE];
+        let lane = c.thread % WARP_SIZE;
+        for (i, &v) in values.iter().enumerate() {
+            warp.exchange[lane * EXCHANGE_WORDS + i].store(v, Ordering::Relaxed);
+        }
+        warp.barrier.wait(c.state, c.thread, site);
+        let all = std::array::from_fn(|l| {
+            std::array::from_fn(|i| warp.exchange[l * EXCHANGE_WORDS + i].load(Ordering::Relaxed))
+        });
+        warp.barrier.wait(c.state, c.thread, site);
+        all
+    })
+}
+
+/// The offset of `ptr` in the block's shared memory: the emulated shared-state-space address.
+pub(crate) fn shared_address<T>(ptr: *const T) -> u32 {
+    with_ctx(|c| (ptr as usize - c.state.shared.as_ptr() as usize) as u32)
+}
+
+/// The pointer to shared-state-space address `address`.
+fn shared_pointer(address: u32) -> *mut u8 {
+    with_ctx(|c| (c.state.shared.as_ptr() as *mut u8).wrapping_add(address as usize))
+}
+
+/// Reads the 16-bit element at `ptr` of shared memory, checked as a read of its 4-byte word.
+#[track_caller]
+fn read_shared_u16(ptr: *const u16) -> u16 {
+    check_shared((ptr as usize & !3) as *const f32, 1, false);
+    // SAFETY: checked to lie inside the block's shared memory.
+    unsafe { *ptr }
+}
+
+/// `ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16`: lane `8i + r` names row `r` of matrix `i`;
+/// every lane receives its `(lane / 4, 2·(lane % 4))` pair of each matrix, or with `TRANS` the
+/// pair `(2·(lane % 4), lane / 4)`, `(2·(lane % 4) + 1, lane / 4)`.
+///
+/// # Safety
+/// Each lane's `address` is the start of 8 elements of the block's shared memory.
+#[track_caller]
+pub(crate) unsafe fn ldmatrix_x4<const TRANS: bool>(address: u32) -> [u32; 4] {
+    let rows = warp_gather([shared_pointer(address) as u64]).map(|[address]| address as *const u16);
+    let lane = thread_idx_x() % WARP_SIZE;
+    let (g, t) = (lane / 4, lane % 4);
+    std::array::from_fn(|i| {
+        // SAFETY (both arms): offsets below 8 stay inside the named row.
+        let (lo, hi) = if TRANS {
+            unsafe { (read_shared_u16(rows[8 * i + 2 * t].add(g)), read_shared_u16(rows[8 * i + 2 * t + 1].add(g))) }
+        } else {
+            unsafe { (read_shared_u16(rows[8 * i + g].add(2 * t)), read_shared_u16(rows[8 * i + g].add(2 * t + 1))) }
+        };
+        lo as u32 | (hi as u32) << 16
+    })
+}
+
+/// `mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}`: gathers the warp's fragments into whole
+/// matrices, multiplies in `f32` (products of 16-bit values are exact in `f32`), and returns this
+/// lane's share of D. The layouts are those tabled in `gpu`.
+#[track_caller]
+pub(crate) fn mma_m16n8k16<const BF16: bool>(a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
+    let mine = [a[0], a[1], a[2], a[3], b[0], b[1], c[0].to_bits(), c[1].to_bits(), c[2].to_bits(), c[3].to_bits()];
+    let all = warp_gather(mine.map(u64::from));
+    let widen = |x: u64| {
+        let x = x as u32;
+        if BF16 { (f32::from_bits(x << 16), f32::from_bits(x & 0xffff_0000)) } else { unpack_f16x2(x) }
+    };
+    let (mut am, mut bm, mut cm) = ([[0f32; 16]; 16], [[0f32; 8]; 16], [[0f32; 8]; 16]);
+    for (lane, regs) in all.iter().enumerate() {
+        let (g, t) = (lane / 4, lane % 4);
+        for (i, (row, col)) in [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)].into_iter().enumerate() {
+            (am[row][col], am[row][col + 1]) = widen(regs[i]);
+        }
+        for (i, k) in [2 * t, 2 * t + 8].into_iter().enumerate() {
+            (bm[k][g], bm[k + 1][g]) = widen(regs[4 + i]);
+        }
+        for (i, (row, col)) in [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)].into_iter().enumerate() {
+            cm[row][col] = f32::from_bits(regs[6 + i] as u32);
+        }
+    }
+    let lane = thread_idx_x() % WARP_SIZE;
+    let (g, t) = (lane / 4, lane % 4);
+    [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]
+        .map(|(row, col)| (0..16).fold(cm[row][col], |acc, k| am[row][k].mul_add(bm[k][col], acc)))
+}
+
+/// `movmatrix.sync.aligned.m8n8.trans.b16`: every lane holds the `(lane / 4, 2·(lane % 4))` pair
+/// of an 8×8 matrix and receives the same pair of its transpose.
+#[track_caller]
+pub(crate) fn movmatrix_trans(x: u32) -> u32 {
+    let all = warp_gather([x as u64]);
+    let element = |row: usize, col: usize| (all[4 * row + col / 2][0] as u32 >> (16 * (col % 2))) & 0xffff;
+    let lane = thread_idx_x() % WARP_SIZE;
+    let (g, t) = (lane / 4, lane % 4);
+    element(2 * t, g) | element(2 * t + 1, g) << 16
+}
+
+pub(crate) fn pack_f16x2(lo: f32, hi: f32) -> u32 {
+    (lo as f16).to_bits() as u32 | ((hi as f16).to_bits() as u32) << 16
+}
+
+pub(crate) fn unpack_f16x2(x: u32) -> (f32, f32) {
+    (f16::from_bits(x as u16) as f32, f16::from_bits((x >> 16) as u16) as f32)
+}
+
+/// f32 → bfloat16 bits, rounding to nearest, ties to even (NaN stays NaN).
+fn to_bf16(x: f32) -> u32 {
+    if x.is_nan() {
+        return 0x7fc0;
+    }
+    let bits = x.to_bits();
+    (bits + 0x7fff + ((bits >> 16) & 1)) >> 16
+}
+
+pub(crate) fn pack_bf16x2(lo: f32, hi: f32) -> u32 {
+    to_bf16(lo) | to_bf16(hi) << 16
+}
+
+/// `cp.async` of 16 bytes, done at once (the emulator has no copy engine to wait for).
+///
+/// # Safety
+/// `src` is 16 readable bytes when `valid`; `dst` 16 writable bytes of shared memory (checked by
+/// the caller).
+pub(crate) unsafe fn cp_async_16(dst: u32, src: *const u16, valid: bool) {
+    let dst = shared_pointer(dst) as *mut u16;
+    // SAFETY: the caller's contract.
+    unsafe {
+        if valid {
+            std::ptr::copy_nonoverlapping(src, dst, 8);
+        } else {
+            std::ptr::write_bytes(dst, 0, 8);
+        }
+    }
+}
+
+/// `cp.async` of 4 bytes, done at once.
+///
+/// # Safety
+/// As [`cp_async_16`], for 4 bytes.
+pub(crate) unsafe fn cp_async_4(dst: u32, src: *const f32, valid: bool) {
+    let dst = shared_pointer(dst) as *mut f32;
+    // SAFETY: the caller's contract.
+    unsafe { *dst = if valid { *src } else { 0.0 } }
+}
+
+pub(crate) fn cp_async_commit() {}
+
+pub(crate) fn cp_async_wait<const PENDING: usize>() {}
 
 /// `*ptr += value` atomically (the emulated `red.add.f32`).
 ///

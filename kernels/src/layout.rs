@@ -115,3 +115,40 @@ pub const fn flash_backward_q_smem_bytes(block_m: usize, block_n: usize, head_di
     let [qkv, ds] = flash_backward_q_strides(block_n, head_dim);
     (2 * (block_m + block_n) * qkv + block_m * ds) * core::mem::size_of::<f32>()
 }
+
+/// Tensor-core kernels: query rows (forward) or key rows (backward) of one warp: the M of one
+/// `mma.m16n8k16` tile. A block of `block_m` rows has `block_m / 16` warps.
+pub const MMA_WARP_ROWS: usize = 16;
+
+/// Padding, in 16-bit elements, after each row of a tensor-core kernel's shared-memory tiles:
+/// 16 bytes, so that the 8 rows one `ldmatrix` matrix reads fall on different banks.
+pub const MMA_SMEM_PAD: usize = 8;
+
+/// Threads per block of a tensor-core kernel whose warps own `rows` rows in all.
+pub const fn mma_threads(rows: usize) -> usize {
+    rows / MMA_WARP_ROWS * 32
+}
+
+/// Bytes of dynamic shared memory of the tensor-core forward kernel: the Q tile
+/// (`block_m × head_dim`), then `stages` slots of a K and a V tile (`block_n × head_dim` each), all
+/// 16-bit with padded rows.
+pub const fn mma_forward_smem_bytes(block_m: usize, block_n: usize, head_dim: usize, stages: usize) -> usize {
+    (block_m + 2 * stages * block_n) * (head_dim + MMA_SMEM_PAD) * 2
+}
+
+/// Bytes of dynamic shared memory of the tensor-core K/V-outer backward kernels (a block of
+/// `block_n` keys, query tiles of `block_m`): K and V (`block_n × head_dim`), `stages` slots of a
+/// Q and a dO tile (`block_m × head_dim`), the dSᵀ tile (`block_n × block_m`), all 16-bit with
+/// padded rows, then `stages` slots of LSE and D (`2 × block_m` `f32`).
+pub const fn mma_backward_kv_smem_bytes(block_m: usize, block_n: usize, head_dim: usize, stages: usize) -> usize {
+    (2 * block_n + 2 * stages * block_m) * (head_dim + MMA_SMEM_PAD) * 2
+        + block_n * (block_m + MMA_SMEM_PAD) * 2
+        + stages * 2 * block_m * 4
+}
+
+/// Bytes of dynamic shared memory of the tensor-core dQ kernel (a block of `block_m` queries,
+/// key tiles of `block_n`): Q and dO (`block_m × head_dim`), then `stages` slots of a K and a V
+/// tile (`block_n × head_dim`), 16-bit with padded rows.
+pub const fn mma_backward_dq_smem_bytes(block_m: usize, block_n: usize, head_dim: usize, stages: usize) -> usize {
+    (2 * block_m + 2 * stages * block_n) * (head_dim + MMA_SMEM_PAD) * 2
+}

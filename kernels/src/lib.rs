@@ -12,6 +12,8 @@
 //! | — | [`layout`] | what host and device must agree on: block sizes, shared-memory layouts, the problem shape (compiled into both crates from this one file) |
 //! | 3 | [`flash_forward`] | FlashAttention-2 forward (Dao 2023, Algorithm 1): Q, K, V tiles in shared memory, online softmax, O and the logsumexp written once; causal masks that skip hidden tiles |
 //! | 4 | [`flash_backward`] | FlashAttention-2 backward (Algorithm 2): recomputing P from the saved logsumexp instead of storing it; dQ by atomics or by a deterministic second pass |
+//! | 5 | [`flash_forward_mma`] | the forward pass on tensor cores in `f16`/`bf16`: `mma.sync` fragments, `ldmatrix`, P kept in registers between the two products, a `cp.async` pipeline |
+//! | 6 | [`flash_backward_mma`] | the backward pass on tensor cores: transposed products that keep Pᵀ and dSᵀ in registers, dQ by atomics or deterministic |
 //!
 //! Kernels never touch `core::arch::nvptx` or `asm!` directly: they go through [`gpu`], so the
 //! hardware-facing surface is one short file, and on the host the same helpers run the kernels
@@ -37,6 +39,8 @@
     )
 )]
 #![feature(macro_metavar_expr_concat, portable_simd)]
+// The emulator rounds to IEEE half with the host's `f16` type.
+#![cfg_attr(not(target_arch = "nvptx64"), feature(f16))]
 #![allow(internal_features)]
 // Kernels index small register arrays by row and column on purpose: `acc[i][g]` with the thread
 // mapping's names reads like the algorithm, where iterator chains would hide it.
@@ -108,7 +112,9 @@ pub mod layout;
 pub mod tiles;
 
 pub mod flash_backward;
+pub mod flash_backward_mma;
 pub mod flash_forward;
+pub mod flash_forward_mma;
 pub mod naive_attention;
 pub mod vector_add;
 
@@ -116,7 +122,9 @@ pub mod vector_add;
 /// crate's build script names them from the PTX's entry list).
 pub mod kernels {
     pub use crate::flash_backward::*;
+    pub use crate::flash_backward_mma::*;
     pub use crate::flash_forward::*;
+    pub use crate::flash_forward_mma::*;
     pub use crate::naive_attention::*;
     pub use crate::vector_add::*;
 }

@@ -10,9 +10,11 @@ use std::collections::BTreeSet;
 use std::process::ExitCode;
 
 use attn_host::check::{lse_error, random_normal, relative_l2_error};
+use attn_host::dtype::{from_f32_slice, to_f32_vec};
 use attn_host::kernels::{FLASH_INSTANCES, entry};
 use attn_host::{
-    AttentionOptions, AttentionShape, Causal, Context, DqAccumulation, FlashKernel as Family, Result, TileConfig, cpu,
+    AttentionOptions, AttentionShape, Causal, Context, DType, DeviceTensor, DqAccumulation, Element,
+    FlashKernel as Family, Result, TileConfig, cpu,
 };
 
 fn main() -> ExitCode {
@@ -49,7 +51,7 @@ fn run() -> Result<()> {
     within("vector_add", relative_l2_error(&c, &cpu::vector_add(&a, &b)?), 1e-7)?;
     launched.insert(entry::VECTOR_ADD_F32);
 
-    for head_dim in TileConfig::compiled_head_dims() {
+    for head_dim in TileConfig::compiled_head_dims_for(DType::F32) {
         let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q: 37, seqlen_k: 45, head_dim };
         let options = AttentionOptions::causal(Causal::BottomRight);
         let host = [shape.q_shape(), shape.kv_shape(), shape.kv_shape(), shape.q_shape()]
@@ -77,7 +79,7 @@ fn run() -> Result<()> {
             within(&format!("{what} dV"), relative_l2_error(&g.dv.to_host()?, &backward.dv), 1e-4)
         };
 
-        if head_dim == TileConfig::compiled_head_dims()[0] {
+        if head_dim == TileConfig::compiled_head_dims_for(DType::F32)[0] {
             let out = ctx.attention_naive(&dq, &dk, &dv, &options)?;
             check_forward("naive forward", &out)?;
             check_backward("naive backward", &ctx.attention_naive_backward(&dq, &dk, &dv, &out.o, &ddo, &options)?)?;
@@ -106,6 +108,9 @@ fn run() -> Result<()> {
         }
     }
 
+    tensor_core_kernels::<attn_host::f16>(&ctx, &mut launched)?;
+    tensor_core_kernels::<attn_host::bf16>(&ctx, &mut launched)?;
+
     let all: BTreeSet<&'static str> =
         entry::ALL.iter().copied().chain(FLASH_INSTANCES.iter().map(|i| i.entry)).collect();
     let missed: Vec<_> = all.difference(&launched).collect();
@@ -117,5 +122,55 @@ fn run() -> Result<()> {
         launched.len(),
         all.len()
     );
+    Ok(())
+}
+
+/// Every tensor-core instance for `T` (forward tiles, backward tiles in both dQ modes), with the
+/// preprocessing and dQ-conversion kernels, on the same awkward shape, checked against the CPU
+/// reference on the rounded inputs at the tolerances of the tests.
+fn tensor_core_kernels<T: Element>(ctx: &Context, launched: &mut BTreeSet<&'static str>) -> Result<()> {
+    let dtype = T::DTYPE;
+    let (o_tolerance, grad_tolerance) = if dtype == DType::Bf16 { (1e-2, 2e-2) } else { (3e-3, 1e-2) };
+    for head_dim in TileConfig::compiled_head_dims_for(dtype) {
+        let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q: 37, seqlen_k: 45, head_dim };
+        let options = AttentionOptions::causal(Causal::BottomRight);
+        let shapes = [shape.q_shape(), shape.kv_shape(), shape.kv_shape(), shape.q_shape()];
+        let host: Vec<Vec<f32>> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| to_f32_vec(&from_f32_slice::<T>(&random_normal(s.iter().product(), 20 + i as u64))))
+            .collect();
+        let device: Vec<DeviceTensor<T>> =
+            (0..4).map(|i| ctx.upload(&from_f32_slice::<T>(&host[i]), &shapes[i])).collect::<Result<_>>()?;
+        let (q, k, v, d_o) = (&device[0], &device[1], &device[2], &device[3]);
+        let params = cpu::Params { scale: options.scale_for(head_dim) as f64, causal: options.causal };
+        let forward = cpu::attention(&host[0], &host[1], &host[2], &shape, params)?;
+        let backward = cpu::attention_backward(&host[0], &host[1], &host[2], &host[3], &shape, params)?;
+        let widened = |t: &DeviceTensor<T>| t.to_host().map(|x| to_f32_vec(&x));
+        for tile in TileConfig::compiled_for(Family::Forward, dtype, head_dim) {
+            let what = format!("{dtype} flash forward d{head_dim} {tile}");
+            let out = ctx.flash_attention_forward(q, k, v, &options, tile)?;
+            within(&format!("{what} O"), relative_l2_error(&widened(&out.o)?, &forward.o), o_tolerance)?;
+            within(&format!("{what} LSE"), lse_error(&out.lse.to_host()?, &forward.lse), 1e-4)?;
+            launched.insert(tile.compiled_entry_for(Family::Forward, dtype, head_dim)?);
+        }
+        let out = ctx.flash_attention_forward(q, k, v, &options, TileConfig::default_for_dtype(dtype, head_dim))?;
+        for tile in TileConfig::compiled_for(Family::Backward, dtype, head_dim) {
+            for mode in [DqAccumulation::Atomic, DqAccumulation::Deterministic] {
+                let what = format!("{dtype} flash backward {mode:?} d{head_dim} {tile}");
+                let g = ctx.flash_attention_backward(q, k, v, &out.o, &out.lse, d_o, &options, tile, mode)?;
+                within(&format!("{what} dQ"), relative_l2_error(&widened(&g.dq)?, &backward.dq), grad_tolerance)?;
+                within(&format!("{what} dK"), relative_l2_error(&widened(&g.dk)?, &backward.dk), grad_tolerance)?;
+                within(&format!("{what} dV"), relative_l2_error(&widened(&g.dv)?, &backward.dv), grad_tolerance)?;
+            }
+            for family in [Family::Backward, Family::BackwardDkDv, Family::BackwardDq] {
+                launched.insert(tile.compiled_entry_for(family, dtype, head_dim)?);
+            }
+        }
+    }
+    launched.extend(match dtype {
+        DType::Bf16 => [entry::FLASH_BWD_PREPROCESS_BF16, entry::FLASH_BWD_CONVERT_DQ_BF16],
+        _ => [entry::FLASH_BWD_PREPROCESS_F16, entry::FLASH_BWD_CONVERT_DQ_F16],
+    });
     Ok(())
 }

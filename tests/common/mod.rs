@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod attention;
+pub mod tensor_cores;
 
 use std::collections::HashSet;
 use std::io::Write;

@@ -1,0 +1,109 @@
+//! Element types of device tensors: `f32`, and the two 16-bit formats the tensor-core kernels
+//! take, IEEE half ([`half::f16`]) and bfloat16 ([`half::bf16`]).
+
+use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
+
+/// The element type of a tensor, as a value (for messages, tables and kernel lookup).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DType {
+    /// 32-bit IEEE float: the f32 kernels (CUDA cores).
+    F32,
+    /// 16-bit IEEE half (5 exponent bits, 10 mantissa bits; largest finite 65504): tensor cores.
+    F16,
+    /// bfloat16 (8 exponent bits, 7 mantissa bits; the range of `f32`): tensor cores.
+    Bf16,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 | Self::Bf16 => 2,
+        }
+    }
+
+    /// The name used in kernel names, tables and on the command line: `f32`, `f16`, `bf16`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::F16 => "f16",
+            Self::Bf16 => "bf16",
+        }
+    }
+
+    /// Every type, in the order above.
+    pub const ALL: [Self; 3] = [Self::F32, Self::F16, Self::Bf16];
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for DType {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL.into_iter().find(|d| d.name() == s).ok_or_else(|| format!("`{s}` is not one of f32, f16, bf16"))
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// A type a [`crate::DeviceTensor`] can hold: `f32`, [`half::f16`] or [`half::bf16`] (sealed).
+/// Conversions round to nearest, ties to even; widening to `f32` is exact.
+pub trait Element: sealed::Sealed + DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + 'static {
+    /// The type as a value.
+    const DTYPE: DType;
+    /// Rounds an `f32` to this type.
+    fn from_f32(x: f32) -> Self;
+    /// Widens to `f32` (exact).
+    fn to_f32(self) -> f32;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Element for half::f16 {
+    const DTYPE: DType = DType::F16;
+    fn from_f32(x: f32) -> Self {
+        half::f16::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+}
+
+impl Element for half::bf16 {
+    const DTYPE: DType = DType::Bf16;
+    fn from_f32(x: f32) -> Self {
+        half::bf16::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+}
+
+/// Rounds every value to `T`.
+pub fn from_f32_slice<T: Element>(values: &[f32]) -> Vec<T> {
+    values.iter().map(|&x| T::from_f32(x)).collect()
+}
+
+/// Widens every value to `f32` (exact).
+pub fn to_f32_vec<T: Element>(values: &[T]) -> Vec<f32> {
+    values.iter().map(|&x| x.to_f32()).collect()
+}

@@ -1,0 +1,717 @@
+//! Level 6: FlashAttention-2 backward on tensor cores (Dao 2023, Algorithm 2), `f16` and `bf16`.
+//!
+//! The algorithm of [`crate::flash_backward`] with the five matrix products on the tensor cores.
+//! With P recomputed from the saved logsumexp, per key block and query tile:
+//!
+//! | step | product | A operand | B operand |
+//! |---|---|---|---|
+//! | Sᵀ = K·Qᵀ | keys × queries, k = head_dim | K rows (`ldmatrix`) | Q rows (`ldmatrix`) |
+//! | dPᵀ = V·dOᵀ | keys × queries, k = head_dim | V rows | dO rows |
+//! | dV += Pᵀ·dO | keys × head_dim, k = queries | Pᵀ, from registers | dO, the fragments above transposed (`movmatrix`) |
+//! | dK += dSᵀ·Q | keys × head_dim, k = queries | dSᵀ = Pᵀ ∘ (dPᵀ − D), from registers | Q, likewise |
+//! | dQ += dS·K | queries × head_dim, k = keys | dSᵀ from shared memory (`.trans`) | K (`.trans`) |
+//!
+//! Computing the transposes Sᵀ and dPᵀ (keys as rows) puts Pᵀ and dSᵀ in accumulator layout with
+//! keys as rows, which is the A layout that dV and dK need: like P in the forward pass, they go
+//! from one product into the next without leaving registers. Their B operands are the same
+//! 16×16 blocks of Q and dO that Sᵀ and dPᵀ read, the other way round: the kernel works through
+//! the query tile 16 queries at a time, reads a chunk's Q and dO fragments from shared memory
+//! once, and transposes them in registers (`movmatrix`) for dK and dV, instead of reading the
+//! tiles a second time with `ldmatrix.trans`.
+//!
+//! ## Kernels
+//!
+//! * [`flash_backward_kv_mma`] (`flash_bwd_{f16,bf16}_…` and `flash_bwd_dkdv_{f16,bf16}_…`): one
+//!   block per `BLOCK_N` keys of one key/value head, `BLOCK_N / 16` warps, warp `w` owning keys
+//!   `16w .. 16w + 16` and their rows of dK and dV in registers. It loops over the query tiles of
+//!   every query head of its group (grouped-query attention needs no atomics for dK and dV), the
+//!   Q/dO tiles streamed through a `STAGES`-slot `cp.async` ring as in the forward pass. With
+//!   atomic dQ, the warps then share dSᵀ through shared memory and add dQ = scale · dS·K into an
+//!   `f32` accumulator with `red.add`; a last kernel rounds it to 16 bits.
+//! * [`flash_backward_q_mma`] (`flash_bwd_dq_{f16,bf16}_…`): the deterministic dQ, one block per
+//!   `BLOCK_M` queries, warp `w` owning queries `16w .. 16w + 16`, looping over key tiles like
+//!   the forward pass, 16 keys at a time: S, P, dP = dO·Vᵀ, dS, and dQ += dS·K with dS from
+//!   registers and K's fragments transposed in registers. No atomics, a fixed order of
+//!   additions, bit-identical results from run to run.
+//!
+//! ## Legend
+//!
+//! `g = lane / 4`, `t = lane % 4` as in the fragment table of [`crate::gpu`]. `st[half]`,
+//! `dpt[half]`: accumulator fragments of the warp's 16 keys and queries `q0 + 8·half .. + 8` of
+//! the current chunk; `q_frags[ks]`, `do_frags[ks]`: the chunk's B fragments for head_dim columns
+//! `16ks .. 16ks + 16`; `dk_acc[dt]`, `dv_acc[dt]`: the warp's rows of dK, dV, columns
+//! `8dt .. 8dt + 8`.
+
+use crate::flash_forward_mma::pack_a;
+use crate::gpu::{self, FragA, FragC, HalfFloat, LOG2_E, SharedMemory, SharedTile16};
+use crate::layout::{AttentionShape, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_threads};
+use crate::tiles::{Mask, QueryBlock};
+
+kernel! {
+/// D[row] = Σ_d dO[row, d] · O[row, d] for every query row (`rows = batch · heads · seqlen_q`),
+/// from 16-bit O and dO, in `f32`. One warp per row (a grid-stride loop over rows), each lane
+/// reading 8 elements (16 bytes) at a time; `head_dim` must be a multiple of 8.
+///
+/// # Safety
+/// `o` and `d_o` hold `rows × head_dim` 16-byte aligned elements, `delta` holds `rows`; blocks
+/// are whole warps.
+pub unsafe fn flash_bwd_preprocess_f16(o: *const u16, d_o: *const u16, delta: *mut f32, rows: usize, head_dim: usize) {
+    unsafe { row_deltas::<gpu::F16>(o, d_o, delta, rows, head_dim) }
+}
+}
+
+kernel! {
+/// [`flash_bwd_preprocess_f16`] for `bf16` tensors.
+///
+/// # Safety
+/// As [`flash_bwd_preprocess_f16`].
+pub unsafe fn flash_bwd_preprocess_bf16(o: *const u16, d_o: *const u16, delta: *mut f32, rows: usize, head_dim: usize) {
+    unsafe { row_deltas::<gpu::Bf16>(o, d_o, delta, rows, head_dim) }
+}
+}
+
+/// The body of the preprocessing kernels.
+#[inline(always)]
+unsafe fn row_deltas<T: HalfFloat>(o: *const u16, d_o: *const u16, delta: *mut f32, rows: usize, head_dim: usize) {
+    let warps_per_block = gpu::block_dim_x() / gpu::WARP_SIZE;
+    let mut row = gpu::block_idx().0 * warps_per_block + gpu::warp_id();
+    while row < rows {
+        let mut sum = 0.0f32;
+        for col in (8 * gpu::lane_id()..head_dim).step_by(8 * gpu::WARP_SIZE) {
+            // SAFETY: row < rows and col + 8 ≤ head_dim.
+            let (x, y) = unsafe {
+                let at = row * head_dim + col;
+                (gpu::load8_widened::<T>(o.add(at)), gpu::load8_widened::<T>(d_o.add(at)))
+            };
+            for i in 0..8 {
+                sum = gpu::fma(x[i], y[i], sum);
+            }
+        }
+        let sum = gpu::group_sum::<32>(sum);
+        if gpu::lane_id() == 0 {
+            // SAFETY: row < rows.
+            unsafe { *delta.add(row) = sum };
+        }
+        row += gpu::grid_dim_x() * warps_per_block;
+    }
+}
+
+kernel! {
+/// Rounds the `f32` dQ accumulator of the atomic backward to `f16`: `dq[i] = dq_accum[i]` for
+/// `i < n` (a multiple of 8), 8 elements per thread per trip of a grid-stride loop.
+///
+/// # Safety
+/// `dq_accum` holds `n` floats, `dq` `n` elements, both 16-byte aligned.
+pub unsafe fn flash_bwd_convert_dq_f16(dq_accum: *const f32, dq: *mut u16, n: usize) {
+    unsafe { convert_dq::<gpu::F16>(dq_accum, dq, n) }
+}
+}
+
+kernel! {
+/// [`flash_bwd_convert_dq_f16`] for `bf16`.
+///
+/// # Safety
+/// As [`flash_bwd_convert_dq_f16`].
+pub unsafe fn flash_bwd_convert_dq_bf16(dq_accum: *const f32, dq: *mut u16, n: usize) {
+    unsafe { convert_dq::<gpu::Bf16>(dq_accum, dq, n) }
+}
+}
+
+/// The body of the dQ conversion kernels.
+#[inline(always)]
+unsafe fn convert_dq<T: HalfFloat>(dq_accum: *const f32, dq: *mut u16, n: usize) {
+    let mut chunk = gpu::global_thread_idx();
+    while chunk < n / 8 {
+        // SAFETY: 8·chunk + 8 ≤ n.
+        unsafe {
+            let (lo, hi) = (gpu::F32x4::load(dq_accum.add(8 * chunk)).0, gpu::F32x4::load(dq_accum.add(8 * chunk + 4)).0);
+            let packed = [T::pack(lo[0], lo[1]), T::pack(lo[2], lo[3]), T::pack(hi[0], hi[1]), T::pack(hi[2], hi[3])];
+            gpu::store16(dq.add(8 * chunk), packed);
+        }
+        chunk += gpu::grid_stride();
+    }
+}
+
+/// Pointers of one backward problem, as the kernels receive them (16-bit tensors as raw bits).
+#[derive(Clone, Copy)]
+pub(crate) struct BackwardTensors {
+    q: *const u16,
+    k: *const u16,
+    v: *const u16,
+    d_o: *const u16,
+    lse: *const f32,
+    delta: *const f32,
+}
+
+/// Whether a 16-row chunk's B fragments are kept in registers for their second, transposed use
+/// (`movmatrix`) or read again from shared memory (`ldmatrix.trans`). Keeping them saves shared
+/// memory bandwidth but costs `HEAD_DIM / 2` registers per operand: at head_dim 64 that fits
+/// beside the dK/dV accumulators, at 128 it would spill.
+const fn keeps_fragments(head_dim: usize) -> bool {
+    head_dim <= 64
+}
+
+/// Copies a warp's 16 rows of `HEAD_DIM` accumulated values, times `scale`, rounded to 16 bits,
+/// to rows `row0 .. row0 + 16` of global memory at `dst` (row stride `HEAD_DIM`), skipping rows
+/// at or past `valid_rows`. The rows go through `staging` (rows `row0 .. row0 + 16` of a tile
+/// no other warp reads any more) so that global writes are whole 16-byte chunks.
+///
+/// # Safety
+/// `dst` holds `valid_rows` rows; all lanes of the warp call it together.
+#[inline(always)]
+pub(crate) unsafe fn store_warp_rows<T: HalfFloat, const HEAD_DIM: usize, const D_TILES: usize>(
+    acc: &[FragC; D_TILES],
+    scale: [f32; 2],
+    staging: SharedTile16,
+    row0: usize,
+    dst: *mut u16,
+    valid_rows: usize,
+) {
+    let lane = gpu::lane_id();
+    let (g, t) = (lane / 4, lane % 4);
+    gpu::sync_warp();
+    for (dt, frag) in acc.iter().enumerate() {
+        for r in 0..2 {
+            staging.store2(row0 + g + 8 * r, 8 * dt + 2 * t, T::pack(frag[2 * r] * scale[r], frag[2 * r + 1] * scale[r]));
+        }
+    }
+    gpu::sync_warp();
+    let chunks = HEAD_DIM / 8;
+    let mut chunk = lane;
+    while chunk < MMA_WARP_ROWS * chunks {
+        let (row, col) = (row0 + chunk / chunks, (chunk % chunks) * 8);
+        if row < valid_rows {
+            // SAFETY: row < valid_rows, col + 8 ≤ HEAD_DIM.
+            unsafe { gpu::store16(dst.add(row * HEAD_DIM + col), staging.load8(row, col)) };
+        }
+        chunk += gpu::WARP_SIZE;
+    }
+}
+
+/// The K/V-outer kernel body: dK and dV for `BLOCK_N` keys (and, with `ATOMIC_DQ`, their share
+/// of dQ into the `f32` accumulator `dq_accum`). `D_STEPS = HEAD_DIM / 16`,
+/// `M_TILES = BLOCK_M / 8`, `D_TILES = HEAD_DIM / 8` size the register arrays.
+///
+/// Grid: `(ceil(seqlen_k / BLOCK_N), num_heads_kv, batch)`; block: `BLOCK_N / 16` warps; dynamic
+/// shared memory: `layout::mma_backward_kv_smem_bytes(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)` bytes.
+///
+/// # Safety
+/// Pointers hold tensors of the shapes in `shape` (Q, dO, dQ as Q; K, V, dK, dV as K; LSE and D
+/// `[batch, num_heads_q, seqlen_q]` `f32`), 16-byte aligned, `shape.head_dim == HEAD_DIM`;
+/// outputs do not overlap inputs; `dq_accum` is zeroed before the launch (with `ATOMIC_DQ`).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn flash_backward_kv_mma<
+    T: HalfFloat,
+    const BLOCK_M: usize,
+    const BLOCK_N: usize,
+    const HEAD_DIM: usize,
+    const STAGES: usize,
+    const D_STEPS: usize,
+    const M_TILES: usize,
+    const D_TILES: usize,
+    const ATOMIC_DQ: bool,
+>(
+    x: BackwardTensors,
+    dq_accum: *mut f32,
+    dk: *mut u16,
+    dv: *mut u16,
+    shape: AttentionShape,
+    mask: Mask,
+    scale: f32,
+) {
+    const {
+        assert!(BLOCK_N.is_multiple_of(MMA_WARP_ROWS) && BLOCK_M.is_multiple_of(16));
+        assert!(D_STEPS * 16 == HEAD_DIM && M_TILES * 8 == BLOCK_M && D_TILES * 8 == HEAD_DIM);
+        assert!(STAGES >= 2);
+    };
+    let threads = mma_threads(BLOCK_N);
+    let scale_log2 = scale * LOG2_E;
+    let keep_fragments = keeps_fragments(HEAD_DIM);
+    let (kv_block, kv_head, batch) = gpu::block_idx();
+    let kv_start = kv_block * BLOCK_N;
+    let kv_rows = BLOCK_N.min(shape.seqlen_k - kv_start);
+    // First element of this key block in K, V, dK, dV.
+    let kv_offset = ((batch * shape.num_heads_kv + kv_head) * shape.seqlen_k + kv_start) * HEAD_DIM;
+    let lane = gpu::lane_id();
+    let (g, t) = (lane / 4, lane % 4);
+    let warp_key = gpu::warp_id() * MMA_WARP_ROWS; // the warp's first key in the block
+
+    let stride = HEAD_DIM + MMA_SMEM_PAD;
+    let mut smem = SharedMemory::new();
+    let k_tile = smem.tile16(BLOCK_N, stride);
+    let v_tile = smem.tile16(BLOCK_N, stride);
+    // Ring slot `i`: a Q tile at rows `2i·BLOCK_M`, a dO tile at `(2i + 1)·BLOCK_M`; and rows `2i`
+    // (LSE) and `2i + 1` (D) of the statistics. Slots are computed, not kept in an array, which
+    // would live in local memory.
+    let qdo_ring = smem.tile16(2 * STAGES * BLOCK_M, stride);
+    let dst_tile = smem.tile16(BLOCK_N, BLOCK_M + MMA_SMEM_PAD);
+    let stats_ring = smem.tile(2 * STAGES, BLOCK_M);
+    let slot = |i: usize| {
+        let s = i % STAGES;
+        (qdo_ring.rows_from(2 * s * BLOCK_M), qdo_ring.rows_from((2 * s + 1) * BLOCK_M), 2 * s)
+    };
+
+    // The work list: every query tile, of every query head of the group, that sees some key of
+    // this block (queries before `first_seeing` see none of them under a causal mask).
+    let group = shape.group_size();
+    let first_tile = mask.first_query_seeing(kv_start) / BLOCK_M;
+    let tiles_per_head = shape.seqlen_q.div_ceil(BLOCK_M) - first_tile;
+    let steps = group * tiles_per_head;
+    // (query head, first query) of step `i`.
+    let step = |i: usize| (kv_head * group + i / tiles_per_head, (first_tile + i % tiles_per_head) * BLOCK_M);
+    // Starts the copies of step `i`'s Q, dO, LSE and D into its slot, as one cp.async group.
+    let fetch = |i: usize| {
+        if i < steps {
+            let (head, q_start) = step(i);
+            let q_rows = BLOCK_M.min(shape.seqlen_q - q_start);
+            let rows = shape.q_head_offset(batch, head) / HEAD_DIM + q_start; // in LSE and D
+            let (q_tile, do_tile, stats_row) = slot(i);
+            // SAFETY: rows q_start .. q_start + q_rows of this head exist.
+            unsafe {
+                q_tile.copy_rows_async(x.q.add(rows * HEAD_DIM), BLOCK_M, HEAD_DIM, q_rows, threads);
+                do_tile.copy_rows_async(x.d_o.add(rows * HEAD_DIM), BLOCK_M, HEAD_DIM, q_rows, threads);
+                stats_ring.copy_row_async(stats_row, x.lse.add(rows), BLOCK_M, q_rows, threads);
+                stats_ring.copy_row_async(stats_row + 1, x.delta.add(rows), BLOCK_M, q_rows, threads);
+            }
+        }
+        gpu::cp_async_commit();
+    };
+
+    // K and V travel with step 0's group.
+    // SAFETY: rows kv_start .. kv_start + kv_rows of this head exist.
+    unsafe {
+        k_tile.copy_rows_async(x.k.add(kv_offset), BLOCK_N, HEAD_DIM, kv_rows, threads);
+        v_tile.copy_rows_async(x.v.add(kv_offset), BLOCK_N, HEAD_DIM, kv_rows, threads);
+    }
+    for i in 0..STAGES - 1 {
+        fetch(i);
+    }
+
+    let mut dk_acc = [[0.0f32; 4]; D_TILES];
+    let mut dv_acc = [[0.0f32; 4]; D_TILES];
+    for i in 0..steps {
+        gpu::cp_async_wait(STAGES - 2);
+        gpu::sync_threads();
+        fetch(i + STAGES - 1);
+        let (head, q_start) = step(i);
+        let (q_tile, do_tile, stats_row) = slot(i);
+
+        // Tiles where some query cannot see some key (the causal diagonal, the ragged ends) pay
+        // for the per-element mask; it also zeroes padding queries and queries that see no key
+        // (whose LSE is −∞, which would make P infinite).
+        let masked = q_start + BLOCK_M > shape.seqlen_q || kv_start + BLOCK_N > mask.key_limit(q_start);
+        // The tile's queries, 16 at a time: a chunk's Q and dO fragments are read from shared
+        // memory once, serve Sᵀ and dPᵀ as B operands, and, transposed in registers, dK and dV.
+        for chunk in 0..BLOCK_M / 16 {
+            let q0 = 16 * chunk;
+            // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for the warp's 16 keys and these 16 queries.
+            let (mut st, mut dpt) = ([[0.0f32; 4]; 2], [[0.0f32; 4]; 2]);
+            let mut q_frags = [[[0u32; 2]; 2]; D_STEPS];
+            let mut do_frags = [[[0u32; 2]; 2]; D_STEPS];
+            for ks in 0..D_STEPS {
+                let (k_frag, v_frag) = (k_tile.fragment_a(warp_key, 16 * ks), v_tile.fragment_a(warp_key, 16 * ks));
+                let (q_frag, do_frag) = (q_tile.fragments_b(q0, 16 * ks), do_tile.fragments_b(q0, 16 * ks));
+                if keep_fragments {
+                    (q_frags[ks], do_frags[ks]) = (q_frag, do_frag);
+                }
+                for half in 0..2 {
+                    st[half] = T::mma(k_frag, q_frag[half], st[half]);
+                    dpt[half] = T::mma(v_frag, do_frag[half], dpt[half]);
+                }
+            }
+            // Pᵀ = 2^(Sᵀ·scale·log₂e − LSE·log₂e) and dSᵀ = Pᵀ ∘ (dPᵀ − D); the columns are queries.
+            let (mut pt, mut dst) = ([[0.0f32; 4]; 2], [[0.0f32; 4]; 2]);
+            // Entry (half, e) is key `warp_key + g + 8·(e / 2)`, query `q0 + 8·half + 2t + e % 2`.
+            let query = |half: usize, e: usize| q0 + 8 * half + 2 * t + e % 2;
+            for half in 0..2 {
+                for e in 0..4 {
+                    let lse2 = stats_ring.load(stats_row, query(half, e)) * LOG2_E;
+                    pt[half][e] = gpu::exp2(gpu::fma(st[half][e], scale_log2, -lse2));
+                }
+            }
+            if masked {
+                for half in 0..2 {
+                    for e in 0..4 {
+                        if !mask.visible(q_start + query(half, e), kv_start + warp_key + g + 8 * (e / 2)) {
+                            pt[half][e] = 0.0;
+                        }
+                    }
+                }
+            }
+            for half in 0..2 {
+                for e in 0..4 {
+                    dst[half][e] = pt[half][e] * (dpt[half][e] - stats_ring.load(stats_row + 1, query(half, e)));
+                }
+            }
+            // dV += Pᵀ·dO and dK += dSᵀ·Q (scaled at the end): A operands from registers, B
+            // operands the chunk's fragments read the other way round.
+            let (p, ds) = (pack_a::<T>(pt[0], pt[1]), pack_a::<T>(dst[0], dst[1]));
+            for dp in 0..D_STEPS {
+                let (o, q) = if keep_fragments {
+                    (gpu::transpose_b(do_frags[dp]), gpu::transpose_b(q_frags[dp]))
+                } else {
+                    (do_tile.fragments_b_transposed(q0, 16 * dp), q_tile.fragments_b_transposed(q0, 16 * dp))
+                };
+                for half in 0..2 {
+                    dv_acc[2 * dp + half] = T::mma(p, o[half], dv_acc[2 * dp + half]);
+                    dk_acc[2 * dp + half] = T::mma(ds, q[half], dk_acc[2 * dp + half]);
+                }
+            }
+            if ATOMIC_DQ {
+                // dQ needs every key of the block: publish the warp's rows of dSᵀ.
+                for half in 0..2 {
+                    for r in 0..2 {
+                        let value = T::pack(dst[half][2 * r], dst[half][2 * r + 1]);
+                        dst_tile.store2(warp_key + g + 8 * r, q0 + 8 * half + 2 * t, value);
+                    }
+                }
+            }
+        }
+
+        if ATOMIC_DQ {
+            // dQ += scale · dS·K: the warps share the BLOCK_M × HEAD_DIM product out in 16×16
+            // pieces, each summed over all the block's keys.
+            gpu::sync_threads();
+            let q_rows = BLOCK_M.min(shape.seqlen_q - q_start);
+            let dq_rows = shape.q_head_offset(batch, head) + q_start * HEAD_DIM;
+            let pieces = (BLOCK_M / 16) * (HEAD_DIM / 16);
+            let mut piece = gpu::warp_id();
+            while piece < pieces {
+                let (m0, n0) = (16 * (piece / (HEAD_DIM / 16)), 16 * (piece % (HEAD_DIM / 16)));
+                let mut dq = [[0.0f32; 4]; 2];
+                for kk in 0..BLOCK_N / 16 {
+                    let ds = dst_tile.fragment_a_transposed(16 * kk, m0);
+                    let [k0, k1] = k_tile.fragments_b_transposed(16 * kk, n0);
+                    dq[0] = T::mma(ds, k0, dq[0]);
+                    dq[1] = T::mma(ds, k1, dq[1]);
+                }
+                for (half, frag) in dq.iter().enumerate() {
+                    for e in 0..4 {
+                        let (row, col) = (m0 + g + 8 * (e / 2), n0 + 8 * half + 2 * t + e % 2);
+                        if row < q_rows {
+                            // SAFETY: the query row exists; col < HEAD_DIM.
+                            unsafe { gpu::atomic_add(dq_accum.add(dq_rows + row * HEAD_DIM + col), frag[e] * scale) };
+                        }
+                    }
+                }
+                piece += threads / gpu::WARP_SIZE;
+            }
+        }
+    }
+
+    // Every warp is done reading K and V (dQ reads all their rows): the warps can stage their
+    // own rows of dK and dV there.
+    gpu::sync_threads();
+    // SAFETY: rows kv_start .. kv_start + kv_rows of dK and dV exist.
+    unsafe {
+        let (dk_rows, dv_rows) = (dk.add(kv_offset), dv.add(kv_offset));
+        store_warp_rows::<T, HEAD_DIM, D_TILES>(&dk_acc, [scale; 2], k_tile, warp_key, dk_rows, kv_rows);
+        store_warp_rows::<T, HEAD_DIM, D_TILES>(&dv_acc, [1.0; 2], v_tile, warp_key, dv_rows, kv_rows);
+    }
+}
+
+/// The deterministic dQ kernel body: `BLOCK_M` queries of one query head, looping over key tiles
+/// like the forward pass (K/V ring of `STAGES` slots, hidden tiles skipped). `N_TILES =
+/// BLOCK_N / 8`.
+///
+/// Grid: `(ceil(seqlen_q / BLOCK_M), num_heads_q, batch)`; block: `BLOCK_M / 16` warps; dynamic
+/// shared memory: `layout::mma_backward_dq_smem_bytes(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)` bytes.
+///
+/// # Safety
+/// As [`flash_backward_kv_mma`]; only `dq` (Q's shape, 16-bit) is written.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn flash_backward_q_mma<
+    T: HalfFloat,
+    const BLOCK_M: usize,
+    const BLOCK_N: usize,
+    const HEAD_DIM: usize,
+    const STAGES: usize,
+    const D_STEPS: usize,
+    const N_TILES: usize,
+    const D_TILES: usize,
+>(
+    x: BackwardTensors,
+    dq: *mut u16,
+    shape: AttentionShape,
+    mask: Mask,
+    scale: f32,
+) {
+    const {
+        assert!(BLOCK_M.is_multiple_of(MMA_WARP_ROWS) && BLOCK_N.is_multiple_of(16));
+        assert!(D_STEPS * 16 == HEAD_DIM && N_TILES * 8 == BLOCK_N && D_TILES * 8 == HEAD_DIM);
+        assert!(STAGES >= 2);
+    };
+    let threads = mma_threads(BLOCK_M);
+    let scale_log2 = scale * LOG2_E;
+    let keep_fragments = keeps_fragments(HEAD_DIM);
+    let block = QueryBlock::current::<BLOCK_M>(&shape);
+    let (q_start, q_rows) = (block.q_start, block.q_rows);
+    let first_row = block.first_row_offset(HEAD_DIM);
+    let lane = gpu::lane_id();
+    let (g, t) = (lane / 4, lane % 4);
+    let warp_row = gpu::warp_id() * MMA_WARP_ROWS;
+
+    let stride = HEAD_DIM + MMA_SMEM_PAD;
+    let mut smem = SharedMemory::new();
+    let q_tile = smem.tile16(BLOCK_M, stride);
+    let do_tile = smem.tile16(BLOCK_M, stride);
+    let kv_ring = smem.tile16(2 * STAGES * BLOCK_N, stride); // as in the forward pass
+    let kv_slot = |tile: usize| {
+        let slot = tile % STAGES;
+        (kv_ring.rows_from(2 * slot * BLOCK_N), kv_ring.rows_from((2 * slot + 1) * BLOCK_N))
+    };
+
+    let kv_end = mask.key_limit(q_start + q_rows - 1);
+    let all_see = mask.key_limit(q_start);
+    let kv_tiles = kv_end.div_ceil(BLOCK_N);
+    let (k_head, v_head) = (block.kv_offset, block.kv_offset);
+    let fetch_kv = |tile: usize| {
+        if tile < kv_tiles {
+            let kv_start = tile * BLOCK_N;
+            let valid = BLOCK_N.min(shape.seqlen_k - kv_start);
+            let (k_tile, v_tile) = kv_slot(tile);
+            // SAFETY: rows kv_start .. kv_start + valid of this head exist.
+            unsafe {
+                k_tile.copy_rows_async(x.k.add(k_head + kv_start * HEAD_DIM), BLOCK_N, HEAD_DIM, valid, threads);
+                v_tile.copy_rows_async(x.v.add(v_head + kv_start * HEAD_DIM), BLOCK_N, HEAD_DIM, valid, threads);
+            }
+        }
+        gpu::cp_async_commit();
+    };
+
+    // SAFETY: rows q_start .. q_start + q_rows of this head exist.
+    unsafe {
+        q_tile.copy_rows_async(x.q.add(first_row), BLOCK_M, HEAD_DIM, q_rows, threads);
+        do_tile.copy_rows_async(x.d_o.add(first_row), BLOCK_M, HEAD_DIM, q_rows, threads);
+    }
+    for tile in 0..STAGES - 1 {
+        fetch_kv(tile);
+    }
+    // This lane's two rows' LSE (base 2) and D; padding rows get 0 (they are masked).
+    let (mut lse2, mut delta) = ([0.0f32; 2], [0.0f32; 2]);
+    for r in 0..2 {
+        let row = warp_row + g + 8 * r;
+        if row < q_rows {
+            let at = first_row / HEAD_DIM + row;
+            // SAFETY: the row exists.
+            unsafe { (lse2[r], delta[r]) = (*x.lse.add(at) * LOG2_E, *x.delta.add(at)) };
+        }
+    }
+    gpu::cp_async_wait(STAGES - 2);
+    gpu::sync_threads();
+    let q_frag: [FragA; D_STEPS] = core::array::from_fn(|ks| q_tile.fragment_a(warp_row, 16 * ks));
+    let do_frag: [FragA; D_STEPS] = core::array::from_fn(|ks| do_tile.fragment_a(warp_row, 16 * ks));
+
+    let mut acc = [[0.0f32; 4]; D_TILES];
+    for tile in 0..kv_tiles {
+        gpu::cp_async_wait(STAGES - 2);
+        gpu::sync_threads();
+        fetch_kv(tile + STAGES - 1);
+        let (k_tile, v_tile) = kv_slot(tile);
+        let kv_start = tile * BLOCK_N;
+
+        // Masked as in the forward pass, where a hidden or padding entry (whose LSE may be −∞
+        // or 0) gets P = 0.
+        let masked = q_start + BLOCK_M > shape.seqlen_q || kv_start + BLOCK_N > all_see;
+        // The tile's keys, 16 at a time: a chunk's K fragments serve S = Q·Kᵀ and, transposed
+        // in registers, dQ += dS·K (as in the K/V-outer kernel).
+        for chunk in 0..BLOCK_N / 16 {
+            let k0 = 16 * chunk;
+            let (mut s, mut dp) = ([[0.0f32; 4]; 2], [[0.0f32; 4]; 2]);
+            let mut k_frags = [[[0u32; 2]; 2]; D_STEPS];
+            for ks in 0..D_STEPS {
+                let k_frag = k_tile.fragments_b(k0, 16 * ks);
+                if keep_fragments {
+                    k_frags[ks] = k_frag;
+                }
+                let v_frags = v_tile.fragments_b(k0, 16 * ks);
+                for half in 0..2 {
+                    s[half] = T::mma(q_frag[ks], k_frag[half], s[half]);
+                    dp[half] = T::mma(do_frag[ks], v_frags[half], dp[half]);
+                }
+            }
+            // dS = P ∘ (dP − D), P recomputed from the LSE.
+            let mut p = [[0.0f32; 4]; 2];
+            for half in 0..2 {
+                for e in 0..4 {
+                    p[half][e] = gpu::exp2(gpu::fma(s[half][e], scale_log2, -lse2[e / 2]));
+                }
+            }
+            if masked {
+                for half in 0..2 {
+                    for e in 0..4 {
+                        let (row, key) = (warp_row + g + 8 * (e / 2), kv_start + k0 + 8 * half + 2 * t + e % 2);
+                        if !mask.visible(q_start + row, key) {
+                            p[half][e] = 0.0;
+                        }
+                    }
+                }
+            }
+            let mut ds = [[0.0f32; 4]; 2];
+            for half in 0..2 {
+                for e in 0..4 {
+                    ds[half][e] = p[half][e] * (dp[half][e] - delta[e / 2]);
+                }
+            }
+            // dQ += dS·K (scaled at the end), dS straight from registers.
+            let a = pack_a::<T>(ds[0], ds[1]);
+            for dp in 0..D_STEPS {
+                let k = if keep_fragments {
+                    gpu::transpose_b(k_frags[dp])
+                } else {
+                    k_tile.fragments_b_transposed(k0, 16 * dp)
+                };
+                for half in 0..2 {
+                    acc[2 * dp + half] = T::mma(a, k[half], acc[2 * dp + half]);
+                }
+            }
+        }
+    }
+
+    // The warp's own rows of the Q tile are free (only it read them): stage dQ there.
+    // SAFETY: rows q_start .. q_start + q_rows of dQ exist.
+    unsafe {
+        let dst = dq.add(first_row);
+        store_warp_rows::<T, HEAD_DIM, D_TILES>(&acc, [scale; 2], q_tile, warp_row, dst, q_rows);
+    }
+}
+
+/// The compiled backward tiles, `(block_m, block_n, head_dim, stages)`, each for `f16` and
+/// `bf16` and for the three kernels. The K/V-outer kernels have `block_n / 16` warps, the dQ
+/// kernel `block_m / 16`.
+macro_rules! for_each_mma_backward_tile {
+    ($instance:ident) => {
+        for_each_mma_backward_tile!(@formats $instance, [(f16, F16) (bf16, Bf16)]);
+    };
+    (@formats $instance:ident, [$(($dtype:ident, $format:ident))*]) => {
+        $( for_each_mma_backward_tile!(@tiles $instance, $dtype, $format); )*
+    };
+    (@tiles $instance:ident, $dtype:ident, $format:ident) => {
+        $instance!($dtype, $format, 64, 64, 64, 2);
+        $instance!($dtype, $format, 64, 128, 64, 2);
+        $instance!($dtype, $format, 32, 128, 64, 2);
+        $instance!($dtype, $format, 64, 64, 128, 2);
+        $instance!($dtype, $format, 32, 64, 128, 2);
+        $instance!($dtype, $format, 32, 128, 128, 2);
+    };
+}
+
+/// Three entries per tile and format: `flash_bwd_{dtype}_…` (dK, dV, atomic dQ),
+/// `flash_bwd_dkdv_{dtype}_…` and `flash_bwd_dq_{dtype}_…` (the deterministic pair), each
+/// suffixed `_m{block_m}_n{block_n}_d{head_dim}_s{stages}`.
+macro_rules! flash_backward_mma_instance {
+    ($dtype:ident, $format:ident, $m:literal, $n:literal, $d:literal, $s:literal) => {
+        flash_backward_mma_instance!(@kv ${concat(flash_bwd_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)},
+            $format, $m, $n, $d, $s);
+        kernel! {
+        /// dK and dV on tensor cores, without dQ (the deterministic backward's first kernel); see
+        /// the module docs and `flash_backward_kv_mma`.
+        ///
+        /// # Safety
+        /// As `flash_backward_kv_mma`.
+        pub unsafe fn ${concat(flash_bwd_dkdv_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)}(
+            q: *const u16,
+            k: *const u16,
+            v: *const u16,
+            d_o: *const u16,
+            lse: *const f32,
+            delta: *const f32,
+            dk: *mut u16,
+            dv: *mut u16,
+            batch: usize,
+            num_heads_q: usize,
+            num_heads_kv: usize,
+            seqlen_q: usize,
+            seqlen_k: usize,
+            head_dim: usize,
+            causal: usize,
+            causal_offset: isize,
+            scale: f32,
+        ) {
+            let x = BackwardTensors { q, k, v, d_o, lse, delta };
+            let shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
+            let mask = Mask { seqlen_q, seqlen_k, causal: causal != 0, offset: causal_offset };
+            unsafe {
+                flash_backward_kv_mma::<gpu::$format, $m, $n, $d, $s, { $d / 16 }, { $m / 8 }, { $d / 8 }, false>(
+                    x, core::ptr::null_mut(), dk, dv, shape, mask, scale,
+                )
+            }
+        }
+        }
+        kernel! {
+        /// The deterministic dQ on tensor cores; see the module docs and `flash_backward_q_mma`.
+        ///
+        /// # Safety
+        /// As `flash_backward_q_mma`.
+        pub unsafe fn ${concat(flash_bwd_dq_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)}(
+            q: *const u16,
+            k: *const u16,
+            v: *const u16,
+            d_o: *const u16,
+            lse: *const f32,
+            delta: *const f32,
+            dq: *mut u16,
+            batch: usize,
+            num_heads_q: usize,
+            num_heads_kv: usize,
+            seqlen_q: usize,
+            seqlen_k: usize,
+            head_dim: usize,
+            causal: usize,
+            causal_offset: isize,
+            scale: f32,
+        ) {
+            let x = BackwardTensors { q, k, v, d_o, lse, delta };
+            let shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
+            let mask = Mask { seqlen_q, seqlen_k, causal: causal != 0, offset: causal_offset };
+            unsafe {
+                flash_backward_q_mma::<gpu::$format, $m, $n, $d, $s, { $d / 16 }, { $n / 8 }, { $d / 8 }>(
+                    x, dq, shape, mask, scale,
+                )
+            }
+        }
+        }
+    };
+    (@kv $name:ident, $format:ident, $m:literal, $n:literal, $d:literal, $s:literal) => {
+        kernel! {
+        /// dK, dV and the `f32` accumulator of dQ (atomic adds) on tensor cores; see the module
+        /// docs and `flash_backward_kv_mma`.
+        ///
+        /// # Safety
+        /// As `flash_backward_kv_mma`.
+        pub unsafe fn $name(
+            q: *const u16,
+            k: *const u16,
+            v: *const u16,
+            d_o: *const u16,
+            lse: *const f32,
+            delta: *const f32,
+            dq_accum: *mut f32,
+            dk: *mut u16,
+            dv: *mut u16,
+            batch: usize,
+            num_heads_q: usize,
+            num_heads_kv: usize,
+            seqlen_q: usize,
+            seqlen_k: usize,
+            head_dim: usize,
+            causal: usize,
+            causal_offset: isize,
+            scale: f32,
+        ) {
+            let x = BackwardTensors { q, k, v, d_o, lse, delta };
+            let shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
+            let mask = Mask { seqlen_q, seqlen_k, causal: causal != 0, offset: causal_offset };
+            unsafe {
+                flash_backward_kv_mma::<
+                    gpu::$format, $m, $n, $d, $s, { $d / 16 }, { $m / 8 }, { $d / 8 }, true
+                >(x, dq_accum, dk, dv, shape, mask, scale)
+            }
+        }
+        }
+    };
+}
+
+for_each_mma_backward_tile!(flash_backward_mma_instance);

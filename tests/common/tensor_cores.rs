@@ -1,0 +1,132 @@
+//! Checks of the `f16`/`bf16` tensor-core kernels, shared by the GPU tests and the emulated
+//! tests: inputs drawn in `f32`, rounded to the 16-bit type and uploaded; the float64 CPU
+//! reference runs on the rounded values widened back (exactly) to `f32`, so the error measured
+//! is the kernels' own: 16-bit rounding of P, dS and the outputs, and `f32` accumulation.
+
+use attn_host::check::{lse_error, random_normal, relative_l2_error};
+use attn_host::dtype::{from_f32_slice, to_f32_vec};
+use attn_host::{
+    AttentionOptions, AttentionOutput, AttentionShape, Context, DType, DeviceTensor, DqAccumulation, Element,
+    Gradients, TileConfig, cpu,
+};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+/// Relative L2 error allowed on O, and on dQ, dK, dV, per type (issue 4's bar).
+pub fn tolerances(dtype: DType) -> (f64, f64) {
+    match dtype {
+        DType::Bf16 => (1e-2, 2e-2),
+        _ => (3e-3, 1e-2),
+    }
+}
+
+/// Relative error allowed on the logsumexp (computed in `f32` from exact products).
+pub const LSE_TOLERANCE: f64 = 1e-4;
+
+/// How the inputs are drawn.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Inputs {
+    /// Standard normal Q, K, V, dO.
+    Normal,
+    /// Q and K uniform in [−8, 8] (with scale 1 the logits reach the hundreds: a stress test of
+    /// the online softmax), V and dO standard normal.
+    LargeLogits,
+}
+
+/// One problem's inputs: the 16-bit values widened to `f32` (for the reference) and on the device.
+pub struct Problem16<T: Element> {
+    pub shape: AttentionShape,
+    pub host: [Vec<f32>; 4],
+    pub device: [DeviceTensor<T>; 4],
+}
+
+impl<T: Element> Problem16<T> {
+    pub fn new(ctx: &Context, shape: AttentionShape, seed: u64, inputs: Inputs) -> Self {
+        let shapes = [shape.q_shape(), shape.kv_shape(), shape.kv_shape(), shape.q_shape()];
+        let host: [Vec<f32>; 4] = std::array::from_fn(|i| {
+            let n = shapes[i].iter().product();
+            let drawn = if inputs == Inputs::LargeLogits && i < 2 {
+                let mut rng = StdRng::seed_from_u64(seed + i as u64);
+                (0..n).map(|_| rng.random_range(-8.0f32..=8.0)).collect()
+            } else {
+                random_normal(n, seed + i as u64)
+            };
+            to_f32_vec(&from_f32_slice::<T>(&drawn))
+        });
+        let device = std::array::from_fn(|i| ctx.upload(&from_f32_slice::<T>(&host[i]), &shapes[i]).unwrap());
+        Self { shape, host, device }
+    }
+
+    pub fn forward(&self, ctx: &Context, tile: TileConfig, options: &AttentionOptions) -> AttentionOutput<T> {
+        let nan = T::from_f32(f32::NAN);
+        let mut out = AttentionOutput {
+            o: ctx.full(&self.shape.q_shape(), nan).unwrap(),
+            lse: ctx.full(&self.shape.lse_shape(), f32::NAN).unwrap(),
+        };
+        let [q, k, v, _] = &self.device;
+        ctx.flash_attention_forward_into(q, k, v, &mut out, options, tile)
+            .unwrap_or_else(|e| panic!("{} forward {tile}: {e}", T::DTYPE));
+        out
+    }
+
+    pub fn backward(
+        &self,
+        ctx: &Context,
+        tile: TileConfig,
+        mode: DqAccumulation,
+        options: &AttentionOptions,
+        fwd: &AttentionOutput<T>,
+    ) -> Gradients<T> {
+        let nan = T::from_f32(f32::NAN);
+        let mut grads = Gradients {
+            dq: ctx.full(&self.shape.q_shape(), nan).unwrap(),
+            dk: ctx.full(&self.shape.kv_shape(), nan).unwrap(),
+            dv: ctx.full(&self.shape.kv_shape(), nan).unwrap(),
+        };
+        let [q, k, v, d_o] = &self.device;
+        ctx.flash_attention_backward_into(q, k, v, &fwd.o, &fwd.lse, d_o, &mut grads, options, tile, mode)
+            .unwrap_or_else(|e| panic!("{} backward {tile} {mode:?}: {e}", T::DTYPE));
+        grads
+    }
+}
+
+/// Runs the forward pass at `tile` and, with `backward`, the backward pass at its tile and dQ
+/// mode, on fresh inputs of `shape`; checks O, LSE, dQ, dK and dV against the float64 reference.
+/// Every output is poisoned with NaN first, so an unwritten element fails.
+pub fn check16<T: Element>(
+    ctx: &Context,
+    shape: AttentionShape,
+    tile: TileConfig,
+    backward: Option<(TileConfig, DqAccumulation)>,
+    options: AttentionOptions,
+    seed: u64,
+    inputs: Inputs,
+) {
+    let dtype = T::DTYPE;
+    let (o_tolerance, grad_tolerance) = tolerances(dtype);
+    let problem = Problem16::<T>::new(ctx, shape, seed, inputs);
+    let [q, k, v, d_o] = &problem.host;
+    let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal };
+    let fwd = problem.forward(ctx, tile, &options);
+    let reference = cpu::attention(q, k, v, &shape, params).unwrap();
+    let o = to_f32_vec(&fwd.o.to_host().unwrap());
+    let lse = fwd.lse.to_host().unwrap();
+    let (err_o, err_lse) = (relative_l2_error(&o, &reference.o), lse_error(&lse, &reference.lse));
+    let what = format!("{dtype} {tile} {options:?} {inputs:?} on {shape:?}");
+    assert!(
+        err_o <= o_tolerance && err_lse <= LSE_TOLERANCE,
+        "{what}: relative L2 error O {err_o:.3e} (≤ {o_tolerance:.0e}), LSE {err_lse:.3e}"
+    );
+    let Some((bwd_tile, mode)) = backward else { return };
+    let grads = problem.backward(ctx, bwd_tile, mode, &options, &fwd);
+    let reference = cpu::attention_backward(q, k, v, d_o, &shape, params).unwrap();
+    for (name, got, want) in
+        [("dQ", &grads.dq, &reference.dq), ("dK", &grads.dk, &reference.dk), ("dV", &grads.dv, &reference.dv)]
+    {
+        let err = relative_l2_error(&to_f32_vec(&got.to_host().unwrap()), want);
+        assert!(
+            err <= grad_tolerance,
+            "{what}, backward {bwd_tile} {mode:?}: {name} relative L2 error {err:.3e} (≤ {grad_tolerance:.0e})"
+        );
+    }
+}
