@@ -282,9 +282,42 @@ fn build_ptx(kernels_dir: &Path, out_dir: &Path, tools: &LlvmTools, arch: &str) 
             .arg(&optimized_bc)
             .arg("-o")
             .arg(&ptx_path));
-        modules.push((*group, fs::read_to_string(&ptx_path).unwrap()));
+        modules.push((*group, with_occupancy_hints(fs::read_to_string(&ptx_path).unwrap())));
     }
     modules
+}
+
+/// Kernels that get CUDA's `__launch_bounds__(threads, min_blocks)` as PTX directives
+/// (`.maxntid threads, 1, 1` and `.minnctapersm min_blocks`): ptxas then keeps their registers low
+/// enough for `min_blocks` blocks per SM. Rust cannot attach these to a function, so they are
+/// written into the PTX here. Only where measured to help (`PERFORMANCE.md`): the d128 forward
+/// tiles with 32-key tiles need 171 registers on their own, 3 too many for 3 blocks of 128
+/// threads per SM (65536 / 384 = 170), and fit in 168 without spilling (+39% measured). Forcing
+/// the 64-key tile (251 registers) down to 168 spills and loses 25%: it is not hinted.
+const OCCUPANCY_HINTS: &[(&str, u32, u32)] = &[
+    ("flash_fwd_f16_m64_n32_d128_s2", 128, 3),
+    ("flash_fwd_bf16_m64_n32_d128_s2", 128, 3),
+    ("flash_fwd_f16_m64_n32_d128_s3", 128, 3),
+    ("flash_fwd_bf16_m64_n32_d128_s3", 128, 3),
+];
+
+/// `ptx` with the directives of [`OCCUPANCY_HINTS`] after the parameter lists of their kernels.
+fn with_occupancy_hints(ptx: String) -> String {
+    let mut out = String::with_capacity(ptx.len() + 256);
+    let mut pending: Option<(u32, u32)> = None;
+    for line in ptx.lines() {
+        out.push_str(line);
+        out.push('\n');
+        if let Some(name) = line.trim_start().strip_prefix(".visible .entry ") {
+            let name = name.split('(').next().unwrap_or_default().trim();
+            pending = OCCUPANCY_HINTS.iter().find(|(n, _, _)| *n == name).map(|&(_, t, b)| (t, b));
+        } else if line.trim_start().starts_with(')') {
+            if let Some((threads, blocks)) = pending.take() {
+                out.push_str(&format!(".maxntid {threads}, 1, 1\n.minnctapersm {blocks}\n"));
+            }
+        }
+    }
+    out
 }
 
 /// Names of the `.entry` functions (kernels) in a PTX module, sorted.

@@ -27,8 +27,8 @@
 //!
 //! | tile | shape | written by | read by |
 //! |---|---|---|---|
-//! | Q | BLOCK_M × HEAD_DIM | `cp.async`, whole block, once | each warp its 16 rows (`ldmatrix`); reused to stage O |
 //! | K, V ×`STAGES` | BLOCK_N × HEAD_DIM each | `cp.async`, whole block | every warp (`ldmatrix`, `.trans` for V) |
+//! | Q | BLOCK_M × HEAD_DIM, in the ring's last slot when it fits | `cp.async`, whole block, once | each warp its 16 rows (`ldmatrix`), before the loop; then reused to stage O |
 //!
 //! ## The pipeline
 //!
@@ -40,7 +40,7 @@
 //! compute, with one barrier per tile.
 
 use crate::gpu::{self, FragA, FragC, HalfFloat, LN_2, SharedMemory};
-use crate::layout::{AttentionShape, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_threads};
+use crate::layout::{AttentionShape, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_threads, q_shares_ring};
 use crate::tiles::{Mask, QueryBlock};
 
 /// Online-softmax state of the two rows a lane holds (rows `g` and `g + 8` of its warp).
@@ -167,11 +167,19 @@ pub(crate) unsafe fn flash_forward_mma<
 
     let stride = HEAD_DIM + MMA_SMEM_PAD;
     let mut smem = SharedMemory::new();
-    let q_tile = smem.tile16(BLOCK_M, stride);
     // The ring: slot `i` holds a K tile at rows `2i·BLOCK_N` and a V tile at `(2i + 1)·BLOCK_N`.
     // (Computed from the slot number rather than kept in an array: an array of tiles indexed by
     // a loop variable would live in local memory.)
     let kv_ring = smem.tile16(2 * STAGES * BLOCK_N, stride);
+    // Q is read once, into registers, before the loop; the ring's last slot is first filled in
+    // the loop's first iteration, after a barrier that every warp reaches only once it has its Q
+    // fragments. So Q borrows that slot when it fits there (see `layout::mma_forward_smem_bytes`):
+    // less shared memory per block, more blocks per SM.
+    let q_tile = if q_shares_ring(BLOCK_M, BLOCK_N) {
+        kv_ring.rows_from(2 * (STAGES - 1) * BLOCK_N)
+    } else {
+        smem.tile16(BLOCK_M, stride)
+    };
     let kv_slot = |tile: usize| {
         let slot = tile % STAGES;
         (kv_ring.rows_from(2 * slot * BLOCK_N), kv_ring.rows_from((2 * slot + 1) * BLOCK_N))
@@ -268,10 +276,11 @@ pub(crate) unsafe fn flash_forward_mma<
         }
     }
 
-    // Normalise, round to 16 bits and stage O in the warp's own rows of the Q tile (only this
-    // warp ever read them), so that the writes to global memory are whole 16-byte chunks.
+    // Normalise, round to 16 bits and stage O in the warp's own rows of the Q tile, so that the
+    // writes to global memory are whole 16-byte chunks. Those rows may belong to a ring slot that
+    // other warps are still reading in their last iteration: wait for them first.
     let (inv_sum, row_lse) = softmax.finish();
-    gpu::sync_warp();
+    gpu::sync_threads();
     for (dt, frag) in acc.iter().enumerate() {
         for r in 0..2 {
             let value = T::pack(frag[2 * r] * inv_sum[r], frag[2 * r + 1] * inv_sum[r]);
@@ -316,6 +325,7 @@ macro_rules! for_each_mma_forward_tile {
         $instance!($dtype, $format, 128, 64, 64, 2);
         $instance!($dtype, $format, 128, 128, 64, 2);
         $instance!($dtype, $format, 64, 32, 128, 2);
+        $instance!($dtype, $format, 64, 32, 128, 3);
         $instance!($dtype, $format, 64, 64, 128, 2);
         $instance!($dtype, $format, 128, 32, 128, 2);
         $instance!($dtype, $format, 128, 64, 128, 2);

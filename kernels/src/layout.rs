@@ -129,11 +129,19 @@ pub const fn mma_threads(rows: usize) -> usize {
     rows / MMA_WARP_ROWS * 32
 }
 
-/// Bytes of dynamic shared memory of the tensor-core forward kernel: the Q tile
-/// (`block_m × head_dim`), then `stages` slots of a K and a V tile (`block_n × head_dim` each), all
-/// 16-bit with padded rows.
+/// Whether the tensor-core forward kernel's Q tile (`block_m` rows) fits in one slot of its K/V
+/// ring (a K and a V tile, `2 · block_n` rows), which it then borrows instead of a region of its
+/// own (Q is only read before the ring's last slot is first filled).
+pub const fn q_shares_ring(block_m: usize, block_n: usize) -> bool {
+    block_m <= 2 * block_n
+}
+
+/// Bytes of dynamic shared memory of the tensor-core forward kernel: `stages` slots of a K and a
+/// V tile (`block_n × head_dim` each), and the Q tile (`block_m × head_dim`) unless it fits in a
+/// slot ([`q_shares_ring`]); all 16-bit with padded rows.
 pub const fn mma_forward_smem_bytes(block_m: usize, block_n: usize, head_dim: usize, stages: usize) -> usize {
-    (block_m + 2 * stages * block_n) * (head_dim + MMA_SMEM_PAD) * 2
+    let q_rows = if q_shares_ring(block_m, block_n) { 0 } else { block_m };
+    (q_rows + 2 * stages * block_n) * (head_dim + MMA_SMEM_PAD) * 2
 }
 
 /// Bytes of dynamic shared memory of the tensor-core K/V-outer backward kernels (a block of
