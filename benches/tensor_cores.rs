@@ -88,8 +88,10 @@ fn sweep<T: Element>(ctx: &Context, shape: AttentionShape, rows: &mut Vec<Row>) 
     for tile in TileConfig::compiled_for(FlashKernel::Forward, dtype, d) {
         let Ok(entry) = tile.validate_kernel(FlashKernel::Forward, dtype, d, ctx.device()) else { continue };
         let mut out = ctx.flash_attention_forward(&q, &k, &v, &options, tile)?;
-        let t = time_gpu(ctx, WARMUP, REPEATS, || ctx.flash_attention_forward_into(&q, &k, &v, &mut out, &options, tile))?;
-        let (regs, smem) = (ctx.kernel_resources(entry)?.0, tile.shared_memory_bytes_for(FlashKernel::Forward, dtype, d));
+        let t =
+            time_gpu(ctx, WARMUP, REPEATS, || ctx.flash_attention_forward_into(&q, &k, &v, &mut out, &options, tile))?;
+        let (regs, smem) =
+            (ctx.kernel_resources(entry)?.0, tile.shared_memory_bytes_for(FlashKernel::Forward, dtype, d));
         rows.push(Row {
             shape,
             dtype,
@@ -105,12 +107,14 @@ fn sweep<T: Element>(ctx: &Context, shape: AttentionShape, rows: &mut Vec<Row>) 
     let out = ctx.flash_attention_forward(&q, &k, &v, &options, TileConfig::default_for_dtype(dtype, d))?;
     for tile in TileConfig::compiled_for(FlashKernel::Backward, dtype, d) {
         let Ok(entry) = tile.validate_kernel(FlashKernel::Backward, dtype, d, ctx.device()) else { continue };
-        let mut grads = ctx.flash_attention_backward(&q, &k, &v, &out.o, &out.lse, &d_o, &options, tile, DqAccumulation::Atomic)?;
+        let mut grads =
+            ctx.flash_attention_backward(&q, &k, &v, &out.o, &out.lse, &d_o, &options, tile, DqAccumulation::Atomic)?;
         for (mode, dq) in [("atomic", DqAccumulation::Atomic), ("deterministic", DqAccumulation::Deterministic)] {
             let t = time_gpu(ctx, 2, REPEATS / 2, || {
                 ctx.flash_attention_backward_into(&q, &k, &v, &out.o, &out.lse, &d_o, &mut grads, &options, tile, dq)
             })?;
-            let (regs, smem) = (ctx.kernel_resources(entry)?.0, tile.shared_memory_bytes_for(FlashKernel::Backward, dtype, d));
+            let (regs, smem) =
+                (ctx.kernel_resources(entry)?.0, tile.shared_memory_bytes_for(FlashKernel::Backward, dtype, d));
             rows.push(Row {
                 shape,
                 dtype,
@@ -158,7 +162,17 @@ fn write_results(ctx: &Context, rows: &[Row]) -> std::io::Result<()> {
             r.tile,
             if r.mode.is_empty() { "" } else { " " },
             r.mode,
-            r.dtype, s.batch, s.num_heads_q, s.seqlen_q, s.seqlen_k, s.head_dim, r.pass, r.ms, r.tflops, r.regs, r.smem
+            r.dtype,
+            s.batch,
+            s.num_heads_q,
+            s.seqlen_q,
+            s.seqlen_k,
+            s.head_dim,
+            r.pass,
+            r.ms,
+            r.tflops,
+            r.regs,
+            r.smem
         )
     };
     let (mut all, mut best) = (format!("{COLUMNS}\n"), format!("{COLUMNS}\n"));

@@ -78,8 +78,11 @@ fn main() {
             _ => all_entries = Some(entries),
         }
         let upper = arch.to_uppercase();
-        writeln!(generated, "/// PTX of the `kernels/` crate for `{arch}`, one module per group of kernels ([`MODULES`]).")
-            .unwrap();
+        writeln!(
+            generated,
+            "/// PTX of the `kernels/` crate for `{arch}`, one module per group of kernels ([`MODULES`])."
+        )
+        .unwrap();
         writeln!(generated, "pub const PTX_{upper}: &[&str] = &[").unwrap();
         for (group, ptx) in &modules {
             let ptx_path = out_dir.join(format!("kernels_{arch}_{group}.ptx"));
@@ -268,7 +271,8 @@ fn build_ptx(kernels_dir: &Path, out_dir: &Path, tools: &LlvmTools, arch: &str) 
         let tensor_cores = *group == "tensor_cores";
         let keep: Vec<&str> =
             kernels.iter().map(String::as_str).filter(|k| is_tensor_core_kernel(k) == tensor_cores).collect();
-        let (kept_bc, optimized_bc) = (target_dir.join(format!("{group}.bc")), target_dir.join(format!("{group}.opt.bc")));
+        let (kept_bc, optimized_bc) =
+            (target_dir.join(format!("{group}.bc")), target_dir.join(format!("{group}.opt.bc")));
         let ptx_path = target_dir.join(format!("{group}.ptx"));
         // Every other kernel is made internal, and then dropped as unused.
         run(Command::new(&tools.opt)
@@ -311,10 +315,10 @@ fn with_occupancy_hints(ptx: String) -> String {
         if let Some(name) = line.trim_start().strip_prefix(".visible .entry ") {
             let name = name.split('(').next().unwrap_or_default().trim();
             pending = OCCUPANCY_HINTS.iter().find(|(n, _, _)| *n == name).map(|&(_, t, b)| (t, b));
-        } else if line.trim_start().starts_with(')') {
-            if let Some((threads, blocks)) = pending.take() {
-                out.push_str(&format!(".maxntid {threads}, 1, 1\n.minnctapersm {blocks}\n"));
-            }
+        } else if line.trim_start().starts_with(')')
+            && let Some((threads, blocks)) = pending.take()
+        {
+            out.push_str(&format!(".maxntid {threads}, 1, 1\n.minnctapersm {blocks}\n"));
         }
     }
     out
@@ -361,7 +365,13 @@ impl LlvmTools {
         if !rust_src.exists() {
             fail(&format!("the rust-src component is missing (needed to build `core` for {NVPTX_TARGET}): {FIX}"));
         }
-        Self { llvm_ar: tool("llvm-ar"), llvm_nm: tool("llvm-nm"), llvm_link: tool("llvm-link"), opt: tool("opt"), llc: tool("llc") }
+        Self {
+            llvm_ar: tool("llvm-ar"),
+            llvm_nm: tool("llvm-nm"),
+            llvm_link: tool("llvm-link"),
+            opt: tool("opt"),
+            llc: tool("llc"),
+        }
     }
 }
 

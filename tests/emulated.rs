@@ -195,14 +195,26 @@ fn emulated_tensor_core_forward_and_backward() {
         let bwd = TileConfig::default_backward_for_dtype(attn_host::DType::F16, head_dim);
         let mode = if cases % 2 == 0 { DqAccumulation::Atomic } else { DqAccumulation::Deterministic };
         check16::<attn_host::f16>(ctx, shape, fwd, Some((bwd, mode)), options(causal), cases, Inputs::Normal);
-        check16::<attn_host::bf16>(ctx, shape, fwd, Some((bwd, DqAccumulation::Deterministic)), options(causal), cases + 1, Inputs::LargeLogits);
+        check16::<attn_host::bf16>(
+            ctx,
+            shape,
+            fwd,
+            Some((bwd, DqAccumulation::Deterministic)),
+            options(causal),
+            cases + 1,
+            Inputs::LargeLogits,
+        );
         cases += 2;
     }
     // Negative and zero scales (the forward kernel folds the scale into its exponent).
     for scale in [-0.3, 0.0] {
-        let shape = AttentionShape { batch: 1, num_heads_q: 1, num_heads_kv: 1, seqlen_q: 40, seqlen_k: 70, head_dim: 64 };
+        let shape =
+            AttentionShape { batch: 1, num_heads_q: 1, num_heads_kv: 1, seqlen_q: 40, seqlen_k: 70, head_dim: 64 };
         let options = attn_host::AttentionOptions { scale: Some(scale), causal: Causal::TopLeft };
-        let (fwd, bwd) = (TileConfig::default_for_dtype(attn_host::DType::F16, 64), TileConfig::default_backward_for_dtype(attn_host::DType::F16, 64));
+        let (fwd, bwd) = (
+            TileConfig::default_for_dtype(attn_host::DType::F16, 64),
+            TileConfig::default_backward_for_dtype(attn_host::DType::F16, 64),
+        );
         check16::<attn_host::f16>(ctx, shape, fwd, Some((bwd, DqAccumulation::Atomic)), options, cases, Inputs::Normal);
         cases += 1;
     }

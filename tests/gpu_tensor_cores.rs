@@ -23,7 +23,14 @@ fn masks() -> impl Strategy<Value = Causal> {
 /// A shape with seqlen_q and seqlen_k drawn independently, a GQA ratio from {1, 2, 4} and a
 /// head_dim the tensor-core kernels are compiled for.
 fn shapes() -> impl Strategy<Value = AttentionShape> {
-    (1usize..=2, 1usize..=3, prop::sample::select(vec![1usize, 2, 4]), 1usize..=400, 1usize..=400, prop::sample::select(TileConfig::compiled_head_dims_for(DType::F16)))
+    (
+        1usize..=2,
+        1usize..=3,
+        prop::sample::select(vec![1usize, 2, 4]),
+        1usize..=400,
+        1usize..=400,
+        prop::sample::select(TileConfig::compiled_head_dims_for(DType::F16)),
+    )
         .prop_map(|(batch, heads_kv, group, seqlen_q, seqlen_k, head_dim)| AttentionShape {
             batch,
             num_heads_q: heads_kv * group,
@@ -46,7 +53,14 @@ fn scales() -> impl Strategy<Value = Option<f32>> {
     prop::sample::select(vec![None, None, None, Some(-0.2), Some(0.0), Some(1.0)])
 }
 
-fn random_case<T: Element>(ctx: &Context, shape: AttentionShape, options: AttentionOptions, picks: (usize, usize), deterministic: bool, seed: u64) {
+fn random_case<T: Element>(
+    ctx: &Context,
+    shape: AttentionShape,
+    options: AttentionOptions,
+    picks: (usize, usize),
+    deterministic: bool,
+    seed: u64,
+) {
     let d = shape.head_dim;
     let tile = pick(FlashKernel::Forward, T::DTYPE, d, picks.0);
     let bwd = pick(FlashKernel::Backward, T::DTYPE, d, picks.1);
@@ -75,7 +89,8 @@ fn every_tensor_core_instance_on_a_ragged_causal_shape() {
     fn all<T: Element>(ctx: &Context) -> usize {
         let mut ran = 0;
         for head_dim in TileConfig::compiled_head_dims_for(T::DTYPE) {
-            let shape = AttentionShape { batch: 2, num_heads_q: 4, num_heads_kv: 2, seqlen_q: 201, seqlen_k: 333, head_dim };
+            let shape =
+                AttentionShape { batch: 2, num_heads_q: 4, num_heads_kv: 2, seqlen_q: 201, seqlen_k: 333, head_dim };
             let options = AttentionOptions::causal(Causal::BottomRight);
             for tile in TileConfig::compiled_for(FlashKernel::Forward, T::DTYPE, head_dim) {
                 check16::<T>(ctx, shape, tile, None, options, ran as u64, Inputs::Normal);
@@ -102,7 +117,8 @@ fn tensor_cores_with_logits_in_the_hundreds() {
     let Some(ctx) = gpu("tensor_cores_with_logits_in_the_hundreds") else { return };
     for head_dim in [64, 128] {
         for causal in [Causal::None, Causal::BottomRight] {
-            let shape = AttentionShape { batch: 1, num_heads_q: 4, num_heads_kv: 2, seqlen_q: 300, seqlen_k: 517, head_dim };
+            let shape =
+                AttentionShape { batch: 1, num_heads_q: 4, num_heads_kv: 2, seqlen_q: 300, seqlen_k: 517, head_dim };
             let options = AttentionOptions { scale: Some(1.0), causal };
             for (i, mode) in [DqAccumulation::Atomic, DqAccumulation::Deterministic].into_iter().enumerate() {
                 let bwd = (TileConfig::default_backward_for_dtype(DType::F16, head_dim), mode);
@@ -118,7 +134,8 @@ fn tensor_cores_with_logits_in_the_hundreds() {
 #[test]
 fn deterministic_tensor_core_backward_is_bitwise_reproducible() {
     let Some(ctx) = gpu("deterministic_tensor_core_backward_is_bitwise_reproducible") else { return };
-    let shape = AttentionShape { batch: 2, num_heads_q: 8, num_heads_kv: 2, seqlen_q: 777, seqlen_k: 1029, head_dim: 128 };
+    let shape =
+        AttentionShape { batch: 2, num_heads_q: 8, num_heads_kv: 2, seqlen_q: 777, seqlen_k: 1029, head_dim: 128 };
     let problem = Problem16::<bf16>::new(ctx, shape, 5, Inputs::Normal);
     let options = AttentionOptions::causal(Causal::TopLeft);
     let fwd = problem.forward(ctx, TileConfig::default_for_dtype(DType::Bf16, 128), &options);
@@ -136,11 +153,22 @@ fn deterministic_tensor_core_backward_is_bitwise_reproducible() {
 #[test]
 fn tensor_cores_on_a_long_causal_sequence() {
     let Some(ctx) = gpu("tensor_cores_on_a_long_causal_sequence") else { return };
-    let shape = AttentionShape { batch: 1, num_heads_q: 4, num_heads_kv: 4, seqlen_q: 3000, seqlen_k: 3000, head_dim: 128 };
+    let shape =
+        AttentionShape { batch: 1, num_heads_q: 4, num_heads_kv: 4, seqlen_q: 3000, seqlen_k: 3000, head_dim: 128 };
     let options = AttentionOptions::causal(Causal::TopLeft);
-    let (fwd, bwd) = (TileConfig::default_for_dtype(DType::F16, 128), TileConfig::default_backward_for_dtype(DType::F16, 128));
+    let (fwd, bwd) =
+        (TileConfig::default_for_dtype(DType::F16, 128), TileConfig::default_backward_for_dtype(DType::F16, 128));
     check16::<f16>(ctx, shape, fwd, Some((bwd, DqAccumulation::Atomic)), options, 11, Inputs::Normal);
     let shape = AttentionShape { head_dim: 64, seqlen_q: 4100, seqlen_k: 2500, ..shape };
-    let (fwd, bwd) = (TileConfig::default_for_dtype(DType::Bf16, 64), TileConfig::default_backward_for_dtype(DType::Bf16, 64));
-    check16::<bf16>(ctx, shape, fwd, Some((bwd, DqAccumulation::Deterministic)), AttentionOptions::causal(Causal::BottomRight), 12, Inputs::Normal);
+    let (fwd, bwd) =
+        (TileConfig::default_for_dtype(DType::Bf16, 64), TileConfig::default_backward_for_dtype(DType::Bf16, 64));
+    check16::<bf16>(
+        ctx,
+        shape,
+        fwd,
+        Some((bwd, DqAccumulation::Deterministic)),
+        AttentionOptions::causal(Causal::BottomRight),
+        12,
+        Inputs::Normal,
+    );
 }

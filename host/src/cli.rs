@@ -319,7 +319,8 @@ fn run_case(
 ) -> Result<()> {
     let shape = case.shape;
     let options = AttentionOptions { scale: args.scale, causal: case.causal };
-    let (tile, backward_tile) = (args.tile(DType::F32, shape.head_dim, false), args.tile(DType::F32, shape.head_dim, true));
+    let (tile, backward_tile) =
+        (args.tile(DType::F32, shape.head_dim, false), args.tile(DType::F32, shape.head_dim, true));
     let inputs = Inputs::new(ctx, &shape)?;
     let [q, k, v, d_o] = &inputs.device;
     let part = CheckedPart::new(&inputs.host, &shape);
@@ -396,41 +397,48 @@ fn run_case(
             naive.as_ref().map_err(clone_error).and_then(|out| {
                 let mut grads = ctx.attention_naive_backward(q, k, v, &out.o, d_o, &options)?;
                 let errors = backward_errors(&grads)?;
-                Ok((time(&mut || ctx.attention_naive_backward_into(q, k, v, &out.o, d_o, &mut grads, &options))?, errors))
+                Ok((
+                    time(&mut || ctx.attention_naive_backward_into(q, k, v, &out.o, d_o, &mut grads, &options))?,
+                    errors,
+                ))
             }),
         );
     } else {
-    let mut flash = ctx.flash_attention_forward(q, k, v, &options, tile)?;
-    let errors = forward_errors(&flash.o, &flash.lse);
-    add_row(
-        &format!("flash forward (m{}, n{})", tile.block_m, tile.block_n),
-        false,
-        row_bytes,
-        errors.and_then(|errors| {
-            Ok((time(&mut || ctx.flash_attention_forward_into(q, k, v, &mut flash, &options, tile))?, errors))
-        }),
-    );
-    add_row(
-        "naive backward",
-        true,
-        score_bytes + 2 * row_bytes,
-        naive.as_ref().map_err(clone_error).and_then(|out| {
-            let mut grads = ctx.attention_naive_backward(q, k, v, &out.o, d_o, &options)?;
-            let errors = backward_errors(&grads)?;
-            Ok((time(&mut || ctx.attention_naive_backward_into(q, k, v, &out.o, d_o, &mut grads, &options))?, errors))
-        }),
-    );
-    for (mode, name) in [(DqAccumulation::Atomic, "atomic dQ"), (DqAccumulation::Deterministic, "deterministic")] {
-        let (o, lse, tile) = (&flash.o, &flash.lse, backward_tile);
-        let result = ctx.flash_attention_backward(q, k, v, o, lse, d_o, &options, tile, mode).and_then(|mut grads| {
-            let errors = backward_errors(&grads)?;
-            let mut run = || ctx.flash_attention_backward_into(q, k, v, o, lse, d_o, &mut grads, &options, tile, mode);
-            Ok((time(&mut run)?, errors))
-        });
-        add_row(&format!("flash backward, {name} (m{}, n{})", tile.block_m, tile.block_n), true, row_bytes, result);
+        let mut flash = ctx.flash_attention_forward(q, k, v, &options, tile)?;
+        let errors = forward_errors(&flash.o, &flash.lse);
+        add_row(
+            &format!("flash forward (m{}, n{})", tile.block_m, tile.block_n),
+            false,
+            row_bytes,
+            errors.and_then(|errors| {
+                Ok((time(&mut || ctx.flash_attention_forward_into(q, k, v, &mut flash, &options, tile))?, errors))
+            }),
+        );
+        add_row(
+            "naive backward",
+            true,
+            score_bytes + 2 * row_bytes,
+            naive.as_ref().map_err(clone_error).and_then(|out| {
+                let mut grads = ctx.attention_naive_backward(q, k, v, &out.o, d_o, &options)?;
+                let errors = backward_errors(&grads)?;
+                Ok((
+                    time(&mut || ctx.attention_naive_backward_into(q, k, v, &out.o, d_o, &mut grads, &options))?,
+                    errors,
+                ))
+            }),
+        );
+        for (mode, name) in [(DqAccumulation::Atomic, "atomic dQ"), (DqAccumulation::Deterministic, "deterministic")] {
+            let (o, lse, tile) = (&flash.o, &flash.lse, backward_tile);
+            let result =
+                ctx.flash_attention_backward(q, k, v, o, lse, d_o, &options, tile, mode).and_then(|mut grads| {
+                    let errors = backward_errors(&grads)?;
+                    let mut run =
+                        || ctx.flash_attention_backward_into(q, k, v, o, lse, d_o, &mut grads, &options, tile, mode);
+                    Ok((time(&mut run)?, errors))
+                });
+            add_row(&format!("flash backward, {name} (m{}, n{})", tile.block_m, tile.block_n), true, row_bytes, result);
+        }
     }
-    }
-    drop(add_row);
     for &dtype in &args.dtype {
         let rows = match dtype {
             DType::F32 => continue,
@@ -460,17 +468,14 @@ fn tensor_core_rows<T: Element>(
     let (tile, backward_tile) = (args.tile(dtype, shape.head_dim, false), args.tile(dtype, shape.head_dim, true));
     let mode = DqAccumulation::fastest_for(dtype);
     let mode_name = if mode == DqAccumulation::Atomic { "atomic dQ" } else { "deterministic" };
-    let names = [
-        format!("flash forward {dtype} ({tile})"),
-        format!("flash backward {dtype}, {mode_name} ({backward_tile})"),
-    ];
+    let names =
+        [format!("flash forward {dtype} ({tile})"), format!("flash backward {dtype}, {mode_name} ({backward_tile})")];
     let flops = options.forward_flops(&shape);
     let result = (|| -> Result<[(f64, String); 2]> {
         let rounded: Vec<Vec<f32>> = inputs.host.iter().map(|x| to_f32_vec(&from_f32_slice::<T>(x))).collect();
         let shapes = [shape.q_shape(), shape.kv_shape(), shape.kv_shape(), shape.q_shape()];
-        let device: Vec<DeviceTensor<T>> = (0..4)
-            .map(|i| ctx.upload(&from_f32_slice::<T>(&rounded[i]), &shapes[i]))
-            .collect::<Result<_>>()?;
+        let device: Vec<DeviceTensor<T>> =
+            (0..4).map(|i| ctx.upload(&from_f32_slice::<T>(&rounded[i]), &shapes[i])).collect::<Result<_>>()?;
         let (q, k, v, d_o) = (&device[0], &device[1], &device[2], &device[3]);
         let part = CheckedPart::new(&[0, 1, 2, 3].map(|i| rounded[i].clone()), &shape);
         let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: case.causal };
@@ -504,7 +509,11 @@ fn tensor_core_rows<T: Element>(
         Ok([(forward_ms, forward_errors), (backward_ms, backward_errors)])
     })();
     let checked = {
-        let part_heads = if shape.forward_flops() <= FULL_CHECK_FLOPS { shape.batch * shape.num_heads_q } else { shape.group_size() };
+        let part_heads = if shape.forward_flops() <= FULL_CHECK_FLOPS {
+            shape.batch * shape.num_heads_q
+        } else {
+            shape.group_size()
+        };
         format!("{part_heads}/{}", shape.batch * shape.num_heads_q)
     };
     let row_bytes = shape.lse_bytes();
@@ -518,7 +527,9 @@ fn tensor_core_rows<T: Element>(
                 [name, format!("{ms:.3}"), format!("{tf:.2}"), format_bytes(row_bytes), checked.clone(), errors]
             })
             .collect(),
-        Err(e) => vec![[names[0].clone(), format!("failed: {e}"), String::new(), String::new(), String::new(), String::new()]],
+        Err(e) => {
+            vec![[names[0].clone(), format!("failed: {e}"), String::new(), String::new(), String::new(), String::new()]]
+        }
     }
 }
 

@@ -99,7 +99,11 @@ pub struct Context {
 
 enum Backend {
     /// `modules[kernels::module_of(entry)]` holds kernel `entry`.
-    Cuda { cuda: Arc<CudaContext>, stream: Arc<CudaStream>, modules: Vec<Arc<CudaModule>> },
+    Cuda {
+        cuda: Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+        modules: Vec<Arc<CudaModule>>,
+    },
     Emulated,
 }
 
@@ -233,9 +237,9 @@ impl Context {
 
     fn function(&self, entry: &str) -> Result<CudaFunction> {
         match &self.backend {
-            Backend::Cuda { modules, .. } => modules[kernels::module_of(entry)]
-                .load_function(entry)
-                .during(format!("looking up kernel {entry}")),
+            Backend::Cuda { modules, .. } => {
+                modules[kernels::module_of(entry)].load_function(entry).during(format!("looking up kernel {entry}"))
+            }
             Backend::Emulated => Err(Error::NotOnEmulator("information about a compiled kernel")),
         }
     }

@@ -39,7 +39,14 @@ impl std::fmt::Display for FlashKernel {
 impl FlashKernel {
     /// Dynamic shared memory per block, in bytes, for this tile (`stages` counts only for the
     /// tensor-core kernels).
-    pub fn shared_memory_bytes(self, dtype: DType, block_m: usize, block_n: usize, head_dim: usize, stages: usize) -> usize {
+    pub fn shared_memory_bytes(
+        self,
+        dtype: DType,
+        block_m: usize,
+        block_n: usize,
+        head_dim: usize,
+        stages: usize,
+    ) -> usize {
         match (dtype, self) {
             (DType::F32, Self::Forward) => layout::flash_forward_smem_bytes(block_m, block_n, head_dim),
             (DType::F32, Self::Backward | Self::BackwardDkDv) => {

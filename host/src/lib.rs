@@ -31,10 +31,11 @@
 //! | item | what |
 //! |---|---|
 //! | [`Context`] | one device, its stream, the loaded kernels; [`DeviceInfo`]; or the CPU emulator ([`Context::cpu_emulated`], [`Device`]) |
-//! | [`DeviceTensor`] | an `f32` buffer in device memory with its shape |
+//! | [`DeviceTensor`] | a buffer of [`Element`]s (`f32`, [`f16`], [`bf16`]; [`DType`]) in device memory with its shape |
 //! | [`Context::vector_add`], [`Context::attention_naive`], [`Context::flash_attention_forward`] | the forward operations |
 //! | [`Context::attention_naive_backward`], [`Context::flash_attention_backward`] | the backward operations ([`Gradients`], [`DqAccumulation`]) |
-//! | [`AttentionShape`], [`AttentionOptions`], [`Causal`], [`TileConfig`] | the problem, its options and mask, the tile sizes |
+//! | [`AttentionShape`], [`AttentionOptions`], [`Causal`], [`TileConfig`] | the problem, its options and mask, the tile sizes (and pipeline stages of the tensor-core kernels) |
+//! | [`dtype`] | the element types and conversions (`f16`/`bf16` tensors run on the tensor cores) |
 //! | [`cpu`] | rayon references in `f64`: the plain formula (forward and backward) and a tiled FlashAttention |
 //! | [`check`], [`timing`] | error metrics and seeded inputs; CUDA-event timing |
 //! | [`Error`] | every failure, typed; no function here panics on bad input |
@@ -59,10 +60,10 @@ pub mod timing;
 
 pub use context::{Context, Device, DeviceInfo};
 pub use dtype::{DType, Element};
+pub use error::{Error, Result};
 /// The 16-bit float types of the `half` crate, re-exported: tensors of [`f16`] or [`bf16`] run on
 /// the tensor-core kernels.
 pub use half::{bf16, f16};
-pub use error::{Error, Result};
 pub use kernels::FlashKernel;
 pub use ops::{AttentionOutput, DqAccumulation, Gradients};
 pub use problem::{AttentionOptions, AttentionShape, Causal, TileConfig};

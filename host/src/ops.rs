@@ -332,8 +332,7 @@ impl Context {
                 tile.shared_memory_bytes_for(kernel, dtype, d),
             )
         };
-        let (q_, k_, v_, do_, lse_, delta_): (&dyn KernelArg, &dyn KernelArg, &dyn KernelArg, &dyn KernelArg, &dyn KernelArg, &dyn KernelArg) =
-            (q, k, v, d_o, lse, &delta);
+        let [q_, k_, v_, do_, lse_, delta_]: [&dyn KernelArg; 6] = [q, k, v, d_o, lse, &delta];
         match (dtype, dq) {
             // The f32 kernels share one signature, dQ included.
             (DType::F32, DqAccumulation::Atomic) => {
@@ -356,7 +355,11 @@ impl Context {
                 self.launch(entries[0], config(FlashKernel::Backward), &args.with_mask(&head, &[&scale]))?;
                 let n = accum.len();
                 let convert = one_dim(grid_stride_blocks(self, n / 8, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS);
-                let entry = if dtype == DType::F16 { entry::FLASH_BWD_CONVERT_DQ_F16 } else { entry::FLASH_BWD_CONVERT_DQ_BF16 };
+                let entry = if dtype == DType::F16 {
+                    entry::FLASH_BWD_CONVERT_DQ_F16
+                } else {
+                    entry::FLASH_BWD_CONVERT_DQ_BF16
+                };
                 self.launch(entry, convert, &[&accum, &grads.dq, &n])
             }
             (_, DqAccumulation::Deterministic) => {
@@ -471,7 +474,8 @@ impl Context {
         }
         self.check_owner("lse", lse)?;
         let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
-        for (name, got, want) in [("o", o.shape(), &shape.q_shape()[..]), ("lse", lse.shape(), &shape.lse_shape()[..])] {
+        for (name, got, want) in [("o", o.shape(), &shape.q_shape()[..]), ("lse", lse.shape(), &shape.lse_shape()[..])]
+        {
             if got != want {
                 return Err(Error::Shape(format!("`{name}` must have shape {want:?}; got {got:?}")));
             }

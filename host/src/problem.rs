@@ -4,9 +4,9 @@ use crate::context::DeviceInfo;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kernels::{self, FLASH_INSTANCES, FlashKernel};
+pub use crate::layout::AttentionShape;
 #[allow(unused_imports)] // for docs
 use crate::ops::DqAccumulation;
-pub use crate::layout::AttentionShape;
 
 /// CUDA's limit on the y and z dimensions of a grid; the flash kernel puts heads on y and the
 /// batch on z.

@@ -656,13 +656,15 @@ pub(crate) fn mma_m16n8k16<const BF16: bool>(a: [u32; 4], b: [u32; 2], c: [f32; 
     let (mut am, mut bm, mut cm) = ([[0f32; 16]; 16], [[0f32; 8]; 16], [[0f32; 8]; 16]);
     for (lane, regs) in all.iter().enumerate() {
         let (g, t) = (lane / 4, lane % 4);
-        for (i, (row, col)) in [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)].into_iter().enumerate() {
+        for (i, (row, col)) in [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)].into_iter().enumerate()
+        {
             (am[row][col], am[row][col + 1]) = widen(regs[i]);
         }
         for (i, k) in [2 * t, 2 * t + 8].into_iter().enumerate() {
             (bm[k][g], bm[k + 1][g]) = widen(regs[4 + i]);
         }
-        for (i, (row, col)) in [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)].into_iter().enumerate() {
+        for (i, (row, col)) in [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)].into_iter().enumerate()
+        {
             cm[row][col] = f32::from_bits(regs[6 + i] as u32);
         }
     }

@@ -124,7 +124,8 @@ unsafe fn convert_dq<T: HalfFloat>(dq_accum: *const f32, dq: *mut u16, n: usize)
     while chunk < n / 8 {
         // SAFETY: 8·chunk + 8 ≤ n.
         unsafe {
-            let (lo, hi) = (gpu::F32x4::load(dq_accum.add(8 * chunk)).0, gpu::F32x4::load(dq_accum.add(8 * chunk + 4)).0);
+            let (lo, hi) =
+                (gpu::F32x4::load(dq_accum.add(8 * chunk)).0, gpu::F32x4::load(dq_accum.add(8 * chunk + 4)).0);
             let packed = [T::pack(lo[0], lo[1]), T::pack(lo[2], lo[3]), T::pack(hi[0], hi[1]), T::pack(hi[2], hi[3])];
             gpu::store16(dq.add(8 * chunk), packed);
         }
@@ -172,7 +173,11 @@ pub(crate) unsafe fn store_warp_rows<T: HalfFloat, const HEAD_DIM: usize, const 
     gpu::sync_warp();
     for (dt, frag) in acc.iter().enumerate() {
         for r in 0..2 {
-            staging.store2(row0 + g + 8 * r, 8 * dt + 2 * t, T::pack(frag[2 * r] * scale[r], frag[2 * r + 1] * scale[r]));
+            staging.store2(
+                row0 + g + 8 * r,
+                8 * dt + 2 * t,
+                T::pack(frag[2 * r] * scale[r], frag[2 * r + 1] * scale[r]),
+            );
         }
     }
     gpu::sync_warp();

@@ -113,7 +113,12 @@ impl RowSoftmax {
 /// a1 = row g + 8 of it, a2 and a3 the same of the second).
 #[inline(always)]
 pub(crate) fn pack_a<T: HalfFloat>(first: FragC, second: FragC) -> FragA {
-    [T::pack(first[0], first[1]), T::pack(first[2], first[3]), T::pack(second[0], second[1]), T::pack(second[2], second[3])]
+    [
+        T::pack(first[0], first[1]),
+        T::pack(first[2], first[3]),
+        T::pack(second[0], second[1]),
+        T::pack(second[2], second[3]),
+    ]
 }
 
 /// The kernel body shared by every instance. `D_STEPS`, `N_TILES` and `D_TILES` size the

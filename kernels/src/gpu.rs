@@ -3,10 +3,12 @@
 //! Everything a kernel in this crate needs from the GPU is here, grouped by who executes it:
 //!
 //! * **a thread**: its index in the block and in the grid, fast `exp2`/`log2`, 16-byte loads;
-//! * **a warp** (32 threads that issue together): shuffles, reductions over groups of lanes,
-//!   the warp barrier;
+//! * **a warp** (32 threads that issue together): shuffles, votes, reductions over groups of
+//!   lanes, the warp barrier, and the tensor cores (`mma.sync` on fragments spread over the
+//!   warp's lanes, loaded with `ldmatrix`, transposed with `movmatrix`);
 //! * **a block** (threads that share one multiprocessor): the block barrier, dynamic shared
-//!   memory, tiles carved out of it, cooperative copies from global memory into a tile.
+//!   memory, tiles carved out of it, cooperative copies from global memory into a tile, and
+//!   asynchronous ones (`cp.async`, with commit groups to wait for).
 //!
 //! Warp-level operations call LLVM's NVPTX intrinsics rather than `asm!`: the intrinsics are known
 //! to LLVM as *convergent* (every lane of the warp must reach them together), so the optimiser will
@@ -832,7 +834,7 @@ mod hw {
         let address: u64;
         // SAFETY: address conversion only; `pure` lets LLVM reuse the result.
         unsafe {
-            asm!("cvta.to.shared.u64 {a}, {p};", a = out(reg64) address, p = in(reg64) ptr, options(pure, nomem, nostack))
+            asm!("cvta.to.shared.u64 {a}, {p};", a = out(reg64) address, p = in(reg64) ptr as u64, options(pure, nomem, nostack))
         };
         address as u32
     }

@@ -6,7 +6,7 @@
 //!
 //! | level | module | what it teaches |
 //! |---|---|---|
-//! | 0 | [`gpu`] | the hardware as a handful of functions: thread and block indices, shared memory, barriers, warp shuffles, fast `exp2`/`log2` |
+//! | 0 | [`gpu`] | the hardware as a handful of functions: thread and block indices, shared memory, barriers, warp shuffles, fast `exp2`/`log2`; tensor-core fragments (`mma.sync`, `ldmatrix`, `movmatrix`) and `cp.async` |
 //! | 1 | [`vector_add`] | one thread per element, a grid-stride loop, 16-byte loads, a guarded tail |
 //! | 2 | [`naive_attention`] | "standard" attention (FlashAttention paper, Algorithm 0): S = QKᵀ and P = softmax(S) make a round trip through HBM, N×N floats each |
 //! | — | [`layout`] | what host and device must agree on: block sizes, shared-memory layouts, the problem shape (compiled into both crates from this one file) |
@@ -21,8 +21,10 @@
 //! barriers. Kernels are declared with the `kernel!` macro, which makes them GPU entry points
 //! on nvptx64 and emulator entries on the host.
 //!
-//! Tensors are row-major `[batch, heads, seqlen, head_dim]` `f32` arrays (PyTorch's
-//! `scaled_dot_product_attention` layout); the host crate validates every shape before a launch.
+//! Tensors are row-major `[batch, heads, seqlen, head_dim]` arrays (PyTorch's
+//! `scaled_dot_product_attention` layout) of `f32`, or of 16-bit floats (`f16`/`bf16`, passed as
+//! their raw bits, `u16`) for the tensor-core kernels; the host crate validates every shape before
+//! a launch.
 // On nvptx64 the crate is `no_std` and its kernels are GPU entry points; on the host it is an
 // ordinary library whose kernels run in the CPU emulator (`emu`), which needs `std`.
 #![cfg_attr(target_arch = "nvptx64", no_std)]
