@@ -61,13 +61,15 @@ impl FlashKernel {
         }
     }
 
-    /// Threads per block: 128 for the `f32` kernels; for the tensor-core kernels a warp per 16
-    /// rows of the tile dimension the block owns (queries for the forward and dQ kernels, keys
-    /// for the K/V-outer ones).
+    /// Threads per block: 128 for the `f32` kernels and the tensor-core forward (4 warps, each
+    /// with `block_m / 64` m-tiles of 16 rows); for the other tensor-core kernels a warp per 16
+    /// rows of the tile dimension the block owns (queries for the dQ kernel, keys for the
+    /// K/V-outer ones).
     pub fn threads(self, dtype: DType, block_m: usize, block_n: usize) -> usize {
         match (dtype, self) {
             (DType::F32, _) => layout::FLASH_THREADS,
-            (_, Self::Forward | Self::BackwardDq) => layout::mma_threads(block_m),
+            (_, Self::Forward) => layout::mma_forward_threads(block_m),
+            (_, Self::BackwardDq) => layout::mma_threads(block_m),
             (_, Self::Backward | Self::BackwardDkDv) => layout::mma_threads(block_n),
         }
     }

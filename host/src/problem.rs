@@ -168,10 +168,10 @@ impl AttentionOptions {
 /// Tile sizes of the FlashAttention kernels: `block_m` query rows per block (the paper's Br),
 /// `block_n` key/value rows per shared-memory tile (Bc) and, for the tensor-core kernels
 /// (`f16`, `bf16`), `stages`: the slots of the `cp.async` ring that streams tiles in while earlier
-/// ones are used. The number of warps follows from the tile: 4 for the `f32` kernels; for the
-/// tensor-core kernels one per 16 rows of the dimension a block owns (`block_m / 16` in the
-/// forward and dQ kernels, `block_n / 16` in the K/V-outer backward kernels; see
-/// [`TileConfig::warps`]).
+/// ones are used. The number of warps follows from the tile: 4 for the `f32` kernels and the
+/// tensor-core forward (whose warps each own `block_m / 64` m-tiles of 16 query rows); for the
+/// other tensor-core kernels one per 16 rows of the dimension a block owns (`block_m / 16` in the
+/// dQ kernel, `block_n / 16` in the K/V-outer backward kernels; see [`TileConfig::warps`]).
 ///
 /// Each compiled (kernel, dtype, block_m, block_n, head_dim, stages) is a separate kernel;
 /// [`TileConfig::validate_kernel`] says which exist and fit.
@@ -222,7 +222,8 @@ impl TileConfig {
         match (dtype, head_dim) {
             (DType::F32, 64) => Self::new(64, 64),
             (DType::F32, _) => Self::new(64, 32),
-            (_, _) => Self::new(64, 64).with_stages(2),
+            (_, 64) => Self::new(128, 128).with_stages(2),
+            (_, _) => Self::new(128, 64).with_stages(2),
         }
     }
 

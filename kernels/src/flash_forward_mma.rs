@@ -8,17 +8,23 @@
 //!
 //! ## Warps and fragments
 //!
-//! A block of `BLOCK_M` query rows has `BLOCK_M / 16` warps; warp `w` owns query rows
-//! `16w .. 16w + 16` of the tile, for the whole pass, so the block's warps never exchange
-//! data: each one computes its own rows of S = Q·Kᵀ, their softmax and their rows of O. Within a
-//! warp, lane `l` holds rows `g = l / 4` and `g + 8` (see the table in [`crate::gpu`]), so a row's
-//! max and sum are reduced over the 4 lanes `4g .. 4g + 4` with two shuffles.
+//! A block has 4 warps. Warp `w` owns `BLOCK_M / 4` consecutive query rows of the tile for the
+//! whole pass, as `WARP_TILES = BLOCK_M / 64` m-tiles of 16 rows (the M of one `mma`), so the
+//! block's warps never exchange data: each computes its own rows of S = Q·Kᵀ, their softmax and
+//! their rows of O. With two m-tiles (`BLOCK_M` = 128), every K and V fragment a warp reads from
+//! shared memory feeds two `mma` instead of one, and the warp has two independent softmax chains
+//! to interleave: FlashAttention-2's layout, and the step that took the D=128 forward from 264
+//! to 311 TFLOP/s (`PERFORMANCE.md`). Within a warp, lane `l` holds rows `g = l / 4` and `g + 8`
+//! of each m-tile (see the table in [`crate::gpu`]), so a row's max and sum are reduced over the
+//! 4 lanes `4g .. 4g + 4` with two shuffles.
 //!
-//! * `q[ks]`: the warp's Q rows as A fragments, one per 16 columns of head_dim, loaded from
-//!   shared memory once and kept in registers for the whole pass;
-//! * `s[nt]`: scores, then probabilities, of the warp's rows and keys `8nt .. 8nt + 8` of the
+//! * `q_frag[r][ks]`: m-tile `r`'s Q rows as A fragments, one per 16 columns of head_dim. With
+//!   one m-tile they are loaded once and kept in registers for the whole pass; with two, the
+//!   registers go to the second m-tile's scores and accumulator and Q is re-read from shared
+//!   memory at each use;
+//! * `s[r][nt]`: scores, then probabilities, of m-tile `r` and keys `8nt .. 8nt + 8` of the
 //!   current tile (accumulator fragments);
-//! * `acc[dt]`: unnormalised O of the warp's rows, columns `8dt .. 8dt + 8`.
+//! * `acc[r][dt]`: unnormalised O of m-tile `r`, columns `8dt .. 8dt + 8`.
 //!
 //! P never leaves registers: the accumulator fragments of keys `16kk .. 16kk + 16`, rounded to
 //! 16 bits, *are* the A fragment of P for that k-step of P·V (FlashAttention-2, section 3.3).
@@ -40,7 +46,9 @@
 //! compute, with one barrier per tile.
 
 use crate::gpu::{self, FragA, FragC, HalfFloat, LN_2, SharedMemory};
-use crate::layout::{AttentionShape, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_threads, q_shares_ring};
+use crate::layout::{
+    AttentionShape, MMA_FORWARD_WARPS, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_forward_threads, q_shares_ring,
+};
 use crate::tiles::{Mask, QueryBlock};
 
 /// Online-softmax state of the two rows a lane holds (rows `g` and `g + 8` of its warp).
@@ -121,11 +129,12 @@ pub(crate) fn pack_a<T: HalfFloat>(first: FragC, second: FragC) -> FragA {
     ]
 }
 
-/// The kernel body shared by every instance. `D_STEPS`, `N_TILES` and `D_TILES` size the
-/// register arrays (`HEAD_DIM / 16`, `BLOCK_N / 8`, `HEAD_DIM / 8`; see the module docs); the
-/// instance macro derives them, because array lengths must be plain const parameters.
+/// The kernel body shared by every instance. `WARP_TILES`, `D_STEPS`, `N_TILES` and `D_TILES`
+/// size the register arrays (`BLOCK_M / 64`, `HEAD_DIM / 16`, `BLOCK_N / 8`, `HEAD_DIM / 8`; see
+/// the module docs); the instance macro derives them, because array lengths must be plain const
+/// parameters.
 ///
-/// Grid: `(ceil(seqlen_q / BLOCK_M), num_heads_q, batch)`; block: `BLOCK_M / 16` warps; dynamic
+/// Grid: `(ceil(seqlen_q / BLOCK_M), num_heads_q, batch)`; block: 4 warps; dynamic
 /// shared memory: `layout::mma_forward_smem_bytes(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)` bytes.
 ///
 /// # Safety
@@ -140,6 +149,7 @@ pub(crate) unsafe fn flash_forward_mma<
     const BLOCK_N: usize,
     const HEAD_DIM: usize,
     const STAGES: usize,
+    const WARP_TILES: usize,
     const D_STEPS: usize,
     const N_TILES: usize,
     const D_TILES: usize,
@@ -154,11 +164,11 @@ pub(crate) unsafe fn flash_forward_mma<
     scale_log2: f32,
 ) {
     const {
-        assert!(BLOCK_M.is_multiple_of(MMA_WARP_ROWS) && BLOCK_N.is_multiple_of(16));
+        assert!(BLOCK_M == MMA_FORWARD_WARPS * MMA_WARP_ROWS * WARP_TILES && BLOCK_N.is_multiple_of(16));
         assert!(D_STEPS * 16 == HEAD_DIM && N_TILES * 8 == BLOCK_N && D_TILES * 8 == HEAD_DIM);
         assert!(STAGES >= 2);
     };
-    let threads = mma_threads(BLOCK_M);
+    let threads = mma_forward_threads(BLOCK_M);
     let block = QueryBlock::current::<BLOCK_M>(&shape);
     let (q_start, q_rows) = (block.q_start, block.q_rows);
     // SAFETY: the host sized the grid, so these heads exist (offsets are in elements).
@@ -168,7 +178,12 @@ pub(crate) unsafe fn flash_forward_mma<
     };
     let lane = gpu::lane_id();
     let (g, t) = (lane / 4, lane % 4);
-    let warp_row = gpu::warp_id() * MMA_WARP_ROWS; // the warp's first row in the tile
+    // The warp's first row in the tile; its m-tile `r` is rows `warp_row + 16r ..`.
+    let warp_row = gpu::warp_id() * MMA_WARP_ROWS * WARP_TILES;
+    // With one m-tile per warp, Q's fragments stay in registers for the whole pass; with two,
+    // the registers go to the second m-tile's scores and accumulator, and Q is re-read from
+    // shared memory at every use.
+    let q_in_registers = WARP_TILES == 1;
 
     let stride = HEAD_DIM + MMA_SMEM_PAD;
     let mut smem = SharedMemory::new();
@@ -176,10 +191,10 @@ pub(crate) unsafe fn flash_forward_mma<
     // (Computed from the slot number rather than kept in an array: an array of tiles indexed by
     // a loop variable would live in local memory.)
     let kv_ring = smem.tile16(2 * STAGES * BLOCK_N, stride);
-    // Q is read once, into registers, before the loop; the ring's last slot is first filled in
-    // the loop's first iteration, after a barrier that every warp reaches only once it has its Q
-    // fragments. So Q borrows that slot when it fits there (see `layout::mma_forward_smem_bytes`):
-    // less shared memory per block, more blocks per SM.
+    // When Q is read once, into registers, before the loop, it can borrow the ring's last slot:
+    // that slot is first filled in the loop's first iteration, after a barrier that every warp
+    // reaches only once it has its Q fragments (see `layout::q_shares_ring`). Less shared memory
+    // per block, more blocks per SM.
     let q_tile = if q_shares_ring(BLOCK_M, BLOCK_N) {
         kv_ring.rows_from(2 * (STAGES - 1) * BLOCK_N)
     } else {
@@ -225,10 +240,14 @@ pub(crate) unsafe fn flash_forward_mma<
     // 2^(s·c) = 1 in f32, as a zero scale does.
     let sign = if scale_log2 < 0.0 { 0x8000_8000 } else { 0 };
     let c = scale_log2.abs().max(f32::MIN_POSITIVE);
-    let q_frag: [FragA; D_STEPS] = core::array::from_fn(|ks| q_tile.fragment_a(warp_row, 16 * ks).map(|x| x ^ sign));
+    let q_fragment = |r: usize, ks: usize| q_tile.fragment_a(warp_row + 16 * r, 16 * ks).map(|x| x ^ sign);
+    let mut q_frag = [[[0u32; 4]; D_STEPS]; WARP_TILES];
+    if q_in_registers {
+        q_frag = core::array::from_fn(|r| core::array::from_fn(|ks| q_fragment(r, ks)));
+    }
 
-    let mut softmax = RowSoftmax::new();
-    let mut acc = [[0.0f32; 4]; D_TILES];
+    let mut softmax: [RowSoftmax; WARP_TILES] = core::array::from_fn(|_| RowSoftmax::new());
+    let mut acc = [[[0.0f32; 4]; D_TILES]; WARP_TILES];
     for tile in 0..kv_tiles {
         // Tile `tile` has landed for everyone, and everyone is done with tile − 1's slot.
         gpu::cp_async_wait(STAGES - 2);
@@ -237,46 +256,57 @@ pub(crate) unsafe fn flash_forward_mma<
         let (k_tile, v_tile) = kv_slot(tile);
         let kv_start = tile * BLOCK_N;
 
-        // S = Q·Kᵀ for the warp's 16 rows and the tile's BLOCK_N keys.
-        let mut s = [[0.0f32; 4]; N_TILES];
+        // S = Q·Kᵀ for the warp's rows and the tile's BLOCK_N keys; each K fragment read from
+        // shared memory serves every m-tile of the warp.
+        let mut s = [[[0.0f32; 4]; N_TILES]; WARP_TILES];
         for ks in 0..D_STEPS {
+            let q_ks: [FragA; WARP_TILES] =
+                core::array::from_fn(|r| if q_in_registers { q_frag[r][ks] } else { q_fragment(r, ks) });
             for np in 0..N_TILES / 2 {
                 let [b0, b1] = k_tile.fragments_b(16 * np, 16 * ks);
-                s[2 * np] = T::mma(q_frag[ks], b0, s[2 * np]);
-                s[2 * np + 1] = T::mma(q_frag[ks], b1, s[2 * np + 1]);
+                for r in 0..WARP_TILES {
+                    s[r][2 * np] = T::mma(q_ks[r], b0, s[r][2 * np]);
+                    s[r][2 * np + 1] = T::mma(q_ks[r], b1, s[r][2 * np + 1]);
+                }
             }
         }
         // Only tiles that cross some row's key limit (the causal diagonal, the ragged end of the
         // keys) pay for the per-element mask.
         if kv_start + BLOCK_N > all_see {
-            for nt in 0..N_TILES {
-                for e in 0..4 {
-                    let (row, key) = (q_start + warp_row + g + 8 * (e / 2), kv_start + 8 * nt + 2 * t + e % 2);
-                    if !mask.visible(row, key) {
-                        s[nt][e] = f32::NEG_INFINITY;
+            for r in 0..WARP_TILES {
+                for nt in 0..N_TILES {
+                    for e in 0..4 {
+                        let row = q_start + warp_row + 16 * r + g + 8 * (e / 2);
+                        if !mask.visible(row, kv_start + 8 * nt + 2 * t + e % 2) {
+                            s[r][nt][e] = f32::NEG_INFINITY;
+                        }
                     }
                 }
             }
         }
-        let alpha = softmax.update(&mut s, c);
+        let alpha: [[f32; 2]; WARP_TILES] = core::array::from_fn(|r| softmax[r].update(&mut s[r], c));
         // Once the running maxima settle, most tiles leave them unchanged (alpha = 1 exactly):
         // the warp then skips rescaling its O accumulator, HEAD_DIM / 2 multiplications per lane
-        // per tile. The vote makes the branch uniform across the warp.
-        if gpu::warp_any(alpha[0] != 1.0 || alpha[1] != 1.0) {
-            for frag in acc.iter_mut() {
-                for e in 0..4 {
-                    frag[e] *= alpha[e / 2];
+        // and m-tile per tile. The vote makes the branch uniform across the warp.
+        if gpu::warp_any(alpha.iter().any(|a| a[0] != 1.0 || a[1] != 1.0)) {
+            for r in 0..WARP_TILES {
+                for frag in acc[r].iter_mut() {
+                    for e in 0..4 {
+                        frag[e] *= alpha[r][e / 2];
+                    }
                 }
             }
         }
 
-        // O += P·V, P straight from registers.
+        // O += P·V, P straight from registers; each V fragment serves every m-tile.
         for kk in 0..N_TILES / 2 {
-            let p = pack_a::<T>(s[2 * kk], s[2 * kk + 1]);
+            let p: [FragA; WARP_TILES] = core::array::from_fn(|r| pack_a::<T>(s[r][2 * kk], s[r][2 * kk + 1]));
             for dp in 0..D_TILES / 2 {
                 let [b0, b1] = v_tile.fragments_b_transposed(16 * kk, 16 * dp);
-                acc[2 * dp] = T::mma(p, b0, acc[2 * dp]);
-                acc[2 * dp + 1] = T::mma(p, b1, acc[2 * dp + 1]);
+                for r in 0..WARP_TILES {
+                    acc[r][2 * dp] = T::mma(p[r], b0, acc[r][2 * dp]);
+                    acc[r][2 * dp + 1] = T::mma(p[r], b1, acc[r][2 * dp + 1]);
+                }
             }
         }
     }
@@ -284,18 +314,21 @@ pub(crate) unsafe fn flash_forward_mma<
     // Normalise, round to 16 bits and stage O in the warp's own rows of the Q tile, so that the
     // writes to global memory are whole 16-byte chunks. Those rows may belong to a ring slot that
     // other warps are still reading in their last iteration: wait for them first.
-    let (inv_sum, row_lse) = softmax.finish();
+    let finished: [([f32; 2], [f32; 2]); WARP_TILES] = core::array::from_fn(|r| softmax[r].finish());
     gpu::sync_threads();
-    for (dt, frag) in acc.iter().enumerate() {
-        for r in 0..2 {
-            let value = T::pack(frag[2 * r] * inv_sum[r], frag[2 * r + 1] * inv_sum[r]);
-            q_tile.store2(warp_row + g + 8 * r, 8 * dt + 2 * t, value);
+    for r in 0..WARP_TILES {
+        let (inv_sum, _) = finished[r];
+        for (dt, frag) in acc[r].iter().enumerate() {
+            for h in 0..2 {
+                let value = T::pack(frag[2 * h] * inv_sum[h], frag[2 * h + 1] * inv_sum[h]);
+                q_tile.store2(warp_row + 16 * r + g + 8 * h, 8 * dt + 2 * t, value);
+            }
         }
     }
     gpu::sync_warp();
     let chunks = HEAD_DIM / 8;
     let mut chunk = lane;
-    while chunk < MMA_WARP_ROWS * chunks {
+    while chunk < MMA_WARP_ROWS * WARP_TILES * chunks {
         let (row, col) = (warp_row + chunk / chunks, (chunk % chunks) * 8);
         if row < q_rows {
             // SAFETY: row < q_rows, col + 8 ≤ HEAD_DIM.
@@ -304,11 +337,13 @@ pub(crate) unsafe fn flash_forward_mma<
         chunk += gpu::WARP_SIZE;
     }
     if t == 0 {
-        for r in 0..2 {
-            let row = warp_row + g + 8 * r;
-            if row < q_rows {
-                // SAFETY: row < q_rows.
-                unsafe { *lse_head.add(q_start + row) = row_lse[r] };
+        for r in 0..WARP_TILES {
+            for h in 0..2 {
+                let row = warp_row + 16 * r + g + 8 * h;
+                if row < q_rows {
+                    // SAFETY: row < q_rows.
+                    unsafe { *lse_head.add(q_start + row) = finished[r].1[h] };
+                }
             }
         }
     }
@@ -370,6 +405,7 @@ macro_rules! flash_forward_mma_instance {
                     $block_n,
                     $head_dim,
                     $stages,
+                    { $block_m / 64 },
                     { $head_dim / 16 },
                     { $block_n / 8 },
                     { $head_dim / 8 },

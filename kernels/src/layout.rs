@@ -116,24 +116,36 @@ pub const fn flash_backward_q_smem_bytes(block_m: usize, block_n: usize, head_di
     (2 * (block_m + block_n) * qkv + block_m * ds) * core::mem::size_of::<f32>()
 }
 
-/// Tensor-core kernels: query rows (forward) or key rows (backward) of one warp: the M of one
-/// `mma.m16n8k16` tile. A block of `block_m` rows has `block_m / 16` warps.
+/// Tensor-core kernels: the rows of one m-tile, the M of one `mma.m16n8k16`. A backward block of
+/// `block_n` keys (or a dQ block of `block_m` queries) has one warp per m-tile; a forward warp
+/// owns one or two m-tiles (see [`MMA_FORWARD_WARPS`]).
 pub const MMA_WARP_ROWS: usize = 16;
 
 /// Padding, in 16-bit elements, after each row of a tensor-core kernel's shared-memory tiles:
 /// 16 bytes, so that the 8 rows one `ldmatrix` matrix reads fall on different banks.
 pub const MMA_SMEM_PAD: usize = 8;
 
-/// Threads per block of a tensor-core kernel whose warps own `rows` rows in all.
+/// Threads per block of a tensor-core backward kernel whose warps own `rows` rows in all, one
+/// m-tile each.
 pub const fn mma_threads(rows: usize) -> usize {
     rows / MMA_WARP_ROWS * 32
 }
 
-/// Whether the tensor-core forward kernel's Q tile (`block_m` rows) fits in one slot of its K/V
-/// ring (a K and a V tile, `2 · block_n` rows), which it then borrows instead of a region of its
-/// own (Q is only read before the ring's last slot is first filled).
+/// Warps of a tensor-core forward block: always 4. A block of `block_m` query rows gives each
+/// warp `block_m / 64` m-tiles of 16 rows (1 for `block_m` = 64, 2 for 128).
+pub const MMA_FORWARD_WARPS: usize = 4;
+
+/// Threads per block of the tensor-core forward kernel (`block_m` only sets the rows per warp).
+pub const fn mma_forward_threads(_block_m: usize) -> usize {
+    MMA_FORWARD_WARPS * 32
+}
+
+/// Whether the tensor-core forward kernel's Q tile borrows the last slot of its K/V ring instead
+/// of a region of its own: when each warp has one m-tile (`block_m` = 64), keeps its Q fragments
+/// in registers (so Q is only read before that slot is first filled), and Q (`block_m` rows) fits
+/// in the slot (a K and a V tile, `2 · block_n` rows).
 pub const fn q_shares_ring(block_m: usize, block_n: usize) -> bool {
-    block_m <= 2 * block_n
+    block_m == MMA_FORWARD_WARPS * MMA_WARP_ROWS && block_m <= 2 * block_n
 }
 
 /// Bytes of dynamic shared memory of the tensor-core forward kernel: `stages` slots of a K and a
