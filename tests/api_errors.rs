@@ -54,6 +54,23 @@ fn every_entry_point_rejects_bad_shapes_with_a_message() {
     expect(ctx.flash_attention_forward(q, k, v, &opts, TileConfig::new(48, 16)).map(drop), "block_m ∈ {16, 32, 64}");
     let t96 = tensors(&ctx, &[&[1, 1, 8, 96]]);
     expect(ctx.flash_attention_forward(&t96[0], &t96[0], &t96[0], &opts, tile).map(drop), "head_dim=96");
+    // Scales that are not finite.
+    for scale in [f32::NAN, f32::INFINITY] {
+        let bad = AttentionOptions::with_scale(scale);
+        expect(ctx.flash_attention_forward(q, k, v, &bad, tile).map(drop), "scale must be finite");
+        expect(ctx.attention_naive(q, k, v, &bad).map(drop), "scale must be finite");
+        expect(ctx.attention_naive_backward(q, k, v, o, d_o, &bad).map(drop), "scale must be finite");
+        let result = ctx.flash_attention_backward(q, k, v, o, lse, d_o, &bad, tile, DqAccumulation::Atomic);
+        expect(result.map(drop), "scale must be finite");
+    }
+    // 16-bit tensors: head dims and tiles of the tensor-core kernels (stages are part of a tile).
+    let h = |shape: &[usize]| ctx.upload(&vec![attn_host::f16::from_f32(0.5); shape.iter().product()], shape).unwrap();
+    let (q16, k16) = (h(&[1, 2, 8, 64]), h(&[1, 1, 6, 64]));
+    let d16 = TileConfig::default_for_dtype(attn_host::DType::F16, 64);
+    expect(ctx.flash_attention_forward(&q16, &k16, &k16, &opts, TileConfig::new(64, 64)).map(drop), "stages=1");
+    expect(ctx.flash_attention_forward(&q16, &k16, &k16, &opts, d16.with_stages(5)).map(drop), "stages=5");
+    let q16_32 = h(&[1, 1, 8, 32]);
+    expect(ctx.flash_attention_forward(&q16_32, &q16_32, &q16_32, &opts, d16).map(drop), "(for f16)");
     // Vector add and host copies.
     expect(ctx.vector_add(q, k).map(drop), "equal shapes");
     let mut copy = ctx.full(&[4], 0.0).unwrap();

@@ -139,8 +139,12 @@ def _check(torch, F, sdpa_kernel, SDPBackend, backend, q, k, v, do, is_causal):
 
 
 def measure(args):
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError as e:
+        sys.exit(f"sdpa_bench: measuring needs PyTorch with CUDA ({e}); "
+                 "--peers-csv FILE --merge OURS.csv merges without it")
     F = torch.nn.functional
     if not torch.cuda.is_available():
         sys.exit("no CUDA device visible to torch")
@@ -297,14 +301,14 @@ def main():
     p.set_defaults(causal_mode="none")
     p.add_argument("--backends", default="fa2,cudnn",
                    help="comma subset of fa2,cudnn,efficient,math (default fa2,cudnn)")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=10, help="untimed iterations per case (default 10)")
+    p.add_argument("--repeats", type=int, default=30, help="timed iterations per case; the median is reported (default 30)")
     p.add_argument("--check", action="store_true",
                    help="first compare each backend with MATH in float32")
-    p.add_argument("--out", default="bench-results/peers_sdpa.csv")
+    p.add_argument("--out", default="bench-results/peers_sdpa.csv", help="CSV of the measured rows")
     p.add_argument("--merge", nargs="+", metavar="OURS.csv", help="our CSV file(s) to merge")
     p.add_argument("--peers-csv", help="merge this peers CSV instead of measuring")
-    p.add_argument("--merged-out", default="bench-results/merged.md")
+    p.add_argument("--merged-out", default="bench-results/merged.md", help="markdown of the merged table")
     args = p.parse_args()
     if args.peers_csv is None:
         measure(args)

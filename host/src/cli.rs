@@ -49,7 +49,8 @@ impl From<CausalArg> for Causal {
 #[command(name = "rust-attention", version)]
 pub struct Args {
     /// Batch size. Any shape flag (or --causal) runs one custom case instead of the three default
-    /// ones; unset dimensions then default to a ViT-B/16 batch: 8 × 12 heads × 197 × 64.
+    /// ones; unset dimensions then default to a ViT-B/16 batch, 8 × 12 heads × 197 × 64 (on the
+    /// emulator to its small case, 1 × 2 heads × 100 × 64).
     #[arg(long)]
     pub batch: Option<usize>,
     /// Query heads.
@@ -64,7 +65,7 @@ pub struct Args {
     /// Key/value sequence length; defaults to --seqlen.
     #[arg(long)]
     pub seqlen_k: Option<usize>,
-    /// Head dimension (flash kernels exist for 32, 64 and 128).
+    /// Head dimension (flash kernels exist for 32, 64 and 128 in f32, for 64 and 128 in f16/bf16).
     #[arg(long)]
     pub head_dim: Option<usize>,
     /// Query rows per flash block (Br), given together with --block-n; default: tuned per head_dim
@@ -74,8 +75,9 @@ pub struct Args {
     /// Key/value rows per flash tile (Bc), given together with --block-m.
     #[arg(long, requires = "block_m")]
     pub block_n: Option<usize>,
-    /// Pipeline stages of the f16/bf16 kernels with --block-m/--block-n (the f32 kernels have 1).
-    #[arg(long, default_value_t = 2)]
+    /// Pipeline stages of the f16/bf16 kernels' tile given by --block-m/--block-n (the f32
+    /// kernels have 1).
+    #[arg(long, default_value_t = 2, requires = "block_m")]
     pub stages: usize,
     /// Element types of the flash rows: f32 (CUDA cores), f16 and bf16 (tensor cores); a comma
     /// list. The naive rows are f32.
@@ -137,10 +139,13 @@ impl Args {
                 Case { name: "long, causal".into(), shape: mha(1, 12, 4096, 64), causal: Causal::TopLeft },
             ];
         }
-        let heads = self.heads.unwrap_or(12);
-        let seqlen = self.seqlen.unwrap_or(197);
+        // Unset dimensions: a ViT-B/16 batch on a GPU, the emulator's small case on the emulator
+        // (a full batch would take it minutes).
+        let emulated = self.device == Device::CpuEmulated;
+        let heads = self.heads.unwrap_or(if emulated { 2 } else { 12 });
+        let seqlen = self.seqlen.unwrap_or(if emulated { 100 } else { 197 });
         let shape = AttentionShape {
-            batch: self.batch.unwrap_or(8),
+            batch: self.batch.unwrap_or(if emulated { 1 } else { 8 }),
             num_heads_q: heads,
             num_heads_kv: self.heads_kv.unwrap_or(heads),
             seqlen_q: seqlen,

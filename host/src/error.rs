@@ -55,16 +55,20 @@ pub enum Error {
 
     /// No FlashAttention kernel was compiled for this head dimension, whatever the tile.
     #[error(
-        "no flash kernels for head_dim={head_dim}; compiled head dims: {allowed} (the naive kernels take any head_dim)"
+        "no flash kernels for head_dim={head_dim}; compiled head dims: {allowed} (the f32 naive kernels take any head_dim)"
     )]
     HeadDimNotCompiled { head_dim: usize, allowed: String },
 
-    /// No kernel was compiled for this tile shape and head dimension.
+    /// No kernel was compiled for this tile shape (and pipeline stages) and head dimension.
     #[error(
-        "no flash {kernel} kernel for block_m={block_m}, block_n={block_n}, head_dim={head_dim}; \
-         compiled: {allowed}"
+        "no flash {kernel} kernel for block_m={block_m}, block_n={block_n}, stages={stages}, \
+         head_dim={head_dim}; compiled: {allowed}"
     )]
-    TileNotCompiled { kernel: String, block_m: usize, block_n: usize, head_dim: usize, allowed: String },
+    TileNotCompiled { kernel: String, block_m: usize, block_n: usize, stages: usize, head_dim: usize, allowed: String },
+
+    /// The softmax scale is NaN or infinite.
+    #[error("the softmax scale must be finite; got {scale}")]
+    InvalidScale { scale: f32 },
 
     /// The tile needs more shared memory per block than the device has.
     #[error(

@@ -37,9 +37,10 @@ pub struct Gradients<T: Element = f32> {
 /// [`DqAccumulation::fastest_for`] gives the measured choice per element type.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum DqAccumulation {
-    /// The K/V-outer kernel adds each key tile's share of dQ to device memory with atomic adds:
-    /// one kernel, fastest, but the additions land in a different order on every run, so the
-    /// last bits of dQ can differ between runs (dK and dV never do).
+    /// The K/V-outer kernel adds each key tile's share of dQ to device memory with atomic adds
+    /// (for `f16`/`bf16` into an `f32` copy of dQ, rounded by a last small kernel): no second
+    /// pass over the tiles, the faster mode for `f32`, but the additions land in a different
+    /// order on every run, so the last bits of dQ can differ between runs (dK and dV never do).
     #[default]
     Atomic,
     /// A second kernel, outer loop over query tiles, recomputes P and dS and sums dQ in a fixed
@@ -191,7 +192,7 @@ impl Context {
     ) -> Result<DeviceTensor> {
         let scores = self.alloc_output(&[shape.batch, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k])?;
         let rows = shape.query_rows();
-        let scale = options.scale_for(shape.head_dim);
+        let scale = options.checked_scale(shape.head_dim)?;
         let args = ProblemArgs::new(shape, options);
         // One block per query row; threads stride over the row's keys.
         let per_row = one_dim(grid_stride_blocks(self, rows, 1), ELEMENTWISE_THREADS);
@@ -244,7 +245,7 @@ impl Context {
         // The forward kernel only ever exponentiates, so it takes the scale with log₂e folded in
         // (it uses exp2); the backward kernels also need the plain scale for dQ and dK, and fold
         // log₂e in themselves.
-        let scale_log2 = options.scale_for(shape.head_dim) * std::f32::consts::LOG2_E;
+        let scale_log2 = options.checked_scale(shape.head_dim)? * std::f32::consts::LOG2_E;
         let config = flash_config(
             (shape.seqlen_q.div_ceil(tile.block_m), shape.num_heads_q, shape.batch),
             kernel.threads(T::DTYPE, tile.block_m, tile.block_n),
@@ -314,7 +315,7 @@ impl Context {
             .collect::<Result<_>>()?;
         check_flash_grid(&shape)?;
         let delta = self.row_deltas(o, d_o, &shape)?;
-        let scale = options.scale_for(shape.head_dim);
+        let scale = options.checked_scale(shape.head_dim)?;
         let args = ProblemArgs::new(&shape, options);
         let d = shape.head_dim;
         let config = |kernel: FlashKernel| {
@@ -412,7 +413,7 @@ impl Context {
         let shape = self.check_backward(q, k, v, o, &lse, d_o, grads)?;
         let p = self.naive_probabilities(q, k, &lse, &shape, options)?;
         let delta = self.row_deltas(o, d_o, &shape)?;
-        let scale = options.scale_for(shape.head_dim);
+        let scale = options.checked_scale(shape.head_dim)?;
         let args = ProblemArgs::new(&shape, options);
         let threads = shape.head_dim.next_multiple_of(32).min(ELEMENTWISE_THREADS);
         let per_kv_row =

@@ -156,6 +156,16 @@ impl AttentionOptions {
         self.scale.unwrap_or(1.0 / (head_dim as f32).sqrt())
     }
 
+    /// [`AttentionOptions::scale_for`], checked: every entry point calls this before a launch.
+    ///
+    /// # Errors
+    /// [`Error::InvalidScale`] for a NaN or infinite scale (every kernel would return garbage,
+    /// each a different garbage).
+    pub fn checked_scale(&self, head_dim: usize) -> Result<f32> {
+        let scale = self.scale_for(head_dim);
+        if scale.is_finite() { Ok(scale) } else { Err(Error::InvalidScale { scale }) }
+    }
+
     /// Floating-point operations of one forward pass in the field's convention: 4 · batch ·
     /// heads · seqlen_q · seqlen_k · head_dim, halved for a causal mask. The backward pass counts
     /// 2.5 times this.
@@ -362,9 +372,10 @@ impl TileConfig {
                 kernel: kernel_name(kernel, dtype),
                 block_m: self.block_m,
                 block_n: self.block_n,
+                stages: self.stages,
                 head_dim,
                 allowed: if dtype == DType::F32 {
-                    compiled_summary()
+                    format!("{} (stages 1)", compiled_summary())
                 } else {
                     let tiles = Self::compiled_for(kernel, dtype, head_dim);
                     let tiles: Vec<String> = tiles.iter().map(Self::describe).collect();

@@ -9,15 +9,28 @@
 //! | dPᵀ = V·dOᵀ | keys × queries, k = head_dim | V rows | dO rows |
 //! | dV += Pᵀ·dO | keys × head_dim, k = queries | Pᵀ, from registers | dO, the fragments above transposed (`movmatrix`) |
 //! | dK += dSᵀ·Q | keys × head_dim, k = queries | dSᵀ = Pᵀ ∘ (dPᵀ − D), from registers | Q, likewise |
-//! | dQ += dS·K | queries × head_dim, k = keys | dSᵀ from shared memory (`.trans`) | K (`.trans`) |
+//! | dQ += dS·K | queries × head_dim, k = keys | atomic mode: dSᵀ from shared memory (`.trans`); deterministic dQ kernel: dS from registers | K (`.trans`, or its fragments transposed in registers) |
 //!
 //! Computing the transposes Sᵀ and dPᵀ (keys as rows) puts Pᵀ and dSᵀ in accumulator layout with
 //! keys as rows, which is the A layout that dV and dK need: like P in the forward pass, they go
 //! from one product into the next without leaving registers. Their B operands are the same
 //! 16×16 blocks of Q and dO that Sᵀ and dPᵀ read, the other way round: the kernel works through
-//! the query tile 16 queries at a time, reads a chunk's Q and dO fragments from shared memory
-//! once, and transposes them in registers (`movmatrix`) for dK and dV, instead of reading the
-//! tiles a second time with `ldmatrix.trans`.
+//! the query tile 16 queries at a time and, at head_dim 64, reads a chunk's Q and dO fragments
+//! from shared memory once and transposes them in registers (`movmatrix`) for dK and dV; at
+//! head_dim 128 keeping them would cost 64 registers next to the 128 of dK and dV, so it reads
+//! them a second time with `ldmatrix.trans` instead (`keeps_fragments`).
+//!
+//! ## Shared memory of the K/V-outer kernel (16-bit rows padded by 8 elements; `layout::mma_backward_kv_smem_bytes`)
+//!
+//! | tile | shape | written by | read by |
+//! |---|---|---|---|
+//! | K, V | BLOCK_N × HEAD_DIM | `cp.async`, once | each warp its 16 keys (A operands); all keys for dQ |
+//! | Q, dO ×`STAGES` | BLOCK_M × HEAD_DIM | `cp.async` ring, one slot per query tile | every warp (B operands) |
+//! | dSᵀ | BLOCK_N × BLOCK_M | each warp its 16 keys (atomic dQ only) | every warp, transposed, for dQ |
+//! | LSE, D ×`STAGES` | 2 × BLOCK_M `f32` | `cp.async` (4-byte), with Q and dO | every warp |
+//!
+//! The dQ kernel has Q and dO (`BLOCK_M × HEAD_DIM`, read once into registers) and a `STAGES`-slot
+//! K/V ring, as the forward pass (`layout::mma_backward_dq_smem_bytes`).
 //!
 //! ## Kernels
 //!
@@ -36,11 +49,18 @@
 //!
 //! ## Legend
 //!
-//! `g = lane / 4`, `t = lane % 4` as in the fragment table of [`crate::gpu`]. `st[half]`,
-//! `dpt[half]`: accumulator fragments of the warp's 16 keys and queries `q0 + 8·half .. + 8` of
-//! the current chunk; `q_frags[ks]`, `do_frags[ks]`: the chunk's B fragments for head_dim columns
-//! `16ks .. 16ks + 16`; `dk_acc[dt]`, `dv_acc[dt]`: the warp's rows of dK, dV, columns
-//! `8dt .. 8dt + 8`.
+//! `g = lane / 4`, `t = lane % 4` as in the fragment table of [`crate::gpu`]. In the K/V-outer
+//! kernel a query *chunk* is 16 queries starting at `q0`, split in two halves of 8:
+//!
+//! * `st[half]`, `dpt[half]`, `pt[half]`, `ds_t[half]`: accumulator fragments of Sᵀ, dPᵀ, Pᵀ and
+//!   dSᵀ for the warp's 16 keys and the chunk's queries `q0 + 8·half .. q0 + 8·half + 8`;
+//! * `q_frags[ks]`, `do_frags[ks]`: the chunk's Q and dO as B fragments, head_dim columns
+//!   `16ks .. 16ks + 16`;
+//! * `dk_acc[dt]`, `dv_acc[dt]`: the warp's rows of dK and dV, columns `8dt .. 8dt + 8`.
+//!
+//! In the dQ kernel a *chunk* is 16 keys starting at `k0`: `s[half]`, `dp[half]`, `ds[half]` are
+//! S, dP and dS for the warp's 16 queries and keys `k0 + 8·half ..`; `k_frags[ks]` the chunk's K
+//! fragments; `acc[dt]` the warp's rows of dQ.
 
 use crate::flash_forward_mma::pack_a;
 use crate::gpu::{self, FragA, FragC, HalfFloat, LOG2_E, SharedMemory, SharedTile16};
@@ -146,7 +166,8 @@ pub(crate) struct BackwardTensors {
 
 /// Whether a 16-row chunk's B fragments are kept in registers for their second, transposed use
 /// (`movmatrix`) or read again from shared memory (`ldmatrix.trans`). Keeping them saves shared
-/// memory bandwidth but costs `HEAD_DIM / 2` registers per operand: at head_dim 64 that fits
+/// memory bandwidth but costs `HEAD_DIM / 4` registers per operand and lane (16 × HEAD_DIM
+/// 16-bit values over 32 lanes), `HEAD_DIM / 2` for Q and dO together: at head_dim 64 that fits
 /// beside the dK/dV accumulators, at 128 it would spill.
 const fn keeps_fragments(head_dim: usize) -> bool {
     head_dim <= 64
@@ -250,7 +271,7 @@ pub(crate) unsafe fn flash_backward_kv_mma<
     // (LSE) and `2i + 1` (D) of the statistics. Slots are computed, not kept in an array, which
     // would live in local memory.
     let qdo_ring = smem.tile16(2 * STAGES * BLOCK_M, stride);
-    let dst_tile = smem.tile16(BLOCK_N, BLOCK_M + MMA_SMEM_PAD);
+    let ds_t_tile = smem.tile16(BLOCK_N, BLOCK_M + MMA_SMEM_PAD);
     let stats_ring = smem.tile(2 * STAGES, BLOCK_M);
     let slot = |i: usize| {
         let s = i % STAGES;
@@ -326,7 +347,7 @@ pub(crate) unsafe fn flash_backward_kv_mma<
                 }
             }
             // Pᵀ = 2^(Sᵀ·scale·log₂e − LSE·log₂e) and dSᵀ = Pᵀ ∘ (dPᵀ − D); the columns are queries.
-            let (mut pt, mut dst) = ([[0.0f32; 4]; 2], [[0.0f32; 4]; 2]);
+            let (mut pt, mut ds_t) = ([[0.0f32; 4]; 2], [[0.0f32; 4]; 2]);
             // Entry (half, e) is key `warp_key + g + 8·(e / 2)`, query `q0 + 8·half + 2t + e % 2`.
             let query = |half: usize, e: usize| q0 + 8 * half + 2 * t + e % 2;
             for half in 0..2 {
@@ -346,29 +367,30 @@ pub(crate) unsafe fn flash_backward_kv_mma<
             }
             for half in 0..2 {
                 for e in 0..4 {
-                    dst[half][e] = pt[half][e] * (dpt[half][e] - stats_ring.load(stats_row + 1, query(half, e)));
+                    ds_t[half][e] = pt[half][e] * (dpt[half][e] - stats_ring.load(stats_row + 1, query(half, e)));
                 }
             }
             // dV += Pᵀ·dO and dK += dSᵀ·Q (scaled at the end): A operands from registers, B
             // operands the chunk's fragments read the other way round.
-            let (p, ds) = (pack_a::<T>(pt[0], pt[1]), pack_a::<T>(dst[0], dst[1]));
-            for dp in 0..D_STEPS {
-                let (o, q) = if keep_fragments {
-                    (gpu::transpose_b(do_frags[dp]), gpu::transpose_b(q_frags[dp]))
+            let (p, ds) = (pack_a::<T>(pt[0], pt[1]), pack_a::<T>(ds_t[0], ds_t[1]));
+            for step in 0..D_STEPS {
+                // dO and Q as B operands with the chunk's queries as the k index.
+                let (do_b, q_b) = if keep_fragments {
+                    (gpu::transpose_b(do_frags[step]), gpu::transpose_b(q_frags[step]))
                 } else {
-                    (do_tile.fragments_b_transposed(q0, 16 * dp), q_tile.fragments_b_transposed(q0, 16 * dp))
+                    (do_tile.fragments_b_transposed(q0, 16 * step), q_tile.fragments_b_transposed(q0, 16 * step))
                 };
                 for half in 0..2 {
-                    dv_acc[2 * dp + half] = T::mma(p, o[half], dv_acc[2 * dp + half]);
-                    dk_acc[2 * dp + half] = T::mma(ds, q[half], dk_acc[2 * dp + half]);
+                    dv_acc[2 * step + half] = T::mma(p, do_b[half], dv_acc[2 * step + half]);
+                    dk_acc[2 * step + half] = T::mma(ds, q_b[half], dk_acc[2 * step + half]);
                 }
             }
             if ATOMIC_DQ {
                 // dQ needs every key of the block: publish the warp's rows of dSᵀ.
                 for half in 0..2 {
                     for r in 0..2 {
-                        let value = T::pack(dst[half][2 * r], dst[half][2 * r + 1]);
-                        dst_tile.store2(warp_key + g + 8 * r, q0 + 8 * half + 2 * t, value);
+                        let value = T::pack(ds_t[half][2 * r], ds_t[half][2 * r + 1]);
+                        ds_t_tile.store2(warp_key + g + 8 * r, q0 + 8 * half + 2 * t, value);
                     }
                 }
             }
@@ -386,7 +408,7 @@ pub(crate) unsafe fn flash_backward_kv_mma<
                 let (m0, n0) = (16 * (piece / (HEAD_DIM / 16)), 16 * (piece % (HEAD_DIM / 16)));
                 let mut dq = [[0.0f32; 4]; 2];
                 for kk in 0..BLOCK_N / 16 {
-                    let ds = dst_tile.fragment_a_transposed(16 * kk, m0);
+                    let ds = ds_t_tile.fragment_a_transposed(16 * kk, m0);
                     let [k0, k1] = k_tile.fragments_b_transposed(16 * kk, n0);
                     dq[0] = T::mma(ds, k0, dq[0]);
                     dq[1] = T::mma(ds, k1, dq[1]);
@@ -562,14 +584,14 @@ pub(crate) unsafe fn flash_backward_q_mma<
             }
             // dQ += dS·K (scaled at the end), dS straight from registers.
             let a = pack_a::<T>(ds[0], ds[1]);
-            for dp in 0..D_STEPS {
+            for step in 0..D_STEPS {
                 let k = if keep_fragments {
-                    gpu::transpose_b(k_frags[dp])
+                    gpu::transpose_b(k_frags[step])
                 } else {
-                    k_tile.fragments_b_transposed(k0, 16 * dp)
+                    k_tile.fragments_b_transposed(k0, 16 * step)
                 };
                 for half in 0..2 {
-                    acc[2 * dp + half] = T::mma(a, k[half], acc[2 * dp + half]);
+                    acc[2 * step + half] = T::mma(a, k[half], acc[2 * step + half]);
                 }
             }
         }

@@ -2,7 +2,8 @@
 //!
 //! The algorithm of [`crate::flash_forward`], with the two matrix products on the tensor cores
 //! (`mma.sync.aligned.m16n8k16`, `f32` accumulation; see the fragment table in [`crate::gpu`])
-//! and the K/V tiles streamed in by the copy engine (`cp.async`) while the previous tile is
+//! and the K/V tiles streamed into shared memory by asynchronous copies (`cp.async`, issued by
+//! the threads, completed in the background) while the previous tile is
 //! being used. Inputs and O are 16-bit floats, everything computed stays `f32`: scores, the
 //! online softmax's max and sum, the O accumulator, the logsumexp.
 //!
@@ -42,7 +43,7 @@
 //! `cp.async` group; at the top of iteration `j` a thread waits until its copies of tile `j` have
 //! landed, and a block barrier makes everyone's copies visible — and guarantees that every warp
 //! has finished iteration `j − 1`, so that its slot can be refilled with tile `j + STAGES − 1`
-//! right away. The copy engine thus fetches up to `STAGES − 1` tiles ahead while the warps
+//! right away. The copies thus fetch up to `STAGES − 1` tiles ahead while the warps
 //! compute, with one barrier per tile.
 
 use crate::gpu::{self, FragA, FragC, HalfFloat, LN_2, SharedMemory};
