@@ -32,6 +32,7 @@ const SHAPES: &[(usize, usize, usize, usize, DType)] = &[
     (256, 12, 197, 64, DType::F16),
     (4, 16, 4096, 64, DType::Bf16),
     (2, 16, 8192, 128, DType::F16),
+    (256, 12, 197, 64, DType::Bf16),
 ];
 
 /// One measurement.
