@@ -206,6 +206,14 @@ fn emulated_tensor_core_forward_and_backward() {
         );
         cases += 2;
     }
+    // The forward with one m-tile per warp (block_m = 64: Q in registers, borrowing a ring slot),
+    // next to the defaults' two.
+    for head_dim in [64, 128] {
+        let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 2, seqlen_q: 70, seqlen_k: 83, head_dim };
+        let tile = TileConfig::new(64, 64).with_stages(2);
+        check16::<attn_host::f16>(ctx, shape, tile, None, options(Causal::TopLeft), cases, Inputs::Normal);
+        cases += 1;
+    }
     // Negative and zero scales (the forward kernel folds the scale into its exponent).
     for scale in [-0.3, 0.0] {
         let shape =

@@ -68,8 +68,9 @@ pub struct Args {
     /// Head dimension (flash kernels exist for 32, 64 and 128 in f32, for 64 and 128 in f16/bf16).
     #[arg(long)]
     pub head_dim: Option<usize>,
-    /// Query rows per flash block (Br), given together with --block-n; default: tuned per head_dim
-    /// and element type.
+    /// Query rows per flash block (Br), given together with --block-n; default: tuned per head_dim,
+    /// element type and pass. The tile flags name one tile for every --dtype and for both passes,
+    /// so it must be compiled for each (see `TileConfig::compiled_for`); pick one type with --dtype.
     #[arg(long, requires = "block_n")]
     pub block_m: Option<usize>,
     /// Key/value rows per flash tile (Bc), given together with --block-m.
@@ -219,7 +220,7 @@ fn run(args: &Args) -> Result<()> {
         );
         let small = args.uses_default_cases();
         let cases = if small {
-            vec![Case { name: "small (emulated)".into(), shape: mha(1, 2, 100, 64), causal: Causal::TopLeft }]
+            vec![Case { name: "small, causal (emulated)".into(), shape: mha(1, 2, 100, 64), causal: Causal::TopLeft }]
         } else {
             cases
         };

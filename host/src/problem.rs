@@ -232,8 +232,8 @@ impl TileConfig {
         match (dtype, head_dim) {
             (DType::F32, 64) => Self::new(64, 64),
             (DType::F32, _) => Self::new(64, 32),
-            (_, 64) => Self::new(128, 128).with_stages(2),
-            (_, _) => Self::new(128, 64).with_stages(2),
+            (_, 64) => Self::new(128, 64).with_stages(2),
+            (_, _) => Self::new(128, 32).with_stages(2),
         }
     }
 
@@ -379,7 +379,12 @@ impl TileConfig {
                 } else {
                     let tiles = Self::compiled_for(kernel, dtype, head_dim);
                     let tiles: Vec<String> = tiles.iter().map(Self::describe).collect();
-                    format!("{} (block_m, block_n, stages)", tiles.join(", "))
+                    let hint = if self.stages < 2 {
+                        "; tensor-core tiles have 2 or more stages: TileConfig::with_stages"
+                    } else {
+                        ""
+                    };
+                    format!("{} (block_m, block_n, stages){hint}", tiles.join(", "))
                 },
             })
     }

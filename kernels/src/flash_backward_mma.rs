@@ -44,8 +44,9 @@
 //! * [`flash_backward_q_mma`] (`flash_bwd_dq_{f16,bf16}_…`): the deterministic dQ, one block per
 //!   `BLOCK_M` queries, warp `w` owning queries `16w .. 16w + 16`, looping over key tiles like
 //!   the forward pass, 16 keys at a time: S, P, dP = dO·Vᵀ, dS, and dQ += dS·K with dS from
-//!   registers and K's fragments transposed in registers. No atomics, a fixed order of
-//!   additions, bit-identical results from run to run.
+//!   registers and K's fragments transposed in registers at head_dim 64 (read again with
+//!   `ldmatrix.trans` at 128). No atomics, a fixed order of additions, bit-identical results from
+//!   run to run.
 //!
 //! ## Legend
 //!
