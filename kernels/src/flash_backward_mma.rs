@@ -606,109 +606,47 @@ pub(crate) unsafe fn flash_backward_q_mma<
     }
 }
 
-/// The compiled backward tiles, `(block_m, block_n, head_dim, stages)`, each for `f16` and
-/// `bf16` and for the three kernels. The K/V-outer kernels have `block_n / 16` warps, the dQ
-/// kernel `block_m / 16`.
-macro_rules! for_each_mma_backward_tile {
-    ($instance:ident) => {
-        for_each_mma_backward_tile!(@formats $instance, [(f16, F16) (bf16, Bf16)]);
-    };
-    (@formats $instance:ident, [$(($dtype:ident, $format:ident))*]) => {
-        $( for_each_mma_backward_tile!(@tiles $instance, $dtype, $format); )*
-    };
-    (@tiles $instance:ident, $dtype:ident, $format:ident) => {
-        $instance!($dtype, $format, 64, 64, 64, 2);
-        $instance!($dtype, $format, 64, 128, 64, 2);
-        $instance!($dtype, $format, 32, 128, 64, 2);
-        $instance!($dtype, $format, 64, 64, 128, 2);
-        $instance!($dtype, $format, 32, 64, 128, 2);
-        $instance!($dtype, $format, 32, 128, 128, 2);
-    };
-}
-
 /// Three entries per tile and format: `flash_bwd_{dtype}_…` (dK, dV, atomic dQ),
 /// `flash_bwd_dkdv_{dtype}_…` and `flash_bwd_dq_{dtype}_…` (the deterministic pair), each
-/// suffixed `_m{block_m}_n{block_n}_d{head_dim}_s{stages}`.
+/// suffixed `_m{block_m}_n{block_n}_d{head_dim}_s{stages}`. They share their inputs and problem
+/// arguments and differ in their outputs (`@entry`).
 macro_rules! flash_backward_mma_instance {
     ($dtype:ident, $format:ident, $m:literal, $n:literal, $d:literal, $s:literal) => {
-        flash_backward_mma_instance!(@kv ${concat(flash_bwd_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)},
-            $format, $m, $n, $d, $s);
-        kernel! {
-        /// dK and dV on tensor cores, without dQ (the deterministic backward's first kernel); see
-        /// the module docs and `flash_backward_kv_mma`.
-        ///
-        /// # Safety
-        /// As `flash_backward_kv_mma`.
-        pub unsafe fn ${concat(flash_bwd_dkdv_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)}(
-            q: *const u16,
-            k: *const u16,
-            v: *const u16,
-            d_o: *const u16,
-            lse: *const f32,
-            delta: *const f32,
-            dk: *mut u16,
-            dv: *mut u16,
-            batch: usize,
-            num_heads_q: usize,
-            num_heads_kv: usize,
-            seqlen_q: usize,
-            seqlen_k: usize,
-            head_dim: usize,
-            causal: usize,
-            causal_offset: isize,
-            scale: f32,
-        ) {
-            let x = BackwardTensors { q, k, v, d_o, lse, delta };
-            let shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
-            let mask = Mask { seqlen_q, seqlen_k, causal: causal != 0, offset: causal_offset };
-            unsafe {
-                flash_backward_kv_mma::<gpu::$format, $m, $n, $d, $s, { $d / 16 }, { $m / 8 }, { $d / 8 }, false>(
-                    x, core::ptr::null_mut(), dk, dv, shape, mask, scale,
-                )
-            }
-        }
-        }
-        kernel! {
-        /// The deterministic dQ on tensor cores; see the module docs and `flash_backward_q_mma`.
-        ///
-        /// # Safety
-        /// As `flash_backward_q_mma`.
-        pub unsafe fn ${concat(flash_bwd_dq_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)}(
-            q: *const u16,
-            k: *const u16,
-            v: *const u16,
-            d_o: *const u16,
-            lse: *const f32,
-            delta: *const f32,
-            dq: *mut u16,
-            batch: usize,
-            num_heads_q: usize,
-            num_heads_kv: usize,
-            seqlen_q: usize,
-            seqlen_k: usize,
-            head_dim: usize,
-            causal: usize,
-            causal_offset: isize,
-            scale: f32,
-        ) {
-            let x = BackwardTensors { q, k, v, d_o, lse, delta };
-            let shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
-            let mask = Mask { seqlen_q, seqlen_k, causal: causal != 0, offset: causal_offset };
-            unsafe {
-                flash_backward_q_mma::<gpu::$format, $m, $n, $d, $s, { $d / 16 }, { $n / 8 }, { $d / 8 }>(
-                    x, dq, shape, mask, scale,
-                )
-            }
-        }
-        }
+        flash_backward_mma_instance!(@entry
+            /// dK, dV and the `f32` accumulator of dQ (atomic adds) on tensor cores; see the
+            /// module docs and `flash_backward_kv_mma`.
+            ${concat(flash_bwd_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)},
+            [dq_accum: *mut f32, dk: *mut u16, dv: *mut u16],
+            |x, shape, mask, scale| flash_backward_kv_mma::<
+                gpu::$format, $m, $n, $d, $s, { $d / 16 }, { $m / 8 }, { $d / 8 }, true
+            >(x, dq_accum, dk, dv, shape, mask, scale)
+        );
+        flash_backward_mma_instance!(@entry
+            /// dK and dV on tensor cores, without dQ (the deterministic backward's first kernel);
+            /// see the module docs and `flash_backward_kv_mma`.
+            ${concat(flash_bwd_dkdv_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)},
+            [dk: *mut u16, dv: *mut u16],
+            |x, shape, mask, scale| flash_backward_kv_mma::<
+                gpu::$format, $m, $n, $d, $s, { $d / 16 }, { $m / 8 }, { $d / 8 }, false
+            >(x, core::ptr::null_mut(), dk, dv, shape, mask, scale)
+        );
+        flash_backward_mma_instance!(@entry
+            /// The deterministic dQ on tensor cores; see the module docs and
+            /// `flash_backward_q_mma`.
+            ${concat(flash_bwd_dq_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)},
+            [dq: *mut u16],
+            |x, shape, mask, scale| flash_backward_q_mma::<
+                gpu::$format, $m, $n, $d, $s, { $d / 16 }, { $n / 8 }, { $d / 8 }
+            >(x, dq, shape, mask, scale)
+        );
     };
-    (@kv $name:ident, $format:ident, $m:literal, $n:literal, $d:literal, $s:literal) => {
+    (@entry $(#[$attr:meta])* $name:ident, [$($out:ident: $out_ty:ty),*],
+        |$x:ident, $shape:ident, $mask:ident, $scale:ident| $body:expr) => {
         kernel! {
-        /// dK, dV and the `f32` accumulator of dQ (atomic adds) on tensor cores; see the module
-        /// docs and `flash_backward_kv_mma`.
+        $(#[$attr])*
         ///
         /// # Safety
-        /// As `flash_backward_kv_mma`.
+        /// As the body it calls (`flash_backward_kv_mma` or `flash_backward_q_mma`).
         pub unsafe fn $name(
             q: *const u16,
             k: *const u16,
@@ -716,9 +654,7 @@ macro_rules! flash_backward_mma_instance {
             d_o: *const u16,
             lse: *const f32,
             delta: *const f32,
-            dq_accum: *mut f32,
-            dk: *mut u16,
-            dv: *mut u16,
+            $($out: $out_ty,)*
             batch: usize,
             num_heads_q: usize,
             num_heads_kv: usize,
@@ -729,17 +665,20 @@ macro_rules! flash_backward_mma_instance {
             causal_offset: isize,
             scale: f32,
         ) {
-            let x = BackwardTensors { q, k, v, d_o, lse, delta };
-            let shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
-            let mask = Mask { seqlen_q, seqlen_k, causal: causal != 0, offset: causal_offset };
-            unsafe {
-                flash_backward_kv_mma::<
-                    gpu::$format, $m, $n, $d, $s, { $d / 16 }, { $m / 8 }, { $d / 8 }, true
-                >(x, dq_accum, dk, dv, shape, mask, scale)
-            }
+            let $x = BackwardTensors { q, k, v, d_o, lse, delta };
+            let $shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
+            let $mask = Mask { seqlen_q, seqlen_k, causal: causal != 0, offset: causal_offset };
+            let $scale = scale;
+            unsafe { $body }
         }
         }
     };
 }
 
-for_each_mma_backward_tile!(flash_backward_mma_instance);
+// The compiled backward tiles, `(block_m, block_n, head_dim, stages)`, each in `f16` and `bf16`
+// and for the three kernels. The K/V-outer kernels have `block_n / 16` warps, the dQ kernel
+// `block_m / 16`.
+for_each_half_format!(
+    flash_backward_mma_instance,
+    [(64, 64, 64, 2), (64, 128, 64, 2), (32, 128, 64, 2), (64, 64, 128, 2), (32, 64, 128, 2), (32, 128, 128, 2)]
+);

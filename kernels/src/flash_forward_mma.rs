@@ -350,30 +350,6 @@ pub(crate) unsafe fn flash_forward_mma<
     }
 }
 
-/// The compiled forward tiles, `(block_m, block_n, head_dim, stages)`, each for `f16` and
-/// `bf16`: the one list the host's registry reads back (from the PTX's entry names). Tiles that
-/// ptxas cannot fit in 255 registers without spilling are left out, fast or not: (128, 128) at
-/// head_dim 64 and (128, 64) at 128 measured 2–5 % faster than the tiles below but spill
-/// 72–152 bytes (`PERFORMANCE.md`).
-macro_rules! for_each_mma_forward_tile {
-    ($instance:ident) => {
-        for_each_mma_forward_tile!(@formats $instance, [(f16, F16) (bf16, Bf16)]);
-    };
-    (@formats $instance:ident, [$(($dtype:ident, $format:ident))*]) => {
-        $( for_each_mma_forward_tile!(@tiles $instance, $dtype, $format); )*
-    };
-    (@tiles $instance:ident, $dtype:ident, $format:ident) => {
-        $instance!($dtype, $format, 64, 32, 64, 2);
-        $instance!($dtype, $format, 64, 64, 64, 2);
-        $instance!($dtype, $format, 64, 64, 64, 3);
-        $instance!($dtype, $format, 128, 64, 64, 2);
-        $instance!($dtype, $format, 64, 32, 128, 2);
-        $instance!($dtype, $format, 64, 32, 128, 3);
-        $instance!($dtype, $format, 64, 64, 128, 2);
-        $instance!($dtype, $format, 128, 32, 128, 2);
-    };
-}
-
 /// One entry per tile and format, named `flash_fwd_{f16,bf16}_m{block_m}_n{block_n}_d{head_dim}_s{stages}`.
 macro_rules! flash_forward_mma_instance {
     ($dtype:ident, $format:ident, $block_m:literal, $block_n:literal, $head_dim:literal, $stages:literal) => {
@@ -418,4 +394,20 @@ macro_rules! flash_forward_mma_instance {
     };
 }
 
-for_each_mma_forward_tile!(flash_forward_mma_instance);
+// The compiled forward tiles, `(block_m, block_n, head_dim, stages)`, each in `f16` and `bf16`.
+// Tiles that ptxas cannot fit in 255 registers without spilling are left out, fast or not:
+// (128, 128) at head_dim 64 and (128, 64) at 128 measured 2–5 % faster than the tiles below but
+// spill 72–152 bytes (`PERFORMANCE.md`).
+for_each_half_format!(
+    flash_forward_mma_instance,
+    [
+        (64, 32, 64, 2),
+        (64, 64, 64, 2),
+        (64, 64, 64, 3),
+        (128, 64, 64, 2),
+        (64, 32, 128, 2),
+        (64, 32, 128, 3),
+        (64, 64, 128, 2),
+        (128, 32, 128, 2),
+    ]
+);

@@ -107,6 +107,16 @@ macro_rules! for_each_tile {
     };
 }
 
+/// Calls `$instance!(dtype, Format, block_m, block_n, head_dim, stages)` for every listed tile,
+/// first in `f16` (`gpu::F16`), then in `bf16` (`gpu::Bf16`): how the tensor-core kernels list
+/// their compiled instances (the host reads the resulting kernel names from the PTX).
+macro_rules! for_each_half_format {
+    ($instance:ident, [$(($block_m:literal, $block_n:literal, $head_dim:literal, $stages:literal)),* $(,)?]) => {
+        $( $instance!(f16, F16, $block_m, $block_n, $head_dim, $stages); )*
+        $( $instance!(bf16, Bf16, $block_m, $block_n, $head_dim, $stages); )*
+    };
+}
+
 #[cfg(not(target_arch = "nvptx64"))]
 pub mod emu;
 pub mod gpu;
