@@ -305,6 +305,30 @@ impl CheckedPart {
         }
     }
 
+    /// "O …, LSE …": the relative L2 errors of a forward pass's outputs (whole tensors, in
+    /// `f32`) on the checked part, against `reference`.
+    fn forward_errors(&self, o: &[f32], lse: &[f32], reference: &cpu::Reference) -> String {
+        let o_err = relative_l2_error(self.slice(o, true), &reference.o);
+        let lse_err = lse_error(&lse[..self.shape.query_rows()], &reference.lse);
+        format!("O {o_err:.1e}, LSE {lse_err:.1e}")
+    }
+
+    /// "dQ …, dK …, dV …": the relative L2 errors of a backward pass's gradients (whole tensors,
+    /// in `f32`) on the checked part, against `reference`.
+    fn backward_errors(&self, dq: &[f32], dk: &[f32], dv: &[f32], reference: &cpu::GradientReference) -> String {
+        format!(
+            "dQ {:.1e}, dK {:.1e}, dV {:.1e}",
+            relative_l2_error(self.slice(dq, true), &reference.dq),
+            relative_l2_error(self.slice(dk, false), &reference.dk),
+            relative_l2_error(self.slice(dv, false), &reference.dv)
+        )
+    }
+
+    /// "checked/all" query heads, for the table.
+    fn heads_checked(&self, shape: &AttentionShape) -> String {
+        format!("{}/{}", self.shape.batch * self.shape.num_heads_q, shape.batch * shape.num_heads_q)
+    }
+
     /// The checked part of a Q-shaped (`q_like`) or K-shaped tensor: its first elements.
     fn slice<'a>(&self, values: &'a [f32], q_like: bool) -> &'a [f32] {
         let rows = if q_like {
@@ -335,7 +359,7 @@ fn run_case(
     let backward_ref = cpu::attention_backward(&part.q, &part.k, &part.v, &part.d_o, &part.shape, params)?;
 
     let label = format!("{} {}", case.name, dims(&shape));
-    let checked = format!("{}/{}", part.shape.batch * part.shape.num_heads_q, shape.batch * shape.num_heads_q);
+    let checked = part.heads_checked(&shape);
     let flops = options.forward_flops(&shape);
     let score_bytes = shape.naive_workspace_bytes();
     let row_bytes = shape.lse_bytes(); // one f32 per query row (LSE, or D in the backward)
@@ -366,21 +390,12 @@ fn run_case(
         table.add_row(std::iter::once(label.clone()).chain(row));
     };
     let forward_errors = |o: &DeviceTensor, lse: &DeviceTensor| -> Result<String> {
-        let (o, lse) = (o.to_host()?, lse.to_host()?);
-        let o_err = relative_l2_error(part.slice(&o, true), &forward_ref.o);
-        let lse_err = lse_error(&lse[..part.shape.query_rows()], &forward_ref.lse);
-        Ok(format!("O {o_err:.1e}, LSE {lse_err:.1e}"))
+        Ok(part.forward_errors(&o.to_host()?, &lse.to_host()?, &forward_ref))
     };
     let backward_errors = |g: &crate::Gradients| -> Result<String> {
-        let (dq, dk, dv) = (g.dq.to_host()?, g.dk.to_host()?, g.dv.to_host()?);
-        Ok(format!(
-            "dQ {:.1e}, dK {:.1e}, dV {:.1e}",
-            relative_l2_error(part.slice(&dq, true), &backward_ref.dq),
-            relative_l2_error(part.slice(&dk, false), &backward_ref.dk),
-            relative_l2_error(part.slice(&dv, false), &backward_ref.dv)
-        ))
+        Ok(part.backward_errors(&g.dq.to_host()?, &g.dk.to_host()?, &g.dv.to_host()?, &backward_ref))
     };
-    let time = |work: &mut dyn FnMut() -> Result<()>| time_gpu(ctx, warmup, repeats, work).map(|t| t.median_ms);
+    let time = |work: &mut dyn FnMut() -> Result<()>| median_ms(ctx, (warmup, repeats), work);
 
     // Each operation runs once for the error check; then it is timed writing into those same
     // outputs (the `_into` calls), so that the times are the kernels', not the allocator's.
@@ -395,44 +410,31 @@ fn run_case(
             Ok((time(&mut || ctx.attention_naive_into(q, k, v, out, &options))?, errors))
         }),
     );
-    if !args.dtype.contains(&DType::F32) {
-        add_row(
-            "naive backward",
-            true,
-            score_bytes + 2 * row_bytes,
-            naive.as_ref().map_err(clone_error).and_then(|out| {
-                let mut grads = ctx.attention_naive_backward(q, k, v, &out.o, d_o, &options)?;
-                let errors = backward_errors(&grads)?;
-                Ok((
-                    time(&mut || ctx.attention_naive_backward_into(q, k, v, &out.o, d_o, &mut grads, &options))?,
-                    errors,
-                ))
-            }),
-        );
-    } else {
-        let mut flash = ctx.flash_attention_forward(q, k, v, &options, tile)?;
-        let errors = forward_errors(&flash.o, &flash.lse);
+    // The f32 flash rows only when f32 is among the types asked for; the naive rows always.
+    let mut flash = None;
+    if args.dtype.contains(&DType::F32) {
+        let out = flash.insert(ctx.flash_attention_forward(q, k, v, &options, tile)?);
+        let errors = forward_errors(&out.o, &out.lse);
         add_row(
             &format!("flash forward (m{}, n{})", tile.block_m, tile.block_n),
             false,
             row_bytes,
             errors.and_then(|errors| {
-                Ok((time(&mut || ctx.flash_attention_forward_into(q, k, v, &mut flash, &options, tile))?, errors))
+                Ok((time(&mut || ctx.flash_attention_forward_into(q, k, v, out, &options, tile))?, errors))
             }),
         );
-        add_row(
-            "naive backward",
-            true,
-            score_bytes + 2 * row_bytes,
-            naive.as_ref().map_err(clone_error).and_then(|out| {
-                let mut grads = ctx.attention_naive_backward(q, k, v, &out.o, d_o, &options)?;
-                let errors = backward_errors(&grads)?;
-                Ok((
-                    time(&mut || ctx.attention_naive_backward_into(q, k, v, &out.o, d_o, &mut grads, &options))?,
-                    errors,
-                ))
-            }),
-        );
+    }
+    add_row(
+        "naive backward",
+        true,
+        score_bytes + 2 * row_bytes,
+        naive.as_ref().map_err(clone_error).and_then(|out| {
+            let mut grads = ctx.attention_naive_backward(q, k, v, &out.o, d_o, &options)?;
+            let errors = backward_errors(&grads)?;
+            Ok((time(&mut || ctx.attention_naive_backward_into(q, k, v, &out.o, d_o, &mut grads, &options))?, errors))
+        }),
+    );
+    if let Some(flash) = &flash {
         for (mode, name) in [(DqAccumulation::Atomic, "atomic dQ"), (DqAccumulation::Deterministic, "deterministic")] {
             let (o, lse, tile) = (&flash.o, &flash.lse, backward_tile);
             let result =
@@ -477,51 +479,35 @@ fn tensor_core_rows<T: Element>(
     let names =
         [format!("flash forward {dtype} ({tile})"), format!("flash backward {dtype}, {mode_name} ({backward_tile})")];
     let flops = options.forward_flops(&shape);
+    // The inputs rounded to T and widened back (exactly): what the kernels see, and so what the
+    // reference must see.
+    let rounded: [Vec<f32>; 4] = inputs.host.each_ref().map(|x| to_f32_vec(&from_f32_slice::<T>(x)));
+    let part = CheckedPart::new(&rounded, &shape);
     let result = (|| -> Result<[(f64, String); 2]> {
-        let rounded: Vec<Vec<f32>> = inputs.host.iter().map(|x| to_f32_vec(&from_f32_slice::<T>(x))).collect();
         let shapes = [shape.q_shape(), shape.kv_shape(), shape.kv_shape(), shape.q_shape()];
         let device: Vec<DeviceTensor<T>> =
             (0..4).map(|i| ctx.upload(&from_f32_slice::<T>(&rounded[i]), &shapes[i])).collect::<Result<_>>()?;
         let (q, k, v, d_o) = (&device[0], &device[1], &device[2], &device[3]);
-        let part = CheckedPart::new(&[0, 1, 2, 3].map(|i| rounded[i].clone()), &shape);
         let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: case.causal };
         let forward_ref = cpu::attention(&part.q, &part.k, &part.v, &part.shape, params)?;
         let backward_ref = cpu::attention_backward(&part.q, &part.k, &part.v, &part.d_o, &part.shape, params)?;
-        let time = |work: &mut dyn FnMut() -> Result<()>| time_gpu(ctx, warmup, repeats, work).map(|t| t.median_ms);
+        let time = |work: &mut dyn FnMut() -> Result<()>| median_ms(ctx, (warmup, repeats), work);
+        let widened = |t: &DeviceTensor<T>| t.to_host().map(|x| to_f32_vec(&x));
 
         let mut out = ctx.flash_attention_forward(q, k, v, &options, tile)?;
-        let o = to_f32_vec(&out.o.to_host()?);
-        let lse = out.lse.to_host()?;
-        let forward_errors = format!(
-            "O {:.1e}, LSE {:.1e}",
-            relative_l2_error(part.slice(&o, true), &forward_ref.o),
-            lse_error(&lse[..part.shape.query_rows()], &forward_ref.lse)
-        );
+        let forward_errors = part.forward_errors(&widened(&out.o)?, &out.lse.to_host()?, &forward_ref);
         let forward_ms = time(&mut || ctx.flash_attention_forward_into(q, k, v, &mut out, &options, tile))?;
 
         let (o, lse) = (&out.o, &out.lse);
         let mut grads = ctx.flash_attention_backward(q, k, v, o, lse, d_o, &options, backward_tile, mode)?;
-        let host = |t: &DeviceTensor<T>| t.to_host().map(|x| to_f32_vec(&x));
-        let (dq, dk, dv) = (host(&grads.dq)?, host(&grads.dk)?, host(&grads.dv)?);
-        let backward_errors = format!(
-            "dQ {:.1e}, dK {:.1e}, dV {:.1e}",
-            relative_l2_error(part.slice(&dq, true), &backward_ref.dq),
-            relative_l2_error(part.slice(&dk, false), &backward_ref.dk),
-            relative_l2_error(part.slice(&dv, false), &backward_ref.dv)
-        );
+        let (dq, dk, dv) = (widened(&grads.dq)?, widened(&grads.dk)?, widened(&grads.dv)?);
+        let backward_errors = part.backward_errors(&dq, &dk, &dv, &backward_ref);
         let backward_ms = time(&mut || {
             ctx.flash_attention_backward_into(q, k, v, o, lse, d_o, &mut grads, &options, backward_tile, mode)
         })?;
         Ok([(forward_ms, forward_errors), (backward_ms, backward_errors)])
     })();
-    let checked = {
-        let part_heads = if shape.forward_flops() <= FULL_CHECK_FLOPS {
-            shape.batch * shape.num_heads_q
-        } else {
-            shape.group_size()
-        };
-        format!("{part_heads}/{}", shape.batch * shape.num_heads_q)
-    };
+    let checked = part.heads_checked(&shape);
     let row_bytes = shape.lse_bytes();
     match result {
         Ok(measured) => names
@@ -537,6 +523,11 @@ fn tensor_core_rows<T: Element>(
             vec![[names[0].clone(), format!("failed: {e}"), String::new(), String::new(), String::new(), String::new()]]
         }
     }
+}
+
+/// The median time of `work`, in ms, after `warmup` untimed runs (see `timing::time_gpu`).
+fn median_ms(ctx: &Context, (warmup, repeats): (usize, usize), work: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+    time_gpu(ctx, warmup, repeats, work).map(|t| t.median_ms)
 }
 
 /// Errors are not `Clone` (the driver error inside is not); a failed naive forward is reported
