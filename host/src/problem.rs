@@ -283,18 +283,12 @@ impl TileConfig {
 
     /// The head dimensions that have compiled kernels (of any element type).
     pub fn compiled_head_dims() -> Vec<usize> {
-        let mut dims: Vec<usize> = FLASH_INSTANCES.iter().map(|i| i.head_dim).collect();
-        dims.sort_unstable();
-        dims.dedup();
-        dims
+        compiled_values(|_| true, |i| i.head_dim)
     }
 
     /// The head dimensions that have compiled kernels for `dtype`.
     pub fn compiled_head_dims_for(dtype: DType) -> Vec<usize> {
-        let mut dims: Vec<usize> = FLASH_INSTANCES.iter().filter(|i| i.dtype == dtype).map(|i| i.head_dim).collect();
-        dims.sort_unstable();
-        dims.dedup();
-        dims
+        compiled_values(|i| i.dtype == dtype, |i| i.head_dim)
     }
 
     /// Checks that an `f32` forward kernel exists for this tile at `head_dim` and that its shared
@@ -404,12 +398,21 @@ fn kernel_name(kernel: FlashKernel, dtype: DType) -> String {
     if dtype == DType::F32 { kernel.to_string() } else { format!("{dtype} {kernel}") }
 }
 
+/// The distinct values of `value` over the compiled instances that pass `keep`, ascending.
+fn compiled_values(
+    keep: impl Fn(&kernels::FlashInstance) -> bool,
+    value: impl Fn(&kernels::FlashInstance) -> usize,
+) -> Vec<usize> {
+    let mut values: Vec<usize> = FLASH_INSTANCES.iter().filter(|i| keep(i)).map(value).collect();
+    values.sort_unstable();
+    values.dedup();
+    values
+}
+
 /// "block_m ∈ {…}, block_n ∈ {…}, head_dim ∈ {…}" for the compiled `f32` instances.
 fn compiled_summary() -> String {
     let values = |f: fn(&kernels::FlashInstance) -> usize| {
-        let mut v: Vec<usize> = FLASH_INSTANCES.iter().filter(|i| i.dtype == DType::F32).map(f).collect();
-        v.sort_unstable();
-        v.dedup();
+        let v = compiled_values(|i| i.dtype == DType::F32, f);
         v.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
     };
     format!(
