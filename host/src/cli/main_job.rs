@@ -8,12 +8,12 @@
 //! matrix costs 805 MB and most of the time, and the same long sequence with a causal mask. Any
 //! shape flag switches to one case of that shape.
 
-use std::process::ExitCode;
 use std::time::Instant;
 
-use clap::{Parser, ValueEnum};
+use clap::ValueEnum;
 use comfy_table::{Table, presets::ASCII_MARKDOWN};
 
+use super::CausalArg;
 use crate::check::{lse_error, random_normal, relative_l2_error};
 use crate::dtype::{DType, Element, from_f32_slice, to_f32_vec};
 use crate::timing::{tflops, time_gpu};
@@ -22,31 +22,9 @@ use crate::{
     cpu,
 };
 
-/// `--causal`: the mask of the custom case (see `Causal`).
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CausalArg {
-    /// No mask.
-    None,
-    /// Query i sees keys j ≤ i (PyTorch's is_causal).
-    TopLeft,
-    /// Query i sees keys j ≤ i + seqlen_k − seqlen_q (FlashAttention ≥ 2.1).
-    BottomRight,
-}
-
-impl From<CausalArg> for Causal {
-    fn from(arg: CausalArg) -> Self {
-        match arg {
-            CausalArg::None => Causal::None,
-            CausalArg::TopLeft => Causal::TopLeft,
-            CausalArg::BottomRight => Causal::BottomRight,
-        }
-    }
-}
-
-/// Naive attention vs FlashAttention on the GPU, forward and backward, checked against a CPU
-/// reference.
-#[derive(Parser, Debug)]
-#[command(name = "rust-attention", version)]
+/// The main job's flags: naive attention vs FlashAttention on the GPU, forward and backward,
+/// checked against a CPU reference.
+#[derive(clap::Args, Debug)]
 pub struct Args {
     /// Batch size. Any shape flag (or --causal) runs one custom case instead of the three default
     /// ones; unset dimensions then default to a ViT-B/16 batch, 8 × 12 heads × 197 × 64 (on the
@@ -171,19 +149,8 @@ fn mha(batch: usize, heads: usize, seqlen: usize, head_dim: usize) -> AttentionS
     AttentionShape { batch, num_heads_q: heads, num_heads_kv: heads, seqlen_q: seqlen, seqlen_k: seqlen, head_dim }
 }
 
-/// Entry point of the `rust-attention` binary.
-pub fn main() -> ExitCode {
-    let args = Args::parse();
-    match run(&args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-fn run(args: &Args) -> Result<()> {
+/// Runs the main job.
+pub(super) fn run(args: &Args) -> Result<()> {
     // Check every flag before looking for a GPU, so a typo is reported the same way everywhere.
     let cases = args.cases();
     for case in &cases {

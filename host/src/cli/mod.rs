@@ -1,0 +1,65 @@
+//! The `rust-attention` command line. With no subcommand it runs the main job ([`main_job`]):
+//! naive attention against FlashAttention on the GPU, forward and backward, checked against the
+//! CPU reference.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::Causal;
+
+pub mod main_job;
+
+/// Naive attention vs FlashAttention on the GPU, kernels written in Rust; see the subcommands for
+/// the other jobs.
+#[derive(Parser, Debug)]
+#[command(name = "rust-attention", version, args_conflicts_with_subcommands = true)]
+pub struct Cli {
+    /// A job other than the main one.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// The main job's flags (used when no subcommand is given).
+    #[command(flatten)]
+    pub main_job: main_job::Args,
+}
+
+/// The subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Command {}
+
+/// `--causal`: the mask (see [`Causal`]).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CausalArg {
+    /// No mask.
+    None,
+    /// Query i sees keys j ≤ i (PyTorch's is_causal).
+    TopLeft,
+    /// Query i sees keys j ≤ i + seqlen_k − seqlen_q (FlashAttention ≥ 2.1).
+    BottomRight,
+}
+
+impl From<CausalArg> for Causal {
+    fn from(arg: CausalArg) -> Self {
+        match arg {
+            CausalArg::None => Causal::None,
+            CausalArg::TopLeft => Causal::TopLeft,
+            CausalArg::BottomRight => Causal::BottomRight,
+        }
+    }
+}
+
+/// Entry point of the `rust-attention` binary.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        None => main_job::run(&cli.main_job),
+        Some(command) => match *command {},
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
