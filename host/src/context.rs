@@ -235,6 +235,30 @@ impl Context {
         Ok((regs as usize, local as usize))
     }
 
+    /// Blocks of `entry` that can be resident on one SM at once when launched with `threads`
+    /// threads and `shared_memory_bytes` of dynamic shared memory per block: what registers,
+    /// shared memory and threads allow together (`cuOccupancyMaxActiveBlocksPerMultiprocessor`).
+    ///
+    /// # Errors
+    /// [`Error::NotOnEmulator`] on the emulator; [`Error::Driver`].
+    pub fn kernel_blocks_per_sm(&self, entry: &str, threads: usize, shared_memory_bytes: usize) -> Result<usize> {
+        let function = self.function(entry)?;
+        // The occupancy calculator counts only what the kernel may use: opt it in first, as a
+        // launch does.
+        if shared_memory_bytes > 48 * 1024 {
+            function
+                .set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shared_memory_bytes as i32,
+                )
+                .during(format!("raising the shared-memory limit of {entry}"))?;
+        }
+        let blocks = function
+            .occupancy_max_active_blocks_per_multiprocessor(threads as u32, shared_memory_bytes, None)
+            .during(format!("reading the occupancy of {entry}"))?;
+        Ok(blocks as usize)
+    }
+
     fn function(&self, entry: &str) -> Result<CudaFunction> {
         match &self.backend {
             Backend::Cuda { modules, .. } => {

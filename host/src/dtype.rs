@@ -4,7 +4,8 @@
 use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 
 /// The element type of a tensor, as a value (for messages, tables and kernel lookup).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum DType {
     /// 32-bit IEEE float: the f32 kernels (CUDA cores).
     F32,

@@ -86,6 +86,22 @@ pub enum Error {
         device: String,
         fitting: String,
     },
+
+    /// The tuned-tiles file (`rust-attention --tune`) could not be read, parsed or written.
+    #[error("tuned tiles file {}: {reason}", path.display())]
+    TunedTiles { path: std::path::PathBuf, reason: String },
+}
+
+impl Error {
+    /// Whether this is the driver running out of device memory (an allocation that did not fit):
+    /// the caller can free memory or try a smaller problem; nothing else went wrong.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(
+            self,
+            Self::Driver { source, .. }
+                if source.0 == cudarc::driver::sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY
+        )
+    }
 }
 
 /// `Result` with this crate's [`Error`].

@@ -38,6 +38,7 @@
 //! | [`dtype`] | the element types and conversions (`f16`/`bf16` tensors run on the tensor cores) |
 //! | [`cpu`] | rayon references in `f64`: the plain formula (forward and backward) and a tiled FlashAttention |
 //! | [`check`], [`timing`] | error metrics and seeded inputs; CUDA-event timing |
+//! | [`tune`] | tile-size sweeps (time, registers, shared memory, occupancy) and the tuned-tiles cache |
 //! | [`Error`] | every failure, typed; no function here panics on bad input |
 
 #![warn(missing_docs)]
@@ -57,6 +58,7 @@ mod ops;
 mod problem;
 mod tensor;
 pub mod timing;
+pub mod tune;
 
 pub use context::{Context, Device, DeviceInfo};
 pub use dtype::{DType, Element};

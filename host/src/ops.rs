@@ -35,7 +35,8 @@ pub struct Gradients<T: Element = f32> {
 
 /// How the FlashAttention backward pass accumulates dQ. Which is faster depends on the kernels:
 /// [`DqAccumulation::fastest_for`] gives the measured choice per element type.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum DqAccumulation {
     /// The K/V-outer kernel adds each key tile's share of dQ to device memory with atomic adds
     /// (for `f16`/`bf16` into an `f32` copy of dQ, rounded by a last small kernel): no second
@@ -514,7 +515,7 @@ impl Context {
 }
 
 /// The kernels a backward pass launches, in order.
-fn backward_kernels(dq: DqAccumulation) -> &'static [FlashKernel] {
+pub(crate) fn backward_kernels(dq: DqAccumulation) -> &'static [FlashKernel] {
     match dq {
         DqAccumulation::Atomic => &[FlashKernel::Backward],
         DqAccumulation::Deterministic => &[FlashKernel::BackwardDkDv, FlashKernel::BackwardDq],

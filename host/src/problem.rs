@@ -185,7 +185,7 @@ impl AttentionOptions {
 ///
 /// Each compiled (kernel, dtype, block_m, block_n, head_dim, stages) is a separate kernel;
 /// [`TileConfig::validate_kernel`] says which exist and fit.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct TileConfig {
     /// Query rows per query tile (Br); a multiple of 16.
     pub block_m: usize,

@@ -17,6 +17,7 @@ use super::CausalArg;
 use crate::check::{lse_error, random_normal, relative_l2_error};
 use crate::dtype::{DType, Element, from_f32_slice, to_f32_vec};
 use crate::timing::{tflops, time_gpu};
+use crate::tune::{Pass, TunedTiles};
 use crate::{
     AttentionOptions, AttentionShape, Causal, Context, Device, DeviceTensor, DqAccumulation, Error, Result, TileConfig,
     cpu,
@@ -83,6 +84,30 @@ pub struct Args {
     /// Heads checked against the CPU when checking all of them would take long.
     #[arg(long, default_value_t = 2)]
     pub check_heads: usize,
+    /// Autotune instead of running the main job: time every compiled tile on this GPU, forward
+    /// and backward (both dQ modes), for each --dtype and head_dim (--head-dim, or every compiled
+    /// one), with and without a causal mask, at --batch × --heads × --seqlen (default
+    /// 4 × 16 × 4096); save the fastest per case in the tuned-tiles file (see `--tiles`).
+    #[arg(long, conflicts_with_all = ["block_m", "heads_kv", "seqlen_k", "scale", "causal"])]
+    pub tune: bool,
+    /// Where the flash tiles come from when --block-m/--block-n are not given: `tuned` uses the
+    /// file `--tune` wrote for this device (`$RUST_ATTENTION_CACHE_DIR/tuned-tiles.json`, else
+    /// `~/.cache/rust-attention/tuned-tiles.json`), falling back to the built-in tiles for what it
+    /// does not cover or when it was tuned on another device; `builtin` ignores it.
+    #[arg(long, value_enum, default_value_t = TileSource::Tuned)]
+    pub tiles: TileSource,
+    /// The tuned tiles in use (read after the device is opened).
+    #[arg(skip)]
+    pub tuned: Option<TunedTiles>,
+}
+
+/// `--tiles`: where the default flash tiles come from.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TileSource {
+    /// The tuned-tiles file of this device, if any; the built-in tiles otherwise.
+    Tuned,
+    /// The built-in tiles (`TileConfig::default_for_dtype`, measured on an H200).
+    Builtin,
 }
 
 /// One shape (and mask) to run.
@@ -93,15 +118,28 @@ struct Case {
 }
 
 impl Args {
-    /// The flash tile: the flags', or the tuned default for `dtype`, `head_dim` and the pass.
-    fn tile(&self, dtype: DType, head_dim: usize, backward: bool) -> TileConfig {
-        match (self.block_m, self.block_n, backward) {
-            (Some(m), Some(n), _) => {
-                TileConfig::new(m, n).with_stages(if dtype == DType::F32 { 1 } else { self.stages })
-            }
-            (_, _, false) => TileConfig::default_for_dtype(dtype, head_dim),
-            (_, _, true) => TileConfig::default_backward_for_dtype(dtype, head_dim),
+    /// The flash tile for `dtype`, `head_dim`, the mask and the pass: the flags', else the one
+    /// tuned on this device (`--tune`), else the built-in default.
+    fn tile(&self, dtype: DType, head_dim: usize, causal: Causal, pass: Pass) -> TileConfig {
+        if let (Some(m), Some(n)) = (self.block_m, self.block_n) {
+            return TileConfig::new(m, n).with_stages(if dtype == DType::F32 { 1 } else { self.stages });
         }
+        if let Some(tuned) = self.tuned.as_ref().and_then(|t| t.tile(pass, dtype, head_dim, causal)) {
+            return tuned.tile;
+        }
+        match pass {
+            Pass::Forward => TileConfig::default_for_dtype(dtype, head_dim),
+            Pass::Backward => TileConfig::default_backward_for_dtype(dtype, head_dim),
+        }
+    }
+
+    /// The dQ mode of the 16-bit backward rows: the tuned one for the tuned tile, else the
+    /// measured faster mode for the type.
+    fn dq_mode(&self, dtype: DType, head_dim: usize, causal: Causal) -> DqAccumulation {
+        let tuned = self.tuned.as_ref().filter(|_| self.block_m.is_none());
+        tuned
+            .and_then(|t| t.tile(Pass::Backward, dtype, head_dim, causal)?.dq)
+            .unwrap_or(DqAccumulation::fastest_for(dtype))
     }
 
     /// Whether no shape flag was given (the default cases run).
@@ -150,7 +188,7 @@ fn mha(batch: usize, heads: usize, seqlen: usize, head_dim: usize) -> AttentionS
 }
 
 /// Runs the main job.
-pub(super) fn run(args: &Args) -> Result<()> {
+pub(super) fn run(mut args: Args) -> Result<()> {
     // Check every flag before looking for a GPU, so a typo is reported the same way everywhere.
     let cases = args.cases();
     for case in &cases {
@@ -158,9 +196,11 @@ pub(super) fn run(args: &Args) -> Result<()> {
         AttentionShape::from_qkv(&shape.q_shape(), &shape.kv_shape(), &shape.kv_shape())?;
         for &dtype in &args.dtype {
             let d = shape.head_dim;
-            for (kernel, backward) in [(crate::FlashKernel::Forward, false), (crate::FlashKernel::Backward, true)] {
+            for (kernel, pass) in
+                [(crate::FlashKernel::Forward, Pass::Forward), (crate::FlashKernel::Backward, Pass::Backward)]
+            {
                 // Without tile flags a missing head_dim only costs that type its rows.
-                let checked = args.tile(dtype, d, backward).compiled_entry_for(kernel, dtype, d);
+                let checked = args.tile(dtype, d, case.causal, pass).compiled_entry_for(kernel, dtype, d);
                 if args.block_m.is_some() || matches!(checked, Err(Error::TileNotCompiled { .. })) {
                     checked?;
                 }
@@ -169,9 +209,10 @@ pub(super) fn run(args: &Args) -> Result<()> {
     }
     let ctx = match Context::open(args.device) {
         Ok(ctx) => ctx,
+        Err(e) if args.tune => return Err(e),
         Err(e @ (Error::NoDriver | Error::NoDevice { .. })) => {
             println!("no CUDA device ({e}); running the CPU reference instead");
-            return run_cpu_only(args, &cases);
+            return run_cpu_only(&args, &cases);
         }
         Err(e) => return Err(e),
     };
@@ -180,6 +221,13 @@ pub(super) fn run(args: &Args) -> Result<()> {
     } else {
         println!("device: {}", ctx.device());
     }
+    if args.tune {
+        return super::tune::run(&ctx, &args);
+    }
+    if args.tiles == TileSource::Tuned && args.block_m.is_none() && !ctx.is_emulated() {
+        args.tuned = load_tuned_tiles(&ctx);
+    }
+    let args = &args;
     let (cases, warmup, repeats) = if ctx.is_emulated() {
         println!(
             "the CPU emulator runs the kernels' own code, one OS thread per GPU thread, checking \
@@ -316,8 +364,8 @@ fn run_case(
 ) -> Result<()> {
     let shape = case.shape;
     let options = AttentionOptions { scale: args.scale, causal: case.causal };
-    let (tile, backward_tile) =
-        (args.tile(DType::F32, shape.head_dim, false), args.tile(DType::F32, shape.head_dim, true));
+    let tile_for = |pass| args.tile(DType::F32, shape.head_dim, case.causal, pass);
+    let (tile, backward_tile) = (tile_for(Pass::Forward), tile_for(Pass::Backward));
     let inputs = Inputs::new(ctx, &shape)?;
     let [q, k, v, d_o] = &inputs.device;
     let part = CheckedPart::new(&inputs.host, &shape);
@@ -440,8 +488,9 @@ fn tensor_core_rows<T: Element>(
 ) -> Vec<[String; 6]> {
     let (shape, dtype) = (case.shape, T::DTYPE);
     let options = AttentionOptions { scale: args.scale, causal: case.causal };
-    let (tile, backward_tile) = (args.tile(dtype, shape.head_dim, false), args.tile(dtype, shape.head_dim, true));
-    let mode = DqAccumulation::fastest_for(dtype);
+    let tile_for = |pass| args.tile(dtype, shape.head_dim, case.causal, pass);
+    let (tile, backward_tile) = (tile_for(Pass::Forward), tile_for(Pass::Backward));
+    let mode = args.dq_mode(dtype, shape.head_dim, case.causal);
     let mode_name = if mode == DqAccumulation::Atomic { "atomic dQ" } else { "deterministic" };
     let names =
         [format!("flash forward {dtype} ({tile})"), format!("flash backward {dtype}, {mode_name} ({backward_tile})")];
@@ -492,6 +541,25 @@ fn tensor_core_rows<T: Element>(
     }
 }
 
+/// The tuned tiles for this device, if `--tune` saved some; says which tiles the run uses.
+fn load_tuned_tiles(ctx: &Context) -> Option<TunedTiles> {
+    let path = TunedTiles::default_path()?;
+    match TunedTiles::load(&path, ctx.device()) {
+        Ok(Some(tuned)) => {
+            println!("tiles: tuned on this device ({}); built-in where it has none", path.display());
+            Some(tuned)
+        }
+        Ok(None) => {
+            println!("tiles: built-in (`--tune` measures this device's fastest)");
+            None
+        }
+        Err(e) => {
+            println!("tiles: built-in ({e})");
+            None
+        }
+    }
+}
+
 /// The median time of `work`, in ms, after `warmup` untimed runs (see `timing::time_gpu`).
 fn median_ms(ctx: &Context, (warmup, repeats): (usize, usize), work: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
     time_gpu(ctx, warmup, repeats, work).map(|t| t.median_ms)
@@ -532,7 +600,7 @@ fn run_cpu_only(args: &Args, cases: &[Case]) -> Result<()> {
             scale: AttentionOptions { scale: args.scale, causal: case.causal }.scale_for(shape.head_dim) as f64,
             causal: case.causal,
         };
-        let tile = args.tile(DType::F32, shape.head_dim, false);
+        let tile = args.tile(DType::F32, shape.head_dim, case.causal, Pass::Forward);
         let start = Instant::now();
         let plain = cpu::attention(&q, &k, &v, &shape, params)?;
         let plain_ms = start.elapsed().as_secs_f64() * 1e3;

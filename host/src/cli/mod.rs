@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 use crate::Causal;
 
 pub mod main_job;
+mod tune;
 
 /// Naive attention vs FlashAttention on the GPU, kernels written in Rust; see the subcommands for
 /// the other jobs.
@@ -51,9 +52,9 @@ impl From<CausalArg> for Causal {
 /// Entry point of the `rust-attention` binary.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    let result = match &cli.command {
-        None => main_job::run(&cli.main_job),
-        Some(command) => match *command {},
+    let result = match cli.command {
+        None => main_job::run(cli.main_job),
+        Some(command) => match command {},
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
