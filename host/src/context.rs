@@ -223,6 +223,38 @@ impl Context {
         }
     }
 
+    /// Runs `work` and returns its result with the most device memory it held at once beyond
+    /// what was allocated before it started, in bytes: the high-water mark of the device's
+    /// memory pool, from which this crate's tensors and workspaces are allocated (stream-ordered,
+    /// `cuMemAllocAsync`). Waits for the GPU before and after `work`. An error from `work` is
+    /// returned as is.
+    ///
+    /// # Errors
+    /// [`Error::NotOnEmulator`] on the emulator; [`Error::Unsupported`] on a device without
+    /// memory pools; [`Error::Driver`].
+    pub fn peak_memory<R>(&self, work: impl FnOnce() -> Result<R>) -> Result<(R, usize)> {
+        use cudarc::driver::sys::CUmemPool_attribute::{
+            CU_MEMPOOL_ATTR_USED_MEM_CURRENT, CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+        };
+        let Backend::Cuda { cuda, .. } = &self.backend else {
+            return Err(Error::NotOnEmulator("device memory measurement"));
+        };
+        if !cuda.has_async_alloc() {
+            return Err(Error::Unsupported { what: "memory pools", device: self.info.name.clone() });
+        }
+        // SAFETY: the device handle comes from a live context.
+        let pool = unsafe { cudarc::driver::result::device::get_default_mem_pool(cuda.cu_device()) }
+            .during("looking up the device's memory pool")?;
+        self.synchronize()?;
+        let before = pool_attribute(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, None)?;
+        // Writing 0 resets the high-water mark to the current usage.
+        pool_attribute(pool, CU_MEMPOOL_ATTR_USED_MEM_HIGH, Some(0))?;
+        let result = work()?;
+        self.synchronize()?;
+        let high = pool_attribute(pool, CU_MEMPOOL_ATTR_USED_MEM_HIGH, None)?;
+        Ok((result, high.saturating_sub(before) as usize))
+    }
+
     /// Registers per thread and local (spilled) bytes per thread of a kernel, as the driver
     /// compiled it for this device.
     ///
@@ -318,6 +350,27 @@ impl Context {
         // pointer is a live host buffer of the size the shapes say.
         unsafe { attn_kernels::emu::launch(kernel, launch, &args) }.map_err(|e| Error::Emulated(Box::new(e)))
     }
+}
+
+/// Reads a 64-bit attribute of a memory pool, or writes `value` to it (and returns it).
+fn pool_attribute(
+    pool: cudarc::driver::sys::CUmemoryPool,
+    attribute: cudarc::driver::sys::CUmemPool_attribute,
+    value: Option<u64>,
+) -> Result<u64> {
+    use cudarc::driver::result::mem_pool;
+    let mut data = value.unwrap_or(0);
+    let ptr = (&mut data as *mut u64).cast();
+    // SAFETY: `pool` is the device's default pool; the usage attributes are `cuuint64_t`.
+    let result = unsafe {
+        if value.is_some() {
+            mem_pool::set_attribute(pool, attribute, ptr)
+        } else {
+            mem_pool::get_attribute(pool, attribute, ptr)
+        }
+    };
+    result.during("accessing the memory pool's usage counters")?;
+    Ok(data)
 }
 
 /// A value that can be passed to a kernel: a tensor (its address) or a scalar.

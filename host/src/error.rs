@@ -87,6 +87,10 @@ pub enum Error {
         fitting: String,
     },
 
+    /// The device lacks a feature this call needs.
+    #[error("{device} does not support {what}")]
+    Unsupported { what: &'static str, device: String },
+
     /// The tuned-tiles file (`rust-attention --tune`) could not be read, parsed or written.
     #[error("tuned tiles file {}: {reason}", path.display())]
     TunedTiles { path: std::path::PathBuf, reason: String },

@@ -126,6 +126,23 @@ impl<T: Element> DeviceTensor<T> {
         }
     }
 
+    /// The device buffer, for use with other CUDA libraries (cuBLAS, NVRTC-compiled kernels) on
+    /// the context's stream ([`Context::cuda_stream`]); `None` on the emulator.
+    pub fn cuda_slice(&self) -> Option<&CudaSlice<T>> {
+        match &self.storage {
+            Storage::Cuda(slice) => Some(slice),
+            Storage::Host(_) => None,
+        }
+    }
+
+    /// [`DeviceTensor::cuda_slice`], writable.
+    pub fn cuda_slice_mut(&mut self) -> Option<&mut CudaSlice<T>> {
+        match &mut self.storage {
+            Storage::Cuda(slice) => Some(slice),
+            Storage::Host(_) => None,
+        }
+    }
+
     pub(crate) fn storage(&self) -> &Storage<T> {
         &self.storage
     }
