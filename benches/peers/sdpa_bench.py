@@ -31,8 +31,9 @@ import statistics
 import sys
 import warnings
 
-COLUMNS = ["impl", "backend", "dtype", "batch", "heads", "seqlen_q", "seqlen_k",
-           "head_dim", "causal", "pass", "ms", "tflops", "status", "note"]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from merge import COLUMNS, attention_flops, merge_attention, tflops  # noqa: E402  (beside this file)
+
 DEFAULT_SHAPES = "4x16x4096x64,2x16x8192x128,256x12x197x64"
 # Reference pairing of the default shapes; without --dtype each shape is also
 # run in the other 16-bit dtype (listed after the reference pairs).
@@ -40,17 +41,6 @@ DEFAULT_PAIRS = [("4x16x4096x64", "f16"), ("2x16x8192x128", "bf16"), ("256x12x19
 OTHER_DTYPE = {"f16": "bf16", "bf16": "f16"}
 BACKENDS = {"fa2": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
             "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
-
-
-def attention_flops(b, h, sq, sk, d, causal, pass_):
-    f = 4.0 * b * h * sq * sk * d
-    if causal != "none":
-        f /= 2
-    return f * 2.5 if pass_ == "backward" else f
-
-
-def tflops(flops, ms):
-    return flops / (ms * 1e-3) / 1e12
 
 
 def parse_shape(s):
@@ -214,79 +204,6 @@ def measure(args):
     print(f"wrote {args.out}")
 
 
-# ------------------------------------------------------------------- merging
-def read_rows(path):
-    with open(path, newline="") as fh:
-        reader = csv.DictReader(fh)
-        missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
-        if missing:
-            sys.exit(f"{path}: missing columns {', '.join(missing)}")
-        rows = list(reader)
-    for r in rows:
-        for c in ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim"):
-            r[c] = int(r[c])
-        r["tf"] = None
-        if r["status"].strip() == "ok":
-            if r["tflops"].strip():
-                r["tf"] = float(r["tflops"])
-            elif r["ms"].strip():
-                r["tf"] = tflops(attention_flops(r["batch"], r["heads"], r["seqlen_q"],
-                                                 r["seqlen_k"], r["head_dim"], r["causal"],
-                                                 r["pass"]), float(r["ms"]))
-    return rows
-
-
-def merge(ours_paths, peers_path, md_out):
-    ours = [r for p in ours_paths for r in read_rows(p)]
-    peers = read_rows(peers_path)
-    key = lambda r: (r["batch"], r["heads"], r["seqlen_q"], r["seqlen_k"], r["head_dim"],
-                     r["dtype"], r["causal"], r["pass"])
-    keys, cols, cells = [], [], {}
-    for r in peers + ours:                      # row order: peers first
-        if key(r) not in keys:
-            keys.append(key(r))
-    for r in ours + peers:                      # column order: ours first
-        col = f"{r['impl']}/{r['backend']}"
-        if col not in cols:
-            cols.append(col)
-        prev = cells.get((key(r), col))
-        if r["tf"] is not None:
-            if not isinstance(prev, float) or r["tf"] > prev:
-                cells[(key(r), col)] = r["tf"]
-        elif prev is None:
-            cells[(key(r), col)] = "oom" if r["status"] == "out of memory" else "n/a"
-
-    def best(k, pred):
-        vals = [cells.get((k, c)) for c in cols if pred(c)]
-        vals = [x for x in vals if isinstance(x, float)]
-        return max(vals) if vals else None
-
-    def ratio(a, b):
-        return f"{a / b:.2f}x" if a is not None and b else "-"
-
-    header = ["shape (B,H,N,D)", "dtype", "causal", "pass"] + cols + ["ours / fa2", "ours / cudnn"]
-    lines = ["| " + " | ".join(header) + " |",
-             "|" + "---|" * 4 + "---:|" * (len(cols) + 2)]
-    for k in keys:
-        b, h, sq, sk, d, dt, causal, pass_ = k
-        n = str(sq) if sq == sk else f"{sq}/{sk}"
-        vals = [cells.get((k, c), "-") for c in cols]
-        vals = [(f"{x:.1f}" if x >= 10 else f"{x:.3g}") if isinstance(x, float) else x
-                for x in vals]
-        mine = best(k, lambda c: c.startswith("rust-"))
-        peer = lambda name: best(k, lambda c: not c.startswith("rust-") and c.endswith("/" + name))
-        row = [f"{b},{h},{n},{d}", dt, causal, pass_] + vals + [ratio(mine, peer("fa2")),
-                                                                ratio(mine, peer("cudnn"))]
-        lines.append("| " + " | ".join(row) + " |")
-    text = ("TFLOP/s, higher is better; \"ours\" = best `rust-*` column for the row.\n\n"
-            + "\n".join(lines) + "\n")
-    print(text)
-    os.makedirs(os.path.dirname(md_out) or ".", exist_ok=True)
-    with open(md_out, "w") as fh:
-        fh.write(text)
-    print(f"wrote {md_out}")
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", help=f"comma list of BxHxNxD (default {DEFAULT_SHAPES})")
@@ -313,7 +230,7 @@ def main():
     if args.peers_csv is None:
         measure(args)
     if args.merge or args.peers_csv:
-        merge(args.merge or [], args.peers_csv or args.out, args.merged_out)
+        merge_attention(args.merge or [], args.peers_csv or args.out, args.merged_out)
 
 
 if __name__ == "__main__":
