@@ -77,7 +77,7 @@ fn measure_seqlen(
     step: &mut dyn FnMut(),
 ) -> Result<()> {
     let n: usize = shape.q_shape().iter().product();
-    let host: Vec<Vec<f32>> = (1..=4).map(|seed| random_inputs(n, seed)).collect();
+    let host: Vec<Vec<f32>> = (1..=4).map(|seed| random_normal(n, seed)).collect();
     let upload = |i: usize| ctx.upload(&host[i], &shape.q_shape());
     let (q, k, v, d_o) = (upload(0)?, upload(1)?, upload(2)?, upload(3)?);
     let options = AttentionOptions::default();
@@ -176,17 +176,6 @@ fn tensor_cores<T: Element>(
         |g| ctx.flash_attention_backward_into(&q, &k, &v, o, lse, &d_o, g, options, backward_tile, dq),
     );
     Ok([forward, backward])
-}
-
-/// `n` normal draws, generated in parallel chunks (the longest inputs hold 134 M values each).
-fn random_inputs(n: usize, seed: u64) -> Vec<f32> {
-    use rayon::prelude::*;
-    const CHUNK: usize = 1 << 20;
-    let mut values = vec![0.0; n];
-    values.par_chunks_mut(CHUNK).enumerate().for_each(|(i, chunk)| {
-        chunk.copy_from_slice(&random_normal(chunk.len(), seed << 32 | i as u64));
-    });
-    values
 }
 
 /// Runs `allocate` once under the memory pool's high-water mark (its outputs and workspace),

@@ -101,7 +101,7 @@ fn main() -> Result<()> {
     }
     // One pool of random host values; each set uploads its own slice of it (never zeros).
     let total = 1usize << LOG2_SIZES.end();
-    let (host_a, host_b) = (random_inputs(total, 1), random_inputs(total, 2));
+    let (host_a, host_b) = (random_normal(total, 1), random_normal(total, 2));
     let implementations = [Implementation::Copy, Implementation::Rust, Implementation::CudaCpp];
     let bar = common::progress(LOG2_SIZES.count() * implementations.len());
     let mut rows = Vec::new();
@@ -229,17 +229,6 @@ fn launch_cuda_cpp(
 
 fn driver_error(during: &str, e: cudarc::driver::DriverError) -> attn_host::Error {
     attn_host::Error::Driver { during: during.into(), source: e }
-}
-
-/// `n` normal draws, generated in parallel chunks.
-fn random_inputs(n: usize, seed: u64) -> Vec<f32> {
-    use rayon::prelude::*;
-    const CHUNK: usize = 1 << 20;
-    let mut values = vec![0.0; n];
-    values.par_chunks_mut(CHUNK).enumerate().for_each(|(i, chunk)| {
-        chunk.copy_from_slice(&random_normal(chunk.len(), seed << 32 | i as u64));
-    });
-    values
 }
 
 fn print_table(rows: &[Row]) {
