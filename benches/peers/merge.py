@@ -53,10 +53,12 @@ def read_rows(path):
     return rows
 
 
-def merge_attention(ours_paths, peers_path, md_out=None):
+def merge_attention(ours_paths, peers_paths, md_out=None):
     """The side-by-side markdown table; also written to `md_out` if given."""
     ours = [r for p in ours_paths for r in read_rows(p)]
-    peers = read_rows(peers_path)
+    if isinstance(peers_paths, str):
+        peers_paths = [peers_paths]
+    peers = [r for p in peers_paths for r in read_rows(p)]
     key = lambda r: (r["batch"], r["heads"], r["seqlen_q"], r["seqlen_k"], r["head_dim"],
                      r["dtype"], r["causal"], r["pass"])
     keys, cols, cells = [], [], {}
@@ -147,11 +149,10 @@ def merge_vector_add(paths, png_out):
     return text
 
 
-def merge_attention_plot(ours_paths, peers_path, png_out):
+def merge_attention_plot(ours_paths, peers_paths, png_out):
     """Grouped bars: TFLOP/s of ours and each peer backend per (shape, dtype, causal, pass)."""
     rows = [r for p in ours_paths if os.path.exists(p) for r in read_rows(p)]
-    if os.path.exists(peers_path):
-        rows += read_rows(peers_path)
+    rows += [r for p in peers_paths for r in read_rows(p)]
     key = lambda r: f"{r['batch']}x{r['heads']}x{r['seqlen_q']}x{r['head_dim']} {r['dtype']}" \
                     f"{' causal' if r['causal'] != 'none' else ''} {'fwd' if r['pass'] == 'forward' else 'bwd'}"
     series = {}
@@ -200,14 +201,16 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     d = "bench-results"
     p.add_argument("--ours", nargs="+", default=[f"{d}/ours.csv"], help="our attention CSV(s)")
-    p.add_argument("--peers", default=f"{d}/peers_sdpa.csv", help="the SDPA CSV")
+    p.add_argument("--peers", nargs="+", default=[f"{d}/peers_sdpa.csv", f"{d}/peers_sdpa_f32.csv"],
+                   help="the SDPA CSV(s); missing ones are skipped")
     p.add_argument("--vector-add", nargs="+", default=[f"{d}/vector_add.csv", f"{d}/peers_vector_add.csv"])
     p.add_argument("--out", default=f"{d}/merged.md")
     args = p.parse_args()
     parts = []
-    if os.path.exists(args.peers) and all(os.path.exists(o) for o in args.ours):
-        parts.append(merge_attention(args.ours, args.peers))
-        merge_attention_plot(args.ours, args.peers, os.path.join(d, "merged_attention.png"))
+    peers = [p for p in args.peers if os.path.exists(p)]
+    if peers and all(os.path.exists(o) for o in args.ours):
+        parts.append(merge_attention(args.ours, peers))
+        merge_attention_plot(args.ours, peers, os.path.join(d, "merged_attention.png"))
     parts.append(merge_vector_add(args.vector_add, os.path.join(d, "merged_vector_add.png")))
     text = "\n".join(x for x in parts if x)
     if not text:
