@@ -38,6 +38,7 @@
 //! | [`dtype`] | the element types and conversions (`f16`/`bf16` tensors run on the tensor cores) |
 //! | [`cpu`] | rayon references in `f64`: the plain formula (forward and backward) and a tiled FlashAttention |
 //! | [`check`], [`timing`] | error metrics and seeded inputs; CUDA-event timing |
+//! | [`io`] | tensors in `.npy` and `.safetensors` files ([`io::HostTensor`]), to and from device tensors |
 //! | [`Error`] | every failure, typed; no function here panics on bad input |
 
 #![warn(missing_docs)]
@@ -48,6 +49,7 @@ mod context;
 pub mod cpu;
 pub mod dtype;
 mod error;
+pub mod io;
 pub mod kernels;
 /// Argument structs, block sizes and shared-memory layouts shared with the device crate (the
 /// same source file, `kernels/src/layout.rs`).
