@@ -76,7 +76,7 @@ fn npy_files_are_what_numpy_writes() {
         assert_eq!((10 + header_len) % 64, 0, "{dtype}: NumPy aligns the data to 64 bytes");
         assert_eq!(&written[10 + header_len..], &data[..], "{dtype}");
         // And a file laid out by hand reads back as the same tensor.
-        let hand = dir.join(&format!("hand{}", &io::npy_file_name("", dtype)));
+        let hand = dir.join(&format!("hand{}", io::npy_file_name("", dtype)));
         std::fs::write(&hand, npy_bytes(descr, false, "(2, 3)", &data)).unwrap();
         let read = io::read_npy(&hand).unwrap();
         assert_eq!(read.shape(), &[2, 3]);
@@ -145,7 +145,7 @@ fn write_tensors_to_a_directory_of_npy_files_or_one_safetensors_file() {
     assert_eq!(io::read_npy(&written[0]).unwrap(), tensors[0]);
     assert_eq!(io::read_tensor(&written[1], "lse").unwrap(), tensors[1]);
     let file = dir.join("out.safetensors");
-    assert_eq!(io::write_tensors(&file, &tensors).unwrap(), [file.clone()]);
+    assert_eq!(io::write_tensors(&file, &tensors).unwrap(), std::slice::from_ref(&file));
     assert_eq!(io::read_safetensors_tensor(&file, "o").unwrap(), tensors[0]);
     file_error(io::write_tensors(dir.join("x.npy"), &tensors), &dir.join("x.npy"), None);
 }

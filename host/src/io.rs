@@ -440,7 +440,11 @@ pub fn write_safetensors(path: impl AsRef<Path>, tensors: &[HostTensor]) -> Resu
 pub fn read_tensor(path: impl AsRef<Path>, name: &str) -> Result<HostTensor> {
     let path = path.as_ref();
     match path.extension().and_then(|e| e.to_str()) {
-        Some("npy") => read_npy(path).map(|t| t.renamed(name)),
+        // Errors too name the tensor by its role.
+        Some("npy") => read_npy(path).map(|t| t.renamed(name)).map_err(|e| match e {
+            Error::TensorFile { path, reason, .. } => Error::TensorFile { path, tensor: Some(name.into()), reason },
+            other => other,
+        }),
         Some("safetensors") => read_safetensors_tensor(path, name),
         _ => Err(file_error(path, Some(name), "unknown file type: expected a `.npy` or a `.safetensors` file")),
     }
