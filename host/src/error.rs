@@ -94,6 +94,18 @@ pub enum Error {
     /// The tuned-tiles file (`rust-attention --tune`) could not be read, parsed or written.
     #[error("tuned tiles file {}: {reason}", path.display())]
     TunedTiles { path: std::path::PathBuf, reason: String },
+
+    /// A tensor file (`.npy`, `.safetensors`; see [`crate::io`]) could not be read or written, or
+    /// a tensor in it is not what was asked for: an unsupported dtype, the wrong rank or shape, a
+    /// missing tensor, a truncated or corrupt file. `tensor` is `None` only for what concerns the
+    /// whole file (e.g. a safetensors header that does not parse).
+    #[error("tensor file `{path}`{}: {reason}", tensor_part(.tensor))]
+    TensorFile { path: String, tensor: Option<String>, reason: String },
+
+    /// Arguments that no operation accepts together, e.g. the naive kernels (`f32` only) with a
+    /// 16-bit element type.
+    #[error("invalid arguments: {0}")]
+    Argument(String),
 }
 
 impl Error {
@@ -110,6 +122,11 @@ impl Error {
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// ", tensor `q`" for [`Error::TensorFile`]'s message, or nothing.
+fn tensor_part(tensor: &Option<String>) -> String {
+    tensor.as_ref().map(|name| format!(", tensor `{name}`")).unwrap_or_default()
+}
 
 /// Attaches "what we were doing" to driver errors: `stream.synchronize().during("…")?`.
 pub(crate) trait During<T> {

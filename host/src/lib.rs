@@ -39,6 +39,7 @@
 //! | [`cpu`] | rayon references in `f64`: the plain formula (forward and backward) and a tiled FlashAttention |
 //! | [`check`], [`timing`] | error metrics and seeded inputs; CUDA-event timing |
 //! | [`tune`] | tile-size sweeps (time, registers, shared memory, occupancy) and the tuned-tiles cache |
+//! | [`io`] | tensors in `.npy` and `.safetensors` files ([`io::HostTensor`]), to and from device tensors |
 //! | [`Error`] | every failure, typed; no function here panics on bad input |
 
 #![warn(missing_docs)]
@@ -49,6 +50,7 @@ mod context;
 pub mod cpu;
 pub mod dtype;
 mod error;
+pub mod io;
 pub mod kernels;
 /// Argument structs, block sizes and shared-memory layouts shared with the device crate (the
 /// same source file, `kernels/src/layout.rs`).

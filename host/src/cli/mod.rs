@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 
 use crate::Causal;
 
+pub mod attn;
 pub mod main_job;
 mod tune;
 
@@ -26,7 +27,11 @@ pub struct Cli {
 
 /// The subcommands.
 #[derive(Subcommand, Debug)]
-pub enum Command {}
+pub enum Command {
+    /// Attention forward (and backward, given dO) on Q, K, V read from .npy or .safetensors files;
+    /// writes O, LSE (and dQ, dK, dV), prints each kernel's time (see `cli::attn`).
+    Attn(attn::Args),
+}
 
 /// `--causal`: the mask (see [`Causal`]).
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,7 +59,7 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         None => main_job::run(cli.main_job),
-        Some(command) => match command {},
+        Some(Command::Attn(args)) => attn::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

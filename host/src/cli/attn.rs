@@ -1,0 +1,544 @@
+//! `rust-attention attn`: attention forward (and, given dO, backward) on tensors read from files,
+//! with the outputs written to a file, the time of each kernel printed and, with `--check`, each
+//! output's error against the CPU reference.
+//!
+//! ```text
+//! rust-attention attn --q q.npy --k k.npy --v v.npy [--do do.npy] [--causal top-left|bottom-right]
+//!     [--scale X] [--kernel flash|naive] [--dtype f32|f16|bf16] [--out DIR|FILE.safetensors] [--check]
+//! rust-attention attn --input qkv.safetensors ...   # tensors q, k, v (and do) from one file
+//! ```
+//!
+//! * Inputs: Q `[batch, num_heads_q, seqlen_q, head_dim]`, K and V `[batch, num_heads_kv,
+//!   seqlen_k, head_dim]` (grouped-query attention when `num_heads_kv` divides `num_heads_q`),
+//!   dO Q's shape; `.npy` or `.safetensors` files as [`crate::io`] reads them (bf16 in `.npy` as
+//!   `NAME.bf16.npy`).
+//! * `--dtype`: the element type the kernels run in; default: the inputs' own (they must then
+//!   agree). Inputs of another type are rounded to it first (f32 files run in f16, say), and
+//!   `--check` compares against the reference on those rounded inputs. `f32` runs the CUDA-core
+//!   kernels (flash: head_dim 32, 64, 128; naive: any head_dim), `f16`/`bf16` the tensor-core
+//!   flash kernels (head_dim 64, 128); the naive kernels are `f32` only.
+//! * Outputs: O and dQ, dK, dV in the run's element type; LSE always `f32`, the natural-log
+//!   logsumexp of each score row, ln Σ_j exp(scale · q·k_j) (−∞ for a row that sees no key),
+//!   `[batch, num_heads_q, seqlen_q]`. Written under the names `o`, `lse`, `dq`, `dk`, `dv` to one
+//!   `.safetensors` file, or to a directory of `.npy` files (`o.npy`, …; `o.bf16.npy` for bf16).
+//! * Tiles: the tuned defaults ([`TileConfig::default_for_dtype`],
+//!   [`TileConfig::default_backward_for_dtype`]); dQ mode: [`DqAccumulation::fastest_for`].
+//! * `--device`: a CUDA ordinal, `cpu-emulated` (the kernels' own code on the CPU emulator: slow,
+//!   for small inputs), or `cpu` (the CPU reference, the plain formula in `f64`, its results
+//!   rounded to the run's type). With a CUDA ordinal and no GPU on the machine, the job says so
+//!   and runs the CPU reference, as the main job does.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use clap::ValueEnum;
+use comfy_table::{Table, presets::ASCII_MARKDOWN};
+
+use super::CausalArg;
+use crate::check::{lse_error, relative_l2_error};
+use crate::dtype::{DType, Element};
+use crate::io::{self, HostTensor};
+use crate::timing::{tflops, time_gpu};
+use crate::{
+    AttentionOptions, AttentionShape, Context, Device, DqAccumulation, Error, FlashKernel, Result, TileConfig, cpu,
+};
+
+/// The `attn` subcommand's flags.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Q, [batch, num_heads_q, seqlen_q, head_dim]: a .npy file, or a .safetensors file holding a
+    /// tensor named `q`.
+    #[arg(long, value_name = "FILE", required_unless_present = "input", conflicts_with = "input")]
+    pub q: Option<PathBuf>,
+    /// K, [batch, num_heads_kv, seqlen_k, head_dim] (num_heads_kv dividing num_heads_q: GQA); a .npy
+    /// file, or a .safetensors file holding `k`.
+    #[arg(long, value_name = "FILE", required_unless_present = "input", conflicts_with = "input")]
+    pub k: Option<PathBuf>,
+    /// V, K's shape; a .npy file, or a .safetensors file holding `v`.
+    #[arg(long, value_name = "FILE", required_unless_present = "input", conflicts_with = "input")]
+    pub v: Option<PathBuf>,
+    /// dO = ∂loss/∂O, Q's shape; a .npy file, or a .safetensors file holding `do`. Given, the
+    /// backward pass runs too.
+    #[arg(long = "do", value_name = "FILE", conflicts_with = "input")]
+    pub d_o: Option<PathBuf>,
+    /// One .safetensors file holding tensors q, k, v and, for the backward pass, do (in place of
+    /// --q, --k, --v, --do).
+    #[arg(long, value_name = "FILE")]
+    pub input: Option<PathBuf>,
+    /// Causal mask.
+    #[arg(long, value_enum, default_value_t = CausalArg::None)]
+    pub causal: CausalArg,
+    /// Softmax scale; default 1/sqrt(head_dim).
+    #[arg(long)]
+    pub scale: Option<f32>,
+    /// Which kernels: FlashAttention-2 (f32, f16, bf16) or the naive ones (f32 only).
+    #[arg(long, value_enum, default_value_t = KernelChoice::Flash)]
+    pub kernel: KernelChoice,
+    /// Element type to run in; default: the inputs' type. Inputs of another type are rounded to it.
+    #[arg(long)]
+    pub dtype: Option<DType>,
+    /// Where to write O and LSE (and dQ, dK, dV): FILE.safetensors, or a directory for one .npy
+    /// file per tensor. Nothing is written without it.
+    #[arg(long, value_name = "PATH")]
+    pub out: Option<PathBuf>,
+    /// Also run the CPU reference (f64, every head: slow for long sequences) and print each
+    /// output's relative L2 error against it.
+    #[arg(long)]
+    pub check: bool,
+    /// A CUDA device ordinal (0, 1, …), `cpu-emulated` (the kernels on the CPU emulator: slow,
+    /// small inputs only) or `cpu` (the CPU reference instead of the kernels).
+    #[arg(long, default_value = "0")]
+    pub device: Target,
+    /// Timed repeats per kernel (the median is printed).
+    #[arg(long, default_value_t = 10)]
+    pub repeats: usize,
+    /// Untimed warm-up runs per kernel.
+    #[arg(long, default_value_t = 3)]
+    pub warmup: usize,
+}
+
+/// `--kernel`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelChoice {
+    /// FlashAttention-2: CUDA cores in f32, tensor cores in f16/bf16.
+    Flash,
+    /// Standard attention with the score matrix in device memory (f32 only).
+    Naive,
+}
+
+/// `--device`: where the job computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// The kernels, on a GPU or on the CPU emulator.
+    Kernels(Device),
+    /// The CPU reference (`cpu::attention`, `cpu::attention_backward`) instead of the kernels.
+    Cpu,
+}
+
+impl std::str::FromStr for Target {
+    type Err = String;
+
+    /// `0`, `1`, … (a GPU), `cpu-emulated` or `cpu`.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        if s == "cpu" {
+            return Ok(Self::Cpu);
+        }
+        s.parse()
+            .map(Self::Kernels)
+            .map_err(|_| format!("`{s}` is not a GPU ordinal (0, 1, …), `cpu-emulated` or `cpu`"))
+    }
+}
+
+/// An input tensor and the file it came from.
+struct Input {
+    tensor: HostTensor,
+    path: PathBuf,
+}
+
+impl Input {
+    fn error(&self, reason: String) -> Error {
+        Error::TensorFile {
+            path: self.path.display().to_string(),
+            tensor: Some(self.tensor.name().to_string()),
+            reason,
+        }
+    }
+}
+
+/// Q, K, V and dO as read.
+struct Inputs {
+    q: Input,
+    k: Input,
+    v: Input,
+    d_o: Option<Input>,
+}
+
+impl Inputs {
+    fn read(args: &Args) -> Result<Self> {
+        if let Some(path) = &args.input {
+            let mut tensors = io::read_safetensors(path)?;
+            let mut take = |name: &str| {
+                tensors
+                    .iter()
+                    .position(|t| t.name() == name)
+                    .map(|i| Input { tensor: tensors.remove(i), path: path.clone() })
+            };
+            let (q, k, v, d_o) = (take("q"), take("k"), take("v"), take("do"));
+            let missing = |name: &str| Error::TensorFile {
+                path: path.display().to_string(),
+                tensor: Some(name.into()),
+                reason: "no such tensor; --input needs tensors q, k, v (and do for the backward pass)".into(),
+            };
+            return Ok(Self {
+                q: q.ok_or_else(|| missing("q"))?,
+                k: k.ok_or_else(|| missing("k"))?,
+                v: v.ok_or_else(|| missing("v"))?,
+                d_o,
+            });
+        }
+        let read = |path: &Option<PathBuf>, name: &str| -> Result<Option<Input>> {
+            path.as_ref().map(|p| Ok(Input { tensor: io::read_tensor(p, name)?, path: p.clone() })).transpose()
+        };
+        let required = |name: &str| Error::Argument(format!("--{name} is required (or --input)"));
+        Ok(Self {
+            q: read(&args.q, "q")?.ok_or_else(|| required("q"))?,
+            k: read(&args.k, "k")?.ok_or_else(|| required("k"))?,
+            v: read(&args.v, "v")?.ok_or_else(|| required("v"))?,
+            d_o: read(&args.d_o, "do")?,
+        })
+    }
+
+    fn all(&self) -> impl Iterator<Item = &Input> {
+        [&self.q, &self.k, &self.v].into_iter().chain(self.d_o.as_ref())
+    }
+
+    /// The problem shape; every tensor's rank, and dO's shape, checked with the file named.
+    fn shape(&self) -> Result<AttentionShape> {
+        for input in self.all() {
+            let shape = input.tensor.shape();
+            if shape.len() != 4 {
+                return Err(input.error(format!(
+                    "shape {shape:?} has {} dimensions; expected 4: [batch, heads, seqlen, head_dim]",
+                    shape.len()
+                )));
+            }
+        }
+        if let Some(d_o) = &self.d_o
+            && d_o.tensor.shape() != self.q.tensor.shape()
+        {
+            return Err(d_o.error(format!(
+                "shape {:?} differs from q's {:?}; dO has the shape of Q (and O)",
+                d_o.tensor.shape(),
+                self.q.tensor.shape()
+            )));
+        }
+        AttentionShape::from_qkv(self.q.tensor.shape(), self.k.tensor.shape(), self.v.tensor.shape())
+    }
+
+    /// The inputs' common type, for a run without --dtype.
+    fn common_dtype(&self) -> Result<DType> {
+        let dtype = self.q.tensor.dtype();
+        if self.all().all(|input| input.tensor.dtype() == dtype) {
+            return Ok(dtype);
+        }
+        let each: Vec<String> = self.all().map(|i| format!("{} {}", i.tensor.name(), i.tensor.dtype())).collect();
+        Err(Error::Argument(format!("the inputs have different types ({}); choose one with --dtype", each.join(", "))))
+    }
+
+    /// The tensors rounded to `dtype` (unchanged when they are of it).
+    fn converted(&self, dtype: DType) -> Vec<HostTensor> {
+        self.all().map(|input| input.tensor.converted(dtype)).collect()
+    }
+}
+
+/// One line of the table: a kernel (or the CPU reference), its time and the outputs it made.
+struct Row {
+    label: String,
+    ms: f64,
+    /// Flops in the field's convention (forward 4·B·Hq·Sq·Sk·D, half with a mask; backward 2.5×).
+    flops: f64,
+    outputs: Vec<HostTensor>,
+}
+
+/// Runs the `attn` job.
+///
+/// # Errors
+/// [`Error::TensorFile`] for an input file that cannot be read or a tensor of the wrong rank or
+/// type; [`Error::Shape`] for inputs whose shapes disagree; [`Error::Argument`] for a 16-bit type
+/// with the naive kernels, or inputs of different types without --dtype;
+/// [`Error::HeadDimNotCompiled`] for a head_dim without flash kernels for the type; what the
+/// kernels and the device return; [`Error::TensorFile`] when the output cannot be written.
+pub fn run(args: &Args) -> Result<()> {
+    // Every check that needs no device comes first, so that a mistake is reported the same way
+    // on every machine.
+    let inputs = Inputs::read(args)?;
+    let shape = inputs.shape()?;
+    let dtype = match args.dtype {
+        Some(dtype) => dtype,
+        None => inputs.common_dtype()?,
+    };
+    if args.kernel == KernelChoice::Naive && dtype != DType::F32 {
+        return Err(Error::Argument(format!(
+            "the naive kernels take f32 only; for {dtype} use --kernel flash (the tensor-core kernels), or --dtype f32"
+        )));
+    }
+    let options = AttentionOptions { scale: args.scale, causal: args.causal.into() };
+    options.checked_scale(shape.head_dim)?;
+    let backward = inputs.d_o.is_some();
+    if args.kernel == KernelChoice::Flash && matches!(args.device, Target::Kernels(_)) {
+        let d = shape.head_dim;
+        TileConfig::default_for_dtype(dtype, d).compiled_entry_for(FlashKernel::Forward, dtype, d)?;
+        if backward {
+            TileConfig::default_backward_for_dtype(dtype, d).compiled_entry_for(FlashKernel::Backward, dtype, d)?;
+        }
+    }
+
+    let ctx = match args.device {
+        Target::Cpu => None,
+        Target::Kernels(device) => match Context::open(device) {
+            Ok(ctx) => Some(ctx),
+            Err(e @ (Error::NoDriver | Error::NoDevice { .. })) => {
+                println!("no CUDA device ({e}); computing with the CPU reference (f64, plain formula) instead");
+                None
+            }
+            Err(e) => return Err(e),
+        },
+    };
+    match &ctx {
+        Some(ctx) if ctx.is_emulated() => println!("device: CPU emulator (the kernels' own code; slow by design)"),
+        Some(ctx) => println!("device: {}", ctx.device()),
+        None => println!("device: CPU reference (f64, plain formula; results rounded to {dtype})"),
+    }
+    print_problem(&inputs, &shape, dtype, args);
+
+    let rounded = inputs.converted(dtype);
+    let (warmup, repeats) = match &ctx {
+        Some(ctx) if !ctx.is_emulated() => (args.warmup, args.repeats),
+        _ => (0, 1),
+    };
+    let flops = options.forward_flops(&shape);
+    let rows = match (&ctx, args.kernel, dtype) {
+        (None, _, _) => cpu_rows(&rounded, &shape, &options, dtype, flops)?,
+        (Some(ctx), KernelChoice::Naive, _) => naive_rows(ctx, &rounded, &options, (warmup, repeats), flops)?,
+        (Some(ctx), KernelChoice::Flash, DType::F32) => {
+            flash_rows::<f32>(ctx, &rounded, &options, (warmup, repeats), flops)?
+        }
+        (Some(ctx), KernelChoice::Flash, DType::F16) => {
+            flash_rows::<crate::f16>(ctx, &rounded, &options, (warmup, repeats), flops)?
+        }
+        (Some(ctx), KernelChoice::Flash, DType::Bf16) => {
+            flash_rows::<crate::bf16>(ctx, &rounded, &options, (warmup, repeats), flops)?
+        }
+    };
+
+    let errors = if args.check { Some(check(&rounded, &shape, &options, &rows)?) } else { None };
+    print_table(&rows, errors.as_deref());
+    match &ctx {
+        Some(ctx) if !ctx.is_emulated() => println!(
+            "time: median of {repeats} runs after {warmup} warm-up runs (CUDA events); TFLOP/s counts the forward as \
+             4·B·Hq·Sq·Sk·D (half with a causal mask) and the backward as 2.5× that"
+        ),
+        _ => println!("time: one run, host clock"),
+    }
+
+    let outputs: Vec<HostTensor> = rows.into_iter().flat_map(|row| row.outputs).collect();
+    match &args.out {
+        Some(out) => {
+            let written = io::write_tensors(out, &outputs)?;
+            let described: Vec<String> =
+                outputs.iter().map(|t| format!("{} {:?} {}", t.name(), t.shape(), t.dtype())).collect();
+            println!("wrote {} to {}", described.join(", "), describe_paths(out, &written));
+        }
+        None => println!("no --out: the outputs were not written"),
+    }
+    Ok(())
+}
+
+fn print_problem(inputs: &Inputs, shape: &AttentionShape, dtype: DType, args: &Args) {
+    let files: Vec<String> = inputs
+        .all()
+        .map(|i| format!("{} {:?} {} ({})", i.tensor.name(), i.tensor.shape(), i.tensor.dtype(), i.path.display()))
+        .collect();
+    println!("inputs: {}", files.join(", "));
+    let s = shape;
+    let converted = if inputs.all().any(|i| i.tensor.dtype() != dtype) { " (inputs rounded to it)" } else { "" };
+    println!(
+        "problem [B, Hq, Hkv, Sq, Sk, D] = [{}, {}, {}, {}, {}, {}], {dtype}{converted}, causal {}, scale {}",
+        s.batch,
+        s.num_heads_q,
+        s.num_heads_kv,
+        s.seqlen_q,
+        s.seqlen_k,
+        s.head_dim,
+        args.causal.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string()),
+        AttentionOptions { scale: args.scale, ..Default::default() }.scale_for(s.head_dim)
+    );
+}
+
+fn describe_paths(out: &Path, written: &[PathBuf]) -> String {
+    if written.len() == 1 && written[0] == out {
+        return out.display().to_string();
+    }
+    let names: Vec<String> =
+        written.iter().filter_map(|p| p.file_name()).map(|n| n.to_string_lossy().into_owned()).collect();
+    format!("{}/{{{}}}", out.display(), names.join(", "))
+}
+
+/// The flash kernels in `T`: forward, and backward when dO is given.
+fn flash_rows<T: Element>(
+    ctx: &Context,
+    rounded: &[HostTensor],
+    options: &AttentionOptions,
+    (warmup, repeats): (usize, usize),
+    flops: f64,
+) -> Result<Vec<Row>> {
+    let dtype = T::DTYPE;
+    let device: Vec<_> = rounded.iter().map(|t| t.upload::<T>(ctx)).collect::<Result<_>>()?;
+    let (q, k, v) = (&device[0], &device[1], &device[2]);
+    let d = q.shape()[3];
+    let tile = TileConfig::default_for_dtype(dtype, d);
+    let mut out = ctx.flash_attention_forward(q, k, v, options, tile)?;
+    let forward =
+        time_gpu(ctx, warmup, repeats, || ctx.flash_attention_forward_into(q, k, v, &mut out, options, tile))?;
+    let mut rows = vec![Row {
+        label: format!("flash forward {dtype} ({tile})"),
+        ms: forward.median_ms,
+        flops,
+        outputs: vec![HostTensor::from_device("o", &out.o)?, HostTensor::from_device("lse", &out.lse)?],
+    }];
+    if let Some(d_o) = device.get(3) {
+        let tile = TileConfig::default_backward_for_dtype(dtype, d);
+        let mode = DqAccumulation::fastest_for(dtype);
+        let (o, lse) = (&out.o, &out.lse);
+        let mut grads = ctx.flash_attention_backward(q, k, v, o, lse, d_o, options, tile, mode)?;
+        let backward = time_gpu(ctx, warmup, repeats, || {
+            ctx.flash_attention_backward_into(q, k, v, o, lse, d_o, &mut grads, options, tile, mode)
+        })?;
+        let mode_name = if mode == DqAccumulation::Atomic { "atomic dQ" } else { "deterministic" };
+        rows.push(Row {
+            label: format!("flash backward {dtype}, {mode_name} ({tile})"),
+            ms: backward.median_ms,
+            flops: 2.5 * flops,
+            outputs: gradients(&grads)?,
+        });
+    }
+    Ok(rows)
+}
+
+/// The naive kernels (`f32`): forward, and backward when dO is given.
+fn naive_rows(
+    ctx: &Context,
+    rounded: &[HostTensor],
+    options: &AttentionOptions,
+    (warmup, repeats): (usize, usize),
+    flops: f64,
+) -> Result<Vec<Row>> {
+    let device: Vec<_> = rounded.iter().map(|t| t.upload::<f32>(ctx)).collect::<Result<_>>()?;
+    let (q, k, v) = (&device[0], &device[1], &device[2]);
+    let mut out = ctx.attention_naive(q, k, v, options)?;
+    let forward = time_gpu(ctx, warmup, repeats, || ctx.attention_naive_into(q, k, v, &mut out, options))?;
+    let mut rows = vec![Row {
+        label: "naive forward f32".into(),
+        ms: forward.median_ms,
+        flops,
+        outputs: vec![HostTensor::from_device("o", &out.o)?, HostTensor::from_device("lse", &out.lse)?],
+    }];
+    if let Some(d_o) = device.get(3) {
+        let o = &out.o;
+        let mut grads = ctx.attention_naive_backward(q, k, v, o, d_o, options)?;
+        let backward =
+            time_gpu(ctx, warmup, repeats, || ctx.attention_naive_backward_into(q, k, v, o, d_o, &mut grads, options))?;
+        rows.push(Row {
+            label: "naive backward f32".into(),
+            ms: backward.median_ms,
+            flops: 2.5 * flops,
+            outputs: gradients(&grads)?,
+        });
+    }
+    Ok(rows)
+}
+
+fn gradients<T: Element>(grads: &crate::Gradients<T>) -> Result<Vec<HostTensor>> {
+    Ok(vec![
+        HostTensor::from_device("dq", &grads.dq)?,
+        HostTensor::from_device("dk", &grads.dk)?,
+        HostTensor::from_device("dv", &grads.dv)?,
+    ])
+}
+
+/// The CPU reference in place of the kernels; results rounded once from `f64` to `dtype` (LSE to
+/// `f32`).
+fn cpu_rows(
+    rounded: &[HostTensor],
+    shape: &AttentionShape,
+    options: &AttentionOptions,
+    dtype: DType,
+    flops: f64,
+) -> Result<Vec<Row>> {
+    let values: Vec<Vec<f32>> = rounded.iter().map(HostTensor::to_f32).collect();
+    let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal };
+    let start = Instant::now();
+    let forward = cpu::attention(&values[0], &values[1], &values[2], shape, params)?;
+    let forward_ms = start.elapsed().as_secs_f64() * 1e3;
+    let mut rows = vec![Row {
+        label: "CPU reference forward (f64)".into(),
+        ms: forward_ms,
+        flops,
+        outputs: vec![
+            HostTensor::from_f64("o", &shape.q_shape(), &forward.o, dtype)?,
+            HostTensor::from_f64("lse", &shape.lse_shape(), &forward.lse, DType::F32)?,
+        ],
+    }];
+    if let Some(d_o) = values.get(3) {
+        let start = Instant::now();
+        let grads = cpu::attention_backward(&values[0], &values[1], &values[2], d_o, shape, params)?;
+        let backward_ms = start.elapsed().as_secs_f64() * 1e3;
+        rows.push(Row {
+            label: "CPU reference backward (f64)".into(),
+            ms: backward_ms,
+            flops: 2.5 * flops,
+            outputs: vec![
+                HostTensor::from_f64("dq", &shape.q_shape(), &grads.dq, dtype)?,
+                HostTensor::from_f64("dk", &shape.kv_shape(), &grads.dk, dtype)?,
+                HostTensor::from_f64("dv", &shape.kv_shape(), &grads.dv, dtype)?,
+            ],
+        });
+    }
+    Ok(rows)
+}
+
+/// "O …, LSE …" and "dQ …, dK …, dV …": each row's outputs against the CPU reference computed on
+/// the same (rounded) inputs, as relative L2 errors.
+fn check(
+    rounded: &[HostTensor],
+    shape: &AttentionShape,
+    options: &AttentionOptions,
+    rows: &[Row],
+) -> Result<Vec<String>> {
+    let values: Vec<Vec<f32>> = rounded.iter().map(HostTensor::to_f32).collect();
+    let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal };
+    let forward = cpu::attention(&values[0], &values[1], &values[2], shape, params)?;
+    let backward = match values.get(3) {
+        Some(d_o) => Some(cpu::attention_backward(&values[0], &values[1], &values[2], d_o, shape, params)?),
+        None => None,
+    };
+    Ok(rows
+        .iter()
+        .map(|row| {
+            let errors: Vec<String> = row
+                .outputs
+                .iter()
+                .map(|t| {
+                    let got = t.to_f32();
+                    let (label, error) = match (t.name(), &backward) {
+                        ("o", _) => ("O", relative_l2_error(&got, &forward.o)),
+                        ("lse", _) => ("LSE", lse_error(&got, &forward.lse)),
+                        ("dq", Some(b)) => ("dQ", relative_l2_error(&got, &b.dq)),
+                        ("dk", Some(b)) => ("dK", relative_l2_error(&got, &b.dk)),
+                        ("dv", Some(b)) => ("dV", relative_l2_error(&got, &b.dv)),
+                        (name, _) => (name, f64::NAN),
+                    };
+                    format!("{label} {error:.1e}")
+                })
+                .collect();
+            errors.join(", ")
+        })
+        .collect())
+}
+
+fn print_table(rows: &[Row], errors: Option<&[String]>) {
+    let mut table = Table::new();
+    let mut header = vec!["kernel", "time (ms)", "TFLOP/s"];
+    if errors.is_some() {
+        header.push("rel L2 error vs CPU (f64)");
+    }
+    table.load_style(ASCII_MARKDOWN).set_header(header);
+    for (i, row) in rows.iter().enumerate() {
+        let mut cells = vec![row.label.clone(), format!("{:.3}", row.ms), format!("{:.2}", tflops(row.flops, row.ms))];
+        if let Some(errors) = errors {
+            cells.push(errors[i].clone());
+        }
+        table.add_row(cells);
+    }
+    println!("{table}");
+}

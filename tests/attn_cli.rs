@@ -1,0 +1,343 @@
+//! The `attn` subcommand (`host/src/cli/attn.rs`) on files written by the tests: inputs as
+//! separate `.npy` files, separate `.safetensors` files or one `.safetensors` file, in every
+//! element type, with GQA, cross lengths, every mask and an explicit scale; outputs read back and
+//! compared with the float64 CPU reference on the same (rounded) inputs. Three paths: the CPU
+//! reference (`--device cpu`, always), the GPU (skipped without one) and the CPU emulator on tiny
+//! shapes. Then the errors: wrong rank, mismatched dO, missing tensors, mixed types, the naive
+//! kernels with 16 bits, head dims without kernels.
+
+mod common;
+
+use attn_host::check::{lse_error, random_normal, relative_l2_error};
+use attn_host::cli::{Cli, Command, attn};
+use attn_host::io::{self, HostTensor};
+use attn_host::{AttentionShape, Causal, DType, Error, cpu};
+use clap::Parser;
+use common::files::TempDir;
+
+/// Runs `rust-attention attn ARGS` in this process.
+fn run_attn(args: &[String]) -> attn_host::Result<()> {
+    let argv = ["rust-attention", "attn"].into_iter().map(String::from).chain(args.iter().cloned());
+    let cli = Cli::try_parse_from(argv).unwrap_or_else(|e| panic!("{e}"));
+    match cli.command {
+        Some(Command::Attn(args)) => attn::run(&args),
+        other => panic!("parsed as {other:?}"),
+    }
+}
+
+/// How the test hands the inputs over.
+#[derive(Clone, Copy, Debug)]
+enum Layout {
+    /// `--q q.npy --k k.npy …`
+    Npy,
+    /// `--q q.safetensors …`, one file per tensor.
+    SafetensorsEach,
+    /// `--input qkv.safetensors`.
+    OneFile,
+}
+
+/// A problem: its shape, mask, scale and random inputs (`f32`, rounded to the files' type when
+/// written).
+struct Case {
+    shape: AttentionShape,
+    causal: Causal,
+    scale: Option<f32>,
+    inputs: [HostTensor; 4], // q, k, v, do
+}
+
+impl Case {
+    fn new(shape: AttentionShape, causal: Causal, scale: Option<f32>, seed: u64) -> Self {
+        let shapes = [shape.q_shape(), shape.kv_shape(), shape.kv_shape(), shape.q_shape()];
+        let names = ["q", "k", "v", "do"];
+        let inputs = std::array::from_fn(|i| {
+            HostTensor::new(names[i], &shapes[i], random_normal(shapes[i].iter().product(), seed + i as u64)).unwrap()
+        });
+        Self { shape, causal, scale, inputs }
+    }
+
+    /// Writes the inputs in `dtype` under `dir` and returns the flags that read them (dO only
+    /// with `backward`), the mask and the scale.
+    fn write(&self, dir: &TempDir, dtype: DType, layout: Layout, backward: bool) -> Vec<String> {
+        let tensors: Vec<HostTensor> =
+            self.inputs.iter().take(if backward { 4 } else { 3 }).map(|t| t.converted(dtype)).collect();
+        let mut args = Vec::new();
+        match layout {
+            Layout::OneFile => {
+                let path = dir.join("inputs.safetensors");
+                io::write_safetensors(&path, &tensors).unwrap();
+                args.extend(["--input".to_string(), path.display().to_string()]);
+            }
+            Layout::Npy | Layout::SafetensorsEach => {
+                for tensor in &tensors {
+                    let path = match layout {
+                        // Files named otherwise than their flag: the flag gives the role.
+                        Layout::Npy => dir.join(&io::npy_file_name(&format!("in_{}", tensor.name()), dtype)),
+                        _ => dir.join(&format!("{}.safetensors", tensor.name())),
+                    };
+                    match layout {
+                        Layout::Npy => io::write_npy(&path, &tensor.clone().renamed(format!("in_{}", tensor.name()))),
+                        _ => io::write_safetensors(&path, std::slice::from_ref(tensor)),
+                    }
+                    .unwrap();
+                    args.extend([format!("--{}", tensor.name()), path.display().to_string()]);
+                }
+            }
+        }
+        let causal = match self.causal {
+            Causal::None => "none",
+            Causal::TopLeft => "top-left",
+            Causal::BottomRight => "bottom-right",
+        };
+        args.extend(["--causal".to_string(), causal.to_string()]);
+        if let Some(scale) = self.scale {
+            args.extend(["--scale".to_string(), scale.to_string()]);
+        }
+        args
+    }
+
+    /// Reads the outputs the job wrote to `out` and checks them against the float64 reference on
+    /// the inputs rounded to `dtype`; returns the errors, for the failure message.
+    fn check_outputs(&self, out: &std::path::Path, dtype: DType, backward: bool, context: &str) {
+        let read = |name: &str, dtype: DType| {
+            let tensor = if out.extension().is_some_and(|e| e == "safetensors") {
+                io::read_safetensors_tensor(out, name)
+            } else {
+                io::read_npy(out.join(io::npy_file_name(name, dtype)))
+            }
+            .unwrap_or_else(|e| panic!("{context}: {e}"));
+            assert_eq!(tensor.dtype(), dtype, "{context}: {name}");
+            tensor
+        };
+        let rounded: Vec<Vec<f32>> = self.inputs.iter().map(|t| t.converted(dtype).to_f32()).collect();
+        let shape = &self.shape;
+        let params = cpu::Params {
+            scale: self.scale.unwrap_or(1.0 / (shape.head_dim as f32).sqrt()) as f64,
+            causal: self.causal,
+        };
+        let (o_tol, lse_tol, grad_tol) = tolerances(dtype);
+        let reference = cpu::attention(&rounded[0], &rounded[1], &rounded[2], shape, params).unwrap();
+        let (o, lse) = (read("o", dtype), read("lse", DType::F32));
+        assert_eq!(o.shape(), shape.q_shape(), "{context}");
+        assert_eq!(lse.shape(), shape.lse_shape(), "{context}");
+        let o_err = relative_l2_error(&o.to_f32(), &reference.o);
+        let lse_err = lse_error(&lse.to_f32(), &reference.lse);
+        assert!(o_err <= o_tol && lse_err <= lse_tol, "{context}: O {o_err:.2e}, LSE {lse_err:.2e}");
+        let grads_path = |name: &str| {
+            if out.extension().is_some_and(|e| e == "safetensors") {
+                io::read_safetensors_tensor(out, name).is_ok()
+            } else {
+                out.join(io::npy_file_name(name, dtype)).exists()
+            }
+        };
+        if !backward {
+            assert!(!grads_path("dq"), "{context}: no dO, no dQ");
+            return;
+        }
+        let grads = cpu::attention_backward(&rounded[0], &rounded[1], &rounded[2], &rounded[3], shape, params).unwrap();
+        for (name, want, dims) in [
+            ("dq", &grads.dq, shape.q_shape()),
+            ("dk", &grads.dk, shape.kv_shape()),
+            ("dv", &grads.dv, shape.kv_shape()),
+        ] {
+            let got = read(name, dtype);
+            assert_eq!(got.shape(), dims, "{context}: {name}");
+            let err = relative_l2_error(&got.to_f32(), want);
+            assert!(err <= grad_tol, "{context}: {name} {err:.2e} > {grad_tol:.0e}");
+        }
+    }
+}
+
+/// Relative L2 tolerances (O, LSE, gradients) against the float64 reference on the rounded
+/// inputs: those of the kernels' own tests (README, Numerics).
+fn tolerances(dtype: DType) -> (f64, f64, f64) {
+    match dtype {
+        DType::F32 => (1e-5, 1e-5, 1e-4),
+        DType::F16 => (3e-3, 1e-4, 1e-2),
+        DType::Bf16 => (1e-2, 1e-4, 2e-2),
+    }
+}
+
+fn gqa(
+    batch: usize,
+    heads: usize,
+    heads_kv: usize,
+    seqlen_q: usize,
+    seqlen_k: usize,
+    head_dim: usize,
+) -> AttentionShape {
+    AttentionShape { batch, num_heads_q: heads, num_heads_kv: heads_kv, seqlen_q, seqlen_k, head_dim }
+}
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
+}
+
+/// Runs one case on `device` and checks what it wrote; `out_name` picks .safetensors or a
+/// directory of .npy files.
+#[allow(clippy::too_many_arguments)]
+fn run_case(
+    test: &str,
+    case: &Case,
+    device: &str,
+    kernel: &str,
+    dtype: DType,
+    layout: Layout,
+    backward: bool,
+    out_name: &str,
+) {
+    let dir = TempDir::new(&format!("{test}-{device}-{kernel}-{dtype}-{layout:?}-{backward}-{out_name}"));
+    let out = dir.join(out_name);
+    let mut args = case.write(&dir, dtype, layout, backward);
+    args.extend(strings(&["--device", device, "--kernel", kernel, "--check", "--repeats", "2", "--warmup", "1"]));
+    args.extend(["--out".to_string(), out.display().to_string()]);
+    let context = format!("{device} {kernel} {dtype} {layout:?} backward={backward} {:?} → {out_name}", case.shape);
+    run_attn(&args).unwrap_or_else(|e| panic!("{context}: {e}"));
+    case.check_outputs(&out, dtype, backward, &context);
+}
+
+#[test]
+fn attn_cpu_path_every_dtype_layout_and_mask() {
+    let cases = [
+        Case::new(gqa(2, 4, 2, 37, 29, 16), Causal::None, None, 1),
+        Case::new(gqa(1, 3, 1, 23, 41, 8), Causal::TopLeft, Some(0.3), 11),
+        Case::new(gqa(2, 2, 2, 30, 19, 24), Causal::BottomRight, None, 21),
+    ];
+    for (i, case) in cases.iter().enumerate() {
+        for dtype in DType::ALL {
+            for (j, layout) in [Layout::Npy, Layout::SafetensorsEach, Layout::OneFile].into_iter().enumerate() {
+                let out = if (i + j) % 2 == 0 { "out.safetensors" } else { "out" };
+                run_case("cpu", case, "cpu", "flash", dtype, layout, true, out);
+            }
+        }
+    }
+    // Forward only: no dO, so no gradients written.
+    run_case("cpu", &cases[0], "cpu", "flash", DType::Bf16, Layout::Npy, false, "out");
+    run_case("cpu", &cases[1], "cpu", "naive", DType::F32, Layout::OneFile, false, "out.safetensors");
+}
+
+#[test]
+fn attn_rounds_inputs_to_the_requested_dtype() {
+    let dir = TempDir::new("attn_dtype");
+    let case = Case::new(gqa(1, 2, 1, 20, 20, 16), Causal::TopLeft, None, 5);
+    let mut args = case.write(&dir, DType::F32, Layout::Npy, true);
+    let out = dir.join("out");
+    args.extend(strings(&["--dtype", "bf16", "--device", "cpu"]));
+    args.extend(["--out".to_string(), out.display().to_string()]);
+    run_attn(&args).unwrap();
+    case.check_outputs(&out, DType::Bf16, true, "f32 files run as bf16");
+
+    // Inputs of different types need --dtype.
+    let mixed = dir.join("k_half.npy");
+    io::write_npy(&mixed, &case.inputs[1].converted(DType::F16)).unwrap();
+    let mut args = case.write(&dir, DType::F32, Layout::Npy, false);
+    let k = args.iter().position(|a| a == "--k").unwrap();
+    args[k + 1] = mixed.display().to_string();
+    args.extend(strings(&["--device", "cpu"]));
+    let error = run_attn(&args).unwrap_err();
+    assert!(matches!(error, Error::Argument(_)), "{error}");
+    assert!(error.to_string().contains("--dtype"), "{error}");
+    args.extend(strings(&["--dtype", "f16"]));
+    run_attn(&args).unwrap();
+}
+
+/// The kernels on the GPU: the f32 flash and naive kernels and the f16/bf16 tensor-core kernels,
+/// at both tensor-core head dims, ragged lengths, GQA and every mask.
+#[test]
+fn attn_gpu_path() {
+    if common::gpu("attn_gpu_path").is_none() {
+        return;
+    }
+    let runs = [
+        (gqa(2, 4, 2, 133, 97, 64), Causal::BottomRight, "flash", DType::F32, Layout::Npy, "out"),
+        (gqa(2, 4, 2, 133, 97, 64), Causal::TopLeft, "naive", DType::F32, Layout::OneFile, "out.safetensors"),
+        (gqa(1, 6, 2, 200, 200, 32), Causal::None, "flash", DType::F32, Layout::SafetensorsEach, "out"),
+        (gqa(2, 4, 2, 133, 97, 64), Causal::BottomRight, "flash", DType::F16, Layout::Npy, "out.safetensors"),
+        (gqa(1, 4, 1, 77, 150, 128), Causal::TopLeft, "flash", DType::Bf16, Layout::Npy, "out"),
+        (gqa(2, 2, 2, 150, 150, 128), Causal::None, "flash", DType::F16, Layout::OneFile, "out"),
+        (gqa(2, 4, 4, 129, 129, 64), Causal::TopLeft, "flash", DType::Bf16, Layout::SafetensorsEach, "out.safetensors"),
+    ];
+    for (i, (shape, causal, kernel, dtype, layout, out)) in runs.into_iter().enumerate() {
+        let case = Case::new(shape, causal, None, 100 + 10 * i as u64);
+        run_case("gpu", &case, "0", kernel, dtype, layout, true, out);
+    }
+    // Forward only.
+    let case = Case::new(gqa(1, 2, 1, 65, 65, 64), Causal::None, Some(0.2), 200);
+    run_case("gpu", &case, "0", "flash", DType::Bf16, Layout::Npy, false, "out");
+}
+
+/// The kernels' own code on the CPU emulator, on tiny shapes (one OS thread per GPU thread).
+#[test]
+fn attn_emulated_path() {
+    let runs = [
+        (gqa(1, 2, 1, 20, 24, 32), Causal::BottomRight, "flash", DType::F32),
+        (gqa(1, 2, 1, 20, 24, 20), Causal::TopLeft, "naive", DType::F32),
+        (gqa(1, 2, 1, 20, 17, 64), Causal::None, "flash", DType::Bf16),
+    ];
+    for (i, (shape, causal, kernel, dtype)) in runs.into_iter().enumerate() {
+        let case = Case::new(shape, causal, None, 300 + 10 * i as u64);
+        run_case("emulated", &case, "cpu-emulated", kernel, dtype, Layout::Npy, true, "out");
+    }
+}
+
+#[test]
+fn attn_errors_name_the_file_and_the_tensor() {
+    let dir = TempDir::new("attn_errors");
+    let case = Case::new(gqa(1, 4, 2, 16, 16, 16), Causal::None, None, 7);
+    let base = case.write(&dir, DType::F32, Layout::Npy, true);
+    let with = |extra: &[&str], replace: Option<(&str, &std::path::Path)>| {
+        let mut args = base.clone();
+        if let Some((flag, path)) = replace {
+            let at = args.iter().position(|a| a == flag).unwrap();
+            args[at + 1] = path.display().to_string();
+        }
+        args.extend(strings(extra));
+        run_attn(&args)
+    };
+
+    // A rank-3 Q.
+    let flat = dir.join("flat.npy");
+    io::write_npy(&flat, &HostTensor::new("flat", &[4, 16, 16], random_normal(4 * 16 * 16, 1)).unwrap()).unwrap();
+    let error = with(&["--device", "cpu"], Some(("--q", &flat))).unwrap_err();
+    let message = error.to_string();
+    assert!(matches!(error, Error::TensorFile { .. }), "{message}");
+    assert!(message.contains("flat.npy") && message.contains("`q`") && message.contains("expected 4"), "{message}");
+
+    // dO of another shape than Q.
+    let small = dir.join("small.npy");
+    io::write_npy(&small, &HostTensor::new("s", &[1, 4, 8, 16], random_normal(4 * 8 * 16, 2)).unwrap()).unwrap();
+    let message = with(&["--device", "cpu"], Some(("--do", &small))).unwrap_err().to_string();
+    assert!(message.contains("small.npy") && message.contains("`do`"), "{message}");
+
+    // K and V disagreeing (the library's shape check), a file of the wrong type, a missing file.
+    let message = with(&["--device", "cpu"], Some(("--v", &small))).unwrap_err().to_string();
+    assert!(message.contains("`k`") && message.contains("`v`"), "{message}");
+    let text = dir.join("q.txt");
+    std::fs::write(&text, "not a tensor").unwrap();
+    let message = with(&["--device", "cpu"], Some(("--q", &text))).unwrap_err().to_string();
+    assert!(message.contains("q.txt") && message.contains("`q`"), "{message}");
+    let message = with(&["--device", "cpu"], Some(("--k", &dir.join("nowhere.npy")))).unwrap_err().to_string();
+    assert!(message.contains("nowhere.npy") && message.contains("`k`"), "{message}");
+
+    // One input file without v.
+    let partial = dir.join("partial.safetensors");
+    io::write_safetensors(&partial, &[case.inputs[0].clone(), case.inputs[1].clone()]).unwrap();
+    let message =
+        run_attn(&strings(&["--input", &partial.display().to_string(), "--device", "cpu"])).unwrap_err().to_string();
+    assert!(message.contains("partial.safetensors") && message.contains("`v`"), "{message}");
+
+    // The naive kernels are f32 only; flash kernels exist for some head dims only; the scale
+    // must be finite. These are refused before any device is opened, on every machine.
+    let error = with(&["--kernel", "naive", "--dtype", "bf16"], None).unwrap_err();
+    assert!(matches!(error, Error::Argument(_)) && error.to_string().contains("naive"), "{error}");
+    let error = with(&["--dtype", "f16"], None).unwrap_err();
+    assert!(matches!(error, Error::HeadDimNotCompiled { head_dim: 16, .. }), "{error}");
+    let error = with(&["--scale", "inf", "--device", "cpu"], None).unwrap_err();
+    assert!(matches!(error, Error::InvalidScale { .. }), "{error}");
+
+    // Flags that clap refuses: --q with --input, no inputs at all, an unknown device.
+    let parse = |args: &[&str]| Cli::try_parse_from(["rust-attention", "attn"].iter().chain(args)).map(|_| ());
+    assert!(parse(&["--input", "a.safetensors", "--q", "q.npy"]).is_err());
+    assert!(parse(&["--k", "k.npy", "--v", "v.npy"]).is_err());
+    assert!(parse(&["--input", "a.safetensors", "--device", "tpu"]).is_err());
+    assert!(parse(&["--input", "a.safetensors", "--device", "cpu-emulated"]).is_ok());
+}
