@@ -3,6 +3,8 @@
 
 use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 
+use crate::io::HostData;
+
 /// The element type of a tensor, as a value (for messages, tables and kernel lookup).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -67,10 +69,30 @@ pub trait Element: sealed::Sealed + DeviceRepr + ValidAsZeroBits + Copy + Defaul
     fn from_f32(x: f32) -> Self;
     /// Widens to `f32` (exact).
     fn to_f32(self) -> f32;
+    /// Wraps values of this type, without copying, as file-level tensor data.
+    fn into_host_data(values: Vec<Self>) -> HostData;
+    /// The values of `data`, if they are of this type.
+    fn host_slice(data: &HostData) -> Option<&[Self]>;
+}
+
+/// The [`Element`] methods that name a [`HostData`] variant: one line per type.
+macro_rules! host_data_variant {
+    ($variant:ident) => {
+        fn into_host_data(values: Vec<Self>) -> HostData {
+            HostData::$variant(values)
+        }
+        fn host_slice(data: &HostData) -> Option<&[Self]> {
+            match data {
+                HostData::$variant(values) => Some(values),
+                _ => None,
+            }
+        }
+    };
 }
 
 impl Element for f32 {
     const DTYPE: DType = DType::F32;
+    host_data_variant!(F32);
     fn from_f32(x: f32) -> Self {
         x
     }
@@ -81,6 +103,7 @@ impl Element for f32 {
 
 impl Element for half::f16 {
     const DTYPE: DType = DType::F16;
+    host_data_variant!(F16);
     fn from_f32(x: f32) -> Self {
         half::f16::from_f32(x)
     }
@@ -91,6 +114,7 @@ impl Element for half::f16 {
 
 impl Element for half::bf16 {
     const DTYPE: DType = DType::Bf16;
+    host_data_variant!(Bf16);
     fn from_f32(x: f32) -> Self {
         half::bf16::from_f32(x)
     }

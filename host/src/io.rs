@@ -27,7 +27,6 @@
 //! where there is one, the tensor; a failed write leaves no partial file of ours behind (the
 //! whole file is encoded in memory first).
 
-use std::any::Any;
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
@@ -51,24 +50,6 @@ pub enum HostData {
 }
 
 impl HostData {
-    /// Wraps `values` without copying.
-    fn from_vec<T: Element>(values: Vec<T>) -> Self {
-        // `Element` is sealed to these three types, so one of the casts succeeds.
-        let any: Box<dyn Any> = Box::new(values);
-        let any = match any.downcast::<Vec<f32>>() {
-            Ok(v) => return Self::F32(*v),
-            Err(any) => any,
-        };
-        let any = match any.downcast::<Vec<f16>>() {
-            Ok(v) => return Self::F16(*v),
-            Err(any) => any,
-        };
-        match any.downcast::<Vec<bf16>>() {
-            Ok(v) => Self::Bf16(*v),
-            Err(_) => unreachable!("Element is implemented for f32, f16 and bf16 only"),
-        }
-    }
-
     fn dtype(&self) -> DType {
         match self {
             Self::F32(_) => DType::F32,
@@ -111,7 +92,7 @@ impl HostTensor {
     /// # Errors
     /// [`Error::Length`] when `values.len()` is not the product of `shape`.
     pub fn new<T: Element>(name: impl Into<String>, shape: &[usize], values: Vec<T>) -> Result<Self> {
-        Self::from_data(name, shape, HostData::from_vec(values))
+        Self::from_data(name, shape, T::into_host_data(values))
     }
 
     /// A tensor of `data` with this shape.
@@ -197,12 +178,7 @@ impl HostTensor {
 
     /// The values, if the tensor holds `T`.
     pub fn as_slice<T: Element>(&self) -> Option<&[T]> {
-        let any: &dyn Any = match &self.data {
-            HostData::F32(v) => v,
-            HostData::F16(v) => v,
-            HostData::Bf16(v) => v,
-        };
-        any.downcast_ref::<Vec<T>>().map(Vec::as_slice)
+        T::host_slice(&self.data)
     }
 
     /// The values as `T`: a copy if the tensor holds `T`, otherwise each value rounded to `T`
