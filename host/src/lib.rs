@@ -39,6 +39,7 @@
 //! | [`cpu`] | rayon references in `f64`: the plain formula (forward and backward) and a tiled FlashAttention |
 //! | [`check`], [`timing`] | error metrics and seeded inputs; CUDA-event timing |
 //! | [`Error`] | every failure, typed; no function here panics on bad input |
+//! | [`vit`] | a Vision Transformer's first attention layer on a real photo, with these kernels; attention maps as pictures |
 
 #![warn(missing_docs)]
 
@@ -57,6 +58,7 @@ mod ops;
 mod problem;
 mod tensor;
 pub mod timing;
+pub mod vit;
 
 pub use context::{Context, Device, DeviceInfo};
 pub use dtype::{DType, Element};
