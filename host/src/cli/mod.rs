@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 use crate::Causal;
 
 pub mod main_job;
+pub mod vit;
 
 /// Naive attention vs FlashAttention on the GPU, kernels written in Rust; see the subcommands for
 /// the other jobs.
@@ -25,7 +26,11 @@ pub struct Cli {
 
 /// The subcommands.
 #[derive(Subcommand, Debug)]
-pub enum Command {}
+pub enum Command {
+    /// A Vision Transformer's self-attention on a real photo: patches to Q, K, V, attention with
+    /// our kernels, attention maps as pictures.
+    Vit(vit::Args),
+}
 
 /// `--causal`: the mask (see [`Causal`]).
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,7 +58,7 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
         None => main_job::run(&cli.main_job),
-        Some(command) => match *command {},
+        Some(Command::Vit(args)) => vit::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
