@@ -382,7 +382,11 @@ fn print_attention_table(qkv: &pipeline::Qkv, runs: &[(AttentionImpl, Result<Att
         s.batch, s.num_heads_q, s.seqlen_q, s.head_dim
     );
     let kernels = if gpu { "the kernels' median of the timed runs (CUDA events)" } else { "one run, host clock" };
-    println!("time: {kernels}; the CPU reference one run; the f16 row's errors include rounding Q, K, V to f16");
+    if runs.iter().any(|(which, _)| which.needs_context()) {
+        println!("time: {kernels}, the CPU reference one run; the f16 row's errors include rounding Q, K, V to f16");
+    } else {
+        println!("time: one run of the CPU reference");
+    }
 }
 
 fn short_name(which: AttentionImpl) -> &'static str {

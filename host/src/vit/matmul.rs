@@ -177,5 +177,8 @@ fn missing_library_message() -> String {
             found.join(", ")
         )
     };
-    format!("the cuBLAS library could not be loaded (looked for {}); {hint}", tried.join(", "))
+    format!(
+        "the cuBLAS library could not be loaded (looked for {}); {hint} (`scripts/with-cublas COMMAND` looks in more places and sets this up)",
+        tried.join(", ")
+    )
 }
