@@ -41,6 +41,7 @@
 //! | [`tune`] | tile-size sweeps (time, registers, shared memory, occupancy) and the tuned-tiles cache |
 //! | [`io`] | tensors in `.npy` and `.safetensors` files ([`io::HostTensor`]), to and from device tensors |
 //! | [`Error`] | every failure, typed; no function here panics on bad input |
+//! | [`vit`] | a Vision Transformer's first attention layer on a real photo, with these kernels; attention maps as pictures |
 
 #![warn(missing_docs)]
 
@@ -61,6 +62,7 @@ mod problem;
 mod tensor;
 pub mod timing;
 pub mod tune;
+pub mod vit;
 
 pub use context::{Context, Device, DeviceInfo};
 pub use dtype::{DType, Element};

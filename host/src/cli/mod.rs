@@ -11,6 +11,7 @@ use crate::Causal;
 pub mod attn;
 pub mod main_job;
 mod tune;
+pub mod vit;
 
 /// Naive attention vs FlashAttention on the GPU, kernels written in Rust; see the subcommands for
 /// the other jobs.
@@ -31,6 +32,9 @@ pub enum Command {
     /// Attention forward (and backward, given dO) on Q, K, V read from .npy or .safetensors files;
     /// writes O, LSE (and dQ, dK, dV), prints each kernel's time (see `cli::attn`).
     Attn(attn::Args),
+    /// A Vision Transformer's self-attention on a real photo: patches to Q, K, V, attention with
+    /// our kernels, attention maps as pictures.
+    Vit(vit::Args),
 }
 
 /// `--causal`: the mask (see [`Causal`]).
@@ -60,6 +64,7 @@ pub fn main() -> ExitCode {
     let result = match cli.command {
         None => main_job::run(cli.main_job),
         Some(Command::Attn(args)) => attn::run(&args),
+        Some(Command::Vit(args)) => vit::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
