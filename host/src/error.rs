@@ -111,22 +111,6 @@ pub enum Error {
     #[error("image {path}: {reason}")]
     Image { path: String, reason: String },
 
-    /// A weights file could not be read or is not a safetensors file (`vit`).
-    #[error("weights file {path}: {reason}")]
-    Weights { path: String, reason: String },
-
-    /// A weights file lacks a tensor the model needs (`vit`).
-    #[error("weights file {path} has no tensor `{tensor}` (expected timm's ViT names, e.g. `patch_embed.proj.weight`)")]
-    MissingTensor { path: String, tensor: String },
-
-    /// A tensor of a weights file has another shape than the model needs (`vit`).
-    #[error("weights file {path}: tensor `{tensor}` has shape {got:?}; the model needs {expected:?}")]
-    TensorShape { path: String, tensor: String, expected: Vec<usize>, got: Vec<usize> },
-
-    /// A tensor of a weights file has an element type that is not a float (`vit`).
-    #[error("weights file {path}: tensor `{tensor}` has dtype {dtype}; expected F32, F16, BF16 or F64")]
-    TensorDtype { path: String, tensor: String, dtype: String },
-
     /// A vision-transformer configuration or option that cannot work (`vit`).
     #[error("vit: {0}")]
     Vit(String),

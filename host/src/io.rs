@@ -371,10 +371,20 @@ pub fn read_safetensors(path: impl AsRef<Path>) -> Result<Vec<HostTensor>> {
 /// As [`read_safetensors`], and [`Error::TensorFile`] listing the file's tensors when it has
 /// none called `name`.
 pub fn read_safetensors_tensor(path: impl AsRef<Path>, name: &str) -> Result<HostTensor> {
+    let mut tensors = read_safetensors_tensors(path, &[name])?;
+    Ok(tensors.pop().expect("one tensor asked for"))
+}
+
+/// Reads the tensors called `names`, in that order, from a `.safetensors` file, parsing it once
+/// (a model checkpoint from which a few tensors are wanted).
+///
+/// # Errors
+/// As [`read_safetensors_tensor`], for the first name at fault.
+pub fn read_safetensors_tensors(path: impl AsRef<Path>, names: &[&str]) -> Result<Vec<HostTensor>> {
     let path = path.as_ref();
-    let bytes = read_file(path, Some(name))?;
+    let bytes = read_file(path, names.first().copied())?;
     let file = parse_safetensors(path, &bytes)?;
-    tensor_from_view(path, name, &file)
+    names.iter().map(|name| tensor_from_view(path, name, &file)).collect()
 }
 
 /// Writes `tensors` to one `.safetensors` file (no `__metadata__`).

@@ -4,11 +4,11 @@
 
 use std::path::Path;
 
-use safetensors::{Dtype, SafeTensors};
 
 use super::config::{CHANNELS, VitConfig};
 use crate::check::random_normal;
 use crate::error::{Error, Result};
+use crate::io;
 
 /// How to make up weights when no checkpoint is given.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -170,40 +170,39 @@ impl VitWeights {
     /// Loads the weights from a safetensors file in timm's names and shapes ([`timm_tensors`]),
     /// e.g. the `model.safetensors` of timm's `vit_base_patch16_224` for [`VitConfig::vit_b16`].
     /// Other tensors in the file (later blocks, the head) are ignored. Elements may be `F32`,
-    /// `F16`, `BF16` or `F64`; they are converted to `f32`.
+    /// `F16` or `BF16` ([`crate::io`]); they are widened to `f32`.
     ///
     /// # Errors
-    /// [`Error::Weights`] when the file cannot be read or is not safetensors;
-    /// [`Error::MissingTensor`], [`Error::TensorShape`], [`Error::TensorDtype`] naming the file and
-    /// the tensor at fault.
+    /// [`Error::TensorFile`] naming the file and the first tensor at fault: the file cannot be
+    /// read or is not safetensors, a tensor is missing, has another element type or another
+    /// shape than `config` needs.
     pub fn load_safetensors(path: &Path, config: &VitConfig) -> Result<Self> {
-        let name = path.display().to_string();
-        let bytes = std::fs::read(path)
-            .map_err(|e| Error::Weights { path: name.clone(), reason: format!("cannot read it: {e}") })?;
-        Self::from_safetensors(&bytes, &name, config)
-    }
-
-    /// [`VitWeights::load_safetensors`] from the bytes of a file; `name` is used in errors.
-    ///
-    /// # Errors
-    /// As [`VitWeights::load_safetensors`].
-    pub fn from_safetensors(bytes: &[u8], name: &str, config: &VitConfig) -> Result<Self> {
-        let file = SafeTensors::deserialize(bytes)
-            .map_err(|e| Error::Weights { path: name.to_string(), reason: format!("not a safetensors file: {e}") })?;
-        // Field order = timm_tensors' order; the first tensor at fault is reported.
-        let [pe_w, pe_b, cls, pos, n_w, n_b, qkv_w, qkv_b, proj_w, proj_b] =
-            timm_tensors(config).map(|(tensor, shape)| read_tensor(&file, name, tensor, &shape));
+        let wanted = timm_tensors(config);
+        let names = wanted.each_ref().map(|(name, _)| *name);
+        let tensors = io::read_safetensors_tensors(path, &names)?;
+        let mut values = wanted.iter().zip(tensors).map(|((name, shape), tensor)| {
+            if tensor.shape() != shape.as_slice() {
+                return Err(Error::TensorFile {
+                    path: path.display().to_string(),
+                    tensor: Some(name.to_string()),
+                    reason: format!("has shape {:?}; the model needs {shape:?}", tensor.shape()),
+                });
+            }
+            Ok(tensor.to_f32())
+        });
+        // In timm_tensors' order.
+        let mut next = || values.next().expect("one tensor per name");
         Ok(Self {
-            patch_embed_weight: pe_w?,
-            patch_embed_bias: pe_b?,
-            cls_token: cls?,
-            pos_embed: pos?,
-            norm1_weight: n_w?,
-            norm1_bias: n_b?,
-            qkv_weight: qkv_w?,
-            qkv_bias: qkv_b?,
-            proj_weight: proj_w?,
-            proj_bias: proj_b?,
+            patch_embed_weight: next()?,
+            patch_embed_bias: next()?,
+            cls_token: next()?,
+            pos_embed: next()?,
+            norm1_weight: next()?,
+            norm1_bias: next()?,
+            qkv_weight: next()?,
+            qkv_bias: next()?,
+            proj_weight: next()?,
+            proj_bias: next()?,
             cosine_attention: false,
         })
     }
@@ -269,35 +268,4 @@ pub fn dct_patch_embedding(patch_size: usize) -> Vec<f32> {
         }
     }
     w
-}
-
-/// One tensor of `file` as `f32`, after checking that it exists and has `shape`.
-fn read_tensor(file: &SafeTensors, path: &str, tensor: &str, shape: &[usize]) -> Result<Vec<f32>> {
-    let view =
-        file.tensor(tensor).map_err(|_| Error::MissingTensor { path: path.to_string(), tensor: tensor.to_string() })?;
-    if view.shape() != shape {
-        return Err(Error::TensorShape {
-            path: path.to_string(),
-            tensor: tensor.to_string(),
-            expected: shape.to_vec(),
-            got: view.shape().to_vec(),
-        });
-    }
-    let data = view.data();
-    // safetensors stores little-endian values; `deserialize` checked that the data's length
-    // matches the shape and the dtype.
-    let values = match view.dtype() {
-        Dtype::F32 => data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-        Dtype::F16 => data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-        Dtype::BF16 => data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-        Dtype::F64 => data.chunks_exact(8).map(|b| f64::from_le_bytes(std::array::from_fn(|i| b[i])) as f32).collect(),
-        other => {
-            return Err(Error::TensorDtype {
-                path: path.to_string(),
-                tensor: tensor.to_string(),
-                dtype: format!("{other:?}"),
-            });
-        }
-    };
-    Ok(values)
 }
