@@ -34,14 +34,12 @@ use std::time::Instant;
 use clap::ValueEnum;
 use comfy_table::{Table, presets::ASCII_MARKDOWN};
 
-use super::CausalArg;
+use super::{CausalArg, DeviceArg};
 use crate::check::{lse_error, relative_l2_error};
 use crate::dtype::{DType, Element};
 use crate::io::{self, HostTensor};
 use crate::timing::{tflops, time_gpu};
-use crate::{
-    AttentionOptions, AttentionShape, Context, Device, DqAccumulation, Error, FlashKernel, Result, TileConfig, cpu,
-};
+use crate::{AttentionOptions, AttentionShape, Context, DqAccumulation, Error, FlashKernel, Result, TileConfig, cpu};
 
 /// The `attn` subcommand's flags.
 #[derive(clap::Args, Debug)]
@@ -88,7 +86,7 @@ pub struct Args {
     /// A CUDA device ordinal (0, 1, …), `cpu-emulated` (the kernels on the CPU emulator: slow,
     /// small inputs only) or `cpu` (the CPU reference instead of the kernels).
     #[arg(long, default_value = "0")]
-    pub device: Target,
+    pub device: DeviceArg,
     /// Timed repeats per kernel (the median is printed).
     #[arg(long, default_value_t = 10)]
     pub repeats: usize,
@@ -104,29 +102,6 @@ pub enum KernelChoice {
     Flash,
     /// Standard attention with the score matrix in device memory (f32 only).
     Naive,
-}
-
-/// `--device`: where the job computes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Target {
-    /// The kernels, on a GPU or on the CPU emulator.
-    Kernels(Device),
-    /// The CPU reference (`cpu::attention`, `cpu::attention_backward`) instead of the kernels.
-    Cpu,
-}
-
-impl std::str::FromStr for Target {
-    type Err = String;
-
-    /// `0`, `1`, … (a GPU), `cpu-emulated` or `cpu`.
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        if s == "cpu" {
-            return Ok(Self::Cpu);
-        }
-        s.parse()
-            .map(Self::Kernels)
-            .map_err(|_| format!("`{s}` is not a GPU ordinal (0, 1, …), `cpu-emulated` or `cpu`"))
-    }
 }
 
 /// An input tensor and the file it came from.
@@ -265,7 +240,7 @@ pub fn run(args: &Args) -> Result<()> {
     let options = AttentionOptions { scale: args.scale, causal: args.causal.into() };
     options.checked_scale(shape.head_dim)?;
     let backward = inputs.d_o.is_some();
-    if args.kernel == KernelChoice::Flash && matches!(args.device, Target::Kernels(_)) {
+    if args.kernel == KernelChoice::Flash && matches!(args.device, DeviceArg::Kernels(_)) {
         let d = shape.head_dim;
         TileConfig::default_for_dtype(dtype, d).compiled_entry_for(FlashKernel::Forward, dtype, d)?;
         if backward {
@@ -274,8 +249,8 @@ pub fn run(args: &Args) -> Result<()> {
     }
 
     let ctx = match args.device {
-        Target::Cpu => None,
-        Target::Kernels(device) => match Context::open(device) {
+        DeviceArg::Cpu => None,
+        DeviceArg::Kernels(device) => match Context::open(device) {
             Ok(ctx) => Some(ctx),
             Err(e @ (Error::NoDriver | Error::NoDevice { .. })) => {
                 println!("no CUDA device ({e}); computing with the CPU reference (f64, plain formula) instead");

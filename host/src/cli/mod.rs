@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use crate::Causal;
+use crate::{Causal, Device};
 
 pub mod attn;
 pub mod main_job;
@@ -35,6 +35,30 @@ pub enum Command {
     /// A Vision Transformer's self-attention on a real photo: patches to Q, K, V, attention with
     /// our kernels, attention maps as pictures.
     Vit(vit::Args),
+}
+
+/// `--device` of the `attn` and `vit` jobs: our kernels on a GPU or on the CPU emulator, or the
+/// plain CPU path (references and rayon, no kernels) for machines with neither.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceArg {
+    /// The kernels, on a GPU or on the CPU emulator (as the main job's `--device`).
+    Kernels(Device),
+    /// The CPU path instead of the kernels.
+    Cpu,
+}
+
+impl std::str::FromStr for DeviceArg {
+    type Err = String;
+
+    /// `0`, `1`, … (a GPU), `cpu-emulated` or `cpu`.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        if s == "cpu" {
+            return Ok(Self::Cpu);
+        }
+        s.parse()
+            .map(Self::Kernels)
+            .map_err(|_| format!("`{s}` is not a GPU ordinal (0, 1, …), `cpu-emulated` or `cpu`"))
+    }
 }
 
 /// `--causal`: the mask (see [`Causal`]).

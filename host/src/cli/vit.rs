@@ -8,32 +8,13 @@ use std::path::{Path, PathBuf};
 
 use comfy_table::{Table, presets::ASCII_MARKDOWN};
 
+use super::DeviceArg;
 use crate::check::relative_l2_error;
 use crate::vit::pipeline::{self, AttentionRows, Forward, Repeats};
 use crate::vit::preprocess::{self, DEFAULT_PHOTO, DEFAULT_PHOTO_NAME};
 use crate::vit::render::{self, MapPicture};
 use crate::vit::{AttentionImpl, Init, Matmul, Normalization, Query, VitConfig, VitWeights};
-use crate::{Context, Device, Error, Result};
-
-/// Where the `vit` job runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum VitDevice {
-    /// A GPU or the emulator, as the main job's `--device`.
-    Context(Device),
-    /// Everything on the CPU: rayon matrix products and the `f64` attention reference.
-    Cpu,
-}
-
-impl std::str::FromStr for VitDevice {
-    type Err = String;
-
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        if s == "cpu" {
-            return Ok(Self::Cpu);
-        }
-        s.parse().map(Self::Context).map_err(|e| format!("{e}, nor `cpu`"))
-    }
-}
+use crate::{Context, Error, Result};
 
 /// `--init`.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -116,7 +97,7 @@ pub struct Args {
     /// A CUDA device ordinal (0, 1, …), `cpu-emulated` (our kernels on the CPU emulator: slow
     /// at ViT-B/16 size, try --model tiny), or `cpu` (the CPU reference only, no kernels).
     #[arg(long, default_value = "0")]
-    pub device: VitDevice,
+    pub device: DeviceArg,
     /// Softmax scale (the temperature's inverse); default 1/sqrt(d_k) = 0.125.
     #[arg(long)]
     pub scale: Option<f32>,
@@ -305,8 +286,8 @@ fn query_label(query: Query) -> String {
 }
 
 /// The context for `device`, or `None` for the CPU (also when no GPU is found, said in a line).
-fn open_device(device: VitDevice) -> Result<Option<Context>> {
-    let VitDevice::Context(device) = device else {
+fn open_device(device: DeviceArg) -> Result<Option<Context>> {
+    let DeviceArg::Kernels(device) = device else {
         println!("device: CPU (matrix products with rayon, attention by the f64 reference; no kernels)");
         return Ok(None);
     };

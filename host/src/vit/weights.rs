@@ -4,7 +4,6 @@
 
 use std::path::Path;
 
-
 use super::config::{CHANNELS, VitConfig};
 use crate::check::random_normal;
 use crate::error::{Error, Result};
