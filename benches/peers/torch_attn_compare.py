@@ -61,9 +61,12 @@ import subprocess
 import sys
 import tempfile
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+try:
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+except ImportError as e:
+    sys.exit(f"torch_attn_compare: needs NumPy and PyTorch ({e})")
 
 TOLERANCES = {  # (O, LSE, dQ/dK/dV)
     "f32": (1e-5, 1e-5, 1e-4),

@@ -382,7 +382,8 @@ pub fn read_safetensors_tensor(path: impl AsRef<Path>, name: &str) -> Result<Hos
 /// As [`read_safetensors_tensor`], for the first name at fault.
 pub fn read_safetensors_tensors(path: impl AsRef<Path>, names: &[&str]) -> Result<Vec<HostTensor>> {
     let path = path.as_ref();
-    let bytes = read_file(path, names.first().copied())?;
+    // A file that cannot be read concerns every tensor: name one only if one was asked for.
+    let bytes = read_file(path, if let [name] = names { Some(*name) } else { None })?;
     let file = parse_safetensors(path, &bytes)?;
     names.iter().map(|name| tensor_from_view(path, name, &file)).collect()
 }
@@ -445,16 +446,9 @@ pub fn read_tensor(path: impl AsRef<Path>, name: &str) -> Result<HostTensor> {
 /// be created.
 pub fn write_tensors(out: impl AsRef<Path>, tensors: &[HostTensor]) -> Result<Vec<PathBuf>> {
     let out = out.as_ref();
-    if out.extension().is_some_and(|e| e == "safetensors") {
+    if check_output_path(out)? {
         write_safetensors(out, tensors)?;
         return Ok(vec![out.to_path_buf()]);
-    }
-    if out.extension().is_some_and(|e| e == "npy") {
-        return Err(file_error(
-            out,
-            None,
-            "several tensors go to a directory of .npy files (or one .safetensors file); name a directory",
-        ));
     }
     std::fs::create_dir_all(out).map_err(|e| file_error(out, None, format!("cannot create the directory: {e}")))?;
     tensors
@@ -464,6 +458,25 @@ pub fn write_tensors(out: impl AsRef<Path>, tensors: &[HostTensor]) -> Result<Ve
             write_npy(&path, t).map(|()| path)
         })
         .collect()
+}
+
+/// Checks an output path of [`write_tensors`] before any work is done: `Ok(true)` for a
+/// `.safetensors` file, `Ok(false)` for a directory (an existing one, or a new path without an
+/// extension).
+///
+/// # Errors
+/// [`Error::TensorFile`] for any other path (`out.npy`, `out.txt`): several tensors go to a
+/// directory of `.npy` files or to one `.safetensors` file.
+pub fn check_output_path(out: &Path) -> Result<bool> {
+    match out.extension() {
+        Some(e) if e == "safetensors" => Ok(true),
+        Some(_) if !out.is_dir() => Err(file_error(
+            out,
+            None,
+            "name a directory (for one .npy file per tensor) or a .safetensors file: several tensors are written",
+        )),
+        _ => Ok(false),
+    }
 }
 
 fn read_file(path: &Path, tensor: Option<&str>) -> Result<Vec<u8>> {

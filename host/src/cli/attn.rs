@@ -45,7 +45,7 @@ use crate::{AttentionOptions, AttentionShape, Context, DqAccumulation, Error, Fl
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Q, [batch, num_heads_q, seqlen_q, head_dim]: a .npy file, or a .safetensors file holding a
-    /// tensor named `q`.
+    /// tensor named `q` (or give all inputs in one file with --input).
     #[arg(long, value_name = "FILE", required_unless_present = "input", conflicts_with = "input")]
     pub q: Option<PathBuf>,
     /// K, [batch, num_heads_kv, seqlen_k, head_dim] (num_heads_kv dividing num_heads_q: GQA); a .npy
@@ -67,7 +67,7 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = CausalArg::None)]
     pub causal: CausalArg,
     /// Softmax scale; default 1/sqrt(head_dim).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub scale: Option<f32>,
     /// Which kernels: FlashAttention-2 (f32, f16, bf16) or the naive ones (f32 only).
     #[arg(long, value_enum, default_value_t = KernelChoice::Flash)]
@@ -239,6 +239,9 @@ pub fn run(args: &Args) -> Result<()> {
     }
     let options = AttentionOptions { scale: args.scale, causal: args.causal.into() };
     options.checked_scale(shape.head_dim)?;
+    if let Some(out) = &args.out {
+        io::check_output_path(out)?;
+    }
     let backward = inputs.d_o.is_some();
     if args.kernel == KernelChoice::Flash && matches!(args.device, DeviceArg::Kernels(_)) {
         let d = shape.head_dim;
@@ -336,7 +339,7 @@ fn describe_paths(out: &Path, written: &[PathBuf]) -> String {
     }
     let names: Vec<String> =
         written.iter().filter_map(|p| p.file_name()).map(|n| n.to_string_lossy().into_owned()).collect();
-    format!("{}/{{{}}}", out.display(), names.join(", "))
+    format!("{}/{{{}}}", out.display().to_string().trim_end_matches('/'), names.join(", "))
 }
 
 /// The flash kernels in `T`: forward, and backward when dO is given.

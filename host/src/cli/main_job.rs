@@ -13,7 +13,7 @@ use std::time::Instant;
 use clap::ValueEnum;
 use comfy_table::{Table, presets::ASCII_MARKDOWN};
 
-use super::CausalArg;
+use super::{CausalArg, DeviceArg};
 use crate::check::{lse_error, random_normal, relative_l2_error};
 use crate::dtype::{DType, Element, from_f32_slice, to_f32_vec};
 use crate::timing::{tflops, time_gpu};
@@ -64,7 +64,7 @@ pub struct Args {
     #[arg(long, value_delimiter = ',', default_value = "f32,f16,bf16")]
     pub dtype: Vec<DType>,
     /// Softmax scale; default 1/sqrt(head_dim).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub scale: Option<f32>,
     /// Causal mask of the custom case.
     #[arg(long, value_enum, default_value_t = CausalArg::None)]
@@ -79,8 +79,9 @@ pub struct Args {
     /// which runs the kernels' own code with one OS thread per GPU thread and checks shared-memory
     /// races and barriers (slow by design: it runs a small case unless shape flags are given,
     /// and its times say nothing about a GPU).
+    /// `cpu` runs the CPU reference only (what happens anyway when there is no GPU).
     #[arg(long, default_value = "0")]
-    pub device: Device,
+    pub device: DeviceArg,
     /// Heads checked against the CPU when checking all of them would take long.
     #[arg(long, default_value_t = 2)]
     pub check_heads: usize,
@@ -158,7 +159,7 @@ impl Args {
         }
         // Unset dimensions: a ViT-B/16 batch on a GPU, the emulator's small case on the emulator
         // (a full batch would take it minutes).
-        let emulated = self.device == Device::CpuEmulated;
+        let emulated = self.device == DeviceArg::Kernels(Device::CpuEmulated);
         let heads = self.heads.unwrap_or(if emulated { 2 } else { 12 });
         let seqlen = self.seqlen.unwrap_or(if emulated { 100 } else { 197 });
         let shape = AttentionShape {
@@ -194,6 +195,7 @@ pub(super) fn run(mut args: Args) -> Result<()> {
     for case in &cases {
         let shape = case.shape;
         AttentionShape::from_qkv(&shape.q_shape(), &shape.kv_shape(), &shape.kv_shape())?;
+        AttentionOptions { scale: args.scale, causal: case.causal }.checked_scale(shape.head_dim)?;
         for &dtype in &args.dtype {
             let d = shape.head_dim;
             for (kernel, pass) in
@@ -207,8 +209,21 @@ pub(super) fn run(mut args: Args) -> Result<()> {
             }
         }
     }
-    let ctx = match Context::open(args.device) {
+    let device = match args.device {
+        DeviceArg::Kernels(device) => device,
+        DeviceArg::Cpu if args.tune => {
+            return Err(Error::Argument("--tune measures a GPU; --device cpu has none".into()));
+        }
+        DeviceArg::Cpu => {
+            println!("device: CPU (--device cpu): the CPU reference only, no kernels");
+            return run_cpu_only(&args, &cases);
+        }
+    };
+    let ctx = match Context::open(device) {
         Ok(ctx) => ctx,
+        Err(e @ (Error::NoDriver | Error::NoDevice { .. })) if args.tune => {
+            return Err(Error::Argument(format!("--tune measures a GPU, and there is none: {e}")));
+        }
         Err(e) if args.tune => return Err(e),
         Err(e @ (Error::NoDriver | Error::NoDevice { .. })) => {
             println!("no CUDA device ({e}); running the CPU reference instead");

@@ -99,7 +99,7 @@ pub struct Args {
     #[arg(long, default_value = "0")]
     pub device: DeviceArg,
     /// Softmax scale (the temperature's inverse); default 1/sqrt(d_k) = 0.125.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub scale: Option<f32>,
     /// Pixel normalisation; use `half` for checkpoints trained with mean = std = 0.5.
     #[arg(long, value_enum, default_value_t = NormalizeArg::Imagenet)]
