@@ -148,6 +148,13 @@ fn write_tensors_to_a_directory_of_npy_files_or_one_safetensors_file() {
     assert_eq!(io::write_tensors(&file, &tensors).unwrap(), std::slice::from_ref(&file));
     assert_eq!(io::read_safetensors_tensor(&file, "o").unwrap(), tensors[0]);
     file_error(io::write_tensors(dir.join("x.npy"), &tensors), &dir.join("x.npy"), None);
+    // Another extension is refused up front, unless it names an existing directory.
+    file_error(io::check_output_path(&dir.join("out.txt")), &dir.join("out.txt"), None);
+    assert!(!dir.join("out.txt").exists(), "nothing was created");
+    std::fs::create_dir(dir.join("run.1")).unwrap();
+    assert!(!io::check_output_path(&dir.join("run.1")).unwrap(), "an existing directory");
+    assert!(!io::check_output_path(&dir.join("new")).unwrap(), "a new directory");
+    assert!(io::check_output_path(&file).unwrap(), "a safetensors file");
 }
 
 #[test]
