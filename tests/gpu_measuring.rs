@@ -6,14 +6,21 @@
 
 mod common;
 
+use std::sync::Mutex;
+
 use attn_host::check::random_normal;
 use attn_host::tune::{Pass, SweepTiming, sweep_len, sweep_tiles};
 use attn_host::{AttentionOptions, Causal, DType, DqAccumulation, FlashKernel, TileConfig};
 use common::{gpu, mha};
 
+/// The tests here share one context and its memory pool; `Context::peak_memory` reads the pool's
+/// high-water mark, which counts every thread's allocations, so they run one at a time.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
 #[test]
 fn a_sweep_reports_every_tile_with_its_resources() {
     let Some(ctx) = gpu("a_sweep_reports_every_tile_with_its_resources") else { return };
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let shape = mha(1, 4, 300, 64);
     let timing = SweepTiming { warmup: 1, repeats: 2 };
     for dtype in [DType::F32, DType::F16] {
@@ -43,6 +50,7 @@ fn a_sweep_reports_every_tile_with_its_resources() {
 #[test]
 fn peak_memory_sees_the_score_matrix_and_only_it() {
     let Some(ctx) = gpu("peak_memory_sees_the_score_matrix_and_only_it") else { return };
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let shape = mha(2, 4, 1000, 64);
     let n: usize = shape.q_shape().iter().product();
     let [q, k, v] = [1, 2, 3].map(|seed| ctx.upload(&random_normal(n, seed), &shape.q_shape()).expect("upload"));
@@ -64,6 +72,7 @@ fn peak_memory_sees_the_score_matrix_and_only_it() {
 #[test]
 fn an_allocation_larger_than_the_device_is_out_of_memory_and_harmless() {
     let Some(ctx) = gpu("an_allocation_larger_than_the_device_is_out_of_memory_and_harmless") else { return };
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     // A score matrix of 64 heads × 65536² floats: 1 TiB, more than any GPU has.
     let shape = mha(1, 64, 65536, 16);
     let n: usize = shape.q_shape().iter().product();

@@ -227,7 +227,8 @@ impl Context {
     /// what was allocated before it started, in bytes: the high-water mark of the device's
     /// memory pool, from which this crate's tensors and workspaces are allocated (stream-ordered,
     /// `cuMemAllocAsync`). Waits for the GPU before and after `work`. An error from `work` is
-    /// returned as is.
+    /// returned as is. The pool is the device's: allocations made meanwhile by other threads (or
+    /// other contexts on the device) count too, so measure with nothing else running.
     ///
     /// # Errors
     /// [`Error::NotOnEmulator`] on the emulator; [`Error::Unsupported`] on a device without
