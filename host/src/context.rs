@@ -93,16 +93,17 @@ impl std::fmt::Display for DeviceInfo {
 pub struct Context {
     /// Unique per context: tensors record it, so that one context refuses another's tensors.
     id: u64,
-    backend: Backend,
+    pub(crate) backend: Backend,
     info: DeviceInfo,
 }
 
-enum Backend {
-    /// `modules[kernels::module_of(entry)]` holds kernel `entry`.
+pub(crate) enum Backend {
+    /// `modules[kernels::module_of(entry)]` holds kernel `entry`; `None` for a module this GPU
+    /// cannot run (the sm_90a one off Hopper).
     Cuda {
         cuda: Arc<CudaContext>,
         stream: Arc<CudaStream>,
-        modules: Vec<Arc<CudaModule>>,
+        modules: Vec<Option<Arc<CudaModule>>>,
     },
     Emulated,
 }
@@ -147,11 +148,18 @@ impl Context {
             let (major, minor) = info.compute_capability;
             return Err(Error::UnsupportedDevice { name: info.name, major, minor, needed: "8.0 (Ampere)" });
         }
-        let modules = kernels::PTX_SM_80
+        // The sm_80 modules run on every supported GPU; the sm_90a one (Hopper's `wgmma` and
+        // TMA) only on compute capability 9.0, so elsewhere it is not loaded.
+        let hopper = info.compute_capability == (9, 0);
+        let modules = kernels::PTX
             .iter()
-            .zip(kernels::MODULES)
-            .map(|(ptx, group)| {
-                cuda.load_module(Ptx::from_src(*ptx)).during(format!("loading the kernels' PTX module ({group})"))
+            .zip(kernels::MODULES.iter().zip(kernels::MODULE_ARCHS))
+            .map(|(ptx, (group, arch))| match *arch {
+                "sm_90a" if !hopper => Ok(None),
+                _ => cuda
+                    .load_module(Ptx::from_src(*ptx))
+                    .map(Some)
+                    .during(format!("loading the kernels' PTX module ({group}, {arch})")),
             })
             .collect::<Result<Vec<_>>>()?;
         let stream = cuda.new_stream().during("creating a stream")?;
@@ -295,7 +303,12 @@ impl Context {
     fn function(&self, entry: &str) -> Result<CudaFunction> {
         match &self.backend {
             Backend::Cuda { modules, .. } => {
-                modules[kernels::module_of(entry)].load_function(entry).during(format!("looking up kernel {entry}"))
+                let index = kernels::module_of(entry);
+                let module = modules[index].as_ref().ok_or_else(|| Error::Unsupported {
+                    what: "this kernel's sm_90a module (compute capability 9.0)",
+                    device: self.info.name.clone(),
+                })?;
+                module.load_function(entry).during(format!("looking up kernel {entry}"))
             }
             Backend::Emulated => Err(Error::NotOnEmulator("information about a compiled kernel")),
         }

@@ -121,8 +121,21 @@ mod tests {
     #[test]
     fn every_entry_is_in_the_ptx() {
         for name in entry::ALL.iter().copied().chain(FLASH_INSTANCES.iter().map(|i| i.entry)) {
-            let module = PTX_SM_80[module_of(name)];
+            let module = PTX[module_of(name)];
             assert!(module.contains(&format!(".entry {name}(")), "{name} missing from its PTX module");
+        }
+    }
+
+    #[test]
+    fn hopper_kernels_are_in_the_sm_90a_module_only() {
+        for name in [entry::HOPPER_PROBE_WGMMA, entry::HOPPER_PROBE_WGMMA_REGISTER_A, entry::HOPPER_PROBE_TMA] {
+            let module = module_of(name);
+            assert_eq!(MODULE_ARCHS[module], "sm_90a", "{name}");
+            assert!(PTX[module].contains(&format!(".entry {name}(")), "{name} missing from the sm_90a module");
+            assert!(!entry::ALL.contains(&name), "{name} is not launched by every-kernel (Hopper only)");
+        }
+        for (ptx, arch) in PTX.iter().zip(MODULE_ARCHS) {
+            assert!(ptx.contains(&format!(".target {arch}")), "a module's PTX targets {arch}");
         }
     }
 

@@ -38,6 +38,7 @@
 //! | [`dtype`] | the element types and conversions (`f16`/`bf16` tensors run on the tensor cores) |
 //! | [`cpu`] | rayon references in `f64`: the plain formula (forward and backward) and a tiled FlashAttention |
 //! | [`check`], [`timing`] | error metrics and seeded inputs; CUDA-event timing |
+//! | [`Context::has_hopper_kernels`], [`TensorMap`] | the Hopper (`sm_90a`) path: tensor maps for TMA and probes of `wgmma` and TMA |
 //! | [`tune`] | tile-size sweeps (time, registers, shared memory, occupancy) and the tuned-tiles cache |
 //! | [`io`] | tensors in `.npy` and `.safetensors` files ([`io::HostTensor`]), to and from device tensors |
 //! | [`Error`] | every failure, typed; no function here panics on bad input |
@@ -51,6 +52,7 @@ mod context;
 pub mod cpu;
 pub mod dtype;
 mod error;
+mod hopper;
 pub mod io;
 pub mod kernels;
 /// Argument structs, block sizes and shared-memory layouts shared with the device crate (the
@@ -70,6 +72,7 @@ pub use error::{Error, Result};
 /// The 16-bit float types of the `half` crate, re-exported: tensors of [`f16`] or [`bf16`] run on
 /// the tensor-core kernels.
 pub use half::{bf16, f16};
+pub use hopper::{DescriptorOffsets, TensorMap};
 pub use kernels::FlashKernel;
 pub use ops::{AttentionOutput, DqAccumulation, Gradients};
 pub use problem::{AttentionOptions, AttentionShape, Causal, TileConfig};

@@ -14,9 +14,11 @@
 //! | 4 | [`flash_backward`] | FlashAttention-2 backward (Algorithm 2): recomputing P from the saved logsumexp instead of storing it; dQ by atomics or by a deterministic second pass |
 //! | 5 | [`flash_forward_mma`] | the forward pass on tensor cores in `f16`/`bf16`: `mma.sync` fragments, `ldmatrix`, P kept in registers between the two products, a `cp.async` pipeline |
 //! | 6 | [`flash_backward_mma`] | the backward pass on tensor cores: transposed products that keep Pᵀ and dSᵀ in registers, dQ by atomics or deterministic |
+//! | 7 | `hopper` (nvptx64 only) | Hopper's asynchronous units (sm_90a): `wgmma` from shared-memory descriptors, TMA copies completing on `mbarrier`s, the proxy fences between them; probe kernels that check each |
 //!
-//! Kernels never touch `core::arch::nvptx` or `asm!` directly: they go through [`gpu`], so the
-//! hardware-facing surface is one short file, and on the host the same helpers run the kernels
+//! Kernels never touch `core::arch::nvptx` or `asm!` directly: they go through [`gpu`] (or, for
+//! Hopper's asynchronous units, through the wrappers at the top of `hopper`), so the
+//! hardware-facing surface is small, and on the host the same helpers run the kernels
 //! in the CPU emulator (`emu`, host builds only), which checks shared-memory bounds, races and
 //! barriers. Kernels are declared with the `kernel!` macro, which makes them GPU entry points
 //! on nvptx64 and emulator entries on the host.
@@ -127,6 +129,8 @@ pub mod flash_backward;
 pub mod flash_backward_mma;
 pub mod flash_forward;
 pub mod flash_forward_mma;
+#[cfg(target_arch = "nvptx64")]
+pub mod hopper;
 pub mod naive_attention;
 pub mod vector_add;
 

@@ -1,0 +1,574 @@
+//! Level 7 (sm_90a only): Hopper's asynchronous building blocks, as small documented wrappers over
+//! PTX, and two probe kernels that check each of them against the CPU.
+//!
+//! Hopper adds three things that the `mma.sync` kernels of levels 5 and 6 do not use:
+//!
+//! * **`wgmma`**: a *warpgroup* (4 consecutive warps, the first one's index a multiple of 4)
+//!   multiplies a 64 × K tile of A by a K × N tile of B and accumulates into 64 × N `f32` values
+//!   spread over its 128 threads' registers. A and B are read straight from shared memory,
+//!   described by 64-bit *matrix descriptors* ([`matrix_descriptor`]), so no thread loads
+//!   fragments. The instruction is asynchronous: it is issued, then committed in a group, and its
+//!   results may only be read after waiting for the group.
+//! * **TMA** (the tensor memory accelerator): one thread asks the copy engine for a whole 2-D box
+//!   of a tensor (`cp.async.bulk.tensor`), described by a *tensor map* the host made
+//!   (`cuTensorMapEncodeTiled`). The engine writes shared memory and reports the bytes it wrote to
+//!   an `mbarrier`.
+//! * **`mbarrier`**: a barrier object in shared memory that counts arrivals *and* transaction
+//!   bytes; threads wait on one of its phases (parity). It is how copies and consumers meet
+//!   without `__syncthreads`.
+//!
+//! ## Contracts (who calls what, and what it orders)
+//!
+//! | wrapper | called by | orders |
+//! |---|---|---|
+//! | [`wgmma_fence`] | every thread of the warpgroup, before the first `wgmma` of a batch | earlier register writes to the accumulators (and A in registers) before the `wgmma`s read them |
+//! | [`wgmma_m64n64k16`] | every thread of the warpgroup, same operands | nothing: it only issues |
+//! | [`wgmma_commit`] | every thread of the warpgroup | closes the group of `wgmma`s issued since the last commit |
+//! | [`wgmma_wait`] | every thread of the warpgroup | returns when at most `N` committed groups are pending; then their accumulators may be read, and their shared memory overwritten |
+//! | [`fence_proxy_async`] | each thread that wrote shared memory with ordinary stores, before the barrier that publishes it | those stores before reads by `wgmma` or TMA (the *async proxy*) |
+//! | [`mbarrier_init`] | one thread, then a barrier (and [`fence_mbarrier_init`]) before anyone uses it | the barrier's initial state before every use |
+//! | [`mbarrier_arrive_expect_tx`] | the thread that issues the copies of a phase | announces the bytes that phase must receive; counts as one arrival |
+//! | [`tma_load_2d`] | one thread | nothing by itself: completion is the `mbarrier`'s phase flipping |
+//! | [`mbarrier_wait`] | every consumer | returns once the phase of the given parity completed: the copy's bytes are visible to the waiting thread |
+//!
+//! The wrappers are only compiled for nvptx64: the CPU emulator does not model asynchronous
+//! copies or warpgroup matrix units, so the kernels here are tested on Hopper GPUs only
+//! (`tests/gpu_hopper.rs`). Their PTX is built with `llc -mcpu=sm_90a` into a module of its own,
+//! which the host loads only on compute capability 9.0.
+
+use core::arch::asm;
+
+use crate::gpu;
+
+/// Threads in a warpgroup: the unit that issues `wgmma`.
+pub const WARPGROUP_THREADS: usize = 128;
+
+/// Bytes of one *core matrix* row: 8 16-bit elements. `wgmma` reads shared memory in core
+/// matrices of 8 rows × 16 bytes, stored as 128 contiguous bytes.
+pub const CORE_MATRIX_ROW_BYTES: usize = 16;
+
+/// Bytes of one core matrix (8 rows of 16 bytes).
+pub const CORE_MATRIX_BYTES: usize = 8 * CORE_MATRIX_ROW_BYTES;
+
+/// The shared-state-space (32-bit) address of a pointer into the block's shared memory.
+#[inline(always)]
+pub fn shared_address<T>(ptr: *const T) -> u32 {
+    let address: u64;
+    // SAFETY: address conversion only.
+    unsafe {
+        asm!("cvta.to.shared.u64 {a}, {p};", a = out(reg64) address, p = in(reg64) ptr as u64, options(pure, nomem, nostack))
+    };
+    address as u32
+}
+
+/// A `wgmma` matrix descriptor for an operand in shared memory without swizzling (PTX ISA,
+/// "Matrix Descriptor Format"): bits 0–13 the start address, 16–29 the *leading dimension byte
+/// offset* (between core matrices adjacent along K), 32–45 the *stride dimension byte offset*
+/// (between core matrices adjacent along M or N), each stored divided by 16; bits 62–63 the
+/// swizzle mode, 0 here. Addresses and offsets must be multiples of 16 bytes.
+#[inline(always)]
+pub fn matrix_descriptor(shared_address: u32, leading_byte_offset: u32, stride_byte_offset: u32) -> u64 {
+    let field = |bytes: u32| (bytes as u64 >> 4) & 0x3fff;
+    field(shared_address) | field(leading_byte_offset) << 16 | field(stride_byte_offset) << 32
+}
+
+/// Orders earlier register accesses of the warpgroup before the `wgmma`s that follow
+/// (`wgmma.fence`). Every thread of the warpgroup calls it.
+#[inline(always)]
+pub fn wgmma_fence() {
+    // SAFETY: no operands; all threads of the warpgroup execute it (the callers' contract).
+    unsafe { asm!("wgmma.fence.sync.aligned;", options(nostack)) };
+}
+
+/// Closes the group of `wgmma`s issued since the last commit (`wgmma.commit_group`).
+#[inline(always)]
+pub fn wgmma_commit() {
+    // SAFETY: as `wgmma_fence`.
+    unsafe { asm!("wgmma.commit_group.sync.aligned;", options(nostack)) };
+}
+
+/// Waits until at most `PENDING` committed `wgmma` groups are unfinished
+/// (`wgmma.wait_group`); `accumulator` is passed through so that the compiler cannot read it
+/// before the wait.
+#[inline(always)]
+pub fn wgmma_wait<const PENDING: u32>(accumulator: &mut [f32; 32]) {
+    let d = accumulator;
+    // SAFETY: no memory access; every thread of the warpgroup executes it. The empty register
+    // operands only tie the accumulator's lifetime to this point.
+    unsafe {
+        asm!(
+            "wgmma.wait_group.sync.aligned {n};",
+            // Every operand must appear in the template: here in a PTX comment.
+            "// accumulators: {d0} {d1} {d2} {d3} {d4} {d5} {d6} {d7} {d8} {d9} {d10} {d11} {d12} {d13} {d14} {d15} {d16} {d17} {d18} {d19} {d20} {d21} {d22} {d23} {d24} {d25} {d26} {d27} {d28} {d29} {d30} {d31}",
+            n = const PENDING,
+            d0 = inout(reg32) d[0],
+            d1 = inout(reg32) d[1],
+            d2 = inout(reg32) d[2],
+            d3 = inout(reg32) d[3],
+            d4 = inout(reg32) d[4],
+            d5 = inout(reg32) d[5],
+            d6 = inout(reg32) d[6],
+            d7 = inout(reg32) d[7],
+            d8 = inout(reg32) d[8],
+            d9 = inout(reg32) d[9],
+            d10 = inout(reg32) d[10],
+            d11 = inout(reg32) d[11],
+            d12 = inout(reg32) d[12],
+            d13 = inout(reg32) d[13],
+            d14 = inout(reg32) d[14],
+            d15 = inout(reg32) d[15],
+            d16 = inout(reg32) d[16],
+            d17 = inout(reg32) d[17],
+            d18 = inout(reg32) d[18],
+            d19 = inout(reg32) d[19],
+            d20 = inout(reg32) d[20],
+            d21 = inout(reg32) d[21],
+            d22 = inout(reg32) d[22],
+            d23 = inout(reg32) d[23],
+            d24 = inout(reg32) d[24],
+            d25 = inout(reg32) d[25],
+            d26 = inout(reg32) d[26],
+            d27 = inout(reg32) d[27],
+            d28 = inout(reg32) d[28],
+            d29 = inout(reg32) d[29],
+            d30 = inout(reg32) d[30],
+            d31 = inout(reg32) d[31],
+            options(nostack)
+        )
+    };
+}
+
+/// D (64 × 64, `f32`) = A (64 × 16) · B (16 × 64) + D if `accumulate`, else A · B, on the
+/// warpgroup's tensor cores (`wgmma.mma_async.m64n64k16.f32.f16.f16`, or `.bf16` with
+/// `BF16`). A and B are shared-memory operands given by their descriptors, both *K-major*: A
+/// stored as rows of K (row-major), B as columns of K (B's transpose row-major, i.e. N rows of
+/// K), as `Kᵀ` is when S = Q·Kᵀ.
+///
+/// `d` is this thread's part of D, as for `mma.sync`'s m16n8 tiles: warp w of the warpgroup
+/// owns rows 16w…16w+15; lane l holds, for n-tile j = 0..8, `d[4j]`, `d[4j+1]` at row
+/// 16w + l/4, columns 8j + 2(l%4) and +1, and `d[4j+2]`, `d[4j+3]` eight rows lower.
+///
+/// # Safety
+/// Every thread of the warpgroup issues it with the same descriptors, which describe
+/// initialised shared memory (published to the async proxy with [`fence_proxy_async`] and a
+/// barrier); `d` may be read only after [`wgmma_commit`] and [`wgmma_wait`].
+#[inline(always)]
+pub unsafe fn wgmma_m64n64k16<const BF16: bool>(d: &mut [f32; 32], a: u64, b: u64, accumulate: bool) {
+    let scale_d = accumulate as u32;
+    // The same instruction for both types; only the type suffix differs.
+    macro_rules! wgmma {
+        ($ty:literal) => {
+            // SAFETY: the caller's contract.
+            unsafe {
+                asm!(
+                    "{{",
+                    ".reg .pred p;",
+                    "setp.ne.b32 p, {scale_d}, 0;",
+                    concat!("wgmma.mma_async.sync.aligned.m64n64k16.f32.", $ty, ".", $ty),
+                    "{{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15},",
+                    " {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}}},",
+                    "{a}, {b}, p, 1, 1, 0, 0;",
+                    "}}",
+                    a = in(reg64) a, b = in(reg64) b, scale_d = in(reg32) scale_d,
+                    d0 = inout(reg32) d[0], d1 = inout(reg32) d[1], d2 = inout(reg32) d[2], d3 = inout(reg32) d[3],
+                    d4 = inout(reg32) d[4], d5 = inout(reg32) d[5], d6 = inout(reg32) d[6], d7 = inout(reg32) d[7],
+                    d8 = inout(reg32) d[8], d9 = inout(reg32) d[9], d10 = inout(reg32) d[10], d11 = inout(reg32) d[11],
+                    d12 = inout(reg32) d[12], d13 = inout(reg32) d[13], d14 = inout(reg32) d[14], d15 = inout(reg32) d[15],
+                    d16 = inout(reg32) d[16], d17 = inout(reg32) d[17], d18 = inout(reg32) d[18], d19 = inout(reg32) d[19],
+                    d20 = inout(reg32) d[20], d21 = inout(reg32) d[21], d22 = inout(reg32) d[22], d23 = inout(reg32) d[23],
+                    d24 = inout(reg32) d[24], d25 = inout(reg32) d[25], d26 = inout(reg32) d[26], d27 = inout(reg32) d[27],
+                    d28 = inout(reg32) d[28], d29 = inout(reg32) d[29], d30 = inout(reg32) d[30], d31 = inout(reg32) d[31],
+                    options(nostack)
+                )
+            }
+        };
+    }
+    if BF16 {
+        wgmma!("bf16");
+    } else {
+        wgmma!("f16");
+    }
+}
+
+/// D (64 × 64, `f32`) = A (64 × 16) · B (16 × 64) + D if `accumulate`, with A from registers
+/// and B from shared memory (`wgmma.mma_async…` with a register A operand): how P, computed in
+/// registers by the softmax, multiplies V. `a` is this thread's fragment of its warp's 16 rows
+/// of A, laid out as `mma.sync`'s m16n8k16 A fragment (see [`crate::gpu::FragA`]). B is
+/// *MN-major* (`imm-trans-b` = 1): stored with N contiguous, as V's rows are (keys along K,
+/// head dimension along N). `d` as in [`wgmma_m64n64k16`].
+///
+/// # Safety
+/// As [`wgmma_m64n64k16`], for the B descriptor.
+#[inline(always)]
+pub unsafe fn wgmma_m64n64k16_register_a<const BF16: bool>(d: &mut [f32; 32], a: [u32; 4], b: u64, accumulate: bool) {
+    let scale_d = accumulate as u32;
+    macro_rules! wgmma {
+        ($ty:literal) => {
+            // SAFETY: the caller's contract.
+            unsafe {
+                asm!(
+                    "{{",
+                    ".reg .pred p;",
+                    "setp.ne.b32 p, {scale_d}, 0;",
+                    concat!("wgmma.mma_async.sync.aligned.m64n64k16.f32.", $ty, ".", $ty),
+                    "{{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15},",
+                    " {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}}},",
+                    "{{{a0}, {a1}, {a2}, {a3}}}, {b}, p, 1, 1, 1;",
+                    "}}",
+                    a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
+                    b = in(reg64) b, scale_d = in(reg32) scale_d,
+                    d0 = inout(reg32) d[0],
+                    d1 = inout(reg32) d[1],
+                    d2 = inout(reg32) d[2],
+                    d3 = inout(reg32) d[3],
+                    d4 = inout(reg32) d[4],
+                    d5 = inout(reg32) d[5],
+                    d6 = inout(reg32) d[6],
+                    d7 = inout(reg32) d[7],
+                    d8 = inout(reg32) d[8],
+                    d9 = inout(reg32) d[9],
+                    d10 = inout(reg32) d[10],
+                    d11 = inout(reg32) d[11],
+                    d12 = inout(reg32) d[12],
+                    d13 = inout(reg32) d[13],
+                    d14 = inout(reg32) d[14],
+                    d15 = inout(reg32) d[15],
+                    d16 = inout(reg32) d[16],
+                    d17 = inout(reg32) d[17],
+                    d18 = inout(reg32) d[18],
+                    d19 = inout(reg32) d[19],
+                    d20 = inout(reg32) d[20],
+                    d21 = inout(reg32) d[21],
+                    d22 = inout(reg32) d[22],
+                    d23 = inout(reg32) d[23],
+                    d24 = inout(reg32) d[24],
+                    d25 = inout(reg32) d[25],
+                    d26 = inout(reg32) d[26],
+                    d27 = inout(reg32) d[27],
+                    d28 = inout(reg32) d[28],
+                    d29 = inout(reg32) d[29],
+                    d30 = inout(reg32) d[30],
+                    d31 = inout(reg32) d[31],
+                    options(nostack)
+                )
+            }
+        };
+    }
+    if BF16 {
+        wgmma!("bf16");
+    } else {
+        wgmma!("f16");
+    }
+}
+
+/// Makes this thread's earlier ordinary stores to shared memory visible to the async proxy
+/// (`wgmma` operands, TMA stores): `fence.proxy.async.shared::cta`. Each writing thread calls it
+/// before the barrier that publishes the data.
+#[inline(always)]
+pub fn fence_proxy_async() {
+    // SAFETY: a fence, no operands.
+    unsafe { asm!("fence.proxy.async.shared::cta;", options(nostack)) };
+}
+
+/// Initialises the `mbarrier` at `barrier` (8 bytes of shared memory, 8-byte aligned) to expect
+/// `arrivals` arrivals per phase (`mbarrier.init`). One thread calls it.
+///
+/// # Safety
+/// `barrier` is this block's shared memory, used by no one until a barrier after the init.
+#[inline(always)]
+pub unsafe fn mbarrier_init(barrier: *mut u64, arrivals: u32) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        asm!("mbarrier.init.shared::cta.b64 [{b}], {n};", b = in(reg32) shared_address(barrier), n = in(reg32) arrivals, options(nostack))
+    };
+}
+
+/// Makes `mbarrier` initialisations visible to the async proxy (the copy engine), which will
+/// complete transactions on them: `fence.mbarrier_init.release.cluster`. The initialising thread
+/// calls it after [`mbarrier_init`].
+#[inline(always)]
+pub fn fence_mbarrier_init() {
+    // SAFETY: a fence, no operands.
+    unsafe { asm!("fence.mbarrier_init.release.cluster;", options(nostack)) };
+}
+
+/// Arrives on `barrier` and announces `bytes` more bytes of transactions for its current phase
+/// (`mbarrier.arrive.expect_tx`): the phase completes when every arrival happened and that many
+/// bytes were reported by the copies that name this barrier.
+///
+/// # Safety
+/// `barrier` was initialised with [`mbarrier_init`].
+#[inline(always)]
+pub unsafe fn mbarrier_arrive_expect_tx(barrier: *mut u64, bytes: u32) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        asm!(
+            "mbarrier.arrive.expect_tx.shared::cta.b64 _, [{b}], {n};",
+            b = in(reg32) shared_address(barrier), n = in(reg32) bytes, options(nostack)
+        )
+    };
+}
+
+/// Waits until the phase of `barrier` with parity `phase` (0 for the first, 1 for the second,
+/// alternating) has completed (`mbarrier.try_wait.parity`, retried). Afterwards the data that
+/// phase's copies wrote is visible to this thread.
+///
+/// # Safety
+/// `barrier` was initialised with [`mbarrier_init`].
+#[inline(always)]
+pub unsafe fn mbarrier_wait(barrier: *mut u64, phase: u32) {
+    let address = shared_address(barrier);
+    loop {
+        let done: u32;
+        // SAFETY: the caller's contract. `try_wait` may time out and return false; the loop
+        // retries (a branch in Rust, so that no PTX label is repeated where this is inlined).
+        unsafe {
+            asm!(
+                "{{",
+                ".reg .pred p;",
+                "mbarrier.try_wait.parity.shared::cta.b64 p, [{b}], {phase};",
+                "selp.u32 {done}, 1, 0, p;",
+                "}}",
+                b = in(reg32) address, phase = in(reg32) phase, done = out(reg32) done, options(nostack)
+            )
+        };
+        if done != 0 {
+            return;
+        }
+    }
+}
+
+/// Asks the copy engine for the box at (`x`, `y`) (elements; x is the innermost dimension) of
+/// the 2-D tensor that `tensor_map` describes, written to `destination` in shared memory in the
+/// box's row-major order; elements outside the tensor are filled with zeros. Completion is
+/// reported, in bytes, to `barrier` (`cp.async.bulk.tensor.2d…mbarrier::complete_tx::bytes`).
+///
+/// # Safety
+/// `tensor_map` points to a valid `CUtensorMap` in global memory (64-byte aligned) whose box fits
+/// at `destination` (128-byte aligned shared memory); `barrier` expects these bytes
+/// ([`mbarrier_arrive_expect_tx`]). One thread issues it.
+#[inline(always)]
+pub unsafe fn tma_load_2d(destination: *mut u8, tensor_map: *const u8, x: i32, y: i32, barrier: *mut u64) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        asm!(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [{dst}], [{map}, {{{x}, {y}}}], [{bar}];",
+            dst = in(reg32) shared_address(destination),
+            map = in(reg64) tensor_map as u64,
+            x = in(reg32) x,
+            y = in(reg32) y,
+            bar = in(reg32) shared_address(barrier),
+            options(nostack)
+        )
+    };
+}
+
+/// Which warpgroup of the block this thread belongs to.
+#[inline(always)]
+pub fn warpgroup_id() -> usize {
+    gpu::thread_idx_x() / WARPGROUP_THREADS
+}
+
+// ---------------------------------------------------------------------------------------------
+// Probe kernels: each building block against the CPU (tests/gpu_hopper.rs)
+// ---------------------------------------------------------------------------------------------
+
+/// Byte offset of element (row, k) of a K-major operand stored as core matrices without
+/// swizzling: the core matrix of 8-row block `row / 8` and 8-column block `k / 8` starts at
+/// `(row / 8 · k_blocks + k / 8) · 128` bytes, so core matrices adjacent along K are 128 bytes
+/// apart (the leading dimension byte offset) and those adjacent along rows `k_blocks · 128`
+/// apart (the stride dimension byte offset); within one, row `row % 8` starts at 16-byte steps.
+#[inline(always)]
+pub fn core_matrix_offset(row: usize, k: usize, k_blocks: usize) -> usize {
+    ((row / 8) * k_blocks + k / 8) * CORE_MATRIX_BYTES + (row % 8) * CORE_MATRIX_ROW_BYTES + (k % 8) * 2
+}
+
+/// C (64 × 64, `f32`, row-major) = A (64 × K) · Bᵀ, with A and B (64 × K) row-major 16-bit
+/// floats (`f16`, or `bf16` when `bf16 != 0`), K a multiple of 16 from 16 to 128. One block of one
+/// warpgroup: A and B are copied to shared memory as core matrices by ordinary stores, then
+/// multiplied by K/16 `wgmma`s in one commit group. `leading_bytes` and `stride_bytes` are the
+/// descriptors' offsets (the test passes the layout's: 128 and K/8 · 128).
+///
+/// # Safety
+/// A and B hold 64 · K values, C 64 · 64; launched with one block of 128 threads and
+/// 2 · 64 · K · 2 bytes of dynamic shared memory.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn hopper_probe_wgmma(
+    a: *const u16,
+    b: *const u16,
+    c: *mut f32,
+    k: usize,
+    bf16: usize,
+    leading_bytes: usize,
+    stride_bytes: usize,
+) {
+    let t = gpu::thread_idx_x();
+    let k_blocks = k / 8;
+    let shared = gpu::dynamic_shared_memory() as *mut u8;
+    let b_shared = unsafe { shared.add(64 * k * 2) };
+    // Ordinary stores into the core-matrix layout (thread t copies column t of every row), then
+    // published to the async proxy.
+    let mut row = 0;
+    while row < 64 {
+        if t < k {
+            let offset = core_matrix_offset(row, t, k_blocks);
+            // SAFETY: row < 64 and t < k: in bounds by the launch contract.
+            unsafe {
+                *(shared.add(offset) as *mut u16) = *a.add(row * k + t);
+                *(b_shared.add(offset) as *mut u16) = *b.add(row * k + t);
+            }
+        }
+        row += 1;
+    }
+    fence_proxy_async();
+    gpu::sync_threads();
+
+    let mut d = [0.0f32; 32];
+    let (a_address, b_address) = (shared_address(shared), shared_address(b_shared));
+    wgmma_fence();
+    let mut step = 0;
+    while step < k / 16 {
+        // Each step consumes two core matrices along K: 256 bytes further.
+        let offset = (step * 2 * CORE_MATRIX_BYTES) as u32;
+        let a_desc = matrix_descriptor(a_address + offset, leading_bytes as u32, stride_bytes as u32);
+        let b_desc = matrix_descriptor(b_address + offset, leading_bytes as u32, stride_bytes as u32);
+        // SAFETY: the whole warpgroup issues it on the tiles published above.
+        unsafe {
+            if bf16 != 0 {
+                wgmma_m64n64k16::<true>(&mut d, a_desc, b_desc, step > 0);
+            } else {
+                wgmma_m64n64k16::<false>(&mut d, a_desc, b_desc, step > 0);
+            }
+        }
+        step += 1;
+    }
+    wgmma_commit();
+    wgmma_wait::<0>(&mut d);
+
+    store_accumulator(c, &d);
+}
+
+/// C (64 × 64, `f32`, row-major) = A (64 × K) · B (K × 64), A and B row-major 16-bit floats,
+/// K a multiple of 16 up to 128: A from registers (each warp loads its 16 rows as `mma.sync`
+/// A fragments), B from shared memory *MN-major* (B's rows, 64 values of N each, stored as core
+/// matrices of 8 K-rows × 8 N-values: the one at K-block `kb`, N-block `nb` at
+/// `(kb · 8 + nb) · 128` bytes). `leading_bytes` and `stride_bytes` are the descriptor's offsets
+/// ([`DescriptorOffsets::mn_major_n64`] on the host).
+///
+/// # Safety
+/// A holds 64 · K values, B K · 64, C 64 · 64; one block of 128 threads with K · 64 · 2 bytes of
+/// dynamic shared memory.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn hopper_probe_wgmma_register_a(
+    a: *const u16,
+    b: *const u16,
+    c: *mut f32,
+    k: usize,
+    bf16: usize,
+    leading_bytes: usize,
+    stride_bytes: usize,
+) {
+    let t = gpu::thread_idx_x();
+    let shared = gpu::dynamic_shared_memory() as *mut u8;
+    // B into MN-major core matrices: thread t copies column t (t < 64) of every row of B.
+    let mut row = 0;
+    while row < k {
+        if t < 64 {
+            let offset = ((row / 8) * 8 + t / 8) * CORE_MATRIX_BYTES + (row % 8) * CORE_MATRIX_ROW_BYTES + (t % 8) * 2;
+            // SAFETY: row < k and t < 64: in bounds by the launch contract.
+            unsafe { *(shared.add(offset) as *mut u16) = *b.add(row * 64 + t) };
+        }
+        row += 1;
+    }
+    fence_proxy_async();
+    gpu::sync_threads();
+
+    let (warp, lane) = (gpu::warp_id(), gpu::lane_id());
+    let (g, q) = (lane / 4, lane % 4);
+    let a_row = |r: usize, col: usize| -> u32 {
+        // SAFETY: r < 64 and col + 1 < k: in bounds by the launch contract.
+        unsafe { (*a.add(r * k + col) as u32) | (*a.add(r * k + col + 1) as u32) << 16 }
+    };
+    let b_address = shared_address(shared);
+    let mut d = [0.0f32; 32];
+    wgmma_fence();
+    let mut step = 0;
+    while step < k / 16 {
+        let (r, col) = (16 * warp + g, 16 * step + 2 * q);
+        let fragment = [a_row(r, col), a_row(r + 8, col), a_row(r, col + 8), a_row(r + 8, col + 8)];
+        // Each step consumes two K-blocks of B: 2 · 8 core matrices further.
+        let offset = (step * 2 * 8 * CORE_MATRIX_BYTES) as u32;
+        let b_desc = matrix_descriptor(b_address + offset, leading_bytes as u32, stride_bytes as u32);
+        // SAFETY: the whole warpgroup issues it on the tile published above.
+        unsafe {
+            if bf16 != 0 {
+                wgmma_m64n64k16_register_a::<true>(&mut d, fragment, b_desc, step > 0);
+            } else {
+                wgmma_m64n64k16_register_a::<false>(&mut d, fragment, b_desc, step > 0);
+            }
+        }
+        step += 1;
+    }
+    wgmma_commit();
+    wgmma_wait::<0>(&mut d);
+    store_accumulator(c, &d);
+}
+
+/// Writes a warpgroup's 64 × 64 accumulator (the layout of [`wgmma_m64n64k16`]) to `c`,
+/// row-major.
+#[inline(always)]
+fn store_accumulator(c: *mut f32, d: &[f32; 32]) {
+    let (warp, lane) = (gpu::warp_id(), gpu::lane_id());
+    let row = 16 * warp + lane / 4;
+    let mut j = 0;
+    while j < 8 {
+        let col = 8 * j + 2 * (lane % 4);
+        // SAFETY: row + 8 < 64 and col + 1 < 64; the callers' `c` holds 64 · 64 values.
+        unsafe {
+            *c.add(row * 64 + col) = d[4 * j];
+            *c.add(row * 64 + col + 1) = d[4 * j + 1];
+            *c.add((row + 8) * 64 + col) = d[4 * j + 2];
+            *c.add((row + 8) * 64 + col + 1) = d[4 * j + 3];
+        }
+        j += 1;
+    }
+}
+
+/// Copies the 64 × 64 box of 16-bit values at (`x`, `y`) of the 2-D tensor described by
+/// `tensor_map` into shared memory with one TMA load completing on an `mbarrier`, then writes
+/// the box to `out` (64 × 64, row-major) with ordinary loads: zeros where the box leaves the
+/// tensor.
+///
+/// # Safety
+/// `tensor_map` points to a `CUtensorMap` in device memory with a 64 × 64 box of 2-byte
+/// elements; `out` holds 64 · 64 values; one block of 128 threads with 8192 + 128 bytes of
+/// dynamic shared memory.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn hopper_probe_tma(tensor_map: *const u8, out: *mut u16, x: isize, y: isize) {
+    const BOX_BYTES: usize = 64 * 64 * 2;
+    let t = gpu::thread_idx_x();
+    let shared = gpu::dynamic_shared_memory() as *mut u8;
+    // The box first (128-byte aligned: the start of dynamic shared memory), the barrier after it.
+    let barrier = unsafe { shared.add(BOX_BYTES) } as *mut u64;
+    if t == 0 {
+        // SAFETY: one thread initialises the barrier before anyone else touches it.
+        unsafe { mbarrier_init(barrier, 1) };
+        fence_mbarrier_init();
+    }
+    gpu::sync_threads();
+    if t == 0 {
+        // SAFETY: the barrier is initialised; the box fits at `shared`.
+        unsafe {
+            mbarrier_arrive_expect_tx(barrier, BOX_BYTES as u32);
+            tma_load_2d(shared, tensor_map, x as i32, y as i32, barrier);
+        }
+    }
+    // SAFETY: initialised above; the first phase has parity 0.
+    unsafe { mbarrier_wait(barrier, 0) };
+    let mut i = t;
+    while i < 64 * 64 {
+        // SAFETY: in bounds by the launch contract.
+        unsafe { *out.add(i) = *(shared.add(2 * i) as *const u16) };
+        i += WARPGROUP_THREADS;
+    }
+}
