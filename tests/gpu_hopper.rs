@@ -1,15 +1,19 @@
 //! The Hopper building blocks (`kernels/src/hopper.rs`, PTX for `sm_90a`) on a GPU of compute
 //! capability 9.0: `wgmma` reading both operands from shared memory through matrix descriptors
 //! (f16 and bf16, one to eight k-steps) against the product in f64, and a TMA load of a 2-D box
-//! completing on an `mbarrier`, inside and across the tensor's edges, against the tensor itself.
+//! completing on an `mbarrier`, inside and across the tensor's edges, against the tensor itself;
+//! and the first FlashAttention forward on `wgmma` against the float64 reference.
 //! Other GPUs skip these tests with a visible line (they do not load the `sm_90a` module).
 
 mod common;
 
-use attn_host::check::{random_normal, relative_l2_error};
+use attn_host::check::{lse_error, random_normal, relative_l2_error};
 use attn_host::dtype::{from_f32_slice, to_f32_vec};
-use attn_host::{Context, DescriptorOffsets, Element, bf16, f16};
+use attn_host::{
+    AttentionOptions, AttentionOutput, AttentionShape, Causal, Context, DescriptorOffsets, Element, bf16, cpu, f16,
+};
 use common::gpu;
+use common::tensor_cores::{Inputs, LSE_TOLERANCE, Problem16, tolerances};
 
 /// The context, if it runs the `sm_90a` kernels; otherwise a skip line.
 fn hopper(test: &str) -> Option<&'static Context> {
@@ -115,4 +119,65 @@ fn probes_refuse_bad_shapes() {
     let odd = ctx.upload(&from_f32_slice::<f16>(&random_normal(10 * 7, 1)), &[10, 7]).unwrap();
     let err = ctx.hopper_probe_tma(&odd, 0, 0).unwrap_err();
     assert!(err.to_string().contains("16 bytes"), "{err}");
+}
+
+/// The `wgmma` forward on fresh inputs of `shape` (outputs poisoned with NaN) against the float64
+/// reference on the same rounded inputs, at the tensor-core kernels' tolerances.
+fn check_hopper_forward<T: Element>(ctx: &Context, shape: AttentionShape, options: AttentionOptions, seed: u64) {
+    let problem = Problem16::<T>::new(ctx, shape, seed, Inputs::Normal);
+    let [q, k, v, _] = &problem.device;
+    let mut out = AttentionOutput {
+        o: ctx.full(&shape.q_shape(), T::from_f32(f32::NAN)).unwrap(),
+        lse: ctx.full(&shape.lse_shape(), f32::NAN).unwrap(),
+    };
+    ctx.flash_attention_forward_hopper_into(q, k, v, &mut out, &options).unwrap();
+    let [qh, kh, vh, _] = &problem.host;
+    let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal };
+    let reference = cpu::attention(qh, kh, vh, &shape, params).unwrap();
+    let o = to_f32_vec(&out.o.to_host().unwrap());
+    let (err_o, err_lse) =
+        (relative_l2_error(&o, &reference.o), lse_error(&out.lse.to_host().unwrap(), &reference.lse));
+    let (o_tolerance, _) = tolerances(T::DTYPE);
+    assert!(
+        err_o <= o_tolerance && err_lse <= LSE_TOLERANCE,
+        "{} {options:?} on {shape:?}: relative L2 error O {err_o:.3e}, LSE {err_lse:.3e}",
+        T::DTYPE
+    );
+}
+
+#[test]
+fn wgmma_forward_matches_the_reference() {
+    let Some(ctx) = hopper("wgmma_forward_matches_the_reference") else { return };
+    let shape = |batch, heads_q, heads_kv, seqlen_q, seqlen_k| AttentionShape {
+        batch,
+        num_heads_q: heads_q,
+        num_heads_kv: heads_kv,
+        seqlen_q,
+        seqlen_k,
+        head_dim: 64,
+    };
+    let cases = [
+        (shape(1, 1, 1, 64, 64), AttentionOptions::default()),
+        (shape(2, 4, 2, 333, 333), AttentionOptions::default()),
+        (shape(2, 4, 2, 333, 333), AttentionOptions::causal(Causal::TopLeft)),
+        (shape(1, 2, 1, 1, 1), AttentionOptions::default()),
+        (shape(1, 2, 2, 65, 200), AttentionOptions::causal(Causal::BottomRight)),
+        (shape(1, 2, 2, 200, 37), AttentionOptions::causal(Causal::BottomRight)),
+        (shape(1, 2, 2, 200, 37), AttentionOptions::causal(Causal::TopLeft)),
+        (shape(1, 3, 3, 130, 1000), AttentionOptions::with_scale(-0.3)),
+        (shape(1, 3, 3, 130, 100), AttentionOptions::with_scale(0.0)),
+        (shape(4, 8, 8, 1024, 1024), AttentionOptions::causal(Causal::TopLeft)),
+    ];
+    for (i, (shape, options)) in cases.into_iter().enumerate() {
+        check_hopper_forward::<f16>(ctx, shape, options, 100 + i as u64);
+        check_hopper_forward::<bf16>(ctx, shape, options, 200 + i as u64);
+    }
+}
+
+#[test]
+fn wgmma_forward_refuses_what_it_does_not_cover() {
+    let Some(ctx) = hopper("wgmma_forward_refuses_what_it_does_not_cover") else { return };
+    let x = ctx.upload(&from_f32_slice::<f16>(&random_normal(128 * 128, 1)), &[1, 1, 128, 128]).unwrap();
+    let err = ctx.flash_attention_forward_hopper(&x, &x, &x, &AttentionOptions::default()).unwrap_err();
+    assert!(matches!(err, attn_host::Error::HeadDimNotCompiled { head_dim: 128, .. }), "{err}");
 }

@@ -18,6 +18,9 @@ use crate::context::{Backend, KernelArg};
 use crate::dtype::{DType, Element};
 use crate::error::{During, Error, Result};
 use crate::kernels::entry;
+use crate::ops::{AttentionOutput, ProblemArgs, flash_config};
+use crate::problem::check_flash_grid;
+use crate::{AttentionOptions, AttentionShape};
 use crate::{Context, DeviceTensor};
 
 /// Threads of the probe kernels: one warpgroup.
@@ -25,6 +28,12 @@ const WARPGROUP_THREADS: u32 = 128;
 
 /// Rows of a `wgmma` tile (m64) and columns of the probe's B (n64).
 const PROBE_ROWS: usize = 64;
+
+/// The head dimension of the `wgmma` forward's first version.
+const HOPPER_HEAD_DIM: usize = 64;
+
+/// Dynamic shared memory of the `wgmma` forward: the Q, K and V tiles, 64 × 64 16-bit values each.
+const HOPPER_FORWARD_SMEM_BYTES: usize = 3 * 64 * 64 * 2;
 
 /// Bytes of one core matrix, the unit `wgmma` reads from shared memory (8 rows of 16 bytes).
 const CORE_MATRIX_BYTES: usize = 128;
@@ -238,6 +247,61 @@ impl Context {
         let args: [&dyn KernelArg; 7] = [a, b, &c, &k, &bf16, &offsets.leading, &offsets.stride];
         self.launch(entry::HOPPER_PROBE_WGMMA_REGISTER_A, config, &args)?;
         Ok(c)
+    }
+
+    /// FlashAttention forward on Hopper's `wgmma`, first version (`kernels/src/flash_forward_wgmma.rs`):
+    /// O = softmax(Q Kᵀ · scale) V and the logsumexp, for `f16`/`bf16` tensors of head_dim 64,
+    /// with the shapes, masks (causal either alignment), GQA and scale of
+    /// [`Context::flash_attention_forward`]. One warpgroup per 64 query rows, 64-key tiles.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for inconsistent shapes or `f32`; [`Error::HeadDimNotCompiled`] for a
+    /// head_dim other than 64; [`Error::InvalidScale`]; [`Error::Unsupported`] off Hopper;
+    /// [`Error::Driver`].
+    pub fn flash_attention_forward_hopper<T: Element>(
+        &self,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        options: &AttentionOptions,
+    ) -> Result<AttentionOutput<T>> {
+        let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
+        let mut out = self.alloc_attention_output(&shape)?;
+        self.flash_attention_forward_hopper_into(q, k, v, &mut out, options)?;
+        Ok(out)
+    }
+
+    /// [`Context::flash_attention_forward_hopper`] into existing output tensors.
+    pub fn flash_attention_forward_hopper_into<T: Element>(
+        &self,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        out: &mut AttentionOutput<T>,
+        options: &AttentionOptions,
+    ) -> Result<()> {
+        let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
+        let entry = match T::DTYPE {
+            DType::F16 => entry::HOPPER_FLASH_FWD_F16_M64_N64_D64,
+            DType::Bf16 => entry::HOPPER_FLASH_FWD_BF16_M64_N64_D64,
+            DType::F32 => return Err(Error::Shape("the wgmma forward takes f16 or bf16 tensors".into())),
+        };
+        if shape.head_dim != HOPPER_HEAD_DIM {
+            return Err(Error::HeadDimNotCompiled {
+                head_dim: shape.head_dim,
+                allowed: format!("{HOPPER_HEAD_DIM} (the wgmma forward's first version)"),
+            });
+        }
+        check_flash_grid(&shape)?;
+        let scale_log2 = options.checked_scale(shape.head_dim)? * std::f32::consts::LOG2_E;
+        let config = flash_config(
+            (shape.seqlen_q.div_ceil(PROBE_ROWS), shape.num_heads_q, shape.batch),
+            WARPGROUP_THREADS as usize,
+            HOPPER_FORWARD_SMEM_BYTES,
+        );
+        let args = ProblemArgs::new(&shape, options);
+        let head: [&dyn KernelArg; 5] = [q, k, v, &out.o, &out.lse];
+        self.launch(entry, config, &args.with_mask(&head, &[&scale_log2]))
     }
 
     /// Probe of TMA: the 64 × 64 box at column `x`, row `y` of `tensor` (`[rows, cols]`, 16-bit),

@@ -75,14 +75,14 @@ fn one_dim(blocks: u32, threads: usize) -> LaunchConfig {
 
 /// The problem as kernel arguments, in the kernels' order: the shape's six integers, then (with a
 /// mask) the mask flag and diagonal offset.
-struct ProblemArgs {
+pub(crate) struct ProblemArgs {
     shape: [usize; 6],
     causal: usize,
     causal_offset: isize,
 }
 
 impl ProblemArgs {
-    fn new(shape: &AttentionShape, options: &AttentionOptions) -> Self {
+    pub(crate) fn new(shape: &AttentionShape, options: &AttentionOptions) -> Self {
         let (causal, causal_offset) = options.causal.kernel_args(shape);
         let s = shape;
         Self {
@@ -101,7 +101,11 @@ impl ProblemArgs {
     }
 
     /// `head`, the shape, the mask flag and offset, then `tail`.
-    fn with_mask<'a>(&'a self, head: &[&'a dyn KernelArg], tail: &[&'a dyn KernelArg]) -> Vec<&'a dyn KernelArg> {
+    pub(crate) fn with_mask<'a>(
+        &'a self,
+        head: &[&'a dyn KernelArg],
+        tail: &[&'a dyn KernelArg],
+    ) -> Vec<&'a dyn KernelArg> {
         let mut args = self.with_shape(head, &[&self.causal, &self.causal_offset]);
         args.extend_from_slice(tail);
         args
@@ -449,7 +453,7 @@ impl Context {
     }
 
     /// Uninitialised O and LSE tensors for `shape`, for a kernel to overwrite whole.
-    fn alloc_attention_output<T: Element>(&self, shape: &AttentionShape) -> Result<AttentionOutput<T>> {
+    pub(crate) fn alloc_attention_output<T: Element>(&self, shape: &AttentionShape) -> Result<AttentionOutput<T>> {
         Ok(AttentionOutput { o: self.alloc_output(&shape.q_shape())?, lse: self.alloc_output(&shape.lse_shape())? })
     }
 
@@ -463,7 +467,7 @@ impl Context {
     }
 
     /// Checks owners and shapes of attention inputs and outputs; returns the problem shape.
-    fn check_attention<T: Element>(
+    pub(crate) fn check_attention<T: Element>(
         &self,
         q: &DeviceTensor<T>,
         k: &DeviceTensor<T>,
@@ -524,7 +528,7 @@ pub(crate) fn backward_kernels(dq: DqAccumulation) -> &'static [FlashKernel] {
 
 /// A FlashAttention launch: a `(x, y, z)` grid of `threads`-thread blocks with `smem` bytes of
 /// dynamic shared memory.
-fn flash_config((x, y, z): (usize, usize, usize), threads: usize, smem: usize) -> LaunchConfig {
+pub(crate) fn flash_config((x, y, z): (usize, usize, usize), threads: usize, smem: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (x as u32, y as u32, z as u32),
         block_dim: (threads as u32, 1, 1),

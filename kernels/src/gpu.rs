@@ -473,6 +473,9 @@ pub trait HalfFloat: Copy + 'static {
     /// The format's name in kernel names: `f16` or `bf16`.
     const NAME: &'static str;
 
+    /// Whether this is bfloat16 (the instruction suffix of `wgmma`).
+    const IS_BF16: bool;
+
     /// Rounds two `f32` to this format (to nearest, ties to even) and packs them, `lo` in the
     /// low half (`cvt.rn.f16x2.f32` / `cvt.rn.bf16x2.f32`).
     fn pack(lo: f32, hi: f32) -> Half2;
@@ -495,6 +498,7 @@ pub struct Bf16;
 
 impl HalfFloat for F16 {
     const NAME: &'static str = "f16";
+    const IS_BF16: bool = false;
 
     #[inline(always)]
     fn pack(lo: f32, hi: f32) -> Half2 {
@@ -515,6 +519,7 @@ impl HalfFloat for F16 {
 
 impl HalfFloat for Bf16 {
     const NAME: &'static str = "bf16";
+    const IS_BF16: bool = true;
 
     #[inline(always)]
     fn pack(lo: f32, hi: f32) -> Half2 {

@@ -15,6 +15,7 @@
 //! | 5 | [`flash_forward_mma`] | the forward pass on tensor cores in `f16`/`bf16`: `mma.sync` fragments, `ldmatrix`, P kept in registers between the two products, a `cp.async` pipeline |
 //! | 6 | [`flash_backward_mma`] | the backward pass on tensor cores: transposed products that keep Pᵀ and dSᵀ in registers, dQ by atomics or deterministic |
 //! | 7 | `hopper` (nvptx64 only) | Hopper's asynchronous units (sm_90a): `wgmma` from shared-memory descriptors, TMA copies completing on `mbarrier`s, the proxy fences between them; probe kernels that check each |
+//! | 8 | `flash_forward_wgmma` (nvptx64 only) | level 5's forward pass on `wgmma`: S from shared-memory descriptors, P·V with P in registers; first version (no TMA ring, one warpgroup) |
 //!
 //! Kernels never touch `core::arch::nvptx` or `asm!` directly: they go through [`gpu`] (or, for
 //! Hopper's asynchronous units, through the wrappers at the top of `hopper`), so the
@@ -129,6 +130,8 @@ pub mod flash_backward;
 pub mod flash_backward_mma;
 pub mod flash_forward;
 pub mod flash_forward_mma;
+#[cfg(target_arch = "nvptx64")]
+pub mod flash_forward_wgmma;
 #[cfg(target_arch = "nvptx64")]
 pub mod hopper;
 pub mod naive_attention;
