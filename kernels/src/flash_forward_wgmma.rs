@@ -80,6 +80,7 @@ unsafe fn load_tile(dst: *mut u8, src: *const u16, valid: usize, flip: u32) {
 /// # Safety
 /// As `flash_forward_mma`, with `shape.head_dim == 64`.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn flash_forward_wgmma<T: HalfFloat>(
     q: *const u16,
     k: *const u16,

@@ -25,6 +25,10 @@ use core::simd::Simd;
 use crate::emu as backend;
 #[cfg(target_arch = "nvptx64")]
 use hw as backend;
+/// The shared-state-space (32-bit) address of a pointer into the block's shared memory, which
+/// the Hopper wrappers (`crate::hopper`) pass to `wgmma` descriptors, `mbarrier`s and TMA.
+#[cfg(target_arch = "nvptx64")]
+pub use hw::shared_address;
 
 // ---------------------------------------------------------------------------------------------
 // Thread: indices

@@ -51,15 +51,7 @@ pub const CORE_MATRIX_ROW_BYTES: usize = 16;
 pub const CORE_MATRIX_BYTES: usize = 8 * CORE_MATRIX_ROW_BYTES;
 
 /// The shared-state-space (32-bit) address of a pointer into the block's shared memory.
-#[inline(always)]
-pub fn shared_address<T>(ptr: *const T) -> u32 {
-    let address: u64;
-    // SAFETY: address conversion only.
-    unsafe {
-        asm!("cvta.to.shared.u64 {a}, {p};", a = out(reg64) address, p = in(reg64) ptr as u64, options(pure, nomem, nostack))
-    };
-    address as u32
-}
+pub use crate::gpu::shared_address;
 
 /// A `wgmma` matrix descriptor for an operand in shared memory without swizzling (PTX ISA,
 /// "Matrix Descriptor Format"): bits 0–13 the start address, 16–29 the *leading dimension byte
@@ -70,6 +62,35 @@ pub fn shared_address<T>(ptr: *const T) -> u32 {
 pub fn matrix_descriptor(shared_address: u32, leading_byte_offset: u32, stride_byte_offset: u32) -> u64 {
     let field = |bytes: u32| (bytes as u64 >> 4) & 0x3fff;
     field(shared_address) | field(leading_byte_offset) << 16 | field(stride_byte_offset) << 32
+}
+
+/// `asm!` with the 32 `f32` accumulator registers of a 64 × 64 `wgmma` tile bound as `{d0}` …
+/// `{d31}` (read and written), after the template and the other operands given: the three
+/// instructions that touch the accumulator (two `wgmma` forms and the wait) share this list.
+macro_rules! asm_with_accumulator {
+    ($d:ident, [$($template:tt)*], $($operands:tt)*) => {
+        asm!(
+            $($template)*
+            $($operands)*
+            d0 = inout(reg32) $d[0], d1 = inout(reg32) $d[1], d2 = inout(reg32) $d[2], d3 = inout(reg32) $d[3],
+            d4 = inout(reg32) $d[4], d5 = inout(reg32) $d[5], d6 = inout(reg32) $d[6], d7 = inout(reg32) $d[7],
+            d8 = inout(reg32) $d[8], d9 = inout(reg32) $d[9], d10 = inout(reg32) $d[10], d11 = inout(reg32) $d[11],
+            d12 = inout(reg32) $d[12], d13 = inout(reg32) $d[13], d14 = inout(reg32) $d[14], d15 = inout(reg32) $d[15],
+            d16 = inout(reg32) $d[16], d17 = inout(reg32) $d[17], d18 = inout(reg32) $d[18], d19 = inout(reg32) $d[19],
+            d20 = inout(reg32) $d[20], d21 = inout(reg32) $d[21], d22 = inout(reg32) $d[22], d23 = inout(reg32) $d[23],
+            d24 = inout(reg32) $d[24], d25 = inout(reg32) $d[25], d26 = inout(reg32) $d[26], d27 = inout(reg32) $d[27],
+            d28 = inout(reg32) $d[28], d29 = inout(reg32) $d[29], d30 = inout(reg32) $d[30], d31 = inout(reg32) $d[31],
+            options(nostack)
+        )
+    };
+}
+
+/// The accumulator as a `wgmma` operand list, `{d0, …, d31}`, in PTX.
+macro_rules! accumulator_list {
+    () => {
+        "{{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, \
+         {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}}},"
+    };
 }
 
 /// Orders earlier register accesses of the warpgroup before the `wgmma`s that follow
@@ -93,47 +114,17 @@ pub fn wgmma_commit() {
 #[inline(always)]
 pub fn wgmma_wait<const PENDING: u32>(accumulator: &mut [f32; 32]) {
     let d = accumulator;
-    // SAFETY: no memory access; every thread of the warpgroup executes it. The empty register
+    // SAFETY: no memory access; every thread of the warpgroup executes it. The register
     // operands only tie the accumulator's lifetime to this point.
     unsafe {
-        asm!(
-            "wgmma.wait_group.sync.aligned {n};",
-            // Every operand must appear in the template: here in a PTX comment.
-            "// accumulators: {d0} {d1} {d2} {d3} {d4} {d5} {d6} {d7} {d8} {d9} {d10} {d11} {d12} {d13} {d14} {d15} {d16} {d17} {d18} {d19} {d20} {d21} {d22} {d23} {d24} {d25} {d26} {d27} {d28} {d29} {d30} {d31}",
+        asm_with_accumulator!(
+            d,
+            [
+                "wgmma.wait_group.sync.aligned {n};",
+                // Every operand must appear in the template: here in a PTX comment.
+                "// accumulators: {d0} {d1} {d2} {d3} {d4} {d5} {d6} {d7} {d8} {d9} {d10} {d11} {d12} {d13} {d14} {d15} {d16} {d17} {d18} {d19} {d20} {d21} {d22} {d23} {d24} {d25} {d26} {d27} {d28} {d29} {d30} {d31}",
+            ],
             n = const PENDING,
-            d0 = inout(reg32) d[0],
-            d1 = inout(reg32) d[1],
-            d2 = inout(reg32) d[2],
-            d3 = inout(reg32) d[3],
-            d4 = inout(reg32) d[4],
-            d5 = inout(reg32) d[5],
-            d6 = inout(reg32) d[6],
-            d7 = inout(reg32) d[7],
-            d8 = inout(reg32) d[8],
-            d9 = inout(reg32) d[9],
-            d10 = inout(reg32) d[10],
-            d11 = inout(reg32) d[11],
-            d12 = inout(reg32) d[12],
-            d13 = inout(reg32) d[13],
-            d14 = inout(reg32) d[14],
-            d15 = inout(reg32) d[15],
-            d16 = inout(reg32) d[16],
-            d17 = inout(reg32) d[17],
-            d18 = inout(reg32) d[18],
-            d19 = inout(reg32) d[19],
-            d20 = inout(reg32) d[20],
-            d21 = inout(reg32) d[21],
-            d22 = inout(reg32) d[22],
-            d23 = inout(reg32) d[23],
-            d24 = inout(reg32) d[24],
-            d25 = inout(reg32) d[25],
-            d26 = inout(reg32) d[26],
-            d27 = inout(reg32) d[27],
-            d28 = inout(reg32) d[28],
-            d29 = inout(reg32) d[29],
-            d30 = inout(reg32) d[30],
-            d31 = inout(reg32) d[31],
-            options(nostack)
         )
     };
 }
@@ -160,25 +151,18 @@ pub unsafe fn wgmma_m64n64k16<const BF16: bool>(d: &mut [f32; 32], a: u64, b: u6
         ($ty:literal) => {
             // SAFETY: the caller's contract.
             unsafe {
-                asm!(
-                    "{{",
-                    ".reg .pred p;",
-                    "setp.ne.b32 p, {scale_d}, 0;",
-                    concat!("wgmma.mma_async.sync.aligned.m64n64k16.f32.", $ty, ".", $ty),
-                    "{{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15},",
-                    " {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}}},",
-                    "{a}, {b}, p, 1, 1, 0, 0;",
-                    "}}",
+                asm_with_accumulator!(
+                    d,
+                    [
+                        "{{",
+                        ".reg .pred p;",
+                        "setp.ne.b32 p, {scale_d}, 0;",
+                        concat!("wgmma.mma_async.sync.aligned.m64n64k16.f32.", $ty, ".", $ty),
+                        accumulator_list!(),
+                        "{a}, {b}, p, 1, 1, 0, 0;",
+                        "}}",
+                    ],
                     a = in(reg64) a, b = in(reg64) b, scale_d = in(reg32) scale_d,
-                    d0 = inout(reg32) d[0], d1 = inout(reg32) d[1], d2 = inout(reg32) d[2], d3 = inout(reg32) d[3],
-                    d4 = inout(reg32) d[4], d5 = inout(reg32) d[5], d6 = inout(reg32) d[6], d7 = inout(reg32) d[7],
-                    d8 = inout(reg32) d[8], d9 = inout(reg32) d[9], d10 = inout(reg32) d[10], d11 = inout(reg32) d[11],
-                    d12 = inout(reg32) d[12], d13 = inout(reg32) d[13], d14 = inout(reg32) d[14], d15 = inout(reg32) d[15],
-                    d16 = inout(reg32) d[16], d17 = inout(reg32) d[17], d18 = inout(reg32) d[18], d19 = inout(reg32) d[19],
-                    d20 = inout(reg32) d[20], d21 = inout(reg32) d[21], d22 = inout(reg32) d[22], d23 = inout(reg32) d[23],
-                    d24 = inout(reg32) d[24], d25 = inout(reg32) d[25], d26 = inout(reg32) d[26], d27 = inout(reg32) d[27],
-                    d28 = inout(reg32) d[28], d29 = inout(reg32) d[29], d30 = inout(reg32) d[30], d31 = inout(reg32) d[31],
-                    options(nostack)
                 )
             }
         };
@@ -206,50 +190,19 @@ pub unsafe fn wgmma_m64n64k16_register_a<const BF16: bool>(d: &mut [f32; 32], a:
         ($ty:literal) => {
             // SAFETY: the caller's contract.
             unsafe {
-                asm!(
-                    "{{",
-                    ".reg .pred p;",
-                    "setp.ne.b32 p, {scale_d}, 0;",
-                    concat!("wgmma.mma_async.sync.aligned.m64n64k16.f32.", $ty, ".", $ty),
-                    "{{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15},",
-                    " {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}}},",
-                    "{{{a0}, {a1}, {a2}, {a3}}}, {b}, p, 1, 1, 1;",
-                    "}}",
+                asm_with_accumulator!(
+                    d,
+                    [
+                        "{{",
+                        ".reg .pred p;",
+                        "setp.ne.b32 p, {scale_d}, 0;",
+                        concat!("wgmma.mma_async.sync.aligned.m64n64k16.f32.", $ty, ".", $ty),
+                        accumulator_list!(),
+                        "{{{a0}, {a1}, {a2}, {a3}}}, {b}, p, 1, 1, 1;",
+                        "}}",
+                    ],
                     a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
                     b = in(reg64) b, scale_d = in(reg32) scale_d,
-                    d0 = inout(reg32) d[0],
-                    d1 = inout(reg32) d[1],
-                    d2 = inout(reg32) d[2],
-                    d3 = inout(reg32) d[3],
-                    d4 = inout(reg32) d[4],
-                    d5 = inout(reg32) d[5],
-                    d6 = inout(reg32) d[6],
-                    d7 = inout(reg32) d[7],
-                    d8 = inout(reg32) d[8],
-                    d9 = inout(reg32) d[9],
-                    d10 = inout(reg32) d[10],
-                    d11 = inout(reg32) d[11],
-                    d12 = inout(reg32) d[12],
-                    d13 = inout(reg32) d[13],
-                    d14 = inout(reg32) d[14],
-                    d15 = inout(reg32) d[15],
-                    d16 = inout(reg32) d[16],
-                    d17 = inout(reg32) d[17],
-                    d18 = inout(reg32) d[18],
-                    d19 = inout(reg32) d[19],
-                    d20 = inout(reg32) d[20],
-                    d21 = inout(reg32) d[21],
-                    d22 = inout(reg32) d[22],
-                    d23 = inout(reg32) d[23],
-                    d24 = inout(reg32) d[24],
-                    d25 = inout(reg32) d[25],
-                    d26 = inout(reg32) d[26],
-                    d27 = inout(reg32) d[27],
-                    d28 = inout(reg32) d[28],
-                    d29 = inout(reg32) d[29],
-                    d30 = inout(reg32) d[30],
-                    d31 = inout(reg32) d[31],
-                    options(nostack)
                 )
             }
         };
