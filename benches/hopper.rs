@@ -1,5 +1,5 @@
-//! `cargo bench --bench hopper`: the first `wgmma` FlashAttention forward (sm_90a, one warpgroup
-//! per 64 query rows, head_dim 64; `kernels/src/flash_forward_wgmma.rs`) next to the `mma.sync`
+//! `cargo bench --bench hopper`: the `wgmma` FlashAttention forward (sm_90a, first version: one
+//! warpgroup per 64 query rows, head_dim 64; `kernels/src/flash_forward_wgmma.rs`) next to the `mma.sync`
 //! forward (sm_80 PTX, its built-in tile) on the same inputs, FlashAttention-2's benchmark shape
 //! 4 × 16 × 4096 × 64, non-causal and causal, f16 and bf16. TFLOP/s in the field's convention.
 //! Needs a GPU of compute capability 9.0; elsewhere it says so and exits successfully.
@@ -20,7 +20,7 @@ fn main() -> Result<()> {
     }
     let shape =
         AttentionShape { batch: 4, num_heads_q: 16, num_heads_kv: 16, seqlen_q: 4096, seqlen_k: 4096, head_dim: 64 };
-    println!("\n| dtype | causal | mma.sync forward (TFLOP/s) | wgmma forward, first version (TFLOP/s) |");
+    println!("\n| dtype | causal | mma.sync forward (TFLOP/s) | wgmma forward (TFLOP/s) |");
     println!("|---|---|---:|---:|");
     for causal in [Causal::None, Causal::TopLeft] {
         compare::<f16>(&ctx, &shape, causal)?;

@@ -32,8 +32,8 @@ const PROBE_ROWS: usize = 64;
 /// The head dimension of the `wgmma` forward's first version.
 const HOPPER_HEAD_DIM: usize = 64;
 
-/// Dynamic shared memory of the `wgmma` forward: the Q, K and V tiles, 64 × 64 16-bit values each.
-const HOPPER_FORWARD_SMEM_BYTES: usize = 3 * 64 * 64 * 2;
+/// Dynamic shared memory of the `wgmma` forward: Q and two K/V slots, 64 × 64 16-bit values per tile.
+const HOPPER_FORWARD_SMEM_BYTES: usize = 5 * 64 * 64 * 2;
 
 /// Bytes of one core matrix, the unit `wgmma` reads from shared memory (8 rows of 16 bytes).
 const CORE_MATRIX_BYTES: usize = 128;

@@ -14,9 +14,9 @@
 //! the head dimension; V's K dimension is the keys and its N dimension the head dimension, and
 //! an MN-major operand keeps the same core matrices.
 //!
-//! Not yet here (issue #9's next steps): copies by TMA into a multi-stage ring, producer and
-//! consumer warpgroups, two consumer warpgroups, 128-byte swizzling, head_dim 128, the backward
-//! pass. The loads are ordinary 16-byte loads, and the block waits for each product.
+//! K and V tiles go round a two-slot ring filled by `cp.async`: tile j + 1 is copied while tile j
+//! is multiplied. Not yet here (issue #9's next steps): copies by TMA, producer and consumer
+//! warpgroups, two consumer warpgroups, 128-byte swizzling, head_dim 128, the backward pass.
 
 use crate::flash_forward_mma::{RowSoftmax, pack_a};
 use crate::gpu::{self, FragC, HalfFloat};
@@ -74,8 +74,29 @@ unsafe fn load_tile(dst: *mut u8, src: *const u16, valid: usize, flip: u32) {
     }
 }
 
+/// Starts the copies of rows `0 .. valid` of a row-major 64 × 64 tile at `src` into shared memory
+/// at `dst` (a shared-space address) as core matrices, with `cp.async`; rows from `valid` on are
+/// zero-filled. The caller closes the commit group. Every thread of the warpgroup calls it.
+///
+/// # Safety
+/// As [`load_tile`], with `dst` the address of 8192 bytes of shared memory.
+#[inline(always)]
+unsafe fn load_tile_async(dst: u32, src: *const u16, valid: usize) {
+    let mut chunk = gpu::thread_idx_x();
+    while chunk < 64 * BLOCKS_PER_ROW {
+        let (row, column) = (chunk / BLOCKS_PER_ROW, (chunk % BLOCKS_PER_ROW) * 8);
+        let offset = core_matrix_offset(row, column, BLOCKS_PER_ROW) as u32;
+        // A zero-filled row reads nothing, but its source address must still be valid: row 0.
+        let src_row = if row < valid { row } else { 0 };
+        // SAFETY: src_row < max(valid, 1) rows exist; the chunk lies inside the tile.
+        unsafe { gpu::cp_async_16(dst + offset, src.add(src_row * 64 + column), row < valid) };
+        chunk += crate::hopper::WARPGROUP_THREADS;
+    }
+}
+
 /// The kernel body for `T` (see the module docs). Grid: `(ceil(seqlen_q / 64), num_heads_q,
-/// batch)`; block: 128 threads; dynamic shared memory: 3 · 8192 bytes (Q, K, V tiles).
+/// batch)`; block: 128 threads; dynamic shared memory: 5 · 8192 bytes (Q, then two slots of a
+/// K and a V tile: the next tile's copies run while this one is multiplied).
 ///
 /// # Safety
 /// As `flash_forward_mma`, with `shape.head_dim == 64`.
@@ -101,9 +122,12 @@ unsafe fn flash_forward_wgmma<T: HalfFloat>(
     let (warp, lane) = (gpu::warp_id(), gpu::lane_id());
     let (g, t) = (lane / 4, lane % 4);
     let shared = gpu::dynamic_shared_memory() as *mut u8;
-    // SAFETY: three tiles of dynamic shared memory (the launch contract).
-    let (q_tile, k_tile, v_tile) = unsafe { (shared, shared.add(TILE_BYTES), shared.add(2 * TILE_BYTES)) };
-    let (q_address, k_address, v_address) = (shared_address(q_tile), shared_address(k_tile), shared_address(v_tile));
+    let q_tile = shared;
+    let q_address = shared_address(q_tile);
+    // Slot `i` of the two-slot ring: its K tile, then its V tile. (Computed from the slot number:
+    // an array of addresses indexed by a loop variable would live in local memory.)
+    let k_address = |slot: usize| q_address + ((1 + 2 * slot) * TILE_BYTES) as u32;
+    let v_address = |slot: usize| k_address(slot) + TILE_BYTES as u32;
 
     // As in level 5: a negative scale is applied as −Q with |c|; zero as the smallest normal.
     let flip = if scale_log2 < 0.0 { 0x8000_8000 } else { 0 };
@@ -113,23 +137,36 @@ unsafe fn flash_forward_wgmma<T: HalfFloat>(
 
     let kv_end = mask.key_limit(q_start + q_rows - 1);
     let all_see = mask.key_limit(q_start);
+    let kv_tiles = kv_end.div_ceil(BLOCK_N);
+    // Starts the copies of K/V tile `tile` into its slot, as one commit group (empty past the
+    // last tile, so that every call commits exactly one group).
+    let fetch = |tile: usize| {
+        if tile < kv_tiles {
+            let kv_start = tile * BLOCK_N;
+            let valid = BLOCK_N.min(shape.seqlen_k - kv_start);
+            // SAFETY: rows kv_start .. kv_start + valid of this head exist.
+            unsafe {
+                load_tile_async(k_address(tile % 2), k_head.add(kv_start * HEAD_DIM), valid);
+                load_tile_async(v_address(tile % 2), v_head.add(kv_start * HEAD_DIM), valid);
+            }
+        }
+        gpu::cp_async_commit();
+    };
+    fetch(0);
     let mut softmax = RowSoftmax::new();
     let mut acc = [0.0f32; 32];
-    let mut tile = 0;
-    while tile * BLOCK_N < kv_end {
+    for tile in 0..kv_tiles {
         let kv_start = tile * BLOCK_N;
-        let valid = BLOCK_N.min(shape.seqlen_k - kv_start);
-        // Everyone finished the previous tile's products (each thread waited for its `wgmma`s)
-        // before the tiles are overwritten.
+        // Everyone finished tile − 1 (each thread waited for its `wgmma`s), so its slot can take
+        // tile + 1 while this tile is multiplied.
         gpu::sync_threads();
-        // SAFETY: rows kv_start .. kv_start + valid of this head exist.
-        unsafe {
-            load_tile(k_tile, k_head.add(kv_start * HEAD_DIM), valid, 0);
-            load_tile(v_tile, v_head.add(kv_start * HEAD_DIM), valid, 0);
-        }
-        // Q (first pass), K and V were written by ordinary stores: publish them to `wgmma`.
+        fetch(tile + 1);
+        // This thread's copies of `tile` have landed; the proxy fence (also covering Q's
+        // ordinary stores) and the barrier publish everyone's to `wgmma`.
+        gpu::cp_async_wait(1);
         fence_proxy_async();
         gpu::sync_threads();
+        let (k_slot, v_slot) = (k_address(tile % 2), v_address(tile % 2));
 
         // S = Q·Kᵀ: four k-steps of 16 along the head dimension, two core matrices each.
         let mut s32 = [0.0f32; 32];
@@ -137,7 +174,7 @@ unsafe fn flash_forward_wgmma<T: HalfFloat>(
         for ks in 0..HEAD_DIM / 16 {
             let step = (ks * 2 * CORE_MATRIX_BYTES) as u32;
             let a = matrix_descriptor(q_address + step, ALONG_COLUMNS, ALONG_ROWS);
-            let b = matrix_descriptor(k_address + step, ALONG_COLUMNS, ALONG_ROWS);
+            let b = matrix_descriptor(k_slot + step, ALONG_COLUMNS, ALONG_ROWS);
             // SAFETY: the warpgroup issues it on tiles published above.
             unsafe {
                 if T::IS_BF16 {
@@ -171,7 +208,7 @@ unsafe fn flash_forward_wgmma<T: HalfFloat>(
         wgmma_fence();
         for kk in 0..BLOCK_N / 16 {
             let p = pack_a::<T>(s[2 * kk], s[2 * kk + 1]);
-            let b = matrix_descriptor(v_address + (kk * 2) as u32 * ALONG_ROWS, ALONG_ROWS, ALONG_COLUMNS);
+            let b = matrix_descriptor(v_slot + (kk * 2) as u32 * ALONG_ROWS, ALONG_ROWS, ALONG_COLUMNS);
             // SAFETY: as above.
             unsafe {
                 if T::IS_BF16 {
@@ -183,7 +220,6 @@ unsafe fn flash_forward_wgmma<T: HalfFloat>(
         }
         wgmma_commit();
         wgmma_wait::<0>(&mut acc);
-        tile += 1;
     }
 
     // Normalise and write O (two values per store) and the LSE of the rows that exist.

@@ -25,6 +25,10 @@ use core::simd::Simd;
 use crate::emu as backend;
 #[cfg(target_arch = "nvptx64")]
 use hw as backend;
+/// One 16-byte `cp.async` from global to shared memory (zero-filled when `valid` is false), for
+/// kernels that place the chunks themselves (the Hopper kernels' core-matrix layouts).
+#[cfg(target_arch = "nvptx64")]
+pub use hw::cp_async_16;
 /// The shared-state-space (32-bit) address of a pointer into the block's shared memory, which
 /// the Hopper wrappers (`crate::hopper`) pass to `wgmma` descriptors, `mbarrier`s and TMA.
 #[cfg(target_arch = "nvptx64")]
