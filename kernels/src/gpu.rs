@@ -946,6 +946,13 @@ mod hw {
         (lo, hi)
     }
 
+    /// Copies 16 bytes from `src` (global memory) to `dst` (a shared-space address)
+    /// asynchronously, or writes 16 zero bytes when `valid` is false; completes with
+    /// `cp_async_commit` and `cp_async_wait`.
+    ///
+    /// # Safety
+    /// `dst` is 16-byte aligned inside the block's shared memory; `src` is a 16-byte aligned
+    /// global address (read only when `valid`).
     #[inline(always)]
     pub unsafe fn cp_async_16(dst: u32, src: *const u16, valid: bool) {
         // `src-size` 0 makes the copy write 16 zero bytes without reading the source.
