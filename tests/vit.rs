@@ -13,9 +13,8 @@ use attn_host::vit::render::{self, MapPicture};
 use attn_host::vit::weights::timm_tensors;
 use attn_host::vit::{Init, Matmul, MatmulBackend, Normalization, Query, VitConfig, VitWeights};
 use attn_host::{Context, Error};
+use common::files::{f32_bytes, safetensors_bytes};
 use image::{Rgb, RgbImage};
-use safetensors::tensor::TensorView;
-use safetensors::{Dtype, serialize};
 
 /// A seeded image of random pixels (no two patches alike).
 fn noise_image(width: u32, height: u32, seed: u64) -> RgbImage {
@@ -135,32 +134,29 @@ fn patchify_orders_patches_by_row_and_values_by_channel_row_column() {
     assert!(matches!(pipeline::patchify(&pixels[1..], &config), Err(Error::Length { .. })));
 }
 
-/// Writes `tensors` (name, dtype, shape, little-endian bytes) as a safetensors file.
-fn write_safetensors(name: &str, tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)]) -> PathBuf {
-    let views: Vec<(String, TensorView)> = tensors
-        .iter()
-        .map(|(n, dtype, shape, bytes)| (n.clone(), TensorView::new(*dtype, shape.clone(), bytes).unwrap()))
-        .collect();
-    let bytes = serialize(views, None).unwrap();
+/// One tensor of a test file: name, dtype as the format spells it (e.g. "F32"), shape,
+/// little-endian bytes.
+type FileTensor = (String, &'static str, Vec<usize>, Vec<u8>);
+
+/// Writes `tensors` as a safetensors file (laid out by `common::files::safetensors_bytes`).
+fn write_safetensors(name: &str, tensors: &[FileTensor]) -> PathBuf {
+    let entries: Vec<(&str, &str, &[usize], Vec<u8>)> =
+        tensors.iter().map(|(n, dtype, shape, bytes)| (n.as_str(), *dtype, shape.as_slice(), bytes.clone())).collect();
     let dir = std::env::temp_dir().join(format!("attn-vit-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(name);
-    std::fs::write(&path, bytes).unwrap();
+    std::fs::write(&path, safetensors_bytes(&entries)).unwrap();
     path
 }
 
-fn f32_bytes(values: &[f32]) -> Vec<u8> {
-    values.iter().flat_map(|v| v.to_le_bytes()).collect()
-}
-
 /// The tiny model's tensors in timm names, seeded values, all `F32`.
-fn timm_file_tensors(config: &VitConfig) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
+fn timm_file_tensors(config: &VitConfig) -> Vec<FileTensor> {
     timm_tensors(config)
         .into_iter()
         .enumerate()
         .map(|(i, (name, shape))| {
             let values = random_normal(shape.iter().product(), 100 + i as u64);
-            (name.to_string(), Dtype::F32, shape, f32_bytes(&values))
+            (name.to_string(), "F32", shape, f32_bytes(&values))
         })
         .collect()
 }
@@ -170,10 +166,10 @@ fn safetensors_loader_reads_timm_names() {
     let config = VitConfig::tiny();
     let mut tensors = timm_file_tensors(&config);
     // Other tensors of a full checkpoint are ignored; 16-bit tensors are widened.
-    tensors.push(("blocks.1.attn.qkv.weight".into(), Dtype::F32, vec![2], f32_bytes(&[1.0, 2.0])));
+    tensors.push(("blocks.1.attn.qkv.weight".into(), "F32", vec![2], f32_bytes(&[1.0, 2.0])));
     let bias16: Vec<half::f16> = random_normal(3 * config.dim, 7).iter().map(|&v| half::f16::from_f32(v)).collect();
     let qkv_bias = tensors.iter_mut().find(|t| t.0 == "blocks.0.attn.qkv.bias").unwrap();
-    qkv_bias.1 = Dtype::F16;
+    qkv_bias.1 = "F16";
     qkv_bias.3 = bias16.iter().flat_map(|v| v.to_le_bytes()).collect();
     let path = write_safetensors("good.safetensors", &tensors);
 
@@ -235,7 +231,7 @@ fn safetensors_loader_names_a_tensor_of_the_wrong_shape_or_dtype() {
     // An integer tensor where a float one belongs.
     let mut tensors = timm_file_tensors(&config);
     let cls = tensors.iter_mut().find(|t| t.0 == "cls_token").unwrap();
-    cls.1 = Dtype::I32;
+    cls.1 = "I32";
     let path = write_safetensors("dtype.safetensors", &tensors);
     let err = VitWeights::load_safetensors(&path, &config).unwrap_err();
     assert!(matches!(&err, Error::TensorFile { tensor: Some(t), .. } if t == "cls_token"), "{err:?}");
