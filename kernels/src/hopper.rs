@@ -427,7 +427,8 @@ pub unsafe extern "gpu-kernel" fn hopper_probe_wgmma_register_a(
     let mut row = 0;
     while row < k {
         if t < 64 {
-            let offset = ((row / 8) * 8 + t / 8) * CORE_MATRIX_BYTES + (row % 8) * CORE_MATRIX_ROW_BYTES + (t % 8) * 2;
+            // Rows are K, columns N: the same core-matrix placement as a K-major tile of 8 blocks.
+            let offset = core_matrix_offset(row, t, 8);
             // SAFETY: row < k and t < 64: in bounds by the launch contract.
             unsafe { *(shared.add(offset) as *mut u16) = *b.add(row * 64 + t) };
         }
