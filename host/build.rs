@@ -329,7 +329,14 @@ fn build_ptx(kernels_dir: &Path, out_dir: &Path, tools: &LlvmTools) -> Vec<(&'st
 /// tiles with 32-key tiles need 171 registers on their own, 3 too many for 3 blocks of 128
 /// threads per SM (65536 / 384 = 170), and fit in 168 without spilling (+39% measured). Forcing
 /// the 64-key tile (251 registers) down to 168 spills and loses 25%: it is not hinted.
+///
+/// The Hopper forward kernels need theirs: they move registers between warpgroups with
+/// `setmaxnreg`, which works on the budget ptxas derives from 384 threads per block (168 each).
 const OCCUPANCY_HINTS: &[(&str, u32, u32)] = &[
+    ("hopper_flash_fwd_f16_m128_n128_d64_s2", 384, 1),
+    ("hopper_flash_fwd_bf16_m128_n128_d64_s2", 384, 1),
+    ("hopper_flash_fwd_f16_m128_n128_d128_s2", 384, 1),
+    ("hopper_flash_fwd_bf16_m128_n128_d128_s2", 384, 1),
     ("flash_fwd_f16_m64_n32_d128_s2", 128, 3),
     ("flash_fwd_bf16_m64_n32_d128_s2", 128, 3),
     ("flash_fwd_f16_m64_n32_d128_s3", 128, 3),

@@ -2,7 +2,8 @@
 //! capability 9.0: `wgmma` reading both operands from shared memory through matrix descriptors
 //! (f16 and bf16, one to eight k-steps) against the product in f64, and a TMA load of a 2-D box
 //! completing on an `mbarrier`, inside and across the tensor's edges, against the tensor itself;
-//! and the first FlashAttention forward on `wgmma` against the float64 reference.
+//! and the Hopper FlashAttention forward (TMA producer, two `wgmma` consumer warpgroups) against
+//! the float64 reference, and its selection by the kernel path.
 //! Other GPUs skip these tests with a visible line (they do not load the `sm_90a` module).
 
 mod common;
@@ -10,7 +11,8 @@ mod common;
 use attn_host::check::{lse_error, random_normal, relative_l2_error};
 use attn_host::dtype::{from_f32_slice, to_f32_vec};
 use attn_host::{
-    AttentionOptions, AttentionOutput, AttentionShape, Causal, Context, DescriptorOffsets, Element, bf16, cpu, f16,
+    AttentionOptions, AttentionOutput, AttentionShape, Causal, Context, DType, DescriptorOffsets, Element, KernelPath,
+    TileConfig, bf16, cpu, f16,
 };
 use common::gpu;
 use common::tensor_cores::{Inputs, LSE_TOLERANCE, Problem16, tolerances};
@@ -146,15 +148,24 @@ fn check_hopper_forward<T: Element>(ctx: &Context, shape: AttentionShape, option
 }
 
 #[test]
-fn wgmma_forward_matches_the_reference() {
-    let Some(ctx) = hopper("wgmma_forward_matches_the_reference") else { return };
+fn hopper_forward_matches_the_reference() {
+    let Some(ctx) = hopper("hopper_forward_matches_the_reference") else { return };
+    for head_dim in [64, 128] {
+        check_hopper_cases(ctx, head_dim);
+    }
+}
+
+/// Every case of the Hopper forward at `head_dim`: block edges (1, 64, 65, 127–130 rows), ragged
+/// key tiles, GQA, both causal alignments (including query blocks that see no key), negative and
+/// zero scales, and a batch that fills the GPU.
+fn check_hopper_cases(ctx: &Context, head_dim: usize) {
     let shape = |batch, heads_q, heads_kv, seqlen_q, seqlen_k| AttentionShape {
         batch,
         num_heads_q: heads_q,
         num_heads_kv: heads_kv,
         seqlen_q,
         seqlen_k,
-        head_dim: 64,
+        head_dim,
     };
     let cases = [
         (shape(1, 1, 1, 64, 64), AttentionOptions::default()),
@@ -166,18 +177,56 @@ fn wgmma_forward_matches_the_reference() {
         (shape(1, 2, 2, 200, 37), AttentionOptions::causal(Causal::TopLeft)),
         (shape(1, 3, 3, 130, 1000), AttentionOptions::with_scale(-0.3)),
         (shape(1, 3, 3, 130, 100), AttentionOptions::with_scale(0.0)),
+        (shape(1, 1, 1, 127, 129), AttentionOptions::causal(Causal::TopLeft)),
+        (shape(1, 2, 1, 300, 257), AttentionOptions::causal(Causal::BottomRight)),
         (shape(4, 8, 8, 1024, 1024), AttentionOptions::causal(Causal::TopLeft)),
+        (shape(2, 16, 4, 1000, 1000), AttentionOptions::default()),
     ];
     for (i, (shape, options)) in cases.into_iter().enumerate() {
-        check_hopper_forward::<f16>(ctx, shape, options, 100 + i as u64);
-        check_hopper_forward::<bf16>(ctx, shape, options, 200 + i as u64);
+        let seed = (head_dim + i) as u64;
+        check_hopper_forward::<f16>(ctx, shape, options, 100 + seed);
+        check_hopper_forward::<bf16>(ctx, shape, options, 300 + seed);
     }
 }
 
 #[test]
-fn wgmma_forward_refuses_what_it_does_not_cover() {
-    let Some(ctx) = hopper("wgmma_forward_refuses_what_it_does_not_cover") else { return };
-    let x = ctx.upload(&from_f32_slice::<f16>(&random_normal(128 * 128, 1)), &[1, 1, 128, 128]).unwrap();
+fn the_kernel_path_picks_the_forward_kernel() {
+    let Some(ctx) = hopper("the_kernel_path_picks_the_forward_kernel") else { return };
+    let default = TileConfig::default_for_dtype(DType::F16, 64);
+    let sm80 = Context::new(ctx.device().ordinal).unwrap().with_kernel_path(KernelPath::Sm80).unwrap();
+    let sm90a = Context::new(ctx.device().ordinal).unwrap().with_kernel_path(KernelPath::Sm90a).unwrap();
+    assert!(sm90a.forward_kernel_entry(DType::F16, 64, default).unwrap().starts_with("hopper_flash_fwd_f16"));
+    assert!(sm80.forward_kernel_entry(DType::F16, 64, default).unwrap().starts_with("flash_fwd_f16"));
+    // An explicit tile runs the sm_80 kernel it names on either path; f32 never leaves sm_80.
+    let explicit = TileConfig::new(64, 64).with_stages(2);
+    assert!(sm90a.forward_kernel_entry(DType::F16, 64, explicit).unwrap().starts_with("flash_fwd_f16_m64_n64"));
+    let f32_tile = TileConfig::default_for_dtype(DType::F32, 64);
+    assert!(sm90a.forward_kernel_entry(DType::F32, 64, f32_tile).unwrap().starts_with("flash_fwd_f32"));
+
+    // Both paths agree with each other on the same inputs, through the public entry point.
+    let shape =
+        AttentionShape { batch: 2, num_heads_q: 4, num_heads_kv: 2, seqlen_q: 300, seqlen_k: 300, head_dim: 64 };
+    let shapes = [shape.q_shape(), shape.kv_shape(), shape.kv_shape()];
+    let host: Vec<Vec<f16>> =
+        (0..3).map(|i| from_f32_slice(&random_normal(shapes[i].iter().product(), 40 + i as u64))).collect();
+    let run = |ctx: &Context| {
+        let [q, k, v] = [0, 1, 2].map(|i| ctx.upload(&host[i], &shapes[i]).unwrap());
+        let options = AttentionOptions::causal(Causal::TopLeft);
+        let out = ctx.flash_attention_forward(&q, &k, &v, &options, default).unwrap();
+        to_f32_vec(&out.o.to_host().unwrap())
+    };
+    let (a, b) = (run(&sm80), run(&sm90a));
+    let err = relative_l2_error(&b, &a.iter().map(|&x| x as f64).collect::<Vec<_>>());
+    assert!(err < 2e-3, "sm_80 and sm_90a forward differ by {err:.3e}");
+}
+
+#[test]
+fn hopper_forward_refuses_what_it_does_not_cover() {
+    let Some(ctx) = hopper("hopper_forward_refuses_what_it_does_not_cover") else { return };
+    let x = ctx.upload(&from_f32_slice::<f16>(&random_normal(128 * 32, 1)), &[1, 1, 128, 32]).unwrap();
     let err = ctx.flash_attention_forward_hopper(&x, &x, &x, &AttentionOptions::default()).unwrap_err();
-    assert!(matches!(err, attn_host::Error::HeadDimNotCompiled { head_dim: 128, .. }), "{err}");
+    assert!(matches!(err, attn_host::Error::HeadDimNotCompiled { head_dim: 32, .. }), "{err}");
+    let x = ctx.upload(&random_normal(128 * 64, 1), &[1, 1, 128, 64]).unwrap();
+    let err = ctx.flash_attention_forward_hopper(&x, &x, &x, &AttentionOptions::default()).unwrap_err();
+    assert!(matches!(err, attn_host::Error::Shape(_)), "{err}");
 }

@@ -11,6 +11,7 @@ use cudarc::nvrtc::Ptx;
 
 use crate::dtype::{DType, Element};
 use crate::error::{During, Error, Result};
+use crate::hopper::KernelPath;
 use crate::kernels;
 use crate::tensor::{DeviceTensor, Storage};
 
@@ -95,6 +96,8 @@ pub struct Context {
     id: u64,
     pub(crate) backend: Backend,
     info: DeviceInfo,
+    /// Which kernels run the 16-bit forward pass ([`KernelPath`]).
+    pub(crate) kernel_path: KernelPath,
 }
 
 pub(crate) enum Backend {
@@ -122,7 +125,9 @@ impl Context {
     ///
     /// # Errors
     /// [`Error::NoDriver`] without an NVIDIA driver, [`Error::NoDevice`] for a missing ordinal,
-    /// [`Error::UnsupportedDevice`] below compute capability 8.0, [`Error::Driver`] otherwise.
+    /// [`Error::UnsupportedDevice`] below compute capability 8.0, [`Error::Argument`] for an
+    /// unknown value of [`KernelPath::ENV`], [`Error::Unsupported`] when it asks for `sm90a` off
+    /// Hopper, [`Error::Driver`] otherwise.
     pub fn new(ordinal: usize) -> Result<Self> {
         // SAFETY: only tries to open the library; no CUDA call is made.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -163,7 +168,14 @@ impl Context {
             })
             .collect::<Result<Vec<_>>>()?;
         let stream = cuda.new_stream().during("creating a stream")?;
-        Ok(Self { id: next_context_id(), backend: Backend::Cuda { cuda, stream, modules }, info })
+        let preferred = if hopper { KernelPath::Sm90a } else { KernelPath::Sm80 };
+        let context = Self {
+            id: next_context_id(),
+            backend: Backend::Cuda { cuda, stream, modules },
+            info,
+            kernel_path: KernelPath::Sm80,
+        };
+        context.with_kernel_path(KernelPath::from_env()?.unwrap_or(preferred))
     }
 
     /// The CPU emulator: the kernels' own source, run on the host with one OS thread per GPU
@@ -179,7 +191,7 @@ impl Context {
             max_shared_memory_per_block: 227 * 1024,
             total_memory: 0,
         };
-        Self { id: next_context_id(), backend: Backend::Emulated, info }
+        Self { id: next_context_id(), backend: Backend::Emulated, info, kernel_path: KernelPath::Sm80 }
     }
 
     /// Opens `device`: [`Context::new`] for a GPU, [`Context::cpu_emulated`] for the emulator.

@@ -18,9 +18,10 @@ use crate::context::{Backend, KernelArg};
 use crate::dtype::{DType, Element};
 use crate::error::{During, Error, Result};
 use crate::kernels::entry;
+use crate::layout::{HOPPER_BLOCK_M, HOPPER_FORWARD_THREADS, hopper_forward_smem_bytes};
 use crate::ops::{AttentionOutput, ProblemArgs, flash_config};
 use crate::problem::check_flash_grid;
-use crate::{AttentionOptions, AttentionShape};
+use crate::{AttentionOptions, AttentionShape, TileConfig};
 use crate::{Context, DeviceTensor};
 
 /// Threads of the probe kernels: one warpgroup.
@@ -29,11 +30,118 @@ const WARPGROUP_THREADS: u32 = 128;
 /// Rows of a `wgmma` tile (m64) and columns of the probe's B (n64).
 const PROBE_ROWS: usize = 64;
 
-/// The head dimension of the `wgmma` forward's first version.
-const HOPPER_HEAD_DIM: usize = 64;
+/// Columns of one 128-byte swizzled box of 16-bit values: the inner box dimension of the Hopper
+/// forward's tensor maps.
+const SWIZZLE_COLUMNS: usize = 64;
 
-/// Dynamic shared memory of the `wgmma` forward: Q and two K/V slots, 64 × 64 16-bit values per tile.
-const HOPPER_FORWARD_SMEM_BYTES: usize = 5 * 64 * 64 * 2;
+/// Which kernels run a context's 16-bit FlashAttention forward pass.
+///
+/// A GPU context takes [`KernelPath::Sm90a`] on compute capability 9.0 and [`KernelPath::Sm80`]
+/// elsewhere, unless the environment variable [`KernelPath::ENV`] names one (`sm80` or
+/// `sm90a`), or [`Context::with_kernel_path`] chooses. The test suite runs once per path that
+/// way. Everything but the 16-bit forward (the `f32` kernels, the backward pass, the naive
+/// kernels) runs the sm_80 kernels on both paths.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelPath {
+    /// The `mma.sync` kernels, compiled for sm_80: every supported GPU.
+    Sm80,
+    /// The Hopper kernels (`wgmma`, TMA, warp specialisation), compiled for sm_90a: compute
+    /// capability 9.0 only.
+    Sm90a,
+}
+
+impl KernelPath {
+    /// The environment variable that sets every new GPU context's path: `sm80` or `sm90a`.
+    pub const ENV: &'static str = "RUST_ATTENTION_KERNELS";
+
+    /// The path's name, as the PTX target: `sm_80` or `sm_90a`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Sm80 => "sm_80",
+            Self::Sm90a => "sm_90a",
+        }
+    }
+
+    /// The path [`KernelPath::ENV`] asks for, if set.
+    ///
+    /// # Errors
+    /// [`Error::Argument`] for a value other than `sm80`/`sm_80`/`sm90a`/`sm_90a`.
+    pub fn from_env() -> Result<Option<Self>> {
+        match std::env::var(Self::ENV) {
+            Ok(value) => value.parse().map(Some),
+            Err(_) => Ok(None),
+        }
+    }
+}
+
+impl std::fmt::Display for KernelPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for KernelPath {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "sm80" | "sm_80" => Ok(Self::Sm80),
+            "sm90a" | "sm_90a" => Ok(Self::Sm90a),
+            _ => Err(Error::Argument(format!("unknown kernel path {s:?} (from {}); use sm80 or sm90a", Self::ENV))),
+        }
+    }
+}
+
+/// A compiled Hopper forward kernel: its entry and K/V tile.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct HopperForward {
+    pub(crate) entry: &'static str,
+    pub(crate) block_n: usize,
+    pub(crate) stages: usize,
+}
+
+impl HopperForward {
+    /// The compiled head dimensions.
+    pub(crate) const HEAD_DIMS: [usize; 2] = [64, 128];
+
+    /// The kernel for `dtype` and `head_dim`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for `f32`, [`Error::HeadDimNotCompiled`] for other head dimensions.
+    pub(crate) fn for_problem(dtype: DType, head_dim: usize) -> Result<Self> {
+        let entry = match (dtype, head_dim) {
+            (DType::F16, 64) => entry::HOPPER_FLASH_FWD_F16_M128_N128_D64_S2,
+            (DType::Bf16, 64) => entry::HOPPER_FLASH_FWD_BF16_M128_N128_D64_S2,
+            (DType::F16, 128) => entry::HOPPER_FLASH_FWD_F16_M128_N128_D128_S2,
+            (DType::Bf16, 128) => entry::HOPPER_FLASH_FWD_BF16_M128_N128_D128_S2,
+            (DType::F32, _) => return Err(Error::Shape("the Hopper forward takes f16 or bf16 tensors".into())),
+            _ => {
+                return Err(Error::HeadDimNotCompiled {
+                    head_dim,
+                    allowed: format!("{:?} (the Hopper forward)", Self::HEAD_DIMS),
+                });
+            }
+        };
+        Ok(Self { entry, block_n: 128, stages: 2 })
+    }
+}
+
+/// The Q, K and V tensor maps of one Hopper forward launch, in device memory (the kernel's
+/// first argument).
+struct TensorMaps {
+    maps: CudaSlice<u64>,
+}
+
+impl KernelArg for TensorMaps {
+    fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) -> Result<()> {
+        builder.arg(&self.maps);
+        Ok(())
+    }
+
+    fn emulated(&self) -> Result<Arg> {
+        Err(Error::NotOnEmulator("tensor maps (TMA)"))
+    }
+}
 
 /// Bytes of one core matrix, the unit `wgmma` reads from shared memory (8 rows of 16 bytes).
 const CORE_MATRIX_BYTES: usize = 128;
@@ -103,6 +211,49 @@ impl Context {
         }
     }
 
+    /// The kernels this context runs for the 16-bit forward pass (see [`KernelPath`]).
+    pub fn kernel_path(&self) -> KernelPath {
+        self.kernel_path
+    }
+
+    /// This context with the 16-bit forward pass on `path`.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for [`KernelPath::Sm90a`] on a context without the sm_90a kernels
+    /// (another GPU, or the CPU emulator).
+    pub fn with_kernel_path(mut self, path: KernelPath) -> Result<Self> {
+        if path == KernelPath::Sm90a && !self.has_hopper_kernels() {
+            return Err(Error::Unsupported {
+                what: "the sm_90a kernels (wgmma, TMA)",
+                device: self.device().name.clone(),
+            });
+        }
+        self.kernel_path = path;
+        Ok(self)
+    }
+
+    /// The Hopper kernel that [`Context::flash_attention_forward`] runs in place of the sm_80
+    /// `tile`: on the sm_90a path, for `f16`/`bf16` and head_dim 64 or 128, when `tile` is the
+    /// built-in default ([`TileConfig::default_for_dtype`]). Any other tile names the sm_80
+    /// kernel to run, so that tile sweeps measure what they ask for.
+    pub(crate) fn hopper_forward_for(&self, dtype: DType, head_dim: usize, tile: TileConfig) -> Option<HopperForward> {
+        let wanted = self.kernel_path == KernelPath::Sm90a && tile == TileConfig::default_for_dtype(dtype, head_dim);
+        wanted.then(|| HopperForward::for_problem(dtype, head_dim).ok()).flatten()
+    }
+
+    /// The kernel entry [`Context::flash_attention_forward`] launches for element type `dtype`,
+    /// `head_dim` and `tile` on this context: a Hopper kernel (`hopper_flash_fwd_…`) or the
+    /// sm_80 kernel of the tile.
+    ///
+    /// # Errors
+    /// As [`TileConfig::validate_kernel`].
+    pub fn forward_kernel_entry(&self, dtype: DType, head_dim: usize, tile: TileConfig) -> Result<&'static str> {
+        match self.hopper_forward_for(dtype, head_dim, tile) {
+            Some(kernel) => Ok(kernel.entry),
+            None => tile.validate_kernel(crate::kernels::FlashKernel::Forward, dtype, head_dim, self.device()),
+        }
+    }
+
     /// A tensor map of `tensor`, a row-major `[rows, cols]` matrix of 16-bit floats, for loading
     /// boxes of `[box_rows, box_cols]` (no swizzle; elements outside the matrix read as zero).
     ///
@@ -121,11 +272,6 @@ impl Context {
             return Err(Error::NotOnEmulator("tensor maps (TMA)"));
         };
         self.check_owner("tensor", tensor)?;
-        let data_type = match T::DTYPE {
-            DType::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-            DType::Bf16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            DType::F32 => return Err(Error::Shape("the probes' tensor maps are for 16-bit tensors".into())),
-        };
         let &[rows, cols] = tensor.shape() else {
             return Err(Error::Shape(format!("a tensor map needs a 2-D tensor; got shape {:?}", tensor.shape())));
         };
@@ -140,34 +286,14 @@ impl Context {
                  multiples of 16 bytes and the box 1–256 elements per dimension"
             )));
         }
-        let slice = tensor.cuda_slice().expect("a GPU tensor on a GPU context");
-        let (address, _guard) = cudarc::driver::DevicePtr::device_ptr(slice, stream);
         // Innermost dimension first, as the driver takes them.
-        let global_dims = [cols as u64, rows as u64];
-        let global_strides = [row_bytes as u64];
-        let box_dims = [box_cols as u32, box_rows as u32];
-        let element_strides = [1u32, 1];
-        let mut map = CUtensorMap { opaque: [0; 16] };
-        // SAFETY: every pointer refers to a live local array of the length the rank (2) implies;
-        // the address is the tensor's device allocation.
-        unsafe {
-            cudarc::driver::sys::cuTensorMapEncodeTiled(
-                &mut map,
-                data_type,
-                2,
-                address as *mut std::ffi::c_void,
-                global_dims.as_ptr(),
-                global_strides.as_ptr(),
-                box_dims.as_ptr(),
-                element_strides.as_ptr(),
-                CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
-                CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_NONE,
-                CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-            )
-            .result()
-        }
-        .during("encoding a tensor map (cuTensorMapEncodeTiled)")?;
+        let map = self.encode_tensor_map(
+            tensor,
+            &[cols as u64, rows as u64],
+            &[row_bytes as u64],
+            &[box_cols as u32, box_rows as u32],
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+        )?;
         let map = stream.clone_htod(&map.opaque).during("copying a tensor map to the device")?;
         Ok(TensorMap { map, box_shape: [box_rows, box_cols] })
     }
@@ -249,14 +375,17 @@ impl Context {
         Ok(c)
     }
 
-    /// FlashAttention forward on Hopper's `wgmma`, first version (`kernels/src/flash_forward_wgmma.rs`):
-    /// O = softmax(Q Kᵀ · scale) V and the logsumexp, for `f16`/`bf16` tensors of head_dim 64,
-    /// with the shapes, masks (causal either alignment), GQA and scale of
-    /// [`Context::flash_attention_forward`]. One warpgroup per 64 query rows, 64-key tiles.
+    /// FlashAttention forward on Hopper (`kernels/src/flash_forward_wgmma.rs`, the structure of
+    /// FlashAttention-3: Shah et al. 2024, Algorithms 1 and 2): O = softmax(Q Kᵀ · scale) V and
+    /// the logsumexp, for `f16`/`bf16` tensors of head_dim 64 or 128, with the shapes, masks
+    /// (causal either alignment), GQA and scale of [`Context::flash_attention_forward`]. A block
+    /// has a producer warpgroup, which loads tiles with TMA, and two consumer warpgroups of 64
+    /// query rows each (block_m = 128, block_n = 128, a two-stage K/V ring). On the sm_90a path
+    /// [`Context::flash_attention_forward`] runs this kernel for its default tile.
     ///
     /// # Errors
     /// [`Error::Shape`] for inconsistent shapes or `f32`; [`Error::HeadDimNotCompiled`] for a
-    /// head_dim other than 64; [`Error::InvalidScale`]; [`Error::Unsupported`] off Hopper;
+    /// head_dim other than 64 or 128; [`Error::InvalidScale`]; [`Error::Unsupported`] off Hopper;
     /// [`Error::Driver`].
     pub fn flash_attention_forward_hopper<T: Element>(
         &self,
@@ -266,6 +395,7 @@ impl Context {
         options: &AttentionOptions,
     ) -> Result<AttentionOutput<T>> {
         let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
+        HopperForward::for_problem(T::DTYPE, shape.head_dim)?;
         let mut out = self.alloc_attention_output(&shape)?;
         self.flash_attention_forward_hopper_into(q, k, v, &mut out, options)?;
         Ok(out)
@@ -281,27 +411,104 @@ impl Context {
         options: &AttentionOptions,
     ) -> Result<()> {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
-        let entry = match T::DTYPE {
-            DType::F16 => entry::HOPPER_FLASH_FWD_F16_M64_N64_D64,
-            DType::Bf16 => entry::HOPPER_FLASH_FWD_BF16_M64_N64_D64,
-            DType::F32 => return Err(Error::Shape("the wgmma forward takes f16 or bf16 tensors".into())),
-        };
-        if shape.head_dim != HOPPER_HEAD_DIM {
-            return Err(Error::HeadDimNotCompiled {
-                head_dim: shape.head_dim,
-                allowed: format!("{HOPPER_HEAD_DIM} (the wgmma forward's first version)"),
+        let kernel = HopperForward::for_problem(T::DTYPE, shape.head_dim)?;
+        if !self.has_hopper_kernels() {
+            return Err(Error::Unsupported {
+                what: "the sm_90a kernels (wgmma, TMA)",
+                device: self.device().name.clone(),
             });
         }
         check_flash_grid(&shape)?;
         let scale_log2 = options.checked_scale(shape.head_dim)? * std::f32::consts::LOG2_E;
+        let maps = self.attention_tensor_maps(q, k, v, &shape, kernel.block_n)?;
         let config = flash_config(
-            (shape.seqlen_q.div_ceil(PROBE_ROWS), shape.num_heads_q, shape.batch),
-            WARPGROUP_THREADS as usize,
-            HOPPER_FORWARD_SMEM_BYTES,
+            (shape.seqlen_q.div_ceil(HOPPER_BLOCK_M), shape.num_heads_q, shape.batch),
+            HOPPER_FORWARD_THREADS,
+            hopper_forward_smem_bytes(kernel.block_n, shape.head_dim, kernel.stages),
         );
         let args = ProblemArgs::new(&shape, options);
-        let head: [&dyn KernelArg; 5] = [q, k, v, &out.o, &out.lse];
-        self.launch(entry, config, &args.with_mask(&head, &[&scale_log2]))
+        let head: [&dyn KernelArg; 3] = [&maps, &out.o, &out.lse];
+        self.launch(kernel.entry, config, &args.with_mask(&head, &[&scale_log2]))
+    }
+
+    /// The tensor maps of Q, K and V for the Hopper forward, back to back in one device buffer:
+    /// each tensor `[batch, heads, seqlen, head_dim]` as a 3-D map of (head_dim, seqlen,
+    /// batch · heads), so that a box running past a head's last row reads zeros rather than the
+    /// next head, with boxes of 64 columns (the 128-byte swizzle's span) by `HOPPER_BLOCK_M`
+    /// rows for Q and `block_n` rows for K and V, written with the 128-byte swizzle.
+    fn attention_tensor_maps<T: Element>(
+        &self,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        shape: &AttentionShape,
+        block_n: usize,
+    ) -> Result<TensorMaps> {
+        let Backend::Cuda { stream, .. } = &self.backend else {
+            return Err(Error::NotOnEmulator("tensor maps (TMA)"));
+        };
+        let d = shape.head_dim;
+        let map = |tensor: &DeviceTensor<T>, heads: usize, seqlen: usize, box_rows: usize| {
+            let dims = [d as u64, seqlen as u64, (shape.batch * heads) as u64];
+            let strides = [(d * 2) as u64, (seqlen * d * 2) as u64];
+            let box_dims = [SWIZZLE_COLUMNS as u32, box_rows as u32, 1];
+            self.encode_tensor_map(tensor, &dims, &strides, &box_dims, CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B)
+        };
+        let maps = [
+            map(q, shape.num_heads_q, shape.seqlen_q, HOPPER_BLOCK_M)?,
+            map(k, shape.num_heads_kv, shape.seqlen_k, block_n)?,
+            map(v, shape.num_heads_kv, shape.seqlen_k, block_n)?,
+        ];
+        let words: Vec<u64> = maps.iter().flat_map(|m| m.opaque).collect();
+        let maps = stream.clone_htod(&words).during("copying tensor maps to the device")?;
+        Ok(TensorMaps { maps })
+    }
+
+    /// Encodes a tensor map of `tensor` (16-bit) with `cuTensorMapEncodeTiled`: `dims` and
+    /// `box_dims` innermost first, `strides` in bytes for every dimension but the innermost.
+    fn encode_tensor_map<T: Element>(
+        &self,
+        tensor: &DeviceTensor<T>,
+        dims: &[u64],
+        strides: &[u64],
+        box_dims: &[u32],
+        swizzle: CUtensorMapSwizzle,
+    ) -> Result<CUtensorMap> {
+        let Backend::Cuda { stream, .. } = &self.backend else {
+            return Err(Error::NotOnEmulator("tensor maps (TMA)"));
+        };
+        let data_type = match T::DTYPE {
+            DType::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+            DType::Bf16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            DType::F32 => return Err(Error::Shape("tensor maps here are for 16-bit tensors".into())),
+        };
+        let rank = dims.len();
+        debug_assert!(box_dims.len() == rank && strides.len() + 1 == rank);
+        let slice = tensor.cuda_slice().expect("a GPU tensor on a GPU context");
+        let (address, _guard) = cudarc::driver::DevicePtr::device_ptr(slice, stream);
+        let element_strides = vec![1u32; rank];
+        let mut map = CUtensorMap { opaque: [0; 16] };
+        // SAFETY: every pointer refers to a live local array of the length `rank` implies (the
+        // strides one shorter); the address is the tensor's device allocation.
+        unsafe {
+            cudarc::driver::sys::cuTensorMapEncodeTiled(
+                &mut map,
+                data_type,
+                rank as u32,
+                address as *mut std::ffi::c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                box_dims.as_ptr(),
+                element_strides.as_ptr(),
+                CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                swizzle,
+                CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+            .result()
+        }
+        .during("encoding a tensor map (cuTensorMapEncodeTiled)")?;
+        Ok(map)
     }
 
     /// Probe of TMA: the 64 × 64 box at column `x`, row `y` of `tensor` (`[rows, cols]`, 16-bit),

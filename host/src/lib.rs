@@ -72,7 +72,7 @@ pub use error::{Error, Result};
 /// The 16-bit float types of the `half` crate, re-exported: tensors of [`f16`] or [`bf16`] run on
 /// the tensor-core kernels.
 pub use half::{bf16, f16};
-pub use hopper::{DescriptorOffsets, TensorMap};
+pub use hopper::{DescriptorOffsets, KernelPath, TensorMap};
 pub use kernels::FlashKernel;
 pub use ops::{AttentionOutput, DqAccumulation, Gradients};
 pub use problem::{AttentionOptions, AttentionShape, Causal, TileConfig};

@@ -214,6 +214,11 @@ impl Context {
     /// compiled kernels for `T` and `tile` must be compiled for it and fit the device's shared
     /// memory ([`TileConfig::validate_kernel`]; defaults: [`TileConfig::default_for_dtype`]).
     ///
+    /// On the sm_90a path ([`Context::kernel_path`]) a 16-bit forward pass of head_dim 64 or 128
+    /// given the default tile runs the Hopper kernel instead
+    /// ([`Context::flash_attention_forward_hopper`]); [`Context::forward_kernel_entry`] names the
+    /// kernel a call runs.
+    ///
     /// # Errors
     /// [`Error::Shape`], [`Error::HeadDimNotCompiled`], [`Error::TileNotCompiled`],
     /// [`Error::SharedMemory`], [`Error::Driver`].
@@ -244,6 +249,9 @@ impl Context {
         tile: TileConfig,
     ) -> Result<()> {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
+        if self.hopper_forward_for(T::DTYPE, shape.head_dim, tile).is_some() {
+            return self.flash_attention_forward_hopper_into(q, k, v, out, options);
+        }
         let kernel = FlashKernel::Forward;
         let entry = tile.validate_kernel(kernel, T::DTYPE, shape.head_dim, self.device())?;
         check_flash_grid(&shape)?;

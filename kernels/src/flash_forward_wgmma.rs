@@ -1,265 +1,506 @@
-//! Level 8 (sm_90a only): the FlashAttention forward pass on Hopper's warpgroup MMA, first
-//! version. It is level 5's algorithm ([`crate::flash_forward_mma`]: online softmax with P kept
-//! in registers between the two products) with the matrix products moved to `wgmma`
-//! ([`crate::hopper`]):
+//! Level 8 (sm_90a only): the FlashAttention forward pass on Hopper, organised as
+//! FlashAttention-3 organises it (Shah et al. 2024, "FlashAttention-3: Fast and Accurate Attention
+//! with Asynchrony and Low-precision", Algorithms 1 and 2). The arithmetic is level 5's
+//! ([`crate::flash_forward_mma`]: online softmax, P kept in registers between the two products);
+//! what changes is who does what, and when:
 //!
-//! * one warpgroup (4 warps) per block owns 64 query rows, warp w rows 16w … 16w + 15: the
-//!   `wgmma` accumulator of each warp has the layout of eight `mma.sync` m16n8 tiles, so the
-//!   softmax of level 5 ([`RowSoftmax`]) and its P packing ([`pack_a`]) apply unchanged;
-//! * S = Q·Kᵀ reads both operands from shared memory through descriptors (Q and K K-major);
-//! * O += P·V takes P from registers and V from shared memory, MN-major.
+//! * **Warp specialisation.** A block has three warpgroups. Warpgroup 0, the *producer*, owns no
+//!   rows: one of its threads asks the copy engine (TMA, [`tma_load_3d`]) for the Q tile and then
+//!   for K and V tiles, round a ring of `STAGES` slots. Warpgroups 1 and 2, the *consumers*,
+//!   each own 64 query rows (block_m = 128) and only compute. Producer and consumers meet at
+//!   `mbarrier`s: per slot a *full* barrier for K, one for V (the copy engine completes them),
+//!   and an *empty* barrier that every consumer thread arrives at once it is done with the slot.
+//!   The producer gives most of its registers to the consumers (`setmaxnreg`).
+//! * **Both products on `wgmma`.** S = Q·Kᵀ reads both operands from shared memory; O += P·V
+//!   takes P from registers. The tiles sit in shared memory as TMA writes them with the 128-byte
+//!   swizzle ([`swizzled_descriptor`]): a `rows × head_dim` tile is `head_dim / 64` column
+//!   blocks of `rows × 128` bytes.
+//! * **Intra-warpgroup overlap** (FA3 Algorithm 2). In iteration j a consumer issues S_j = Q·K_jᵀ
+//!   and O += P_{j−1}·V_{j−1} back to back, waits only for S_j, and runs the softmax of tile j
+//!   while the tensor cores still work on P_{j−1}·V_{j−1}. The two consumer warpgroups also
+//!   overlap each other, as the scheduler interleaves them.
 //!
-//! Q, K and V sit in shared memory as 8 × 8 *core matrices* (see [`core_matrix_offset`]). With 64
-//! rows and head_dim 64 the K and V tiles share one layout: K's rows are keys and its K dimension
-//! the head dimension; V's K dimension is the keys and its N dimension the head dimension, and
-//! an MN-major operand keeps the same core matrices.
-//!
-//! K and V tiles go round a two-slot ring filled by `cp.async`: tile j + 1 is copied while tile j
-//! is multiplied. Not yet here (issue #9's next steps): copies by TMA, producer and consumer
-//! warpgroups, two consumer warpgroups, 128-byte swizzling, head_dim 128, the backward pass.
+//! Each consumer warp's `wgmma` accumulator has the m16n8 layout of `mma.sync`
+//! ([`Accumulator`]), so level 5's [`RowSoftmax`] and [`pack_a`] apply unchanged.
 
 use crate::flash_forward_mma::{RowSoftmax, pack_a};
-use crate::gpu::{self, FragC, HalfFloat};
+use crate::gpu::{self, FragA, FragC, HalfFloat};
 use crate::hopper::{
-    CORE_MATRIX_BYTES, core_matrix_offset, fence_proxy_async, matrix_descriptor, shared_address, wgmma_commit,
-    wgmma_fence, wgmma_m64n64k16, wgmma_m64n64k16_register_a, wgmma_wait,
+    Accumulator, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, WARPGROUP_THREADS, fence_mbarrier_init, fence_proxy_async,
+    mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait, named_barrier_sync, registers_decrease,
+    registers_increase, shared_address, swizzled_descriptor, tma_load_3d, warpgroup_id, wgmma_commit, wgmma_fence,
+    wgmma_wait,
 };
-use crate::layout::AttentionShape;
+use crate::layout::{
+    AttentionShape, HOPPER_BLOCK_M as BLOCK_M, HOPPER_CONSUMERS as CONSUMERS, HOPPER_SMEM_ALIGN,
+    HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS,
+};
 use crate::tiles::{Mask, QueryBlock};
 
-/// Query rows per block: one warpgroup's `wgmma` tile.
-pub const BLOCK_M: usize = 64;
-/// Keys per tile.
-pub const BLOCK_N: usize = 64;
-/// The head dimension of this version.
-pub const HEAD_DIM: usize = 64;
-/// Bytes of one 64 × 64 tile of 16-bit values.
-const TILE_BYTES: usize = 64 * 64 * 2;
-/// Core matrices per row of 8-row blocks (64 columns / 8).
-const BLOCKS_PER_ROW: usize = 8;
-/// Descriptor offsets of a K-major 64 × 64 tile: neighbours along K one core matrix apart, along
-/// rows a row of core matrices apart. For the MN-major use of the same tile (V), the leading
-/// offset steps along K (the rows) and the stride along N (see `DescriptorOffsets` on the host).
-const ALONG_COLUMNS: u32 = CORE_MATRIX_BYTES as u32;
-const ALONG_ROWS: u32 = (BLOCKS_PER_ROW * CORE_MATRIX_BYTES) as u32;
+/// Columns of one swizzled column block: 128 bytes of 16-bit values.
+const SWIZZLE_COLUMNS: usize = SWIZZLE_ROW_BYTES / 2;
 
-/// The accumulator as `wgmma` holds it (32 values per thread) viewed as eight m16n8 fragments.
-#[inline(always)]
-fn fragments(d: &[f32; 32]) -> [FragC; 8] {
-    core::array::from_fn(|j| core::array::from_fn(|e| d[4 * j + e]))
+/// Per-thread register budgets after `setmaxnreg`. The launch gives every thread 168 (65536
+/// registers / 384 threads, rounded down to a multiple of 8); the producer, which only issues
+/// copies, keeps 24 and the two consumer warpgroups take the rest: 24 + 2 · 240 = 3 · 168.
+const PRODUCER_REGISTERS: u32 = 56;
+const CONSUMER_REGISTERS: u32 = 224;
+
+/// The block's shared memory: the Q tile, `STAGES` slots of a K and a V tile, then the
+/// `mbarrier`s, from a base aligned to one swizzle atom.
+#[derive(Clone, Copy)]
+struct SharedTiles<const D: usize, const BLOCK_N: usize, const STAGES: usize> {
+    base: *mut u8,
 }
 
-/// Copies rows `0 .. valid` of a row-major 64 × 64 tile of 16-bit values at `src` into shared
-/// memory at `dst` as core matrices; rows from `valid` on become zeros. Each 16-byte chunk of a
-/// row is one row of one core matrix. `flip` is XORed into every value's bits (the sign flip of
-/// a negative scale). Every thread of the warpgroup calls it.
-///
-/// # Safety
-/// `src` holds `valid` rows of 64 values, 16-byte aligned; `dst` is 8192 bytes of shared memory.
-#[inline(always)]
-unsafe fn load_tile(dst: *mut u8, src: *const u16, valid: usize, flip: u32) {
-    let mut chunk = gpu::thread_idx_x();
-    while chunk < 64 * BLOCKS_PER_ROW {
-        let (row, column) = (chunk / BLOCKS_PER_ROW, (chunk % BLOCKS_PER_ROW) * 8);
-        let value = if row < valid {
-            // SAFETY: row < valid; 16-byte aligned rows of 128 bytes.
-            let words = unsafe { core::ptr::read(src.add(row * 64 + column) as *const [u32; 4]) };
-            words.map(|w| w ^ flip)
-        } else {
-            [0; 4]
-        };
-        // SAFETY: the offset of a 16-byte chunk inside the 8 KiB tile.
-        unsafe { core::ptr::write(dst.add(core_matrix_offset(row, column, BLOCKS_PER_ROW)) as *mut [u32; 4], value) };
-        chunk += crate::hopper::WARPGROUP_THREADS;
+impl<const D: usize, const BLOCK_N: usize, const STAGES: usize> SharedTiles<D, BLOCK_N, STAGES> {
+    const Q_BYTES: usize = BLOCK_M * D * 2;
+    const KV_BYTES: usize = BLOCK_N * D * 2;
+
+    /// The layout over this block's dynamic shared memory.
+    #[inline(always)]
+    fn new() -> Self {
+        let raw = gpu::dynamic_shared_memory() as *mut u8;
+        let misalignment = shared_address(raw) as usize % HOPPER_SMEM_ALIGN;
+        // SAFETY: the host adds HOPPER_SMEM_ALIGN bytes of slack for this.
+        Self { base: unsafe { raw.add((HOPPER_SMEM_ALIGN - misalignment) % HOPPER_SMEM_ALIGN) } }
+    }
+
+    #[inline(always)]
+    fn q(self) -> *mut u8 {
+        self.base
+    }
+
+    #[inline(always)]
+    fn k(self, stage: usize) -> *mut u8 {
+        // SAFETY (all offsets here): inside the bytes `hopper_forward_smem_bytes` counts.
+        unsafe { self.base.add(Self::Q_BYTES + 2 * stage * Self::KV_BYTES) }
+    }
+
+    #[inline(always)]
+    fn v(self, stage: usize) -> *mut u8 {
+        unsafe { self.k(stage).add(Self::KV_BYTES) }
+    }
+
+    /// Barrier `i` of `[Q full, K full × STAGES, V full × STAGES, K/V empty × STAGES]`.
+    #[inline(always)]
+    fn barrier(self, i: usize) -> *mut u64 {
+        unsafe { (self.base.add(Self::Q_BYTES + 2 * STAGES * Self::KV_BYTES) as *mut u64).add(i) }
+    }
+
+    #[inline(always)]
+    fn q_full(self) -> *mut u64 {
+        self.barrier(0)
+    }
+
+    #[inline(always)]
+    fn k_full(self, stage: usize) -> *mut u64 {
+        self.barrier(1 + stage)
+    }
+
+    #[inline(always)]
+    fn v_full(self, stage: usize) -> *mut u64 {
+        self.barrier(1 + STAGES + stage)
+    }
+
+    #[inline(always)]
+    fn kv_empty(self, stage: usize) -> *mut u64 {
+        self.barrier(1 + 2 * STAGES + stage)
     }
 }
 
-/// Starts the copies of rows `0 .. valid` of a row-major 64 × 64 tile at `src` into shared memory
-/// at `dst` (a shared-space address) as core matrices, with `cp.async`; rows from `valid` on are
-/// zero-filled. The caller closes the commit group. Every thread of the warpgroup calls it.
-///
-/// # Safety
-/// As [`load_tile`], with `dst` the address of 8192 bytes of shared memory.
+/// The ring slot of K/V tile `tile` and the parity of its use of that slot (0, 1, 0, …): the
+/// phase of the slot's barriers to wait for.
 #[inline(always)]
-unsafe fn load_tile_async(dst: u32, src: *const u16, valid: usize) {
-    let mut chunk = gpu::thread_idx_x();
-    while chunk < 64 * BLOCKS_PER_ROW {
-        let (row, column) = (chunk / BLOCKS_PER_ROW, (chunk % BLOCKS_PER_ROW) * 8);
-        let offset = core_matrix_offset(row, column, BLOCKS_PER_ROW) as u32;
-        // A zero-filled row reads nothing, but its source address must still be valid: row 0.
-        let src_row = if row < valid { row } else { 0 };
-        // SAFETY: src_row < max(valid, 1) rows exist; the chunk lies inside the tile.
-        unsafe { gpu::cp_async_16(dst + offset, src.add(src_row * 64 + column), row < valid) };
-        chunk += crate::hopper::WARPGROUP_THREADS;
+fn slot(tile: usize, stages: usize) -> (usize, u32) {
+    (tile % stages, ((tile / stages) % 2) as u32)
+}
+
+/// The tensor maps the host made (`CUtensorMap`, 128 bytes each): Q, K and V as 3-D tensors of
+/// (head_dim, seqlen, batch · heads) with boxes of 64 columns (the 128-byte swizzle span) by
+/// `BLOCK_M` (Q) or `BLOCK_N` (K, V) rows.
+#[derive(Clone, Copy)]
+struct TensorMaps(*const u8);
+
+impl TensorMaps {
+    #[inline(always)]
+    fn get(self, i: usize) -> *const u8 {
+        // SAFETY: the host passes three maps back to back.
+        unsafe { self.0.add(128 * i) }
     }
 }
 
-/// The kernel body for `T` (see the module docs). Grid: `(ceil(seqlen_q / 64), num_heads_q,
-/// batch)`; block: 128 threads; dynamic shared memory: 5 · 8192 bytes (Q, then two slots of a
-/// K and a V tile: the next tile's copies run while this one is multiplied).
+/// The producer: one thread loads the Q tile, then every K/V tile of the block, each into its
+/// ring slot once the consumers have released the slot's previous tile.
 ///
 /// # Safety
-/// As `flash_forward_mma`, with `shape.head_dim == 64`.
+/// One thread of warpgroup 0 calls it, after the barriers were initialised.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn flash_forward_wgmma<T: HalfFloat>(
-    q: *const u16,
-    k: *const u16,
-    v: *const u16,
-    o: *mut u16,
-    lse: *mut f32,
-    shape: AttentionShape,
-    mask: Mask,
-    scale_log2: f32,
+unsafe fn produce<const D: usize, const BLOCK_N: usize, const STAGES: usize>(
+    smem: SharedTiles<D, BLOCK_N, STAGES>,
+    maps: TensorMaps,
+    shape: &AttentionShape,
+    block: &QueryBlock,
+    kv_tiles: usize,
 ) {
-    let block = QueryBlock::current::<BLOCK_M>(&shape);
-    let (q_start, q_rows) = (block.q_start, block.q_rows);
-    // SAFETY: the host sized the grid, so these heads exist (offsets are in elements).
-    let (q_head, k_head, v_head, o_head, lse_head) = unsafe {
-        let (q_offset, kv_offset) = (block.q_offset, block.kv_offset);
-        (q.add(q_offset), k.add(kv_offset), v.add(kv_offset), o.add(q_offset), lse.add(q_offset / HEAD_DIM))
-    };
-    let (warp, lane) = (gpu::warp_id(), gpu::lane_id());
-    let (g, t) = (lane / 4, lane % 4);
-    let shared = gpu::dynamic_shared_memory() as *mut u8;
-    let q_tile = shared;
-    let q_address = shared_address(q_tile);
-    // Slot `i` of the two-slot ring: its K tile, then its V tile. (Computed from the slot number:
-    // an array of addresses indexed by a loop variable would live in local memory.)
-    let k_address = |slot: usize| q_address + ((1 + 2 * slot) * TILE_BYTES) as u32;
-    let v_address = |slot: usize| k_address(slot) + TILE_BYTES as u32;
-
-    // As in level 5: a negative scale is applied as −Q with |c|; zero as the smallest normal.
-    let flip = if scale_log2 < 0.0 { 0x8000_8000 } else { 0 };
-    let c = scale_log2.abs().max(f32::MIN_POSITIVE);
-    // SAFETY: rows q_start .. q_start + q_rows of this head exist.
-    unsafe { load_tile(q_tile, q_head.add(q_start * HEAD_DIM), q_rows, flip) };
-
-    let kv_end = mask.key_limit(q_start + q_rows - 1);
-    let all_see = mask.key_limit(q_start);
-    let kv_tiles = kv_end.div_ceil(BLOCK_N);
-    // Starts the copies of K/V tile `tile` into its slot, as one commit group (empty past the
-    // last tile, so that every call commits exactly one group).
-    let fetch = |tile: usize| {
-        if tile < kv_tiles {
-            let kv_start = tile * BLOCK_N;
-            let valid = BLOCK_N.min(shape.seqlen_k - kv_start);
-            // SAFETY: rows kv_start .. kv_start + valid of this head exist.
-            unsafe {
-                load_tile_async(k_address(tile % 2), k_head.add(kv_start * HEAD_DIM), valid);
-                load_tile_async(v_address(tile % 2), v_head.add(kv_start * HEAD_DIM), valid);
+    let q_head = (block.batch * shape.num_heads_q + block.head) as i32;
+    let kv_head = (block.batch * shape.num_heads_kv + block.head / shape.group_size()) as i32;
+    // Loads a `rows × D` tile as D / 64 boxes, one per swizzled column block, completing on
+    // `barrier`, which learns the bytes first.
+    let load = |destination: *mut u8, map: *const u8, rows: usize, first_row: usize, head: i32, barrier: *mut u64| {
+        // SAFETY: the barrier is initialised; each box fits its column block of the tile.
+        unsafe {
+            mbarrier_arrive_expect_tx(barrier, (rows * D * 2) as u32);
+            for column_block in 0..D / SWIZZLE_COLUMNS {
+                let x = (column_block * SWIZZLE_COLUMNS) as i32;
+                let box_destination = destination.add(column_block * rows * SWIZZLE_ROW_BYTES);
+                tma_load_3d(box_destination, map, x, first_row as i32, head, barrier);
             }
         }
-        gpu::cp_async_commit();
     };
-    fetch(0);
-    let mut softmax = RowSoftmax::new();
-    let mut acc = [0.0f32; 32];
+    load(smem.q(), maps.get(0), BLOCK_M, block.q_start, q_head, smem.q_full());
     for tile in 0..kv_tiles {
-        let kv_start = tile * BLOCK_N;
-        // Everyone finished tile − 1 (each thread waited for its `wgmma`s), so its slot can take
-        // tile + 1 while this tile is multiplied.
-        gpu::sync_threads();
-        fetch(tile + 1);
-        // This thread's copies of `tile` have landed; the proxy fence (also covering Q's
-        // ordinary stores) and the barrier publish everyone's to `wgmma`.
-        gpu::cp_async_wait(1);
-        fence_proxy_async();
-        gpu::sync_threads();
-        let (k_slot, v_slot) = (k_address(tile % 2), v_address(tile % 2));
+        let (stage, parity) = slot(tile, STAGES);
+        if tile >= STAGES {
+            // The slot's previous tile (tile − STAGES) is released by the phase before this one.
+            // SAFETY: an initialised barrier.
+            unsafe { mbarrier_wait(smem.kv_empty(stage), parity ^ 1) };
+        }
+        let first_key = tile * BLOCK_N;
+        load(smem.k(stage), maps.get(1), BLOCK_N, first_key, kv_head, smem.k_full(stage));
+        load(smem.v(stage), maps.get(2), BLOCK_N, first_key, kv_head, smem.v_full(stage));
+    }
+}
 
-        // S = Q·Kᵀ: four k-steps of 16 along the head dimension, two core matrices each.
-        let mut s32 = [0.0f32; 32];
-        wgmma_fence();
-        for ks in 0..HEAD_DIM / 16 {
-            let step = (ks * 2 * CORE_MATRIX_BYTES) as u32;
-            let a = matrix_descriptor(q_address + step, ALONG_COLUMNS, ALONG_ROWS);
-            let b = matrix_descriptor(k_slot + step, ALONG_COLUMNS, ALONG_ROWS);
-            // SAFETY: the warpgroup issues it on tiles published above.
+/// One consumer warpgroup's rows: their first query row and the warp and lane coordinates of
+/// this thread in the m16n8 accumulator layout.
+#[derive(Clone, Copy)]
+struct ConsumerRows {
+    /// The first query row of this thread's warp, in the head.
+    warp_row: usize,
+    /// Row within the warp's 16 (`lane / 4`, and 8 more) and column pair (`lane % 4`).
+    g: usize,
+    t: usize,
+}
+
+impl ConsumerRows {
+    /// The query row of fragment entry `e` (rows `g` and `g + 8`).
+    #[inline(always)]
+    fn row(self, e: usize) -> usize {
+        self.warp_row + self.g + 8 * (e / 2)
+    }
+}
+
+/// The consumer warpgroup's loop: S = Q·Kᵀ, mask, online softmax and O += P·V over the block's
+/// K/V tiles, pipelined as FA3's Algorithm 2, then O and the LSE written out.
+///
+/// # Safety
+/// Every thread of one consumer warpgroup calls it; `o` and `lse` point to this head's rows.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn consume<
+    T: HalfFloat,
+    const D: usize,
+    const BLOCK_N: usize,
+    const STAGES: usize,
+    const N_TILES: usize,
+    const P_STEPS: usize,
+    const D_TILES: usize,
+>(
+    smem: SharedTiles<D, BLOCK_N, STAGES>,
+    block: &QueryBlock,
+    mask: Mask,
+    kv_tiles: usize,
+    scale_log2: f32,
+    o_head: *mut u16,
+    lse_head: *mut f32,
+) where
+    [FragC; N_TILES]: Accumulator,
+    [FragC; D_TILES]: Accumulator,
+{
+    let index = warpgroup_id() - 1;
+    let lane = gpu::lane_id();
+    let rows = ConsumerRows {
+        warp_row: block.q_start + index * WARPGROUP_ROWS + 16 * (gpu::warp_id() % 4),
+        g: lane / 4,
+        t: lane % 4,
+    };
+    // This warpgroup's 64 rows of Q start 64 rows into each column block of the Q tile.
+    let q_rows_offset = index * WARPGROUP_ROWS * SWIZZLE_ROW_BYTES;
+
+    // SAFETY: initialised barriers; the first (only) phase of the Q barrier.
+    unsafe { mbarrier_wait(smem.q_full(), 0) };
+    // As in level 5, the softmax wants c = scale·log₂e > 0: a negative scale is applied as −Q
+    // with |c|. TMA cannot flip signs on the way, so the warpgroup flips its own rows in shared
+    // memory and publishes them back to the async proxy; a zero scale becomes the smallest normal.
+    if scale_log2 < 0.0 {
+        unsafe { negate_rows::<D>(smem.q().add(q_rows_offset)) };
+        fence_proxy_async();
+        named_barrier_sync(1 + index as u32, WARPGROUP_THREADS as u32);
+    }
+    let c = scale_log2.abs().max(f32::MIN_POSITIVE);
+
+    // The key limit of the warpgroup's first row: tiles that end before it need no mask.
+    let all_see = mask.key_limit(block.q_start + index * WARPGROUP_ROWS);
+    let q_address = shared_address(smem.q()) + q_rows_offset as u32;
+
+    // S = Q·K_tileᵀ into `s` (issued, not waited for): head_dim / 16 k-steps, four per column
+    // block, each 32 bytes further inside the swizzled rows.
+    let issue_scores = |s: &mut [FragC; N_TILES], stage: usize| {
+        let k_address = shared_address(smem.k(stage));
+        for ks in 0..D / 16 {
+            let (column_block, step) = (ks / 4, (ks % 4 * 32) as u32);
+            let a = q_address + (column_block * BLOCK_M * SWIZZLE_ROW_BYTES) as u32 + step;
+            let b = k_address + (column_block * BLOCK_N * SWIZZLE_ROW_BYTES) as u32 + step;
+            let (a, b) = (k_major(a), k_major(b));
+            // SAFETY: the warpgroup issues it on tiles the copy engine completed.
             unsafe {
                 if T::IS_BF16 {
-                    wgmma_m64n64k16::<true>(&mut s32, a, b, ks > 0);
+                    s.mma::<true>(a, b, ks > 0);
                 } else {
-                    wgmma_m64n64k16::<false>(&mut s32, a, b, ks > 0);
+                    s.mma::<false>(a, b, ks > 0);
                 }
             }
         }
-        wgmma_commit();
-        wgmma_wait::<0>(&mut s32);
-        let mut s = fragments(&s32);
-
-        // Only tiles that cross some row's key limit pay for the per-element mask.
-        if kv_start + BLOCK_N > all_see {
+    };
+    // O += P·V_stage (issued, not waited for): BLOCK_N / 16 k-steps of 16 keys (two atoms).
+    let issue_values = |o: &mut [FragC; D_TILES], p: &[FragA; P_STEPS], stage: usize| {
+        let v_address = shared_address(smem.v(stage));
+        for kk in 0..BLOCK_N / 16 {
+            let b = v_address + (kk * 2 * SWIZZLE_ATOM_BYTES) as u32;
+            // Column blocks of V (64 values of N each) are BLOCK_N rows apart.
+            let b = swizzled_descriptor(b, (BLOCK_N * SWIZZLE_ROW_BYTES) as u32, SWIZZLE_ATOM_BYTES as u32);
+            // SAFETY: as above.
+            unsafe {
+                if T::IS_BF16 {
+                    o.mma_register_a::<true>(p[kk], b, true);
+                } else {
+                    o.mma_register_a::<false>(p[kk], b, true);
+                }
+            }
+        }
+    };
+    // Scores of keys the row must not see become −∞ (only in tiles that cross a row's limit).
+    let apply_mask = |s: &mut [FragC; N_TILES], tile: usize| {
+        let first_key = tile * BLOCK_N;
+        if first_key + BLOCK_N > all_see {
             for (nt, frag) in s.iter_mut().enumerate() {
                 for (e, x) in frag.iter_mut().enumerate() {
-                    let row = q_start + 16 * warp + g + 8 * (e / 2);
-                    if !mask.visible(row, kv_start + 8 * nt + 2 * t + e % 2) {
+                    if !mask.visible(rows.row(e), first_key + 8 * nt + 2 * rows.t + e % 2) {
                         *x = f32::NEG_INFINITY;
                     }
                 }
             }
         }
-        let alpha = softmax.update(&mut s, c);
-        for (i, x) in acc.iter_mut().enumerate() {
-            *x *= alpha[(i % 4) / 2];
-        }
+    };
+    let pack =
+        |s: &[FragC; N_TILES]| -> [FragA; P_STEPS] { core::array::from_fn(|kk| pack_a::<T>(s[2 * kk], s[2 * kk + 1])) };
 
-        // O += P·V: P from registers, V MN-major; 16 keys (two key blocks of V) per k-step.
+    let mut softmax = RowSoftmax::new();
+    let mut o = [[0.0f32; 4]; D_TILES];
+    let mut s = [[0.0f32; 4]; N_TILES];
+    let mut p = [[0u32; 4]; P_STEPS];
+    if kv_tiles > 0 {
+        // Prologue: the first tile's scores, with nothing to overlap them with.
+        unsafe { mbarrier_wait(smem.k_full(0), 0) };
+        s.pin();
         wgmma_fence();
-        for kk in 0..BLOCK_N / 16 {
-            let p = pack_a::<T>(s[2 * kk], s[2 * kk + 1]);
-            let b = matrix_descriptor(v_slot + (kk * 2) as u32 * ALONG_ROWS, ALONG_ROWS, ALONG_COLUMNS);
-            // SAFETY: as above.
-            unsafe {
-                if T::IS_BF16 {
-                    wgmma_m64n64k16_register_a::<true>(&mut acc, p, b, true);
-                } else {
-                    wgmma_m64n64k16_register_a::<false>(&mut acc, p, b, true);
-                }
+        issue_scores(&mut s, 0);
+        wgmma_commit();
+        wgmma_wait::<0>();
+        s.pin();
+        apply_mask(&mut s, 0);
+        softmax.update(&mut s, c);
+        p = pack(&s);
+    }
+    for tile in 1..kv_tiles {
+        let (stage, parity) = slot(tile, STAGES);
+        let (previous, previous_parity) = slot(tile - 1, STAGES);
+        // SAFETY: initialised barriers. V of the previous tile arrived with its K, long ago.
+        unsafe {
+            mbarrier_wait(smem.k_full(stage), parity);
+            mbarrier_wait(smem.v_full(previous), previous_parity);
+        }
+        s.pin();
+        o.pin();
+        wgmma_fence();
+        issue_scores(&mut s, stage);
+        wgmma_commit();
+        issue_values(&mut o, &p, previous);
+        wgmma_commit();
+        // The softmax of this tile runs while P·V of the previous one is still in flight.
+        wgmma_wait::<1>();
+        s.pin();
+        apply_mask(&mut s, tile);
+        let alpha = softmax.update(&mut s, c);
+        wgmma_wait::<0>();
+        o.pin();
+        // The previous tile's slot is free for the producer.
+        unsafe { mbarrier_arrive(smem.kv_empty(previous)) };
+        for frag in o.iter_mut() {
+            for (e, x) in frag.iter_mut().enumerate() {
+                *x *= alpha[e / 2];
             }
         }
+        p = pack(&s);
+    }
+    if kv_tiles > 0 {
+        // Epilogue: the last tile's P·V.
+        let (last, last_parity) = slot(kv_tiles - 1, STAGES);
+        unsafe { mbarrier_wait(smem.v_full(last), last_parity) };
+        o.pin();
+        wgmma_fence();
+        issue_values(&mut o, &p, last);
         wgmma_commit();
-        wgmma_wait::<0>(&mut acc);
+        wgmma_wait::<0>();
+        o.pin();
     }
 
     // Normalise and write O (two values per store) and the LSE of the rows that exist.
     let (inv_sum, row_lse) = softmax.finish();
-    let out = fragments(&acc);
-    for (dt, frag) in out.iter().enumerate() {
+    let end = mask.seqlen_q;
+    for (dt, frag) in o.iter().enumerate() {
         for h in 0..2 {
-            let row = 16 * warp + g + 8 * h;
-            if row < q_rows {
+            let row = rows.row(2 * h);
+            if row < end {
                 let value = T::pack(frag[2 * h] * inv_sum[h], frag[2 * h + 1] * inv_sum[h]);
-                // SAFETY: row < q_rows; the column pair is inside the head dimension.
-                unsafe { *(o_head.add((q_start + row) * HEAD_DIM + 8 * dt + 2 * t) as *mut u32) = value };
+                // SAFETY: row < seqlen_q; the column pair is inside the head dimension.
+                unsafe { *(o_head.add(row * D + 8 * dt + 2 * rows.t) as *mut u32) = value };
             }
         }
     }
-    if t == 0 {
+    if rows.t == 0 {
         for h in 0..2 {
-            let row = 16 * warp + g + 8 * h;
-            if row < q_rows {
-                // SAFETY: row < q_rows.
-                unsafe { *lse_head.add(q_start + row) = row_lse[h] };
+            let row = rows.row(2 * h);
+            if row < end {
+                // SAFETY: row < seqlen_q.
+                unsafe { *lse_head.add(row) = row_lse[h] };
             }
         }
     }
 }
 
-/// The entry of one format: `hopper_flash_fwd_{f16,bf16}_m64_n64_d64`, with the argument list of
-/// the level-5 forward kernels.
-macro_rules! flash_forward_wgmma_instance {
-    ($name:ident, $format:ident) => {
-        /// FlashAttention forward on `wgmma` (sm_90a); see the module docs.
+/// A descriptor of a K-major operand in a 128-byte swizzled tile (see [`swizzled_descriptor`]):
+/// the leading offset is unused (16 bytes, as any), 8-row groups one atom apart.
+#[inline(always)]
+fn k_major(address: u32) -> u64 {
+    swizzled_descriptor(address, 16, SWIZZLE_ATOM_BYTES as u32)
+}
+
+/// Flips the sign of the 64 rows × `D` 16-bit values at `rows` in each column block of the
+/// Q tile (`BLOCK_M` rows apart): the warpgroup's share, 16 bytes per thread and step.
+///
+/// # Safety
+/// `rows` points to a consumer warpgroup's rows in the Q tile; the whole warpgroup calls it.
+#[inline(always)]
+unsafe fn negate_rows<const D: usize>(rows: *mut u8) {
+    const CHUNKS: usize = WARPGROUP_ROWS * SWIZZLE_ROW_BYTES / 16;
+    let first = gpu::thread_idx_x() % WARPGROUP_THREADS;
+    for column_block in 0..D / SWIZZLE_COLUMNS {
+        let mut chunk = first;
+        while chunk < CHUNKS {
+            // SAFETY: inside this warpgroup's rows of the column block.
+            unsafe {
+                let word = rows.add(column_block * BLOCK_M * SWIZZLE_ROW_BYTES + 16 * chunk) as *mut [u32; 4];
+                *word = (*word).map(|w| w ^ 0x8000_8000);
+            }
+            chunk += WARPGROUP_THREADS;
+        }
+    }
+}
+
+/// The kernel body (see the module docs). Grid: `(ceil(seqlen_q / 128), num_heads_q, batch)`;
+/// block: [`crate::layout::HOPPER_FORWARD_THREADS`] (384) threads; dynamic shared memory:
+/// [`crate::layout::hopper_forward_smem_bytes`]`(BLOCK_N, D, STAGES)`. `N_TILES` = BLOCK_N / 8,
+/// `P_STEPS` = BLOCK_N / 16 and `D_TILES` = D / 8 size the register arrays (array lengths must be
+/// plain const parameters).
+///
+/// # Safety
+/// `maps` holds the three tensor maps of Q, K and V (see [`TensorMaps`]) in device memory;
+/// `o` and `lse` hold `[batch, num_heads_q, seqlen_q, D]` 16-bit values and
+/// `[batch, num_heads_q, seqlen_q]` `f32`; `shape.head_dim == D`; the launch as above.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn flash_forward_wgmma<
+    T: HalfFloat,
+    const D: usize,
+    const BLOCK_N: usize,
+    const STAGES: usize,
+    const N_TILES: usize,
+    const P_STEPS: usize,
+    const D_TILES: usize,
+>(
+    maps: *const u8,
+    o: *mut u16,
+    lse: *mut f32,
+    shape: AttentionShape,
+    mask: Mask,
+    scale_log2: f32,
+) where
+    [FragC; N_TILES]: Accumulator,
+    [FragC; D_TILES]: Accumulator,
+{
+    let block = QueryBlock::current::<BLOCK_M>(&shape);
+    let smem = SharedTiles::<D, BLOCK_N, STAGES>::new();
+    let kv_tiles = mask.key_limit(block.q_start + block.q_rows - 1).div_ceil(BLOCK_N);
+
+    if gpu::thread_idx_x() == 0 {
+        // SAFETY: one thread initialises the barriers before the block barrier below.
+        unsafe {
+            mbarrier_init(smem.q_full(), 1);
+            for stage in 0..STAGES {
+                // Full: the producer's arrival (plus the copies' bytes); empty: every consumer thread.
+                mbarrier_init(smem.k_full(stage), 1);
+                mbarrier_init(smem.v_full(stage), 1);
+                mbarrier_init(smem.kv_empty(stage), (CONSUMERS * WARPGROUP_THREADS) as u32);
+            }
+        }
+        fence_mbarrier_init();
+    }
+    gpu::sync_threads();
+
+    if warpgroup_id() == 0 {
+        registers_decrease::<PRODUCER_REGISTERS>();
+        if gpu::thread_idx_x() == 0 {
+            // SAFETY: the barriers are initialised; the maps are the host's.
+            unsafe { produce(smem, TensorMaps(maps), &shape, &block, kv_tiles) };
+        }
+    } else {
+        registers_increase::<CONSUMER_REGISTERS>();
+        // SAFETY: the host sized the grid, so this head's rows exist (offsets in elements).
+        let (o_head, lse_head) = unsafe { (o.add(block.q_offset), lse.add(block.q_offset / D)) };
+        unsafe {
+            consume::<T, D, BLOCK_N, STAGES, N_TILES, P_STEPS, D_TILES>(
+                smem, &block, mask, kv_tiles, scale_log2, o_head, lse_head,
+            )
+        };
+    }
+}
+
+/// The `f16` and `bf16` entries of one tile:
+/// `hopper_flash_fwd_{f16,bf16}_m128_n{BLOCK_N}_d{D}_s{STAGES}`.
+macro_rules! flash_forward_wgmma_entries {
+    ($d:literal, $block_n:literal, $stages:literal) => {
+        flash_forward_wgmma_entry!(
+            ${concat(hopper_flash_fwd_f16_m128_n, $block_n, _d, $d, _s, $stages)}, F16, $d, $block_n, $stages
+        );
+        flash_forward_wgmma_entry!(
+            ${concat(hopper_flash_fwd_bf16_m128_n, $block_n, _d, $d, _s, $stages)}, Bf16, $d, $block_n, $stages
+        );
+    };
+}
+
+/// One kernel entry.
+macro_rules! flash_forward_wgmma_entry {
+    ($name:ident, $format:ident, $d:literal, $block_n:literal, $stages:literal) => {
+        /// FlashAttention forward on Hopper (sm_90a); see the module docs.
         ///
         /// # Safety
         /// As `flash_forward_wgmma`.
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "gpu-kernel" fn $name(
-            q: *const u16,
-            k: *const u16,
-            v: *const u16,
+            maps: *const u8,
             o: *mut u16,
             lse: *mut f32,
             batch: usize,
@@ -274,10 +515,20 @@ macro_rules! flash_forward_wgmma_instance {
         ) {
             let shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
             let mask = Mask { seqlen_q, seqlen_k, causal: causal != 0, offset: causal_offset };
-            unsafe { flash_forward_wgmma::<gpu::$format>(q, k, v, o, lse, shape, mask, scale_log2) }
+            unsafe {
+                flash_forward_wgmma::<
+                    gpu::$format,
+                    $d,
+                    $block_n,
+                    $stages,
+                    { $block_n / 8 },
+                    { $block_n / 16 },
+                    { $d / 8 },
+                >(maps, o, lse, shape, mask, scale_log2)
+            }
         }
     };
 }
 
-flash_forward_wgmma_instance!(hopper_flash_fwd_f16_m64_n64_d64, F16);
-flash_forward_wgmma_instance!(hopper_flash_fwd_bf16_m64_n64_d64, Bf16);
+flash_forward_wgmma_entries!(64, 128, 2);
+flash_forward_wgmma_entries!(128, 128, 2);

@@ -21,15 +21,20 @@
 //!
 //! | wrapper | called by | orders |
 //! |---|---|---|
+//! | [`Accumulator::pin`] | every thread, on the accumulators of the `wgmma`s about to be issued, and after a wait on those just finished | the compiler's register accesses: none moves across it |
 //! | [`wgmma_fence`] | every thread of the warpgroup, before the first `wgmma` of a batch | earlier register writes to the accumulators (and A in registers) before the `wgmma`s read them |
-//! | [`wgmma_m64n64k16`] | every thread of the warpgroup, same operands | nothing: it only issues |
+//! | [`Accumulator::mma`], [`Accumulator::mma_register_a`] | every thread of the warpgroup, same operands | nothing: it only issues |
 //! | [`wgmma_commit`] | every thread of the warpgroup | closes the group of `wgmma`s issued since the last commit |
 //! | [`wgmma_wait`] | every thread of the warpgroup | returns when at most `N` committed groups are pending; then their accumulators may be read, and their shared memory overwritten |
 //! | [`fence_proxy_async`] | each thread that wrote shared memory with ordinary stores, before the barrier that publishes it | those stores before reads by `wgmma` or TMA (the *async proxy*) |
 //! | [`mbarrier_init`] | one thread, then a barrier (and [`fence_mbarrier_init`]) before anyone uses it | the barrier's initial state before every use |
 //! | [`mbarrier_arrive_expect_tx`] | the thread that issues the copies of a phase | announces the bytes that phase must receive; counts as one arrival |
 //! | [`tma_load_2d`] | one thread | nothing by itself: completion is the `mbarrier`'s phase flipping |
+//! | [`tma_load_3d`] | one thread | as [`tma_load_2d`] |
 //! | [`mbarrier_wait`] | every consumer | returns once the phase of the given parity completed: the copy's bytes are visible to the waiting thread |
+//! | [`mbarrier_arrive`] | each consumer thread, once per phase, after its last read of the slot | counts one arrival: the producer waiting on the phase may overwrite the slot |
+//! | [`named_barrier_sync`] | every thread of the part of the block named by the thread count | a `__syncthreads` for that part only (the producer warpgroup never waits on it) |
+//! | [`registers_decrease`], [`registers_increase`] | every thread of the warpgroup, once, first thing | moves registers from the producer warpgroup to the consumers |
 //!
 //! The wrappers are only compiled for nvptx64: the CPU emulator does not model asynchronous
 //! copies or warpgroup matrix units, so the kernels here are tested on Hopper GPUs only
@@ -38,7 +43,7 @@
 
 use core::arch::asm;
 
-use crate::gpu;
+use crate::gpu::{self, FragA, FragC};
 
 /// Threads in a warpgroup: the unit that issues `wgmma`.
 pub const WARPGROUP_THREADS: usize = 128;
@@ -64,37 +69,197 @@ pub fn matrix_descriptor(shared_address: u32, leading_byte_offset: u32, stride_b
     field(shared_address) | field(leading_byte_offset) << 16 | field(stride_byte_offset) << 32
 }
 
-/// `asm!` with the 32 `f32` accumulator registers of a 64 × 64 `wgmma` tile bound as `{d0}` …
-/// `{d31}` (read and written), after the template and the other operands given: the three
-/// instructions that touch the accumulator (two `wgmma` forms and the wait) share this list.
+/// A `wgmma` matrix descriptor for an operand stored with the *128-byte swizzle* that TMA writes
+/// with `CU_TENSOR_MAP_SWIZZLE_128B` (PTX ISA, "Shared Memory Matrix Layout"): rows of 128 bytes
+/// (64 16-bit values) in *atoms* of 8 rows (1024 bytes, 1024-byte aligned), where the 16-byte
+/// chunk `c` of row `r` is stored at chunk `c ^ (r % 8)`, so that the 8 rows of a column of core
+/// matrices fall in different shared-memory banks. Bits 62–63 = 1 select this mode.
+///
+/// * K-major operand (Q and K in S = Q·Kᵀ): `stride_byte_offset` = 1024 steps 8 rows; the
+///   leading offset is unused (one atom spans 64 values of K). Stepping 16 values along K
+///   inside the atom adds 32 bytes to the start address: the hardware applies the XOR to the
+///   address it computes, as TMA did when it wrote.
+/// * MN-major operand (V in O += P·V): `stride_byte_offset` = 1024 steps 8 rows of K, and
+///   `leading_byte_offset` steps 64 values along N (to the next atom column).
+#[inline(always)]
+pub fn swizzled_descriptor(shared_address: u32, leading_byte_offset: u32, stride_byte_offset: u32) -> u64 {
+    matrix_descriptor(shared_address, leading_byte_offset, stride_byte_offset) | 1 << 62
+}
+
+/// Bytes of one row of a 128-byte swizzled tile, and of the swizzle span.
+pub const SWIZZLE_ROW_BYTES: usize = 128;
+
+/// Bytes of one 128-byte swizzle atom: 8 rows.
+pub const SWIZZLE_ATOM_BYTES: usize = 8 * SWIZZLE_ROW_BYTES;
+
+/// The PTX operand list `{d0, d1, …}` of an accumulator of `$tiles` fragments (8 or 16), for
+/// the templates of [`asm_with_accumulator`].
+macro_rules! accumulator_list {
+    (8) => {
+        "{{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, \
+         {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, \
+         {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}}}"
+    };
+    (16) => {
+        "{{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, \
+         {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, \
+         {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, \
+         {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, \
+         {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, \
+         {d61}, {d62}, {d63}}}"
+    };
+}
+
+/// `asm!` with the `f32` accumulator registers of a 64 × N `wgmma` tile, `$d: [FragC; N / 8]`
+/// (`$tiles` = 8 or 16), bound as `{d0}`, `{d1}`, … (read and written), after the template and
+/// the other operands given. Every instruction that touches an accumulator (the two `wgmma`
+/// forms and [`Accumulator::pin`]) goes through here, so the bindings are written once per size.
 macro_rules! asm_with_accumulator {
-    ($d:ident, [$($template:tt)*], $($operands:tt)*) => {
+    (8, $d:ident, [$($template:tt)*], $($operands:tt)*) => {
         asm!(
             $($template)*
             $($operands)*
-            d0 = inout(reg32) $d[0], d1 = inout(reg32) $d[1], d2 = inout(reg32) $d[2], d3 = inout(reg32) $d[3],
-            d4 = inout(reg32) $d[4], d5 = inout(reg32) $d[5], d6 = inout(reg32) $d[6], d7 = inout(reg32) $d[7],
-            d8 = inout(reg32) $d[8], d9 = inout(reg32) $d[9], d10 = inout(reg32) $d[10], d11 = inout(reg32) $d[11],
-            d12 = inout(reg32) $d[12], d13 = inout(reg32) $d[13], d14 = inout(reg32) $d[14], d15 = inout(reg32) $d[15],
-            d16 = inout(reg32) $d[16], d17 = inout(reg32) $d[17], d18 = inout(reg32) $d[18], d19 = inout(reg32) $d[19],
-            d20 = inout(reg32) $d[20], d21 = inout(reg32) $d[21], d22 = inout(reg32) $d[22], d23 = inout(reg32) $d[23],
-            d24 = inout(reg32) $d[24], d25 = inout(reg32) $d[25], d26 = inout(reg32) $d[26], d27 = inout(reg32) $d[27],
-            d28 = inout(reg32) $d[28], d29 = inout(reg32) $d[29], d30 = inout(reg32) $d[30], d31 = inout(reg32) $d[31],
+            d0 = inout(reg32) $d[0][0], d1 = inout(reg32) $d[0][1], d2 = inout(reg32) $d[0][2], d3 = inout(reg32) $d[0][3],
+            d4 = inout(reg32) $d[1][0], d5 = inout(reg32) $d[1][1], d6 = inout(reg32) $d[1][2], d7 = inout(reg32) $d[1][3],
+            d8 = inout(reg32) $d[2][0], d9 = inout(reg32) $d[2][1], d10 = inout(reg32) $d[2][2], d11 = inout(reg32) $d[2][3],
+            d12 = inout(reg32) $d[3][0], d13 = inout(reg32) $d[3][1], d14 = inout(reg32) $d[3][2], d15 = inout(reg32) $d[3][3],
+            d16 = inout(reg32) $d[4][0], d17 = inout(reg32) $d[4][1], d18 = inout(reg32) $d[4][2], d19 = inout(reg32) $d[4][3],
+            d20 = inout(reg32) $d[5][0], d21 = inout(reg32) $d[5][1], d22 = inout(reg32) $d[5][2], d23 = inout(reg32) $d[5][3],
+            d24 = inout(reg32) $d[6][0], d25 = inout(reg32) $d[6][1], d26 = inout(reg32) $d[6][2], d27 = inout(reg32) $d[6][3],
+            d28 = inout(reg32) $d[7][0], d29 = inout(reg32) $d[7][1], d30 = inout(reg32) $d[7][2], d31 = inout(reg32) $d[7][3],
+            options(nostack)
+        )
+    };
+    (16, $d:ident, [$($template:tt)*], $($operands:tt)*) => {
+        asm!(
+            $($template)*
+            $($operands)*
+            d0 = inout(reg32) $d[0][0], d1 = inout(reg32) $d[0][1], d2 = inout(reg32) $d[0][2], d3 = inout(reg32) $d[0][3],
+            d4 = inout(reg32) $d[1][0], d5 = inout(reg32) $d[1][1], d6 = inout(reg32) $d[1][2], d7 = inout(reg32) $d[1][3],
+            d8 = inout(reg32) $d[2][0], d9 = inout(reg32) $d[2][1], d10 = inout(reg32) $d[2][2], d11 = inout(reg32) $d[2][3],
+            d12 = inout(reg32) $d[3][0], d13 = inout(reg32) $d[3][1], d14 = inout(reg32) $d[3][2], d15 = inout(reg32) $d[3][3],
+            d16 = inout(reg32) $d[4][0], d17 = inout(reg32) $d[4][1], d18 = inout(reg32) $d[4][2], d19 = inout(reg32) $d[4][3],
+            d20 = inout(reg32) $d[5][0], d21 = inout(reg32) $d[5][1], d22 = inout(reg32) $d[5][2], d23 = inout(reg32) $d[5][3],
+            d24 = inout(reg32) $d[6][0], d25 = inout(reg32) $d[6][1], d26 = inout(reg32) $d[6][2], d27 = inout(reg32) $d[6][3],
+            d28 = inout(reg32) $d[7][0], d29 = inout(reg32) $d[7][1], d30 = inout(reg32) $d[7][2], d31 = inout(reg32) $d[7][3],
+            d32 = inout(reg32) $d[8][0], d33 = inout(reg32) $d[8][1], d34 = inout(reg32) $d[8][2], d35 = inout(reg32) $d[8][3],
+            d36 = inout(reg32) $d[9][0], d37 = inout(reg32) $d[9][1], d38 = inout(reg32) $d[9][2], d39 = inout(reg32) $d[9][3],
+            d40 = inout(reg32) $d[10][0], d41 = inout(reg32) $d[10][1], d42 = inout(reg32) $d[10][2], d43 = inout(reg32) $d[10][3],
+            d44 = inout(reg32) $d[11][0], d45 = inout(reg32) $d[11][1], d46 = inout(reg32) $d[11][2], d47 = inout(reg32) $d[11][3],
+            d48 = inout(reg32) $d[12][0], d49 = inout(reg32) $d[12][1], d50 = inout(reg32) $d[12][2], d51 = inout(reg32) $d[12][3],
+            d52 = inout(reg32) $d[13][0], d53 = inout(reg32) $d[13][1], d54 = inout(reg32) $d[13][2], d55 = inout(reg32) $d[13][3],
+            d56 = inout(reg32) $d[14][0], d57 = inout(reg32) $d[14][1], d58 = inout(reg32) $d[14][2], d59 = inout(reg32) $d[14][3],
+            d60 = inout(reg32) $d[15][0], d61 = inout(reg32) $d[15][1], d62 = inout(reg32) $d[15][2], d63 = inout(reg32) $d[15][3],
             options(nostack)
         )
     };
 }
 
-/// The accumulator as a `wgmma` operand list, `{d0, …, d31}`, in PTX.
-macro_rules! accumulator_list {
-    () => {
-        "{{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, \
-         {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}}},"
+/// One `wgmma.mma_async` on accumulator `$d` of `$tiles` fragments (N = `$n`), element type
+/// `$ty`: the A operand's template (a descriptor `{a}`, or a register fragment), then B and the
+/// immediates (`$tail`), then the operands they name.
+macro_rules! wgmma_issue {
+    ($tiles:tt, $n:literal, $ty:literal, $d:ident, $scale_d:ident, [$($a_template:expr),*], [$($tail:expr),*], $($operands:tt)*) => {
+        // SAFETY: the caller's contract (see `Accumulator::mma`).
+        unsafe {
+            asm_with_accumulator!(
+                $tiles,
+                $d,
+                [
+                    "{{",
+                    ".reg .pred p;",
+                    "setp.ne.b32 p, {scale_d}, 0;",
+                    concat!("wgmma.mma_async.sync.aligned.m64n", $n, "k16.f32.", $ty, ".", $ty),
+                    concat!(accumulator_list!($tiles), ","),
+                    $($a_template,)*
+                    $($tail,)*
+                    "}}",
+                ],
+                $($operands)*
+                scale_d = in(reg32) $scale_d,
+            )
+        }
     };
 }
 
+/// A warpgroup's `f32` accumulator of a 64 × N `wgmma` tile, as this thread holds it: N / 8
+/// fragments with the layout of `mma.sync`'s m16n8 C tiles. Warp w of the warpgroup owns rows
+/// 16w … 16w + 15; lane l holds, for fragment j, entries 0 and 1 at row 16w + l/4, columns
+/// 8j + 2(l%4) and + 1, and entries 2 and 3 eight rows lower. Implemented for N = 64
+/// (`[FragC; 8]`) and N = 128 (`[FragC; 16]`).
+pub trait Accumulator {
+    /// D (64 × N) = A (64 × 16) · B (16 × N) + D if `accumulate`, else A · B, on the warpgroup's
+    /// tensor cores (`wgmma.mma_async.m64nNk16.f32.f16.f16`, or `.bf16` with `BF16`). A and B
+    /// are shared-memory operands given by their descriptors ([`matrix_descriptor`],
+    /// [`swizzled_descriptor`]), both *K-major*: A stored as rows of K, B as N rows of K (as Kᵀ
+    /// is stored when S = Q·Kᵀ).
+    ///
+    /// # Safety
+    /// Every thread of the warpgroup issues it with the same descriptors, which describe
+    /// initialised shared memory (written by TMA, or published with [`fence_proxy_async`] and a
+    /// barrier); the accumulator may be read only after [`wgmma_commit`], [`wgmma_wait`] and
+    /// [`Accumulator::pin`].
+    unsafe fn mma<const BF16: bool>(&mut self, a: u64, b: u64, accumulate: bool);
+
+    /// As [`Accumulator::mma`], with A from registers and B *MN-major* (`imm-trans-b` = 1,
+    /// stored with N contiguous, as V's rows are): how P, computed in registers by the softmax,
+    /// multiplies V. `a` is this thread's fragment of its warp's 16 rows of A, laid out as
+    /// `mma.sync`'s m16n8k16 A fragment (see [`crate::gpu::FragA`]).
+    ///
+    /// # Safety
+    /// As [`Accumulator::mma`], for the B descriptor; `a` must not change until the wait.
+    unsafe fn mma_register_a<const BF16: bool>(&mut self, a: FragA, b: u64, accumulate: bool);
+
+    /// Ties the accumulator's registers to this point of the program (an empty `asm!` that reads
+    /// and writes them). Called after [`wgmma_wait`] it keeps the compiler from reading them
+    /// earlier; called before [`wgmma_fence`] it keeps the compiler from writing them (zeroing,
+    /// rescaling) after the fence, where ptxas would have to serialise the `wgmma`s.
+    fn pin(&mut self);
+}
+
+/// The [`Accumulator`] of `$tiles` fragments, N = `$n`.
+macro_rules! accumulator {
+    ($tiles:tt, $n:literal) => {
+        impl Accumulator for [FragC; $tiles] {
+            #[inline(always)]
+            unsafe fn mma<const BF16: bool>(&mut self, a: u64, b: u64, accumulate: bool) {
+                let (d, scale_d) = (self, accumulate as u32);
+                if BF16 {
+                    wgmma_issue!($tiles, $n, "bf16", d, scale_d, ["{a}, {b},"], ["p, 1, 1, 0, 0;"], a = in(reg64) a, b = in(reg64) b,);
+                } else {
+                    wgmma_issue!($tiles, $n, "f16", d, scale_d, ["{a}, {b},"], ["p, 1, 1, 0, 0;"], a = in(reg64) a, b = in(reg64) b,);
+                }
+            }
+
+            #[inline(always)]
+            unsafe fn mma_register_a<const BF16: bool>(&mut self, a: FragA, b: u64, accumulate: bool) {
+                let (d, scale_d) = (self, accumulate as u32);
+                if BF16 {
+                    wgmma_issue!($tiles, $n, "bf16", d, scale_d, ["{{{a0}, {a1}, {a2}, {a3}}}, {b},"], ["p, 1, 1, 1;"],
+                        a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3], b = in(reg64) b,);
+                } else {
+                    wgmma_issue!($tiles, $n, "f16", d, scale_d, ["{{{a0}, {a1}, {a2}, {a3}}}, {b},"], ["p, 1, 1, 1;"],
+                        a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3], b = in(reg64) b,);
+                }
+            }
+
+            #[inline(always)]
+            fn pin(&mut self) {
+                let d = self;
+                // SAFETY: no instruction (the operand list sits in a PTX comment); every operand
+                // must appear in the template.
+                unsafe { asm_with_accumulator!($tiles, d, [concat!("// pinned: ", accumulator_list!($tiles)),],) };
+            }
+        }
+    };
+}
+
+accumulator!(8, "64");
+accumulator!(16, "128");
+
 /// Orders earlier register accesses of the warpgroup before the `wgmma`s that follow
-/// (`wgmma.fence`). Every thread of the warpgroup calls it.
+/// (`wgmma.fence`). Every thread of the warpgroup calls it, after pinning ([`Accumulator::pin`])
+/// the accumulators the following `wgmma`s use.
 #[inline(always)]
 pub fn wgmma_fence() {
     // SAFETY: no operands; all threads of the warpgroup execute it (the callers' contract).
@@ -108,110 +273,13 @@ pub fn wgmma_commit() {
     unsafe { asm!("wgmma.commit_group.sync.aligned;", options(nostack)) };
 }
 
-/// Waits until at most `PENDING` committed `wgmma` groups are unfinished
-/// (`wgmma.wait_group`); `accumulator` is passed through so that the compiler cannot read it
-/// before the wait.
+/// Waits until at most `PENDING` committed `wgmma` groups are unfinished (`wgmma.wait_group`);
+/// groups finish in the order they were committed. Pin ([`Accumulator::pin`]) the accumulators
+/// of the finished groups afterwards, before reading them.
 #[inline(always)]
-pub fn wgmma_wait<const PENDING: u32>(accumulator: &mut [f32; 32]) {
-    let d = accumulator;
-    // SAFETY: no memory access; every thread of the warpgroup executes it. The register
-    // operands only tie the accumulator's lifetime to this point.
-    unsafe {
-        asm_with_accumulator!(
-            d,
-            [
-                "wgmma.wait_group.sync.aligned {n};",
-                // Every operand must appear in the template: here in a PTX comment.
-                "// accumulators: {d0} {d1} {d2} {d3} {d4} {d5} {d6} {d7} {d8} {d9} {d10} {d11} {d12} {d13} {d14} {d15} {d16} {d17} {d18} {d19} {d20} {d21} {d22} {d23} {d24} {d25} {d26} {d27} {d28} {d29} {d30} {d31}",
-            ],
-            n = const PENDING,
-        )
-    };
-}
-
-/// D (64 × 64, `f32`) = A (64 × 16) · B (16 × 64) + D if `accumulate`, else A · B, on the
-/// warpgroup's tensor cores (`wgmma.mma_async.m64n64k16.f32.f16.f16`, or `.bf16` with
-/// `BF16`). A and B are shared-memory operands given by their descriptors, both *K-major*: A
-/// stored as rows of K (row-major), B as columns of K (B's transpose row-major, i.e. N rows of
-/// K), as `Kᵀ` is when S = Q·Kᵀ.
-///
-/// `d` is this thread's part of D, as for `mma.sync`'s m16n8 tiles: warp w of the warpgroup
-/// owns rows 16w…16w+15; lane l holds, for n-tile j = 0..8, `d[4j]`, `d[4j+1]` at row
-/// 16w + l/4, columns 8j + 2(l%4) and +1, and `d[4j+2]`, `d[4j+3]` eight rows lower.
-///
-/// # Safety
-/// Every thread of the warpgroup issues it with the same descriptors, which describe
-/// initialised shared memory (published to the async proxy with [`fence_proxy_async`] and a
-/// barrier); `d` may be read only after [`wgmma_commit`] and [`wgmma_wait`].
-#[inline(always)]
-pub unsafe fn wgmma_m64n64k16<const BF16: bool>(d: &mut [f32; 32], a: u64, b: u64, accumulate: bool) {
-    let scale_d = accumulate as u32;
-    // The same instruction for both types; only the type suffix differs.
-    macro_rules! wgmma {
-        ($ty:literal) => {
-            // SAFETY: the caller's contract.
-            unsafe {
-                asm_with_accumulator!(
-                    d,
-                    [
-                        "{{",
-                        ".reg .pred p;",
-                        "setp.ne.b32 p, {scale_d}, 0;",
-                        concat!("wgmma.mma_async.sync.aligned.m64n64k16.f32.", $ty, ".", $ty),
-                        accumulator_list!(),
-                        "{a}, {b}, p, 1, 1, 0, 0;",
-                        "}}",
-                    ],
-                    a = in(reg64) a, b = in(reg64) b, scale_d = in(reg32) scale_d,
-                )
-            }
-        };
-    }
-    if BF16 {
-        wgmma!("bf16");
-    } else {
-        wgmma!("f16");
-    }
-}
-
-/// D (64 × 64, `f32`) = A (64 × 16) · B (16 × 64) + D if `accumulate`, with A from registers
-/// and B from shared memory (`wgmma.mma_async…` with a register A operand): how P, computed in
-/// registers by the softmax, multiplies V. `a` is this thread's fragment of its warp's 16 rows
-/// of A, laid out as `mma.sync`'s m16n8k16 A fragment (see [`crate::gpu::FragA`]). B is
-/// *MN-major* (`imm-trans-b` = 1): stored with N contiguous, as V's rows are (keys along K,
-/// head dimension along N). `d` as in [`wgmma_m64n64k16`].
-///
-/// # Safety
-/// As [`wgmma_m64n64k16`], for the B descriptor.
-#[inline(always)]
-pub unsafe fn wgmma_m64n64k16_register_a<const BF16: bool>(d: &mut [f32; 32], a: [u32; 4], b: u64, accumulate: bool) {
-    let scale_d = accumulate as u32;
-    macro_rules! wgmma {
-        ($ty:literal) => {
-            // SAFETY: the caller's contract.
-            unsafe {
-                asm_with_accumulator!(
-                    d,
-                    [
-                        "{{",
-                        ".reg .pred p;",
-                        "setp.ne.b32 p, {scale_d}, 0;",
-                        concat!("wgmma.mma_async.sync.aligned.m64n64k16.f32.", $ty, ".", $ty),
-                        accumulator_list!(),
-                        "{{{a0}, {a1}, {a2}, {a3}}}, {b}, p, 1, 1, 1;",
-                        "}}",
-                    ],
-                    a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
-                    b = in(reg64) b, scale_d = in(reg32) scale_d,
-                )
-            }
-        };
-    }
-    if BF16 {
-        wgmma!("bf16");
-    } else {
-        wgmma!("f16");
-    }
+pub fn wgmma_wait<const PENDING: u32>() {
+    // SAFETY: no memory access; every thread of the warpgroup executes it.
+    unsafe { asm!("wgmma.wait_group.sync.aligned {n};", n = const PENDING, options(nostack)) };
 }
 
 /// Makes this thread's earlier ordinary stores to shared memory visible to the async proxy
@@ -289,6 +357,69 @@ pub unsafe fn mbarrier_wait(barrier: *mut u64, phase: u32) {
             return;
         }
     }
+}
+
+/// Arrives on `barrier` (`mbarrier.arrive`): one of the arrivals its phase expects. How
+/// consumers tell the producer that a ring slot is free again.
+///
+/// # Safety
+/// `barrier` was initialised with [`mbarrier_init`].
+#[inline(always)]
+pub unsafe fn mbarrier_arrive(barrier: *mut u64) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        asm!("mbarrier.arrive.shared::cta.b64 _, [{b}];", b = in(reg32) shared_address(barrier), options(nostack))
+    };
+}
+
+/// Waits until `threads` threads (a multiple of 32) have arrived at named barrier `id`
+/// (`bar.sync id, threads`): a barrier for part of the block, such as one warpgroup. Id 0 is
+/// the one `__syncthreads` uses.
+#[inline(always)]
+pub fn named_barrier_sync(id: u32, threads: u32) {
+    // SAFETY: synchronisation only; the callers use each id with one thread count.
+    unsafe { asm!("bar.sync {id}, {n};", id = in(reg32) id, n = in(reg32) threads, options(nostack)) };
+}
+
+/// Lowers this warpgroup's per-thread register limit to `COUNT` (`setmaxnreg.dec`), returning
+/// the rest to the block's pool for [`registers_increase`]. Every thread of the warpgroup calls
+/// it; `COUNT` is a multiple of 8 in 24…256.
+#[inline(always)]
+pub fn registers_decrease<const COUNT: u32>() {
+    // SAFETY: a register-budget hint; executed by the whole warpgroup (the callers' contract).
+    unsafe { asm!("setmaxnreg.dec.sync.aligned.u32 {n};", n = const COUNT, options(nostack)) };
+}
+
+/// Raises this warpgroup's per-thread register limit to `COUNT` (`setmaxnreg.inc`), waiting
+/// until the block's pool has them. As [`registers_decrease`].
+#[inline(always)]
+pub fn registers_increase<const COUNT: u32>() {
+    // SAFETY: as `registers_decrease`.
+    unsafe { asm!("setmaxnreg.inc.sync.aligned.u32 {n};", n = const COUNT, options(nostack)) };
+}
+
+/// Asks the copy engine for the box at (`x`, `y`, `z`) (elements; x innermost) of the 3-D
+/// tensor that `tensor_map` describes; otherwise as [`tma_load_2d`]. Attention tensors
+/// `[batch, heads, seqlen, head_dim]` are 3-D maps of (head_dim, seqlen, batch · heads), so that
+/// a box running past a head's last row reads zeros instead of the next head.
+///
+/// # Safety
+/// As [`tma_load_2d`].
+#[inline(always)]
+pub unsafe fn tma_load_3d(destination: *mut u8, tensor_map: *const u8, x: i32, y: i32, z: i32, barrier: *mut u64) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        asm!(
+            "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [{dst}], [{map}, {{{x}, {y}, {z}}}], [{bar}];",
+            dst = in(reg32) shared_address(destination),
+            map = in(reg64) tensor_map as u64,
+            x = in(reg32) x,
+            y = in(reg32) y,
+            z = in(reg32) z,
+            bar = in(reg32) shared_address(barrier),
+            options(nostack)
+        )
+    };
 }
 
 /// Asks the copy engine for the box at (`x`, `y`) (elements; x is the innermost dimension) of
@@ -376,8 +507,9 @@ pub unsafe extern "gpu-kernel" fn hopper_probe_wgmma(
     fence_proxy_async();
     gpu::sync_threads();
 
-    let mut d = [0.0f32; 32];
+    let mut d = [[0.0f32; 4]; 8];
     let (a_address, b_address) = (shared_address(shared), shared_address(b_shared));
+    d.pin();
     wgmma_fence();
     let mut step = 0;
     while step < k / 16 {
@@ -388,15 +520,16 @@ pub unsafe extern "gpu-kernel" fn hopper_probe_wgmma(
         // SAFETY: the whole warpgroup issues it on the tiles published above.
         unsafe {
             if bf16 != 0 {
-                wgmma_m64n64k16::<true>(&mut d, a_desc, b_desc, step > 0);
+                d.mma::<true>(a_desc, b_desc, step > 0);
             } else {
-                wgmma_m64n64k16::<false>(&mut d, a_desc, b_desc, step > 0);
+                d.mma::<false>(a_desc, b_desc, step > 0);
             }
         }
         step += 1;
     }
     wgmma_commit();
-    wgmma_wait::<0>(&mut d);
+    wgmma_wait::<0>();
+    d.pin();
 
     store_accumulator(c, &d);
 }
@@ -444,7 +577,8 @@ pub unsafe extern "gpu-kernel" fn hopper_probe_wgmma_register_a(
         unsafe { (*a.add(r * k + col) as u32) | (*a.add(r * k + col + 1) as u32) << 16 }
     };
     let b_address = shared_address(shared);
-    let mut d = [0.0f32; 32];
+    let mut d = [[0.0f32; 4]; 8];
+    d.pin();
     wgmma_fence();
     let mut step = 0;
     while step < k / 16 {
@@ -456,22 +590,23 @@ pub unsafe extern "gpu-kernel" fn hopper_probe_wgmma_register_a(
         // SAFETY: the whole warpgroup issues it on the tile published above.
         unsafe {
             if bf16 != 0 {
-                wgmma_m64n64k16_register_a::<true>(&mut d, fragment, b_desc, step > 0);
+                d.mma_register_a::<true>(fragment, b_desc, step > 0);
             } else {
-                wgmma_m64n64k16_register_a::<false>(&mut d, fragment, b_desc, step > 0);
+                d.mma_register_a::<false>(fragment, b_desc, step > 0);
             }
         }
         step += 1;
     }
     wgmma_commit();
-    wgmma_wait::<0>(&mut d);
+    wgmma_wait::<0>();
+    d.pin();
     store_accumulator(c, &d);
 }
 
-/// Writes a warpgroup's 64 × 64 accumulator (the layout of [`wgmma_m64n64k16`]) to `c`,
+/// Writes a warpgroup's 64 × 64 accumulator (the layout of [`Accumulator`]) to `c`,
 /// row-major.
 #[inline(always)]
-fn store_accumulator(c: *mut f32, d: &[f32; 32]) {
+fn store_accumulator(c: *mut f32, d: &[FragC; 8]) {
     let (warp, lane) = (gpu::warp_id(), gpu::lane_id());
     let row = 16 * warp + lane / 4;
     let mut j = 0;
@@ -479,10 +614,10 @@ fn store_accumulator(c: *mut f32, d: &[f32; 32]) {
         let col = 8 * j + 2 * (lane % 4);
         // SAFETY: row + 8 < 64 and col + 1 < 64; the callers' `c` holds 64 · 64 values.
         unsafe {
-            *c.add(row * 64 + col) = d[4 * j];
-            *c.add(row * 64 + col + 1) = d[4 * j + 1];
-            *c.add((row + 8) * 64 + col) = d[4 * j + 2];
-            *c.add((row + 8) * 64 + col + 1) = d[4 * j + 3];
+            *c.add(row * 64 + col) = d[j][0];
+            *c.add(row * 64 + col + 1) = d[j][1];
+            *c.add((row + 8) * 64 + col) = d[j][2];
+            *c.add((row + 8) * 64 + col + 1) = d[j][3];
         }
         j += 1;
     }
