@@ -330,13 +330,15 @@ fn build_ptx(kernels_dir: &Path, out_dir: &Path, tools: &LlvmTools) -> Vec<(&'st
 /// threads per SM (65536 / 384 = 170), and fit in 168 without spilling (+39% measured). Forcing
 /// the 64-key tile (251 registers) down to 168 spills and loses 25%: it is not hinted.
 ///
-/// The Hopper forward kernels need theirs: they move registers between warpgroups with
-/// `setmaxnreg`, which works on the budget ptxas derives from 384 threads per block (168 each).
+/// The Hopper forward kernels need theirs (the names here are prefixes of theirs; the others
+/// are whole names): they move registers between warpgroups with `setmaxnreg`, which works on
+/// the budget ptxas derives from the block's threads (384 for block_m = 128: 168 each; 512
+/// for block_m = 192: 128 each).
 const OCCUPANCY_HINTS: &[(&str, u32, u32)] = &[
-    ("hopper_flash_fwd_f16_m128_n128_d64_s2", 384, 1),
-    ("hopper_flash_fwd_bf16_m128_n128_d64_s2", 384, 1),
-    ("hopper_flash_fwd_f16_m128_n128_d128_s2", 384, 1),
-    ("hopper_flash_fwd_bf16_m128_n128_d128_s2", 384, 1),
+    ("hopper_flash_fwd_f16_m128", 384, 1),
+    ("hopper_flash_fwd_bf16_m128", 384, 1),
+    ("hopper_flash_fwd_f16_m192", 512, 1),
+    ("hopper_flash_fwd_bf16_m192", 512, 1),
     ("flash_fwd_f16_m64_n32_d128_s2", 128, 3),
     ("flash_fwd_bf16_m64_n32_d128_s2", 128, 3),
     ("flash_fwd_f16_m64_n32_d128_s3", 128, 3),
@@ -352,7 +354,7 @@ fn with_occupancy_hints(ptx: String) -> String {
         out.push('\n');
         if let Some(name) = line.trim_start().strip_prefix(".visible .entry ") {
             let name = name.split('(').next().unwrap_or_default().trim();
-            pending = OCCUPANCY_HINTS.iter().find(|(n, _, _)| *n == name).map(|&(_, t, b)| (t, b));
+            pending = OCCUPANCY_HINTS.iter().find(|(n, _, _)| name.starts_with(n)).map(|&(_, t, b)| (t, b));
         } else if line.trim_start().starts_with(')')
             && let Some((threads, blocks)) = pending.take()
         {

@@ -81,3 +81,25 @@ fn every_entry_point_rejects_bad_shapes_with_a_message() {
     let out = ctx.flash_attention_forward(q, k, v, &opts, tile).unwrap();
     assert!(out.o.to_host().unwrap().iter().all(|&x| (x - 0.25).abs() < 1e-6));
 }
+
+#[test]
+fn kernel_paths_parse_and_the_emulator_refuses_sm90a() {
+    use attn_host::KernelPath;
+    for (text, path) in [("sm80", KernelPath::Sm80), ("sm_80", KernelPath::Sm80), ("sm90a", KernelPath::Sm90a)] {
+        assert_eq!(text.parse::<KernelPath>().unwrap(), path);
+    }
+    let err = "sm90".parse::<KernelPath>().unwrap_err();
+    assert!(err.to_string().contains("use sm80 or sm90a"), "{err}");
+    // The emulator runs the sm_80 kernels' source only: asking for sm_90a is a typed error, and
+    // asking for sm_80 keeps the context.
+    let ctx = Context::cpu_emulated();
+    assert_eq!(ctx.kernel_path(), KernelPath::Sm80);
+    let ctx = ctx.with_kernel_path(KernelPath::Sm80).unwrap();
+    let err = ctx.with_kernel_path(KernelPath::Sm90a).err().expect("sm_90a on the emulator");
+    assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+    // Off sm_90a the forward runs the sm_80 kernel of the tile it is given.
+    let ctx = Context::cpu_emulated();
+    let tile = TileConfig::default_for_dtype(attn_host::DType::F16, 64);
+    assert!(ctx.forward_kernel_entry(attn_host::DType::F16, 64, tile).unwrap().starts_with("flash_fwd_f16"));
+    assert!(ctx.forward_kernel_label(attn_host::DType::F16, 64, tile).starts_with("sm_80 "));
+}

@@ -18,7 +18,7 @@ use crate::context::{Backend, KernelArg};
 use crate::dtype::{DType, Element};
 use crate::error::{During, Error, Result};
 use crate::kernels::entry;
-use crate::layout::{HOPPER_BLOCK_M, HOPPER_FORWARD_THREADS, hopper_forward_smem_bytes};
+use crate::layout::{hopper_forward_smem_bytes, hopper_forward_threads};
 use crate::ops::{AttentionOutput, ProblemArgs, flash_config};
 use crate::problem::check_flash_grid;
 use crate::{AttentionOptions, AttentionShape, TileConfig};
@@ -68,7 +68,7 @@ impl KernelPath {
     /// [`Error::Argument`] for a value other than `sm80`/`sm_80`/`sm90a`/`sm_90a`.
     pub fn from_env() -> Result<Option<Self>> {
         match std::env::var(Self::ENV) {
-            Ok(value) => value.parse().map(Some),
+            Ok(value) => value.parse().map(Some).map_err(|e| Error::Argument(format!("{}: {e}", Self::ENV))),
             Err(_) => Ok(None),
         }
     }
@@ -87,31 +87,38 @@ impl std::str::FromStr for KernelPath {
         match s {
             "sm80" | "sm_80" => Ok(Self::Sm80),
             "sm90a" | "sm_90a" => Ok(Self::Sm90a),
-            _ => Err(Error::Argument(format!("unknown kernel path {s:?} (from {}); use sm80 or sm90a", Self::ENV))),
+            _ => Err(Error::Argument(format!("unknown kernel path {s:?}; use sm80 or sm90a"))),
         }
     }
 }
 
-/// A compiled Hopper forward kernel: its entry and K/V tile.
+/// A compiled Hopper forward kernel: its entry and configuration.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct HopperForward {
     pub(crate) entry: &'static str,
+    /// Query rows per block: 64 per consumer warpgroup.
+    pub(crate) block_m: usize,
+    /// Keys per K/V tile.
     pub(crate) block_n: usize,
+    /// Slots of the K/V ring.
     pub(crate) stages: usize,
+    /// Whether the consumer warpgroups take turns to issue their products (FA3's ping-pong).
+    pub(crate) pingpong: bool,
 }
 
 impl HopperForward {
     /// The compiled head dimensions.
     pub(crate) const HEAD_DIMS: [usize; 2] = [64, 128];
 
-    /// The kernel for `dtype` and `head_dim`.
+    /// The kernel for `dtype` and `head_dim`: the configuration measured fastest on an H200 for
+    /// each head_dim (`PERFORMANCE.md`).
     ///
     /// # Errors
     /// [`Error::Shape`] for `f32`, [`Error::HeadDimNotCompiled`] for other head dimensions.
     pub(crate) fn for_problem(dtype: DType, head_dim: usize) -> Result<Self> {
         let entry = match (dtype, head_dim) {
-            (DType::F16, 64) => entry::HOPPER_FLASH_FWD_F16_M128_N128_D64_S2,
-            (DType::Bf16, 64) => entry::HOPPER_FLASH_FWD_BF16_M128_N128_D64_S2,
+            (DType::F16, 64) => entry::HOPPER_FLASH_FWD_F16_M128_N128_D64_S2_PINGPONG,
+            (DType::Bf16, 64) => entry::HOPPER_FLASH_FWD_BF16_M128_N128_D64_S2_PINGPONG,
             (DType::F16, 128) => entry::HOPPER_FLASH_FWD_F16_M128_N128_D128_S2,
             (DType::Bf16, 128) => entry::HOPPER_FLASH_FWD_BF16_M128_N128_D128_S2,
             (DType::F32, _) => return Err(Error::Shape("the Hopper forward takes f16 or bf16 tensors".into())),
@@ -122,7 +129,13 @@ impl HopperForward {
                 });
             }
         };
-        Ok(Self { entry, block_n: 128, stages: 2 })
+        Ok(Self { entry, block_m: 128, block_n: 128, stages: 2, pingpong: head_dim == 64 })
+    }
+
+    /// The configuration as the entry names it: `m128_n128_s2`, with `_pingpong` when it applies.
+    pub(crate) fn config_name(&self) -> String {
+        let turns = if self.pingpong { "_pingpong" } else { "" };
+        format!("m{}_n{}_s{}{turns}", self.block_m, self.block_n, self.stages)
     }
 }
 
@@ -239,6 +252,16 @@ impl Context {
     pub(crate) fn hopper_forward_for(&self, dtype: DType, head_dim: usize, tile: TileConfig) -> Option<HopperForward> {
         let wanted = self.kernel_path == KernelPath::Sm90a && tile == TileConfig::default_for_dtype(dtype, head_dim);
         wanted.then(|| HopperForward::for_problem(dtype, head_dim).ok()).flatten()
+    }
+
+    /// A short name of the kernel [`Context::flash_attention_forward`] runs for `dtype`,
+    /// `head_dim` and `tile` on this context, for tables: the path and the configuration, e.g.
+    /// `sm_90a m128_n128_s2` or `sm_80 m64_n64_s2`.
+    pub fn forward_kernel_label(&self, dtype: DType, head_dim: usize, tile: TileConfig) -> String {
+        match self.hopper_forward_for(dtype, head_dim, tile) {
+            Some(kernel) => format!("{} {}", KernelPath::Sm90a, kernel.config_name()),
+            None => format!("{} {tile}", KernelPath::Sm80),
+        }
     }
 
     /// The kernel entry [`Context::flash_attention_forward`] launches for element type `dtype`,
@@ -420,11 +443,11 @@ impl Context {
         }
         check_flash_grid(&shape)?;
         let scale_log2 = options.checked_scale(shape.head_dim)? * std::f32::consts::LOG2_E;
-        let maps = self.attention_tensor_maps(q, k, v, &shape, kernel.block_n)?;
+        let maps = self.attention_tensor_maps(q, k, v, &shape, kernel.block_m, kernel.block_n)?;
         let config = flash_config(
-            (shape.seqlen_q.div_ceil(HOPPER_BLOCK_M), shape.num_heads_q, shape.batch),
-            HOPPER_FORWARD_THREADS,
-            hopper_forward_smem_bytes(kernel.block_n, shape.head_dim, kernel.stages),
+            (shape.seqlen_q.div_ceil(kernel.block_m), shape.num_heads_q, shape.batch),
+            hopper_forward_threads(kernel.block_m),
+            hopper_forward_smem_bytes(kernel.block_m, kernel.block_n, shape.head_dim, kernel.stages),
         );
         let args = ProblemArgs::new(&shape, options);
         let head: [&dyn KernelArg; 3] = [&maps, &out.o, &out.lse];
@@ -434,7 +457,7 @@ impl Context {
     /// The tensor maps of Q, K and V for the Hopper forward, back to back in one device buffer:
     /// each tensor `[batch, heads, seqlen, head_dim]` as a 3-D map of (head_dim, seqlen,
     /// batch · heads), so that a box running past a head's last row reads zeros rather than the
-    /// next head, with boxes of 64 columns (the 128-byte swizzle's span) by `HOPPER_BLOCK_M`
+    /// next head, with boxes of 64 columns (the 128-byte swizzle's span) by `block_m`
     /// rows for Q and `block_n` rows for K and V, written with the 128-byte swizzle.
     fn attention_tensor_maps<T: Element>(
         &self,
@@ -442,6 +465,7 @@ impl Context {
         k: &DeviceTensor<T>,
         v: &DeviceTensor<T>,
         shape: &AttentionShape,
+        block_m: usize,
         block_n: usize,
     ) -> Result<TensorMaps> {
         let Backend::Cuda { stream, .. } = &self.backend else {
@@ -455,7 +479,7 @@ impl Context {
             self.encode_tensor_map(tensor, &dims, &strides, &box_dims, CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B)
         };
         let maps = [
-            map(q, shape.num_heads_q, shape.seqlen_q, HOPPER_BLOCK_M)?,
+            map(q, shape.num_heads_q, shape.seqlen_q, block_m)?,
             map(k, shape.num_heads_kv, shape.seqlen_k, block_n)?,
             map(v, shape.num_heads_kv, shape.seqlen_k, block_n)?,
         ];

@@ -252,6 +252,21 @@ impl Context {
         if self.hopper_forward_for(T::DTYPE, shape.head_dim, tile).is_some() {
             return self.flash_attention_forward_hopper_into(q, k, v, out, options);
         }
+        self.flash_attention_forward_sm80_into(q, k, v, out, options, tile)
+    }
+
+    /// [`Context::flash_attention_forward_into`] on the sm_80 kernel of `tile`, whatever the
+    /// kernel path: what the tile sweep measures.
+    pub(crate) fn flash_attention_forward_sm80_into<T: Element>(
+        &self,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        out: &mut AttentionOutput<T>,
+        options: &AttentionOptions,
+        tile: TileConfig,
+    ) -> Result<()> {
+        let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
         let kernel = FlashKernel::Forward;
         let entry = tile.validate_kernel(kernel, T::DTYPE, shape.head_dim, self.device())?;
         check_flash_grid(&shape)?;

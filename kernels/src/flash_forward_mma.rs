@@ -79,22 +79,26 @@ impl RowSoftmax {
     pub(crate) fn update<const N_TILES: usize>(&mut self, s: &mut [FragC; N_TILES], c: f32) -> [f32; 2] {
         let mut alpha = [0.0; 2];
         for r in 0..2 {
-            let mut tile_max = f32::NEG_INFINITY;
-            for frag in s.iter() {
-                tile_max = tile_max.max(frag[2 * r]).max(frag[2 * r + 1]);
+            // Four running maxima and sums instead of one: a single running value would chain
+            // 2 · N_TILES dependent instructions, each waiting for the latency of the one before.
+            let mut maxima = [f32::NEG_INFINITY; 4];
+            for (i, frag) in s.iter().enumerate() {
+                maxima[i % 4] = maxima[i % 4].max(frag[2 * r].max(frag[2 * r + 1]));
             }
+            let tile_max = maxima[0].max(maxima[1]).max(maxima[2].max(maxima[3]));
             let new_max = self.max[r].max(gpu::group_max::<4>(tile_max) * c);
             // A row that has seen only masked (−∞) scores measures from 0 instead, which keeps
             // 2^(−∞ − (−∞)) = NaN out: its probabilities and alpha are all 0.
             let base = if new_max == f32::NEG_INFINITY { 0.0 } else { new_max };
             alpha[r] = gpu::exp2(self.max[r] - base);
-            let mut tile_sum = 0.0;
-            for frag in s.iter_mut() {
+            let mut sums = [0.0; 4];
+            for (i, frag) in s.iter_mut().enumerate() {
                 for x in &mut frag[2 * r..2 * r + 2] {
                     *x = gpu::exp2(gpu::fma(*x, c, -base));
-                    tile_sum += *x;
+                    sums[i % 4] += *x;
                 }
             }
+            let tile_sum = (sums[0] + sums[1]) + (sums[2] + sums[3]);
             self.partial_sum[r] = self.partial_sum[r] * alpha[r] + tile_sum;
             self.max[r] = new_max;
         }

@@ -26,86 +26,110 @@
 use crate::flash_forward_mma::{RowSoftmax, pack_a};
 use crate::gpu::{self, FragA, FragC, HalfFloat};
 use crate::hopper::{
-    Accumulator, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, WARPGROUP_THREADS, fence_mbarrier_init, fence_proxy_async,
-    mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait, named_barrier_sync, registers_decrease,
-    registers_increase, shared_address, swizzled_descriptor, tma_load_3d, warpgroup_id, wgmma_commit, wgmma_fence,
-    wgmma_wait,
+    Accumulator, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, WARPGROUP_THREADS, advance_descriptor, fence_mbarrier_init,
+    fence_proxy_async, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait, named_barrier_arrive,
+    named_barrier_sync, registers_decrease, registers_increase, shared_address, swizzled_descriptor, tma_load_3d,
+    warpgroup_id, wgmma_commit, wgmma_fence, wgmma_wait,
 };
-use crate::layout::{
-    AttentionShape, HOPPER_BLOCK_M as BLOCK_M, HOPPER_CONSUMERS as CONSUMERS, HOPPER_SMEM_ALIGN,
-    HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS,
-};
+use crate::layout::{AttentionShape, HOPPER_SMEM_ALIGN, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS};
 use crate::tiles::{Mask, QueryBlock};
 
 /// Columns of one swizzled column block: 128 bytes of 16-bit values.
 const SWIZZLE_COLUMNS: usize = SWIZZLE_ROW_BYTES / 2;
 
-/// Per-thread register budgets after `setmaxnreg`. The launch gives every thread 168 (65536
-/// registers / 384 threads, rounded down to a multiple of 8); the producer, which only issues
-/// copies, keeps 24 and the two consumer warpgroups take the rest: 24 + 2 · 240 = 3 · 168.
-const PRODUCER_REGISTERS: u32 = 56;
-const CONSUMER_REGISTERS: u32 = 224;
+/// Per-thread register budgets after `setmaxnreg`, (producer, consumers), by block size. The
+/// launch gives every thread 65536 registers / threads, rounded down to a multiple of 8: 168 for
+/// 384 threads (two consumer warpgroups), 128 for 512 (three). The producer only issues copies;
+/// the consumers take the rest: 56 + 2 · 224 = 3 · 168, and 32 + 3 · 160 = 4 · 128. (With fewer
+/// than about 48 registers the producer's loop spills a little; the consumers matter more.)
+const REGISTERS_M128: (u32, u32) = (56, 224);
+const REGISTERS_M192: (u32, u32) = (32, 160);
+
+/// The first of the named barriers of the ping-pong schedule, one per consumer warpgroup (0 is
+/// `__syncthreads`; 1 to 3 are the consumer warpgroups' own).
+const PINGPONG_BARRIER: u32 = 4;
 
 /// The block's shared memory: the Q tile, `STAGES` slots of a K and a V tile, then the
-/// `mbarrier`s, from a base aligned to one swizzle atom.
+/// `mbarrier`s, from a base aligned to one swizzle atom. Addresses are shared-state-space
+/// addresses (32-bit), as `wgmma` descriptors, TMA and `mbarrier`s take them.
 #[derive(Clone, Copy)]
-struct SharedTiles<const D: usize, const BLOCK_N: usize, const STAGES: usize> {
-    base: *mut u8,
+struct SharedTiles<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, const STAGES: usize> {
+    /// The dynamic shared memory as a generic pointer, and its shared-state-space address.
+    raw: *mut u8,
+    raw_address: u32,
+    /// The first tile's address: `raw_address` rounded up to `HOPPER_SMEM_ALIGN`.
+    base: u32,
 }
 
-impl<const D: usize, const BLOCK_N: usize, const STAGES: usize> SharedTiles<D, BLOCK_N, STAGES> {
-    const Q_BYTES: usize = BLOCK_M * D * 2;
-    const KV_BYTES: usize = BLOCK_N * D * 2;
+impl<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, const STAGES: usize>
+    SharedTiles<BLOCK_M, D, BLOCK_N, STAGES>
+{
+    const Q_BYTES: u32 = (BLOCK_M * D * 2) as u32;
+    const KV_BYTES: u32 = (BLOCK_N * D * 2) as u32;
 
-    /// The layout over this block's dynamic shared memory.
+    /// The layout over this block's dynamic shared memory (the host adds `HOPPER_SMEM_ALIGN`
+    /// bytes of slack for the rounding).
     #[inline(always)]
     fn new() -> Self {
         let raw = gpu::dynamic_shared_memory() as *mut u8;
-        let misalignment = shared_address(raw) as usize % HOPPER_SMEM_ALIGN;
-        // SAFETY: the host adds HOPPER_SMEM_ALIGN bytes of slack for this.
-        Self { base: unsafe { raw.add((HOPPER_SMEM_ALIGN - misalignment) % HOPPER_SMEM_ALIGN) } }
+        let raw_address = shared_address(raw);
+        let align = HOPPER_SMEM_ALIGN as u32;
+        Self { raw, raw_address, base: raw_address.div_ceil(align) * align }
+    }
+
+    /// A generic pointer to the byte at shared-state-space `address`, for ordinary loads and
+    /// stores.
+    #[inline(always)]
+    fn pointer(self, address: u32) -> *mut u8 {
+        // SAFETY: `address` lies in this block's dynamic shared memory.
+        unsafe { self.raw.add((address - self.raw_address) as usize) }
     }
 
     #[inline(always)]
-    fn q(self) -> *mut u8 {
+    fn q(self) -> u32 {
         self.base
     }
 
     #[inline(always)]
-    fn k(self, stage: usize) -> *mut u8 {
-        // SAFETY (all offsets here): inside the bytes `hopper_forward_smem_bytes` counts.
-        unsafe { self.base.add(Self::Q_BYTES + 2 * stage * Self::KV_BYTES) }
+    fn k(self, stage: usize) -> u32 {
+        self.base + Self::Q_BYTES + 2 * stage as u32 * Self::KV_BYTES
     }
 
     #[inline(always)]
-    fn v(self, stage: usize) -> *mut u8 {
-        unsafe { self.k(stage).add(Self::KV_BYTES) }
+    fn v(self, stage: usize) -> u32 {
+        self.k(stage) + Self::KV_BYTES
     }
 
-    /// Barrier `i` of `[Q full, K full × STAGES, V full × STAGES, K/V empty × STAGES]`.
+    /// Barrier `i` of `[Q full, K full × STAGES, V full × STAGES, K empty × STAGES, V empty ×
+    /// STAGES]`.
     #[inline(always)]
-    fn barrier(self, i: usize) -> *mut u64 {
-        unsafe { (self.base.add(Self::Q_BYTES + 2 * STAGES * Self::KV_BYTES) as *mut u64).add(i) }
+    fn barrier(self, i: usize) -> u32 {
+        self.base + Self::Q_BYTES + 2 * STAGES as u32 * Self::KV_BYTES + 8 * i as u32
     }
 
     #[inline(always)]
-    fn q_full(self) -> *mut u64 {
+    fn q_full(self) -> u32 {
         self.barrier(0)
     }
 
     #[inline(always)]
-    fn k_full(self, stage: usize) -> *mut u64 {
+    fn k_full(self, stage: usize) -> u32 {
         self.barrier(1 + stage)
     }
 
     #[inline(always)]
-    fn v_full(self, stage: usize) -> *mut u64 {
+    fn v_full(self, stage: usize) -> u32 {
         self.barrier(1 + STAGES + stage)
     }
 
     #[inline(always)]
-    fn kv_empty(self, stage: usize) -> *mut u64 {
+    fn k_empty(self, stage: usize) -> u32 {
         self.barrier(1 + 2 * STAGES + stage)
+    }
+
+    #[inline(always)]
+    fn v_empty(self, stage: usize) -> u32 {
+        self.barrier(1 + 3 * STAGES + stage)
     }
 }
 
@@ -136,8 +160,8 @@ impl TensorMaps {
 /// # Safety
 /// One thread of warpgroup 0 calls it, after the barriers were initialised.
 #[inline(always)]
-unsafe fn produce<const D: usize, const BLOCK_N: usize, const STAGES: usize>(
-    smem: SharedTiles<D, BLOCK_N, STAGES>,
+unsafe fn produce<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, const STAGES: usize>(
+    smem: SharedTiles<BLOCK_M, D, BLOCK_N, STAGES>,
     maps: TensorMaps,
     shape: &AttentionShape,
     block: &QueryBlock,
@@ -147,13 +171,13 @@ unsafe fn produce<const D: usize, const BLOCK_N: usize, const STAGES: usize>(
     let kv_head = (block.batch * shape.num_heads_kv + block.head / shape.group_size()) as i32;
     // Loads a `rows × D` tile as D / 64 boxes, one per swizzled column block, completing on
     // `barrier`, which learns the bytes first.
-    let load = |destination: *mut u8, map: *const u8, rows: usize, first_row: usize, head: i32, barrier: *mut u64| {
+    let load = |destination: u32, map: *const u8, rows: usize, first_row: usize, head: i32, barrier: u32| {
         // SAFETY: the barrier is initialised; each box fits its column block of the tile.
         unsafe {
             mbarrier_arrive_expect_tx(barrier, (rows * D * 2) as u32);
             for column_block in 0..D / SWIZZLE_COLUMNS {
                 let x = (column_block * SWIZZLE_COLUMNS) as i32;
-                let box_destination = destination.add(column_block * rows * SWIZZLE_ROW_BYTES);
+                let box_destination = destination + (column_block * rows * SWIZZLE_ROW_BYTES) as u32;
                 tma_load_3d(box_destination, map, x, first_row as i32, head, barrier);
             }
         }
@@ -161,13 +185,17 @@ unsafe fn produce<const D: usize, const BLOCK_N: usize, const STAGES: usize>(
     load(smem.q(), maps.get(0), BLOCK_M, block.q_start, q_head, smem.q_full());
     for tile in 0..kv_tiles {
         let (stage, parity) = slot(tile, STAGES);
-        if tile >= STAGES {
-            // The slot's previous tile (tile − STAGES) is released by the phase before this one.
-            // SAFETY: an initialised barrier.
-            unsafe { mbarrier_wait(smem.kv_empty(stage), parity ^ 1) };
-        }
         let first_key = tile * BLOCK_N;
+        // The slot's previous tile (tile − STAGES) is released by the phase before this one. K
+        // is released as soon as its scores are done, V only after P·V, a step later.
+        // SAFETY: initialised barriers.
+        if tile >= STAGES {
+            unsafe { mbarrier_wait(smem.k_empty(stage), parity ^ 1) };
+        }
         load(smem.k(stage), maps.get(1), BLOCK_N, first_key, kv_head, smem.k_full(stage));
+        if tile >= STAGES {
+            unsafe { mbarrier_wait(smem.v_empty(stage), parity ^ 1) };
+        }
         load(smem.v(stage), maps.get(2), BLOCK_N, first_key, kv_head, smem.v_full(stage));
     }
 }
@@ -200,14 +228,16 @@ impl ConsumerRows {
 #[allow(clippy::too_many_arguments)]
 unsafe fn consume<
     T: HalfFloat,
+    const BLOCK_M: usize,
     const D: usize,
     const BLOCK_N: usize,
     const STAGES: usize,
     const N_TILES: usize,
     const P_STEPS: usize,
     const D_TILES: usize,
+    const PINGPONG: bool,
 >(
-    smem: SharedTiles<D, BLOCK_N, STAGES>,
+    smem: SharedTiles<BLOCK_M, D, BLOCK_N, STAGES>,
     block: &QueryBlock,
     mask: Mask,
     kv_tiles: usize,
@@ -234,7 +264,7 @@ unsafe fn consume<
     // with |c|. TMA cannot flip signs on the way, so the warpgroup flips its own rows in shared
     // memory and publishes them back to the async proxy; a zero scale becomes the smallest normal.
     if scale_log2 < 0.0 {
-        unsafe { negate_rows::<D>(smem.q().add(q_rows_offset)) };
+        unsafe { negate_rows::<BLOCK_M, D>(smem.pointer(smem.q() + q_rows_offset as u32)) };
         fence_proxy_async();
         named_barrier_sync(1 + index as u32, WARPGROUP_THREADS as u32);
     }
@@ -242,17 +272,22 @@ unsafe fn consume<
 
     // The key limit of the warpgroup's first row: tiles that end before it need no mask.
     let all_see = mask.key_limit(block.q_start + index * WARPGROUP_ROWS);
-    let q_address = shared_address(smem.q()) + q_rows_offset as u32;
+    // The descriptors of the first k-step of Q (this warpgroup's rows), and of K and V in
+    // stage 0; every other operand is one of these, moved along ([`advance_descriptor`]).
+    let q_descriptor = k_major(smem.q() + q_rows_offset as u32);
+    let k_descriptor = k_major(smem.k(0));
+    // Column blocks of V (64 values of N each) are BLOCK_N rows apart.
+    let v_descriptor = swizzled_descriptor(smem.v(0), (BLOCK_N * SWIZZLE_ROW_BYTES) as u32, SWIZZLE_ATOM_BYTES as u32);
+    let stage_offset = |stage: usize| stage as u32 * 2 * SharedTiles::<BLOCK_M, D, BLOCK_N, STAGES>::KV_BYTES;
 
     // S = Q·K_tileᵀ into `s` (issued, not waited for): head_dim / 16 k-steps, four per column
     // block, each 32 bytes further inside the swizzled rows.
     let issue_scores = |s: &mut [FragC; N_TILES], stage: usize| {
-        let k_address = shared_address(smem.k(stage));
+        let k_stage = advance_descriptor(k_descriptor, stage_offset(stage));
         for ks in 0..D / 16 {
             let (column_block, step) = (ks / 4, (ks % 4 * 32) as u32);
-            let a = q_address + (column_block * BLOCK_M * SWIZZLE_ROW_BYTES) as u32 + step;
-            let b = k_address + (column_block * BLOCK_N * SWIZZLE_ROW_BYTES) as u32 + step;
-            let (a, b) = (k_major(a), k_major(b));
+            let a = advance_descriptor(q_descriptor, (column_block * BLOCK_M * SWIZZLE_ROW_BYTES) as u32 + step);
+            let b = advance_descriptor(k_stage, (column_block * BLOCK_N * SWIZZLE_ROW_BYTES) as u32 + step);
             // SAFETY: the warpgroup issues it on tiles the copy engine completed.
             unsafe {
                 if T::IS_BF16 {
@@ -265,11 +300,9 @@ unsafe fn consume<
     };
     // O += P·V_stage (issued, not waited for): BLOCK_N / 16 k-steps of 16 keys (two atoms).
     let issue_values = |o: &mut [FragC; D_TILES], p: &[FragA; P_STEPS], stage: usize| {
-        let v_address = shared_address(smem.v(stage));
+        let v_stage = advance_descriptor(v_descriptor, stage_offset(stage));
         for kk in 0..BLOCK_N / 16 {
-            let b = v_address + (kk * 2 * SWIZZLE_ATOM_BYTES) as u32;
-            // Column blocks of V (64 values of N each) are BLOCK_N rows apart.
-            let b = swizzled_descriptor(b, (BLOCK_N * SWIZZLE_ROW_BYTES) as u32, SWIZZLE_ATOM_BYTES as u32);
+            let b = advance_descriptor(v_stage, (kk * 2 * SWIZZLE_ATOM_BYTES) as u32);
             // SAFETY: as above.
             unsafe {
                 if T::IS_BF16 {
@@ -296,6 +329,28 @@ unsafe fn consume<
     let pack =
         |s: &[FragC; N_TILES]| -> [FragA; P_STEPS] { core::array::from_fn(|kk| pack_a::<T>(s[2 * kk], s[2 * kk + 1])) };
 
+    // Ping-pong (FA3 section 3.1): the consumer warpgroups take turns, round robin, to issue
+    // their products, through one named barrier each, so that one warpgroup's softmax runs
+    // while another's products occupy the tensor cores. Warpgroup 0 has the first turn; each turn
+    // ends by handing the next to the following warpgroup (the last turn of the last warpgroup
+    // is not handed on, so that every wait has exactly one arrival). A barrier's count is the
+    // waiting warpgroup and the arriving one.
+    let (consumers, turns) = (BLOCK_M / WARPGROUP_ROWS, kv_tiles + 1);
+    let pair = 2 * WARPGROUP_THREADS as u32;
+    let take_turn = || {
+        if PINGPONG {
+            named_barrier_sync(PINGPONG_BARRIER + index as u32, pair);
+        }
+    };
+    let pass_turn = |turn: usize| {
+        if PINGPONG && (index + 1 < consumers || turn + 1 < turns) {
+            named_barrier_arrive(PINGPONG_BARRIER + ((index + 1) % consumers) as u32, pair);
+        }
+    };
+    if PINGPONG && index + 1 == consumers && kv_tiles > 0 {
+        named_barrier_arrive(PINGPONG_BARRIER, pair);
+    }
+
     let mut softmax = RowSoftmax::new();
     let mut o = [[0.0f32; 4]; D_TILES];
     let mut s = [[0.0f32; 4]; N_TILES];
@@ -304,11 +359,15 @@ unsafe fn consume<
         // Prologue: the first tile's scores, with nothing to overlap them with.
         unsafe { mbarrier_wait(smem.k_full(0), 0) };
         s.pin();
+        take_turn();
         wgmma_fence();
         issue_scores(&mut s, 0);
         wgmma_commit();
+        pass_turn(0);
         wgmma_wait::<0>();
         s.pin();
+        // K of tile 0 is no longer read.
+        unsafe { mbarrier_arrive(smem.k_empty(0)) };
         apply_mask(&mut s, 0);
         softmax.update(&mut s, c);
         p = pack(&s);
@@ -323,23 +382,30 @@ unsafe fn consume<
         }
         s.pin();
         o.pin();
+        take_turn();
         wgmma_fence();
         issue_scores(&mut s, stage);
         wgmma_commit();
         issue_values(&mut o, &p, previous);
         wgmma_commit();
+        pass_turn(tile);
         // The softmax of this tile runs while P·V of the previous one is still in flight.
         wgmma_wait::<1>();
         s.pin();
+        unsafe { mbarrier_arrive(smem.k_empty(stage)) };
         apply_mask(&mut s, tile);
         let alpha = softmax.update(&mut s, c);
         wgmma_wait::<0>();
         o.pin();
-        // The previous tile's slot is free for the producer.
-        unsafe { mbarrier_arrive(smem.kv_empty(previous)) };
-        for frag in o.iter_mut() {
-            for (e, x) in frag.iter_mut().enumerate() {
-                *x *= alpha[e / 2];
+        // The previous tile's V is free for the producer.
+        unsafe { mbarrier_arrive(smem.v_empty(previous)) };
+        // Once the running maxima settle most tiles leave them unchanged (alpha = 1 exactly), and
+        // the warp skips the rescale (as level 5 does); the vote keeps the branch warp-uniform.
+        if gpu::warp_any(alpha[0] != 1.0 || alpha[1] != 1.0) {
+            for frag in o.iter_mut() {
+                for (e, x) in frag.iter_mut().enumerate() {
+                    *x *= alpha[e / 2];
+                }
             }
         }
         p = pack(&s);
@@ -349,9 +415,11 @@ unsafe fn consume<
         let (last, last_parity) = slot(kv_tiles - 1, STAGES);
         unsafe { mbarrier_wait(smem.v_full(last), last_parity) };
         o.pin();
+        take_turn();
         wgmma_fence();
         issue_values(&mut o, &p, last);
         wgmma_commit();
+        pass_turn(kv_tiles);
         wgmma_wait::<0>();
         o.pin();
     }
@@ -393,7 +461,7 @@ fn k_major(address: u32) -> u64 {
 /// # Safety
 /// `rows` points to a consumer warpgroup's rows in the Q tile; the whole warpgroup calls it.
 #[inline(always)]
-unsafe fn negate_rows<const D: usize>(rows: *mut u8) {
+unsafe fn negate_rows<const BLOCK_M: usize, const D: usize>(rows: *mut u8) {
     const CHUNKS: usize = WARPGROUP_ROWS * SWIZZLE_ROW_BYTES / 16;
     let first = gpu::thread_idx_x() % WARPGROUP_THREADS;
     for column_block in 0..D / SWIZZLE_COLUMNS {
@@ -423,12 +491,14 @@ unsafe fn negate_rows<const D: usize>(rows: *mut u8) {
 #[allow(clippy::too_many_arguments)]
 unsafe fn flash_forward_wgmma<
     T: HalfFloat,
+    const BLOCK_M: usize,
     const D: usize,
     const BLOCK_N: usize,
     const STAGES: usize,
     const N_TILES: usize,
     const P_STEPS: usize,
     const D_TILES: usize,
+    const PINGPONG: bool,
 >(
     maps: *const u8,
     o: *mut u16,
@@ -441,7 +511,8 @@ unsafe fn flash_forward_wgmma<
     [FragC; D_TILES]: Accumulator,
 {
     let block = QueryBlock::current::<BLOCK_M>(&shape);
-    let smem = SharedTiles::<D, BLOCK_N, STAGES>::new();
+    let smem = SharedTiles::<BLOCK_M, D, BLOCK_N, STAGES>::new();
+    let consumer_threads = (BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS) as u32;
     let kv_tiles = mask.key_limit(block.q_start + block.q_rows - 1).div_ceil(BLOCK_N);
 
     if gpu::thread_idx_x() == 0 {
@@ -452,7 +523,8 @@ unsafe fn flash_forward_wgmma<
                 // Full: the producer's arrival (plus the copies' bytes); empty: every consumer thread.
                 mbarrier_init(smem.k_full(stage), 1);
                 mbarrier_init(smem.v_full(stage), 1);
-                mbarrier_init(smem.kv_empty(stage), (CONSUMERS * WARPGROUP_THREADS) as u32);
+                mbarrier_init(smem.k_empty(stage), consumer_threads);
+                mbarrier_init(smem.v_empty(stage), consumer_threads);
             }
         }
         fence_mbarrier_init();
@@ -460,39 +532,50 @@ unsafe fn flash_forward_wgmma<
     gpu::sync_threads();
 
     if warpgroup_id() == 0 {
-        registers_decrease::<PRODUCER_REGISTERS>();
+        // (The budgets must be immediates, so the choice is spelled out per block size.)
+        if BLOCK_M == 128 {
+            registers_decrease::<{ REGISTERS_M128.0 }>();
+        } else {
+            registers_decrease::<{ REGISTERS_M192.0 }>();
+        }
         if gpu::thread_idx_x() == 0 {
             // SAFETY: the barriers are initialised; the maps are the host's.
             unsafe { produce(smem, TensorMaps(maps), &shape, &block, kv_tiles) };
         }
     } else {
-        registers_increase::<CONSUMER_REGISTERS>();
+        if BLOCK_M == 128 {
+            registers_increase::<{ REGISTERS_M128.1 }>();
+        } else {
+            registers_increase::<{ REGISTERS_M192.1 }>();
+        }
         // SAFETY: the host sized the grid, so this head's rows exist (offsets in elements).
         let (o_head, lse_head) = unsafe { (o.add(block.q_offset), lse.add(block.q_offset / D)) };
         unsafe {
-            consume::<T, D, BLOCK_N, STAGES, N_TILES, P_STEPS, D_TILES>(
+            consume::<T, BLOCK_M, D, BLOCK_N, STAGES, N_TILES, P_STEPS, D_TILES, PINGPONG>(
                 smem, &block, mask, kv_tiles, scale_log2, o_head, lse_head,
             )
         };
     }
 }
 
-/// The `f16` and `bf16` entries of one tile:
-/// `hopper_flash_fwd_{f16,bf16}_m128_n{BLOCK_N}_d{D}_s{STAGES}`.
+/// The `f16` and `bf16` entries of one configuration:
+/// `hopper_flash_fwd_{f16,bf16}_m{BLOCK_M}_n{BLOCK_N}_d{D}_{variant}`.
 macro_rules! flash_forward_wgmma_entries {
-    ($d:literal, $block_n:literal, $stages:literal) => {
+    ($block_m:literal, $d:literal, $block_n:literal, $stages:literal, $pingpong:literal, $variant:ident) => {
         flash_forward_wgmma_entry!(
-            ${concat(hopper_flash_fwd_f16_m128_n, $block_n, _d, $d, _s, $stages)}, F16, $d, $block_n, $stages
+            ${concat(hopper_flash_fwd_f16_m, $block_m, _n, $block_n, _d, $d, _, $variant)},
+            F16, $block_m, $d, $block_n, $stages, $pingpong
         );
         flash_forward_wgmma_entry!(
-            ${concat(hopper_flash_fwd_bf16_m128_n, $block_n, _d, $d, _s, $stages)}, Bf16, $d, $block_n, $stages
+            ${concat(hopper_flash_fwd_bf16_m, $block_m, _n, $block_n, _d, $d, _, $variant)},
+            Bf16, $block_m, $d, $block_n, $stages, $pingpong
         );
     };
 }
 
 /// One kernel entry.
 macro_rules! flash_forward_wgmma_entry {
-    ($name:ident, $format:ident, $d:literal, $block_n:literal, $stages:literal) => {
+    ($name:ident, $format:ident, $block_m:literal, $d:literal, $block_n:literal, $stages:literal, $pingpong:literal) => {
         /// FlashAttention forward on Hopper (sm_90a); see the module docs.
         ///
         /// # Safety
@@ -518,17 +601,22 @@ macro_rules! flash_forward_wgmma_entry {
             unsafe {
                 flash_forward_wgmma::<
                     gpu::$format,
+                    $block_m,
                     $d,
                     $block_n,
                     $stages,
                     { $block_n / 8 },
                     { $block_n / 16 },
                     { $d / 8 },
+                    $pingpong,
                 >(maps, o, lse, shape, mask, scale_log2)
             }
         }
     };
 }
 
-flash_forward_wgmma_entries!(64, 128, 2);
-flash_forward_wgmma_entries!(128, 128, 2);
+// The configurations measured fastest on an H200 (PERFORMANCE.md, issue #9): at head_dim 64 the
+// softmax costs as much as the products, and the ping-pong turns keep the tensor cores busier;
+// at head_dim 128 the products dominate and the turns only add waiting.
+flash_forward_wgmma_entries!(128, 64, 128, 2, true, s2_pingpong);
+flash_forward_wgmma_entries!(128, 128, 128, 2, false, s2);

@@ -34,6 +34,7 @@
 //! | [`mbarrier_wait`] | every consumer | returns once the phase of the given parity completed: the copy's bytes are visible to the waiting thread |
 //! | [`mbarrier_arrive`] | each consumer thread, once per phase, after its last read of the slot | counts one arrival: the producer waiting on the phase may overwrite the slot |
 //! | [`named_barrier_sync`] | every thread of the part of the block named by the thread count | a `__syncthreads` for that part only (the producer warpgroup never waits on it) |
+//! | [`named_barrier_arrive`] | threads that signal a named barrier others wait on | their earlier work before the waiters continue (one-way: the consumers' ping-pong turns) |
 //! | [`registers_decrease`], [`registers_increase`] | every thread of the warpgroup, once, first thing | moves registers from the producer warpgroup to the consumers |
 //!
 //! The wrappers are only compiled for nvptx64: the CPU emulator does not model asynchronous
@@ -84,6 +85,16 @@ pub fn matrix_descriptor(shared_address: u32, leading_byte_offset: u32, stride_b
 #[inline(always)]
 pub fn swizzled_descriptor(shared_address: u32, leading_byte_offset: u32, stride_byte_offset: u32) -> u64 {
     matrix_descriptor(shared_address, leading_byte_offset, stride_byte_offset) | 1 << 62
+}
+
+/// `descriptor` with its start address moved `bytes` further (a multiple of 16 that keeps the
+/// address inside shared memory, so the 14-bit field cannot carry into the next). Only the low
+/// 32 bits change: a single 32-bit add per `wgmma`, where rebuilding the descriptor from an
+/// address costs ptxas a handful of 64-bit instructions.
+#[inline(always)]
+pub fn advance_descriptor(descriptor: u64, bytes: u32) -> u64 {
+    let low = (descriptor as u32).wrapping_add(bytes >> 4);
+    (descriptor & !0xffff_ffff) | low as u64
 }
 
 /// Bytes of one row of a 128-byte swizzled tile, and of the swizzle span.
@@ -291,16 +302,18 @@ pub fn fence_proxy_async() {
     unsafe { asm!("fence.proxy.async.shared::cta;", options(nostack)) };
 }
 
-/// Initialises the `mbarrier` at `barrier` (8 bytes of shared memory, 8-byte aligned) to expect
-/// `arrivals` arrivals per phase (`mbarrier.init`). One thread calls it.
+/// Initialises the `mbarrier` at `barrier` (the shared-state-space address, see
+/// [`shared_address`], of 8 bytes of shared memory, 8-byte aligned) to expect `arrivals`
+/// arrivals per phase (`mbarrier.init`). One thread calls it. The `mbarrier` and TMA wrappers
+/// all take such 32-bit addresses, which is what the instructions want.
 ///
 /// # Safety
 /// `barrier` is this block's shared memory, used by no one until a barrier after the init.
 #[inline(always)]
-pub unsafe fn mbarrier_init(barrier: *mut u64, arrivals: u32) {
+pub unsafe fn mbarrier_init(barrier: u32, arrivals: u32) {
     // SAFETY: the caller's contract.
     unsafe {
-        asm!("mbarrier.init.shared::cta.b64 [{b}], {n};", b = in(reg32) shared_address(barrier), n = in(reg32) arrivals, options(nostack))
+        asm!("mbarrier.init.shared::cta.b64 [{b}], {n};", b = in(reg32) barrier, n = in(reg32) arrivals, options(nostack))
     };
 }
 
@@ -320,12 +333,12 @@ pub fn fence_mbarrier_init() {
 /// # Safety
 /// `barrier` was initialised with [`mbarrier_init`].
 #[inline(always)]
-pub unsafe fn mbarrier_arrive_expect_tx(barrier: *mut u64, bytes: u32) {
+pub unsafe fn mbarrier_arrive_expect_tx(barrier: u32, bytes: u32) {
     // SAFETY: the caller's contract.
     unsafe {
         asm!(
             "mbarrier.arrive.expect_tx.shared::cta.b64 _, [{b}], {n};",
-            b = in(reg32) shared_address(barrier), n = in(reg32) bytes, options(nostack)
+            b = in(reg32) barrier, n = in(reg32) bytes, options(nostack)
         )
     };
 }
@@ -337,8 +350,8 @@ pub unsafe fn mbarrier_arrive_expect_tx(barrier: *mut u64, bytes: u32) {
 /// # Safety
 /// `barrier` was initialised with [`mbarrier_init`].
 #[inline(always)]
-pub unsafe fn mbarrier_wait(barrier: *mut u64, phase: u32) {
-    let address = shared_address(barrier);
+pub unsafe fn mbarrier_wait(barrier: u32, phase: u32) {
+    let address = barrier;
     loop {
         let done: u32;
         // SAFETY: the caller's contract. `try_wait` may time out and return false; the loop
@@ -365,11 +378,9 @@ pub unsafe fn mbarrier_wait(barrier: *mut u64, phase: u32) {
 /// # Safety
 /// `barrier` was initialised with [`mbarrier_init`].
 #[inline(always)]
-pub unsafe fn mbarrier_arrive(barrier: *mut u64) {
+pub unsafe fn mbarrier_arrive(barrier: u32) {
     // SAFETY: the caller's contract.
-    unsafe {
-        asm!("mbarrier.arrive.shared::cta.b64 _, [{b}];", b = in(reg32) shared_address(barrier), options(nostack))
-    };
+    unsafe { asm!("mbarrier.arrive.shared::cta.b64 _, [{b}];", b = in(reg32) barrier, options(nostack)) };
 }
 
 /// Waits until `threads` threads (a multiple of 32) have arrived at named barrier `id`
@@ -379,6 +390,14 @@ pub unsafe fn mbarrier_arrive(barrier: *mut u64) {
 pub fn named_barrier_sync(id: u32, threads: u32) {
     // SAFETY: synchronisation only; the callers use each id with one thread count.
     unsafe { asm!("bar.sync {id}, {n};", id = in(reg32) id, n = in(reg32) threads, options(nostack)) };
+}
+
+/// Arrives at named barrier `id` without waiting (`bar.arrive id, threads`): the signalling half
+/// of a barrier whose other threads call [`named_barrier_sync`] with the same count.
+#[inline(always)]
+pub fn named_barrier_arrive(id: u32, threads: u32) {
+    // SAFETY: synchronisation only; as `named_barrier_sync`.
+    unsafe { asm!("bar.arrive {id}, {n};", id = in(reg32) id, n = in(reg32) threads, options(nostack)) };
 }
 
 /// Lowers this warpgroup's per-thread register limit to `COUNT` (`setmaxnreg.dec`), returning
@@ -406,25 +425,25 @@ pub fn registers_increase<const COUNT: u32>() {
 /// # Safety
 /// As [`tma_load_2d`].
 #[inline(always)]
-pub unsafe fn tma_load_3d(destination: *mut u8, tensor_map: *const u8, x: i32, y: i32, z: i32, barrier: *mut u64) {
+pub unsafe fn tma_load_3d(destination: u32, tensor_map: *const u8, x: i32, y: i32, z: i32, barrier: u32) {
     // SAFETY: the caller's contract.
     unsafe {
         asm!(
             "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [{dst}], [{map}, {{{x}, {y}, {z}}}], [{bar}];",
-            dst = in(reg32) shared_address(destination),
+            dst = in(reg32) destination,
             map = in(reg64) tensor_map as u64,
             x = in(reg32) x,
             y = in(reg32) y,
             z = in(reg32) z,
-            bar = in(reg32) shared_address(barrier),
+            bar = in(reg32) barrier,
             options(nostack)
         )
     };
 }
 
 /// Asks the copy engine for the box at (`x`, `y`) (elements; x is the innermost dimension) of
-/// the 2-D tensor that `tensor_map` describes, written to `destination` in shared memory in the
-/// box's row-major order; elements outside the tensor are filled with zeros. Completion is
+/// the 2-D tensor that `tensor_map` describes, written to `destination` (a shared-state-space
+/// address) in the box's row-major order; elements outside the tensor are filled with zeros. Completion is
 /// reported, in bytes, to `barrier` (`cp.async.bulk.tensor.2d…mbarrier::complete_tx::bytes`).
 ///
 /// # Safety
@@ -432,16 +451,16 @@ pub unsafe fn tma_load_3d(destination: *mut u8, tensor_map: *const u8, x: i32, y
 /// at `destination` (128-byte aligned shared memory); `barrier` expects these bytes
 /// ([`mbarrier_arrive_expect_tx`]). One thread issues it.
 #[inline(always)]
-pub unsafe fn tma_load_2d(destination: *mut u8, tensor_map: *const u8, x: i32, y: i32, barrier: *mut u64) {
+pub unsafe fn tma_load_2d(destination: u32, tensor_map: *const u8, x: i32, y: i32, barrier: u32) {
     // SAFETY: the caller's contract.
     unsafe {
         asm!(
             "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [{dst}], [{map}, {{{x}, {y}}}], [{bar}];",
-            dst = in(reg32) shared_address(destination),
+            dst = in(reg32) destination,
             map = in(reg64) tensor_map as u64,
             x = in(reg32) x,
             y = in(reg32) y,
-            bar = in(reg32) shared_address(barrier),
+            bar = in(reg32) barrier,
             options(nostack)
         )
     };
@@ -638,7 +657,7 @@ pub unsafe extern "gpu-kernel" fn hopper_probe_tma(tensor_map: *const u8, out: *
     let t = gpu::thread_idx_x();
     let shared = gpu::dynamic_shared_memory() as *mut u8;
     // The box first (128-byte aligned: the start of dynamic shared memory), the barrier after it.
-    let barrier = unsafe { shared.add(BOX_BYTES) } as *mut u64;
+    let barrier = shared_address(shared) + BOX_BYTES as u32;
     if t == 0 {
         // SAFETY: one thread initialises the barrier before anyone else touches it.
         unsafe { mbarrier_init(barrier, 1) };
@@ -649,7 +668,7 @@ pub unsafe extern "gpu-kernel" fn hopper_probe_tma(tensor_map: *const u8, out: *
         // SAFETY: the barrier is initialised; the box fits at `shared`.
         unsafe {
             mbarrier_arrive_expect_tx(barrier, BOX_BYTES as u32);
-            tma_load_2d(shared, tensor_map, x as i32, y as i32, barrier);
+            tma_load_2d(shared_address(shared), tensor_map, x as i32, y as i32, barrier);
         }
     }
     // SAFETY: initialised above; the first phase has parity 0.

@@ -176,24 +176,21 @@ pub const fn mma_backward_dq_smem_bytes(block_m: usize, block_n: usize, head_dim
 /// Query rows per consumer warpgroup of the Hopper forward kernel: one `wgmma` tile (m64).
 pub const HOPPER_WARPGROUP_ROWS: usize = 64;
 
-/// Consumer warpgroups per block of the Hopper forward kernel.
-pub const HOPPER_CONSUMERS: usize = 2;
-
-/// Query rows per block of the Hopper forward kernel (block_m).
-pub const HOPPER_BLOCK_M: usize = HOPPER_CONSUMERS * HOPPER_WARPGROUP_ROWS;
-
-/// Threads per block of the Hopper forward kernel: one producer warpgroup and the consumers.
-pub const HOPPER_FORWARD_THREADS: usize = (1 + HOPPER_CONSUMERS) * 128;
+/// Threads per block of the Hopper forward kernel with `block_m` query rows: one producer
+/// warpgroup and one consumer warpgroup per 64 rows.
+pub const fn hopper_forward_threads(block_m: usize) -> usize {
+    (1 + block_m / HOPPER_WARPGROUP_ROWS) * 128
+}
 
 /// Alignment of the Hopper kernels' shared-memory tiles: one 128-byte swizzle atom (8 rows of
 /// 128 bytes), which TMA and `wgmma` address from a 1024-byte boundary.
 pub const HOPPER_SMEM_ALIGN: usize = 1024;
 
-/// Bytes of dynamic shared memory of the Hopper forward kernel: the Q tile (`HOPPER_BLOCK_M ×
+/// Bytes of dynamic shared memory of the Hopper forward kernel: the Q tile (`block_m ×
 /// head_dim`), `stages` slots of a K and a V tile (`block_n × head_dim`), all 16-bit, then the
-/// `mbarrier`s (Q full; K full, V full and K/V empty per stage, 8 bytes each), plus the slack to
-/// align the tiles to [`HOPPER_SMEM_ALIGN`] (the dynamic shared memory's own alignment is
-/// smaller).
-pub const fn hopper_forward_smem_bytes(block_n: usize, head_dim: usize, stages: usize) -> usize {
-    HOPPER_SMEM_ALIGN + (HOPPER_BLOCK_M + 2 * stages * block_n) * head_dim * 2 + 8 * (1 + 3 * stages)
+/// `mbarrier`s (Q full; K full, V full, K empty and V empty per stage, 8 bytes each), plus the
+/// slack to align the tiles to [`HOPPER_SMEM_ALIGN`] (the dynamic shared memory's own alignment
+/// is smaller).
+pub const fn hopper_forward_smem_bytes(block_m: usize, block_n: usize, head_dim: usize, stages: usize) -> usize {
+    HOPPER_SMEM_ALIGN + (block_m + 2 * stages * block_n) * head_dim * 2 + 8 * (1 + 4 * stages)
 }

@@ -39,7 +39,9 @@ use crate::check::{lse_error, relative_l2_error};
 use crate::dtype::{DType, Element};
 use crate::io::{self, HostTensor};
 use crate::timing::{tflops, time_gpu};
-use crate::{AttentionOptions, AttentionShape, Context, DqAccumulation, Error, FlashKernel, Result, TileConfig, cpu};
+use crate::{
+    AttentionOptions, AttentionShape, Context, DqAccumulation, Error, FlashKernel, KernelPath, Result, TileConfig, cpu,
+};
 
 /// The `attn` subcommand's flags.
 #[derive(clap::Args, Debug)]
@@ -87,6 +89,11 @@ pub struct Args {
     /// small inputs only) or `cpu` (the CPU reference instead of the kernels).
     #[arg(long, default_value = "0")]
     pub device: DeviceArg,
+    /// Which kernels run the f16/bf16 forward pass: `sm90a` (Hopper's wgmma and TMA; compute
+    /// capability 9.0 only) or `sm80` (mma.sync, every GPU). Default: sm90a where it runs
+    /// (or what $RUST_ATTENTION_KERNELS says).
+    #[arg(long)]
+    pub kernels: Option<KernelPath>,
     /// Timed repeats per kernel (the median is printed).
     #[arg(long, default_value_t = 10)]
     pub repeats: usize,
@@ -267,6 +274,7 @@ pub fn run(args: &Args) -> Result<()> {
         Some(ctx) => println!("device: {}", ctx.device()),
         None => println!("device: CPU reference (f64, plain formula; results rounded to {dtype})"),
     }
+    let ctx = ctx.map(|ctx| super::with_kernels(ctx, args.kernels)).transpose()?;
     print_problem(&inputs, &shape, dtype, args);
 
     let rounded = inputs.converted(dtype);
@@ -359,7 +367,7 @@ fn flash_rows<T: Element>(
     let forward =
         time_gpu(ctx, warmup, repeats, || ctx.flash_attention_forward_into(q, k, v, &mut out, options, tile))?;
     let mut rows = vec![Row {
-        label: format!("flash forward {dtype} ({tile})"),
+        label: format!("flash forward {dtype} ({})", ctx.forward_kernel_label(dtype, d, tile)),
         ms: forward.median_ms,
         flops,
         outputs: vec![HostTensor::from_device("o", &out.o)?, HostTensor::from_device("lse", &out.lse)?],
@@ -374,7 +382,7 @@ fn flash_rows<T: Element>(
         })?;
         let mode_name = if mode == DqAccumulation::Atomic { "atomic dQ" } else { "deterministic" };
         rows.push(Row {
-            label: format!("flash backward {dtype}, {mode_name} ({tile})"),
+            label: format!("flash backward {dtype}, {mode_name} ({} {tile})", KernelPath::Sm80),
             ms: backward.median_ms,
             flops: 2.5 * flops,
             outputs: gradients(&grads)?,

@@ -19,8 +19,8 @@ use crate::dtype::{DType, Element, from_f32_slice, to_f32_vec};
 use crate::timing::{tflops, time_gpu};
 use crate::tune::{Pass, TunedTiles};
 use crate::{
-    AttentionOptions, AttentionShape, Causal, Context, Device, DeviceTensor, DqAccumulation, Error, Result, TileConfig,
-    cpu,
+    AttentionOptions, AttentionShape, Causal, Context, Device, DeviceTensor, DqAccumulation, Error, KernelPath, Result,
+    TileConfig, cpu,
 };
 
 /// The main job's flags: naive attention vs FlashAttention on the GPU, forward and backward,
@@ -82,6 +82,11 @@ pub struct Args {
     /// `cpu` runs the CPU reference only (what happens anyway when there is no GPU).
     #[arg(long, default_value = "0")]
     pub device: DeviceArg,
+    /// Which kernels run the f16/bf16 forward pass: `sm90a` (Hopper's wgmma and TMA; compute
+    /// capability 9.0 only) or `sm80` (mma.sync, every GPU). Default: sm90a where it runs
+    /// (or what $RUST_ATTENTION_KERNELS says).
+    #[arg(long)]
+    pub kernels: Option<KernelPath>,
     /// Heads checked against the CPU when checking all of them would take long.
     #[arg(long, default_value_t = 2)]
     pub check_heads: usize,
@@ -236,6 +241,7 @@ pub(super) fn run(mut args: Args) -> Result<()> {
     } else {
         println!("device: {}", ctx.device());
     }
+    let ctx = super::with_kernels(ctx, args.kernels)?;
     if args.tune {
         return super::tune::run(&ctx, &args);
     }
@@ -507,8 +513,11 @@ fn tensor_core_rows<T: Element>(
     let (tile, backward_tile) = (tile_for(Pass::Forward), tile_for(Pass::Backward));
     let mode = args.dq_mode(dtype, shape.head_dim, case.causal);
     let mode_name = if mode == DqAccumulation::Atomic { "atomic dQ" } else { "deterministic" };
-    let names =
-        [format!("flash forward {dtype} ({tile})"), format!("flash backward {dtype}, {mode_name} ({backward_tile})")];
+    let forward_kernel = ctx.forward_kernel_label(dtype, shape.head_dim, tile);
+    let names = [
+        format!("flash forward {dtype} ({forward_kernel})"),
+        format!("flash backward {dtype}, {mode_name} ({} {backward_tile})", KernelPath::Sm80),
+    ];
     let flops = options.forward_flops(&shape);
     // The inputs rounded to T and widened back (exactly): what the kernels see, and so what the
     // reference must see.

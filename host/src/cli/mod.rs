@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use crate::{Causal, Device};
+use crate::{Causal, Context, Device, KernelPath, Result};
 
 pub mod attn;
 pub mod main_job;
@@ -97,4 +97,27 @@ pub fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `--kernels` of the main job and `attn`: puts `ctx` on `path` when given (otherwise it keeps the
+/// context's choice: sm_90a on compute capability 9.0, unless `RUST_ATTENTION_KERNELS` says
+/// otherwise) and prints which kernels run.
+///
+/// # Errors
+/// [`Error::Unsupported`] for `sm90a` on a device without the sm_90a kernels.
+pub(crate) fn with_kernels(ctx: Context, path: Option<KernelPath>) -> Result<Context> {
+    let ctx = match path {
+        Some(path) => ctx.with_kernel_path(path)?,
+        None => ctx,
+    };
+    if !ctx.is_emulated() {
+        match ctx.kernel_path() {
+            KernelPath::Sm90a => println!(
+                "kernels: sm_90a (wgmma, TMA, warp specialisation) for the f16/bf16 forward pass; sm_80 for the rest \
+                 (--kernels sm80 for sm_80 throughout)"
+            ),
+            KernelPath::Sm80 => println!("kernels: sm_80 (mma.sync tensor cores; CUDA cores for f32)"),
+        }
+    }
+    Ok(ctx)
 }
