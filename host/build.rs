@@ -34,8 +34,9 @@ const NVPTX_TARGET: &str = "nvptx64-nvidia-cuda";
 const PTX_VERSION: &str = "ptx78";
 
 /// The PTX ISA version of the Hopper module: 8.0 (CUDA 12.0) is the first with `wgmma`,
-/// `setmaxnreg` and the `sm_90a` target.
-const PTX_VERSION_HOPPER: &str = "ptx80";
+/// `setmaxnreg` and the `sm_90a` target, 8.1 the first with vector atomics (`red…v2.f32`, which
+/// the backward pass adds dQ with).
+const PTX_VERSION_HOPPER: &str = "ptx81";
 
 /// LLVM's loop-unrolling budget for the device code. The tensor-core kernels hold their tiles in
 /// register arrays (`[FragC; N]`) indexed by loop counters: only a fully unrolled loop turns every
@@ -338,6 +339,8 @@ const OCCUPANCY_HINTS: &[(&str, u32, u32)] = &[
     ("hopper_flash_fwd_f16_m128", 384, 1),
     ("hopper_flash_fwd_bf16_m128", 384, 1),
     ("hopper_flash_fwd_f16_m192", 512, 1),
+    ("hopper_flash_bwd_f16_", 384, 1),
+    ("hopper_flash_bwd_bf16_", 384, 1),
     ("hopper_flash_fwd_bf16_m192", 512, 1),
     ("flash_fwd_f16_m64_n32_d128_s2", 128, 3),
     ("flash_fwd_bf16_m64_n32_d128_s2", 128, 3),

@@ -8,14 +8,15 @@
 
 mod common;
 
+use attn_host::DqAccumulation;
 use attn_host::check::{lse_error, random_normal, relative_l2_error};
 use attn_host::dtype::{from_f32_slice, to_f32_vec};
 use attn_host::{
-    AttentionOptions, AttentionOutput, AttentionShape, Causal, Context, DType, DescriptorOffsets, Element, KernelPath,
-    TileConfig, bf16, cpu, f16,
+    AttentionOptions, AttentionOutput, AttentionShape, Causal, Context, DType, DescriptorOffsets, Element, Gradients,
+    KernelPath, TileConfig, bf16, cpu, f16,
 };
 use common::gpu;
-use common::tensor_cores::{Inputs, LSE_TOLERANCE, Problem16, tolerances};
+use common::tensor_cores::{Inputs, LSE_TOLERANCE, Problem16, check16, tolerances};
 
 /// The context, if it runs the `sm_90a` kernels; otherwise a skip line.
 fn hopper(test: &str) -> Option<&'static Context> {
@@ -187,6 +188,96 @@ fn check_hopper_cases(ctx: &Context, head_dim: usize) {
         check_hopper_forward::<f16>(ctx, shape, options, 100 + seed);
         check_hopper_forward::<bf16>(ctx, shape, options, 300 + seed);
     }
+}
+
+/// A context on the sm_90a path whatever `RUST_ATTENTION_KERNELS` says, so that the Hopper
+/// kernels run through the public entry points in both of the suite's runs.
+fn sm90a_context(ctx: &Context) -> Context {
+    Context::new(ctx.device().ordinal).unwrap().with_kernel_path(KernelPath::Sm90a).unwrap()
+}
+
+/// The Hopper backward (called directly, outputs poisoned with NaN) after the Hopper forward, on
+/// fresh inputs of `shape`, against the float64 reference on the same rounded inputs.
+fn check_hopper_backward<T: Element>(ctx: &Context, shape: AttentionShape, options: AttentionOptions, seed: u64) {
+    let problem = Problem16::<T>::new(ctx, shape, seed, Inputs::Normal);
+    let [q, k, v, d_o] = &problem.device;
+    let fwd = ctx.flash_attention_forward_hopper(q, k, v, &options).unwrap();
+    let nan = T::from_f32(f32::NAN);
+    let mut grads = Gradients {
+        dq: ctx.full(&shape.q_shape(), nan).unwrap(),
+        dk: ctx.full(&shape.kv_shape(), nan).unwrap(),
+        dv: ctx.full(&shape.kv_shape(), nan).unwrap(),
+    };
+    ctx.flash_attention_backward_hopper_into(q, k, v, &fwd.o, &fwd.lse, d_o, &mut grads, &options).unwrap();
+    let [qh, kh, vh, doh] = &problem.host;
+    let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal };
+    let reference = cpu::attention_backward(qh, kh, vh, doh, &shape, params).unwrap();
+    let (_, tolerance) = tolerances(T::DTYPE);
+    for (name, got, want) in
+        [("dQ", &grads.dq, &reference.dq), ("dK", &grads.dk, &reference.dk), ("dV", &grads.dv, &reference.dv)]
+    {
+        let err = relative_l2_error(&to_f32_vec(&got.to_host().unwrap()), want);
+        assert!(err <= tolerance, "{} {options:?} on {shape:?}: {name} relative L2 error {err:.3e}", T::DTYPE);
+    }
+}
+
+#[test]
+fn hopper_backward_matches_the_reference() {
+    let Some(ctx) = hopper("hopper_backward_matches_the_reference") else { return };
+    for head_dim in [64, 128] {
+        let shape = |batch, heads_q, heads_kv, seqlen_q, seqlen_k| AttentionShape {
+            batch,
+            num_heads_q: heads_q,
+            num_heads_kv: heads_kv,
+            seqlen_q,
+            seqlen_k,
+            head_dim,
+        };
+        // Key blocks of 128 and query tiles of 64: whole, ragged on either side, a block that
+        // no query sees (bottom-right with seqlen_q < seqlen_k), GQA, negative scale.
+        let cases = [
+            (shape(1, 1, 1, 1, 1), AttentionOptions::default()),
+            (shape(2, 4, 2, 256, 256), AttentionOptions::default()),
+            (shape(2, 4, 2, 333, 333), AttentionOptions::causal(Causal::TopLeft)),
+            (shape(1, 2, 2, 65, 200), AttentionOptions::causal(Causal::BottomRight)),
+            (shape(1, 2, 2, 200, 37), AttentionOptions::causal(Causal::BottomRight)),
+            (shape(1, 2, 2, 200, 130), AttentionOptions::causal(Causal::TopLeft)),
+            (shape(1, 3, 3, 130, 300), AttentionOptions::with_scale(-0.3)),
+            (shape(1, 8, 2, 300, 257), AttentionOptions::default()),
+        ];
+        for (i, (shape, options)) in cases.into_iter().enumerate() {
+            let seed = 500 + (head_dim + i) as u64;
+            check_hopper_backward::<f16>(ctx, shape, options, seed);
+            check_hopper_backward::<bf16>(ctx, shape, options, seed + 1);
+        }
+    }
+}
+
+#[test]
+fn the_kernel_path_picks_the_backward_kernel() {
+    let Some(ctx) = hopper("the_kernel_path_picks_the_backward_kernel") else { return };
+    let sm90a = sm90a_context(ctx);
+    for head_dim in [64, 128] {
+        let tile = TileConfig::default_backward_for_dtype(DType::Bf16, head_dim);
+        let mode = sm90a.dq_accumulation_for(DType::Bf16, head_dim);
+        let label = sm90a.backward_kernel_label(DType::Bf16, head_dim, tile, mode);
+        // The Hopper backward where it is the faster (head_dim 128), with the atomic dQ it needs.
+        if head_dim == 128 {
+            assert!(label.starts_with("sm_90a") && mode == DqAccumulation::Atomic, "{label} {mode:?}");
+        } else {
+            assert!(label.starts_with("sm_80"), "{label}");
+        }
+        // A deterministic dQ is never the Hopper kernel's.
+        let label = sm90a.backward_kernel_label(DType::Bf16, head_dim, tile, DqAccumulation::Deterministic);
+        assert!(label.starts_with("sm_80"), "{label}");
+    }
+    // Through the public entry point at head_dim 128, poisoned outputs, against the reference.
+    let shape =
+        AttentionShape { batch: 1, num_heads_q: 4, num_heads_kv: 2, seqlen_q: 300, seqlen_k: 300, head_dim: 128 };
+    let (fwd, bwd) =
+        (TileConfig::default_for_dtype(DType::Bf16, 128), TileConfig::default_backward_for_dtype(DType::Bf16, 128));
+    let options = AttentionOptions::causal(Causal::TopLeft);
+    check16::<bf16>(&sm90a, shape, fwd, Some((bwd, DqAccumulation::Atomic)), options, 77, Inputs::Normal);
 }
 
 #[test]

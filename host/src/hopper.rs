@@ -18,8 +18,8 @@ use crate::context::{Backend, KernelArg};
 use crate::dtype::{DType, Element};
 use crate::error::{During, Error, Result};
 use crate::kernels::entry;
-use crate::layout::{hopper_forward_smem_bytes, hopper_forward_threads};
-use crate::ops::{AttentionOutput, ProblemArgs, flash_config};
+use crate::layout::{hopper_backward_smem_bytes, hopper_forward_smem_bytes, hopper_forward_threads};
+use crate::ops::{AttentionOutput, DqAccumulation, Gradients, ProblemArgs, flash_config};
 use crate::problem::check_flash_grid;
 use crate::{AttentionOptions, AttentionShape, TileConfig};
 use crate::{Context, DeviceTensor};
@@ -139,8 +139,50 @@ impl HopperForward {
     }
 }
 
-/// The Q, K and V tensor maps of one Hopper forward launch, in device memory (the kernel's
-/// first argument).
+/// A compiled Hopper backward kernel: its entry and ring depth (128 keys per block, query
+/// tiles of 64, 384 threads).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct HopperBackward {
+    pub(crate) entry: &'static str,
+    pub(crate) stages: usize,
+}
+
+impl HopperBackward {
+    /// Query rows per tile of the inner loop.
+    pub(crate) const BLOCK_M: usize = 64;
+    /// Keys per block.
+    pub(crate) const BLOCK_N: usize = 128;
+    /// Threads per block: a producer and two consumer warpgroups.
+    pub(crate) const THREADS: usize = 384;
+    /// The head dimensions at which the sm_90a path runs this kernel: where it beats the sm_80
+    /// backward on an H200 (`PERFORMANCE.md`: 228–230 against 199–204 TFLOP/s at head_dim 128;
+    /// at 64 it trails, 128–139 against 143–164, its dQ atomics costing more than the products
+    /// save). [`Context::flash_attention_backward_hopper`] runs it at either.
+    pub(crate) const CHOSEN_HEAD_DIMS: [usize; 1] = [128];
+
+    /// The kernel for `dtype` and `head_dim`.
+    ///
+    /// # Errors
+    /// As [`HopperForward::for_problem`].
+    pub(crate) fn for_problem(dtype: DType, head_dim: usize) -> Result<Self> {
+        let entry = match (dtype, head_dim) {
+            (DType::F16, 64) => entry::HOPPER_FLASH_BWD_F16_M64_N128_D64_S2,
+            (DType::Bf16, 64) => entry::HOPPER_FLASH_BWD_BF16_M64_N128_D64_S2,
+            (DType::F16, 128) => entry::HOPPER_FLASH_BWD_F16_M64_N128_D128_S2,
+            (DType::Bf16, 128) => entry::HOPPER_FLASH_BWD_BF16_M64_N128_D128_S2,
+            (DType::F32, _) => return Err(Error::Shape("the Hopper backward takes f16 or bf16 tensors".into())),
+            _ => {
+                return Err(Error::HeadDimNotCompiled {
+                    head_dim,
+                    allowed: format!("{:?} (the Hopper backward)", HopperForward::HEAD_DIMS),
+                });
+            }
+        };
+        Ok(Self { entry, stages: 2 })
+    }
+}
+
+/// The tensor maps of one Hopper kernel launch, in device memory (the kernel's first argument).
 struct TensorMaps {
     maps: CudaSlice<u64>,
 }
@@ -443,7 +485,15 @@ impl Context {
         }
         check_flash_grid(&shape)?;
         let scale_log2 = options.checked_scale(shape.head_dim)? * std::f32::consts::LOG2_E;
-        let maps = self.attention_tensor_maps(q, k, v, &shape, kernel.block_m, kernel.block_n)?;
+        let (s, n) = (&shape, kernel.block_n);
+        let maps = self.attention_tensor_maps(
+            &[
+                (q, s.num_heads_q, s.seqlen_q, kernel.block_m),
+                (k, s.num_heads_kv, s.seqlen_k, n),
+                (v, s.num_heads_kv, s.seqlen_k, n),
+            ],
+            s,
+        )?;
         let config = flash_config(
             (shape.seqlen_q.div_ceil(kernel.block_m), shape.num_heads_q, shape.batch),
             hopper_forward_threads(kernel.block_m),
@@ -454,36 +504,156 @@ impl Context {
         self.launch(kernel.entry, config, &args.with_mask(&head, &[&scale_log2]))
     }
 
-    /// The tensor maps of Q, K and V for the Hopper forward, back to back in one device buffer:
-    /// each tensor `[batch, heads, seqlen, head_dim]` as a 3-D map of (head_dim, seqlen,
-    /// batch · heads), so that a box running past a head's last row reads zeros rather than the
-    /// next head, with boxes of 64 columns (the 128-byte swizzle's span) by `block_m`
-    /// rows for Q and `block_n` rows for K and V, written with the 128-byte swizzle.
-    fn attention_tensor_maps<T: Element>(
+    /// FlashAttention backward on Hopper (`kernels/src/flash_backward_wgmma.rs`: FlashAttention-2's
+    /// Algorithm 2 with FlashAttention-3's structure): dQ, dK, dV for `f16`/`bf16` tensors of
+    /// head_dim 64 or 128, with the shapes, masks, GQA and scale of
+    /// [`Context::flash_attention_backward`]. A block owns 128 keys (two consumer warpgroups of
+    /// 64) and loops over query tiles of 64 rows that a producer warpgroup loads with TMA; dQ is
+    /// added to an `f32` copy with atomics (as [`DqAccumulation::Atomic`]: the last bits of dQ may
+    /// differ between runs) and rounded at the end. On the sm_90a path
+    /// [`Context::flash_attention_backward`] runs this kernel at head_dim 128 for its default tile
+    /// and atomic dQ (at 64 the sm_80 kernels are faster).
+    ///
+    /// Extra device memory: D (one `f32` per query row) and the `f32` copy of dQ.
+    ///
+    /// # Errors
+    /// As [`Context::flash_attention_forward_hopper`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_attention_backward_hopper<T: Element>(
         &self,
         q: &DeviceTensor<T>,
         k: &DeviceTensor<T>,
         v: &DeviceTensor<T>,
+        o: &DeviceTensor<T>,
+        lse: &DeviceTensor<f32>,
+        d_o: &DeviceTensor<T>,
+        options: &AttentionOptions,
+    ) -> Result<Gradients<T>> {
+        let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
+        HopperBackward::for_problem(T::DTYPE, shape.head_dim)?;
+        let mut grads = Gradients {
+            dq: self.alloc_output(&shape.q_shape())?,
+            dk: self.alloc_output(&shape.kv_shape())?,
+            dv: self.alloc_output(&shape.kv_shape())?,
+        };
+        self.flash_attention_backward_hopper_into(q, k, v, o, lse, d_o, &mut grads, options)?;
+        Ok(grads)
+    }
+
+    /// [`Context::flash_attention_backward_hopper`] into existing gradient tensors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_attention_backward_hopper_into<T: Element>(
+        &self,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        o: &DeviceTensor<T>,
+        lse: &DeviceTensor<f32>,
+        d_o: &DeviceTensor<T>,
+        grads: &mut Gradients<T>,
+        options: &AttentionOptions,
+    ) -> Result<()> {
+        let shape = self.check_backward(q, k, v, o, lse, d_o, grads)?;
+        let kernel = HopperBackward::for_problem(T::DTYPE, shape.head_dim)?;
+        if !self.has_hopper_kernels() {
+            return Err(Error::Unsupported {
+                what: "the sm_90a kernels (wgmma, TMA)",
+                device: self.device().name.clone(),
+            });
+        }
+        check_flash_grid(&shape)?;
+        let scale = options.checked_scale(shape.head_dim)?;
+        let delta = self.row_deltas(o, d_o, &shape)?;
+        let (s, m, n) = (&shape, HopperBackward::BLOCK_M, HopperBackward::BLOCK_N);
+        let maps = self.attention_tensor_maps(
+            &[
+                (q, s.num_heads_q, s.seqlen_q, m),
+                (k, s.num_heads_kv, s.seqlen_k, n),
+                (v, s.num_heads_kv, s.seqlen_k, n),
+                (d_o, s.num_heads_q, s.seqlen_q, m),
+            ],
+            s,
+        )?;
+        let mut accum = self.alloc_output::<f32>(&shape.q_shape())?;
+        self.fill_zeros(&mut accum)?;
+        let config = flash_config(
+            (shape.seqlen_k.div_ceil(n), shape.num_heads_kv, shape.batch),
+            HopperBackward::THREADS,
+            hopper_backward_smem_bytes(shape.head_dim, kernel.stages),
+        );
+        let args = ProblemArgs::new(&shape, options);
+        let head: [&dyn KernelArg; 6] = [&maps, lse, &delta, &accum, &grads.dk, &grads.dv];
+        self.launch(kernel.entry, config, &args.with_mask(&head, &[&scale]))?;
+        self.round_dq(&accum, &mut grads.dq)
+    }
+
+    /// The Hopper backward kernel that [`Context::flash_attention_backward`] runs in place of the
+    /// sm_80 ones: on the sm_90a path, for `f16`/`bf16` and the head dimensions where it is the
+    /// faster (`HopperBackward::CHOSEN_HEAD_DIMS`: 128), when `tile` is the built-in default
+    /// ([`TileConfig::default_backward_for_dtype`]) and dQ is accumulated with atomics.
+    pub(crate) fn hopper_backward_for(
+        &self,
+        dtype: DType,
+        head_dim: usize,
+        tile: TileConfig,
+        dq: DqAccumulation,
+    ) -> Option<HopperBackward> {
+        let wanted = self.kernel_path == KernelPath::Sm90a
+            && dq == DqAccumulation::Atomic
+            && HopperBackward::CHOSEN_HEAD_DIMS.contains(&head_dim)
+            && tile == TileConfig::default_backward_for_dtype(dtype, head_dim);
+        wanted.then(|| HopperBackward::for_problem(dtype, head_dim).ok()).flatten()
+    }
+
+    /// The faster dQ mode for `dtype` and `head_dim` on this context: [`DqAccumulation::Atomic`]
+    /// where the Hopper backward runs (it has no deterministic mode), otherwise
+    /// [`DqAccumulation::fastest_for`].
+    pub fn dq_accumulation_for(&self, dtype: DType, head_dim: usize) -> DqAccumulation {
+        let tile = TileConfig::default_backward_for_dtype(dtype, head_dim);
+        match self.hopper_backward_for(dtype, head_dim, tile, DqAccumulation::Atomic) {
+            Some(_) => DqAccumulation::Atomic,
+            None => DqAccumulation::fastest_for(dtype),
+        }
+    }
+
+    /// A short name of the kernel [`Context::flash_attention_backward`] runs, for tables:
+    /// `sm_90a m64_n128_s2` or `sm_80 m64_n128_s2` (see [`Context::forward_kernel_label`]).
+    pub fn backward_kernel_label(&self, dtype: DType, head_dim: usize, tile: TileConfig, dq: DqAccumulation) -> String {
+        match self.hopper_backward_for(dtype, head_dim, tile, dq) {
+            Some(kernel) => format!(
+                "{} m{}_n{}_s{}",
+                KernelPath::Sm90a,
+                HopperBackward::BLOCK_M,
+                HopperBackward::BLOCK_N,
+                kernel.stages
+            ),
+            None => format!("{} {tile}", KernelPath::Sm80),
+        }
+    }
+
+    /// Tensor maps of attention tensors for the Hopper kernels, back to back in one device buffer
+    /// (the kernels' first argument): each `[batch, heads, seqlen, head_dim]` tensor as a 3-D map
+    /// of (head_dim, seqlen, batch · heads), so that a box running past a head's last row reads
+    /// zeros rather than the next head, with boxes of 64 columns (the 128-byte swizzle's span) by
+    /// the given rows, written with the 128-byte swizzle. Each entry: the tensor, its heads, its
+    /// sequence length and the box's rows.
+    fn attention_tensor_maps<T: Element>(
+        &self,
+        tensors: &[(&DeviceTensor<T>, usize, usize, usize)],
         shape: &AttentionShape,
-        block_m: usize,
-        block_n: usize,
     ) -> Result<TensorMaps> {
         let Backend::Cuda { stream, .. } = &self.backend else {
             return Err(Error::NotOnEmulator("tensor maps (TMA)"));
         };
         let d = shape.head_dim;
-        let map = |tensor: &DeviceTensor<T>, heads: usize, seqlen: usize, box_rows: usize| {
+        let mut words: Vec<u64> = Vec::with_capacity(16 * tensors.len());
+        for &(tensor, heads, seqlen, box_rows) in tensors {
             let dims = [d as u64, seqlen as u64, (shape.batch * heads) as u64];
             let strides = [(d * 2) as u64, (seqlen * d * 2) as u64];
             let box_dims = [SWIZZLE_COLUMNS as u32, box_rows as u32, 1];
-            self.encode_tensor_map(tensor, &dims, &strides, &box_dims, CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B)
-        };
-        let maps = [
-            map(q, shape.num_heads_q, shape.seqlen_q, block_m)?,
-            map(k, shape.num_heads_kv, shape.seqlen_k, block_n)?,
-            map(v, shape.num_heads_kv, shape.seqlen_k, block_n)?,
-        ];
-        let words: Vec<u64> = maps.iter().flat_map(|m| m.opaque).collect();
+            let swizzle = CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B;
+            words.extend(self.encode_tensor_map(tensor, &dims, &strides, &box_dims, swizzle)?.opaque);
+        }
         let maps = stream.clone_htod(&words).during("copying tensor maps to the device")?;
         Ok(TensorMaps { maps })
     }

@@ -295,6 +295,11 @@ impl Context {
     /// Extra device memory, all O(seqlen): one `f32` per query row (D = rowsum(dO ∘ O)); with
     /// 16-bit types and atomic dQ also an `f32` copy of dQ to accumulate into.
     ///
+    /// On the sm_90a path ([`Context::kernel_path`]) a 16-bit backward pass of head_dim 128 with
+    /// the default tile and [`DqAccumulation::Atomic`] runs the Hopper kernel instead
+    /// ([`Context::flash_attention_backward_hopper`]); [`Context::dq_accumulation_for`] gives the
+    /// mode that is fastest on this context.
+    ///
     /// # Errors
     /// As [`Context::flash_attention_forward`]; the backward kernels need more shared memory per
     /// tile than the forward one.
@@ -336,6 +341,9 @@ impl Context {
         dq: DqAccumulation,
     ) -> Result<()> {
         let shape = self.check_backward(q, k, v, o, lse, d_o, grads)?;
+        if self.hopper_backward_for(T::DTYPE, shape.head_dim, tile, dq).is_some() {
+            return self.flash_attention_backward_hopper_into(q, k, v, o, lse, d_o, grads, options);
+        }
         let dtype = T::DTYPE;
         let entries: Vec<&'static str> = backward_kernels(dq)
             .iter()
@@ -382,14 +390,7 @@ impl Context {
                 self.fill_zeros(&mut accum)?;
                 let head: [&dyn KernelArg; 9] = [q_, k_, v_, do_, lse_, delta_, &accum, &grads.dk, &grads.dv];
                 self.launch(entries[0], config(FlashKernel::Backward), &args.with_mask(&head, &[&scale]))?;
-                let n = accum.len();
-                let convert = one_dim(grid_stride_blocks(self, n / 8, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS);
-                let entry = if dtype == DType::F16 {
-                    entry::FLASH_BWD_CONVERT_DQ_F16
-                } else {
-                    entry::FLASH_BWD_CONVERT_DQ_BF16
-                };
-                self.launch(entry, convert, &[&accum, &grads.dq, &n])
+                self.round_dq(&accum, &mut grads.dq)
             }
             (_, DqAccumulation::Deterministic) => {
                 let head: [&dyn KernelArg; 8] = [q_, k_, v_, do_, lse_, delta_, &grads.dk, &grads.dv];
@@ -456,8 +457,17 @@ impl Context {
         self.launch(entry::NAIVE_PT_X_F32, per_kv_row, &args.with_shape(&[&p, q, &grads.dk], &[&scale]))
     }
 
+    /// Rounds the `f32` dQ accumulator of the atomic backward kernels to `dq`'s 16-bit type.
+    pub(crate) fn round_dq<T: Element>(&self, accum: &DeviceTensor<f32>, dq: &mut DeviceTensor<T>) -> Result<()> {
+        let n = accum.len();
+        let convert = one_dim(grid_stride_blocks(self, n / 8, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS);
+        let entry =
+            if T::DTYPE == DType::F16 { entry::FLASH_BWD_CONVERT_DQ_F16 } else { entry::FLASH_BWD_CONVERT_DQ_BF16 };
+        self.launch(entry, convert, &[accum, &*dq, &n])
+    }
+
     /// D = rowsum(dO ∘ O), one `f32` per query row, in a new tensor.
-    fn row_deltas<T: Element>(
+    pub(crate) fn row_deltas<T: Element>(
         &self,
         o: &DeviceTensor<T>,
         d_o: &DeviceTensor<T>,
@@ -514,7 +524,7 @@ impl Context {
 
     /// [`Context::check_attention`] plus dO and the gradients.
     #[allow(clippy::too_many_arguments)]
-    fn check_backward<T: Element>(
+    pub(crate) fn check_backward<T: Element>(
         &self,
         q: &DeviceTensor<T>,
         k: &DeviceTensor<T>,

@@ -167,7 +167,8 @@ impl Sweep<'_> {
                     if tile.validate_kernel(FlashKernel::Forward, dtype, d, ctx.device()).is_err() {
                         continue;
                     }
-                    let ms = self.time(|| ctx.flash_attention_forward_sm80_into(&q, &k, &v, &mut out, &options, tile))?;
+                    let ms =
+                        self.time(|| ctx.flash_attention_forward_sm80_into(&q, &k, &v, &mut out, &options, tile))?;
                     measurements.push(self.measure(pass, dtype, tile, None, ms)?);
                     on_each(measurements.last().expect("just pushed"));
                 }

@@ -23,7 +23,7 @@
 //! |---|---|---|
 //! | [`Accumulator::pin`] | every thread, on the accumulators of the `wgmma`s about to be issued, and after a wait on those just finished | the compiler's register accesses: none moves across it |
 //! | [`wgmma_fence`] | every thread of the warpgroup, before the first `wgmma` of a batch | earlier register writes to the accumulators (and A in registers) before the `wgmma`s read them |
-//! | [`Accumulator::mma`], [`Accumulator::mma_register_a`] | every thread of the warpgroup, same operands | nothing: it only issues |
+//! | [`Accumulator::mma`], [`Accumulator::mma_register_a`], [`Accumulator::mma_mn_major`] | every thread of the warpgroup, same operands | nothing: it only issues |
 //! | [`wgmma_commit`] | every thread of the warpgroup | closes the group of `wgmma`s issued since the last commit |
 //! | [`wgmma_wait`] | every thread of the warpgroup | returns when at most `N` committed groups are pending; then their accumulators may be read, and their shared memory overwritten |
 //! | [`fence_proxy_async`] | each thread that wrote shared memory with ordinary stores, before the barrier that publishes it | those stores before reads by `wgmma` or TMA (the *async proxy*) |
@@ -221,6 +221,14 @@ pub trait Accumulator {
     /// As [`Accumulator::mma`], for the B descriptor; `a` must not change until the wait.
     unsafe fn mma_register_a<const BF16: bool>(&mut self, a: FragA, b: u64, accumulate: bool);
 
+    /// As [`Accumulator::mma`], with both operands *MN-major* (`imm-trans-a` = `imm-trans-b` =
+    /// 1): A stored with M contiguous (as Aᵀ row-major), B with N contiguous. How the backward
+    /// pass multiplies dS, staged in shared memory as dSᵀ, by K.
+    ///
+    /// # Safety
+    /// As [`Accumulator::mma`].
+    unsafe fn mma_mn_major<const BF16: bool>(&mut self, a: u64, b: u64, accumulate: bool);
+
     /// Ties the accumulator's registers to this point of the program (an empty `asm!` that reads
     /// and writes them). Called after [`wgmma_wait`] it keeps the compiler from reading them
     /// earlier; called before [`wgmma_fence`] it keeps the compiler from writing them (zeroing,
@@ -239,6 +247,16 @@ macro_rules! accumulator {
                     wgmma_issue!($tiles, $n, "bf16", d, scale_d, ["{a}, {b},"], ["p, 1, 1, 0, 0;"], a = in(reg64) a, b = in(reg64) b,);
                 } else {
                     wgmma_issue!($tiles, $n, "f16", d, scale_d, ["{a}, {b},"], ["p, 1, 1, 0, 0;"], a = in(reg64) a, b = in(reg64) b,);
+                }
+            }
+
+            #[inline(always)]
+            unsafe fn mma_mn_major<const BF16: bool>(&mut self, a: u64, b: u64, accumulate: bool) {
+                let (d, scale_d) = (self, accumulate as u32);
+                if BF16 {
+                    wgmma_issue!($tiles, $n, "bf16", d, scale_d, ["{a}, {b},"], ["p, 1, 1, 1, 1;"], a = in(reg64) a, b = in(reg64) b,);
+                } else {
+                    wgmma_issue!($tiles, $n, "f16", d, scale_d, ["{a}, {b},"], ["p, 1, 1, 1, 1;"], a = in(reg64) a, b = in(reg64) b,);
                 }
             }
 
@@ -462,6 +480,23 @@ pub unsafe fn tma_load_2d(destination: u32, tensor_map: *const u8, x: i32, y: i3
             y = in(reg32) y,
             bar = in(reg32) barrier,
             options(nostack)
+        )
+    };
+}
+
+/// Adds `values` to the two `f32` at `address` (8-byte aligned, global memory) atomically,
+/// without returning the old values (`red.global.add.v2.f32`, sm_90): how the backward pass
+/// accumulates dQ from every key block.
+///
+/// # Safety
+/// `address` points to two `f32` of global memory, 8-byte aligned.
+#[inline(always)]
+pub unsafe fn atomic_add_f32x2(address: *mut f32, values: [f32; 2]) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        asm!(
+            "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; red.global.add.v2.f32 [g], {{{x}, {y}}}; }}",
+            p = in(reg64) address as u64, x = in(reg32) values[0], y = in(reg32) values[1], options(nostack)
         )
     };
 }

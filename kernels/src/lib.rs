@@ -128,6 +128,8 @@ pub mod tiles;
 
 pub mod flash_backward;
 pub mod flash_backward_mma;
+#[cfg(target_arch = "nvptx64")]
+pub mod flash_backward_wgmma;
 pub mod flash_forward;
 pub mod flash_forward_mma;
 #[cfg(target_arch = "nvptx64")]

@@ -22,7 +22,7 @@
 //!   `[batch, num_heads_q, seqlen_q]`. Written under the names `o`, `lse`, `dq`, `dk`, `dv` to one
 //!   `.safetensors` file, or to a directory of `.npy` files (`o.npy`, …; `o.bf16.npy` for bf16).
 //! * Tiles: the tuned defaults ([`TileConfig::default_for_dtype`],
-//!   [`TileConfig::default_backward_for_dtype`]); dQ mode: [`DqAccumulation::fastest_for`].
+//!   [`TileConfig::default_backward_for_dtype`]); dQ mode: [`Context::dq_accumulation_for`].
 //! * `--device`: a CUDA ordinal, `cpu-emulated` (the kernels' own code on the CPU emulator: slow,
 //!   for small inputs), or `cpu` (the CPU reference, the plain formula in `f64`, its results
 //!   rounded to the run's type). With a CUDA ordinal and no GPU on the machine, the job says so
@@ -374,7 +374,7 @@ fn flash_rows<T: Element>(
     }];
     if let Some(d_o) = device.get(3) {
         let tile = TileConfig::default_backward_for_dtype(dtype, d);
-        let mode = DqAccumulation::fastest_for(dtype);
+        let mode = ctx.dq_accumulation_for(dtype, d);
         let (o, lse) = (&out.o, &out.lse);
         let mut grads = ctx.flash_attention_backward(q, k, v, o, lse, d_o, options, tile, mode)?;
         let backward = time_gpu(ctx, warmup, repeats, || {
@@ -382,7 +382,7 @@ fn flash_rows<T: Element>(
         })?;
         let mode_name = if mode == DqAccumulation::Atomic { "atomic dQ" } else { "deterministic" };
         rows.push(Row {
-            label: format!("flash backward {dtype}, {mode_name} ({} {tile})", KernelPath::Sm80),
+            label: format!("flash backward {dtype}, {mode_name} ({})", ctx.backward_kernel_label(dtype, d, tile, mode)),
             ms: backward.median_ms,
             flops: 2.5 * flops,
             outputs: gradients(&grads)?,

@@ -141,11 +141,11 @@ impl Args {
 
     /// The dQ mode of the 16-bit backward rows: the tuned one for the tuned tile, else the
     /// measured faster mode for the type.
-    fn dq_mode(&self, dtype: DType, head_dim: usize, causal: Causal) -> DqAccumulation {
+    fn dq_mode(&self, ctx: &Context, dtype: DType, head_dim: usize, causal: Causal) -> DqAccumulation {
         let tuned = self.tuned.as_ref().filter(|_| self.block_m.is_none());
         tuned
             .and_then(|t| t.tile(Pass::Backward, dtype, head_dim, causal)?.dq)
-            .unwrap_or(DqAccumulation::fastest_for(dtype))
+            .unwrap_or(ctx.dq_accumulation_for(dtype, head_dim))
     }
 
     /// Whether no shape flag was given (the default cases run).
@@ -511,12 +511,15 @@ fn tensor_core_rows<T: Element>(
     let options = AttentionOptions { scale: args.scale, causal: case.causal };
     let tile_for = |pass| args.tile(dtype, shape.head_dim, case.causal, pass);
     let (tile, backward_tile) = (tile_for(Pass::Forward), tile_for(Pass::Backward));
-    let mode = args.dq_mode(dtype, shape.head_dim, case.causal);
+    let mode = args.dq_mode(ctx, dtype, shape.head_dim, case.causal);
     let mode_name = if mode == DqAccumulation::Atomic { "atomic dQ" } else { "deterministic" };
     let forward_kernel = ctx.forward_kernel_label(dtype, shape.head_dim, tile);
     let names = [
         format!("flash forward {dtype} ({forward_kernel})"),
-        format!("flash backward {dtype}, {mode_name} ({} {backward_tile})", KernelPath::Sm80),
+        format!(
+            "flash backward {dtype}, {mode_name} ({})",
+            ctx.backward_kernel_label(dtype, shape.head_dim, backward_tile, mode)
+        ),
     ];
     let flops = options.forward_flops(&shape);
     // The inputs rounded to T and widened back (exactly): what the kernels see, and so what the

@@ -1,0 +1,584 @@
+//! Level 9 (sm_90a only): the FlashAttention backward pass on Hopper. The algorithm is
+//! FlashAttention-2's (Dao 2023, Algorithm 2: an outer loop over key blocks, an inner loop over
+//! query tiles, dQ added to device memory by every key block), with the structure of level 8
+//! ([`crate::flash_forward_wgmma`]) and of FlashAttention-3's backward (Shah et al. 2024,
+//! section 3 and Appendix B):
+//!
+//! * a producer warpgroup loads this block's K and V once and then every query tile's Q and dO
+//!   round a ring of `STAGES` slots with TMA; two consumer warpgroups each own 64 of the
+//!   block's 128 keys and keep their rows of dK and dV in registers for the whole loop;
+//! * per query tile of 64 rows, each consumer computes Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (both operands
+//!   from shared memory), then Pᵀ = exp(Sᵀ·scale − LSE) and dSᵀ = Pᵀ ∘ (dPᵀ − D) in registers,
+//!   and accumulates dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ and dSᵀ as register operands;
+//! * dQ = scale · dS·K needs dS with the queries as rows, which no thread holds: each consumer
+//!   writes its rows of dSᵀ to shared memory (row-major by key), which `wgmma` reads as an
+//!   MN-major A operand ([`Accumulator::mma_mn_major`]), and adds a share of the tile's dQ to
+//!   an `f32` copy in device memory with vector atomics; a last kernel rounds it to 16 bits.
+//!
+//! Which share: at head_dim 64 each consumer adds its own 64 keys' contribution to all of dQ's
+//! columns; it reads only the dSᵀ rows it wrote, so the consumers never wait for each other and
+//! drift apart, one's exponentials overlapping the other's products. At head_dim 128 that would
+//! double the atomics, which cost more than the waiting (measured, `PERFORMANCE.md`): each
+//! consumer multiplies all 128 keys by its 64 columns of K, after a barrier of both consumers.
+//! dSᵀ alternates between two buffers, so a warp never overwrites rows that a product of the
+//! previous tile may still read.
+//!
+//! Grouped-query attention: a block owns a key block of one key/value head and loops over the
+//! query tiles of every query head of its group, so dK and dV are complete when it ends.
+
+use crate::flash_forward_mma::pack_a;
+use crate::gpu::{self, FragC, HalfFloat, LOG2_E};
+use crate::hopper::{
+    Accumulator, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, WARPGROUP_THREADS, advance_descriptor, atomic_add_f32x2,
+    fence_mbarrier_init, fence_proxy_async, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait,
+    named_barrier_sync, registers_decrease, registers_increase, shared_address, swizzled_descriptor, tma_load_3d,
+    warpgroup_id, wgmma_commit, wgmma_fence, wgmma_wait,
+};
+use crate::layout::{AttentionShape, HOPPER_SMEM_ALIGN, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS};
+use crate::tiles::Mask;
+
+/// Keys per block: 64 per consumer warpgroup.
+pub const BLOCK_N: usize = 128;
+/// Query rows per tile of the inner loop.
+pub const BLOCK_M: usize = 64;
+/// Consumer warpgroups.
+const CONSUMERS: usize = BLOCK_N / WARPGROUP_ROWS;
+/// Columns of one swizzled column block: 128 bytes of 16-bit values.
+const SWIZZLE_COLUMNS: usize = SWIZZLE_ROW_BYTES / 2;
+/// Register budgets after `setmaxnreg` (producer, consumers), of 168 each at launch (384
+/// threads): 40 + 2 · 232 = 3 · 168.
+const REGISTERS: (u32, u32) = (40, 232);
+/// The named barrier of both consumers (0 is `__syncthreads`, 1 and 2 each consumer's own).
+const ALL_CONSUMERS: u32 = 3;
+
+/// The block's shared memory, as shared-state-space addresses from a base aligned to one swizzle
+/// atom: K and V (`BLOCK_N × D`), `STAGES` slots of a Q and a dO tile (`BLOCK_M × D`), two dSᵀ
+/// buffers (`BLOCK_N × BLOCK_M`), then the `mbarrier`s. Tiles are `D / 64` swizzled column blocks.
+#[derive(Clone, Copy)]
+struct SharedTiles<const D: usize, const STAGES: usize> {
+    base: u32,
+}
+
+impl<const D: usize, const STAGES: usize> SharedTiles<D, STAGES> {
+    const KV_BYTES: u32 = (BLOCK_N * D * 2) as u32;
+    const Q_BYTES: u32 = (BLOCK_M * D * 2) as u32;
+    const DS_BYTES: u32 = (BLOCK_N * BLOCK_M * 2) as u32;
+
+    #[inline(always)]
+    fn new() -> Self {
+        let raw = shared_address(gpu::dynamic_shared_memory());
+        let align = HOPPER_SMEM_ALIGN as u32;
+        Self { base: raw.div_ceil(align) * align }
+    }
+
+    #[inline(always)]
+    fn k(self) -> u32 {
+        self.base
+    }
+
+    #[inline(always)]
+    fn v(self) -> u32 {
+        self.base + Self::KV_BYTES
+    }
+
+    #[inline(always)]
+    fn q(self, stage: usize) -> u32 {
+        self.base + 2 * Self::KV_BYTES + 2 * stage as u32 * Self::Q_BYTES
+    }
+
+    #[inline(always)]
+    fn d_o(self, stage: usize) -> u32 {
+        self.q(stage) + Self::Q_BYTES
+    }
+
+    #[inline(always)]
+    fn ds(self, buffer: usize) -> u32 {
+        self.base + 2 * Self::KV_BYTES + 2 * STAGES as u32 * Self::Q_BYTES + buffer as u32 * Self::DS_BYTES
+    }
+
+    /// Barrier `i` of `[K and V full, Q full × STAGES, dO full × STAGES, Q and dO empty × STAGES]`.
+    #[inline(always)]
+    fn barrier(self, i: usize) -> u32 {
+        self.ds(2) + 8 * i as u32
+    }
+
+    #[inline(always)]
+    fn kv_full(self) -> u32 {
+        self.barrier(0)
+    }
+
+    #[inline(always)]
+    fn q_full(self, stage: usize) -> u32 {
+        self.barrier(1 + stage)
+    }
+
+    #[inline(always)]
+    fn do_full(self, stage: usize) -> u32 {
+        self.barrier(1 + STAGES + stage)
+    }
+
+    #[inline(always)]
+    fn q_empty(self, stage: usize) -> u32 {
+        self.barrier(1 + 2 * STAGES + stage)
+    }
+}
+
+/// The ring slot of the `tile`-th query tile a block visits and the parity of that use of it.
+#[inline(always)]
+fn slot(tile: usize, stages: usize) -> (usize, u32) {
+    (tile % stages, ((tile / stages) % 2) as u32)
+}
+
+/// What a block works on: its key block, its key/value head, and the query tiles it visits.
+#[derive(Clone, Copy)]
+struct KeyBlock {
+    /// First key of the block.
+    k_start: usize,
+    batch: usize,
+    kv_head: usize,
+    /// Query heads per key/value head.
+    group: usize,
+    /// The first query tile that sees a key of this block (causal masks skip the ones before),
+    /// and the number of query tiles.
+    first_tile: usize,
+    tiles: usize,
+}
+
+impl KeyBlock {
+    #[inline(always)]
+    fn current(shape: &AttentionShape, mask: &Mask) -> Self {
+        let (block, kv_head, batch) = gpu::block_idx();
+        let k_start = block * BLOCK_N;
+        Self {
+            k_start,
+            batch,
+            kv_head,
+            group: shape.group_size(),
+            first_tile: mask.first_query_seeing(k_start) / BLOCK_M,
+            tiles: shape.seqlen_q.div_ceil(BLOCK_M),
+        }
+    }
+
+    /// Query tiles visited per query head.
+    #[inline(always)]
+    fn tiles_per_head(&self) -> usize {
+        self.tiles - self.first_tile
+    }
+
+    /// The query head and tile of the `step`-th tile the block visits.
+    #[inline(always)]
+    fn step(&self, step: usize) -> (usize, usize) {
+        let per_head = self.tiles_per_head();
+        (self.kv_head * self.group + step / per_head, self.first_tile + step % per_head)
+    }
+}
+
+/// The tensor maps the host made, 128 bytes each: Q, K, V, dO.
+#[derive(Clone, Copy)]
+struct TensorMaps(*const u8);
+
+impl TensorMaps {
+    #[inline(always)]
+    fn get(self, i: usize) -> *const u8 {
+        // SAFETY: the host passes four maps back to back.
+        unsafe { self.0.add(128 * i) }
+    }
+}
+
+/// The producer: K and V once, then Q and dO of every query tile the block visits, each into its
+/// ring slot once the consumers released the slot.
+///
+/// # Safety
+/// One thread of warpgroup 0 calls it, after the barriers were initialised.
+#[inline(always)]
+unsafe fn produce<const D: usize, const STAGES: usize>(
+    smem: SharedTiles<D, STAGES>,
+    maps: TensorMaps,
+    shape: &AttentionShape,
+    block: &KeyBlock,
+) {
+    let load = |destination: u32, map: *const u8, rows: usize, first_row: usize, head: usize, barrier: u32| {
+        for column_block in 0..D / SWIZZLE_COLUMNS {
+            let x = (column_block * SWIZZLE_COLUMNS) as i32;
+            let box_destination = destination + (column_block * rows * SWIZZLE_ROW_BYTES) as u32;
+            // SAFETY: the barrier learnt the bytes first; each box fits its column block.
+            unsafe { tma_load_3d(box_destination, map, x, first_row as i32, head as i32, barrier) };
+        }
+    };
+    let kv_head = block.batch * shape.num_heads_kv + block.kv_head;
+    // SAFETY: initialised barriers.
+    unsafe { mbarrier_arrive_expect_tx(smem.kv_full(), 2 * SharedTiles::<D, STAGES>::KV_BYTES) };
+    load(smem.k(), maps.get(1), BLOCK_N, block.k_start, kv_head, smem.kv_full());
+    load(smem.v(), maps.get(2), BLOCK_N, block.k_start, kv_head, smem.kv_full());
+    for step in 0..block.group * block.tiles_per_head() {
+        let (stage, parity) = slot(step, STAGES);
+        let (q_head, tile) = block.step(step);
+        let q_head = block.batch * shape.num_heads_q + q_head;
+        let bytes = SharedTiles::<D, STAGES>::Q_BYTES;
+        // SAFETY: initialised barriers; the slot's previous tile is released by the phase
+        // before this one.
+        unsafe {
+            if step >= STAGES {
+                mbarrier_wait(smem.q_empty(stage), parity ^ 1);
+            }
+            mbarrier_arrive_expect_tx(smem.q_full(stage), bytes);
+            mbarrier_arrive_expect_tx(smem.do_full(stage), bytes);
+        }
+        load(smem.q(stage), maps.get(0), BLOCK_M, tile * BLOCK_M, q_head, smem.q_full(stage));
+        load(smem.d_o(stage), maps.get(3), BLOCK_M, tile * BLOCK_M, q_head, smem.do_full(stage));
+    }
+}
+
+/// The descriptor of a K-major operand in a swizzled tile (see `swizzled_descriptor`).
+#[inline(always)]
+fn k_major(address: u32) -> u64 {
+    swizzled_descriptor(address, 16, SWIZZLE_ATOM_BYTES as u32)
+}
+
+/// The descriptor of an MN-major operand in a swizzled tile whose column blocks are `rows`
+/// rows apart.
+#[inline(always)]
+fn mn_major(address: u32, rows: usize) -> u64 {
+    swizzled_descriptor(address, (rows * SWIZZLE_ROW_BYTES) as u32, SWIZZLE_ATOM_BYTES as u32)
+}
+
+/// The byte offset of the 4-byte pair at (`row`, `column`) (16-bit elements, `column` even) of a
+/// tile of 64 columns with the 128-byte swizzle: the 16-byte chunk `column / 8` of the row moves
+/// to chunk `(column / 8) ^ (row % 8)`.
+#[inline(always)]
+fn swizzled_offset(row: usize, column: usize) -> u32 {
+    let chunk = (column / 8) ^ (row % 8);
+    (row * SWIZZLE_ROW_BYTES + chunk * 16 + (column % 8) * 2) as u32
+}
+
+/// Pointers to the rows of one query head: LSE, D and the `f32` dQ accumulator.
+#[derive(Clone, Copy)]
+struct QueryHead {
+    lse: *const f32,
+    delta: *const f32,
+    dq: *mut f32,
+}
+
+/// One consumer warpgroup: dK and dV of its 64 keys over every query tile (see the module docs),
+/// then written out.
+///
+/// # Safety
+/// Every thread of one consumer warpgroup calls it; the pointers hold the tensors of `shape`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TILES: usize>(
+    smem: SharedTiles<D, STAGES>,
+    block: &KeyBlock,
+    shape: &AttentionShape,
+    mask: Mask,
+    scale: f32,
+    (lse, delta, dq_accum): (*const f32, *const f32, *mut f32),
+    (dk, dv): (*mut u16, *mut u16),
+) where
+    [FragC; D_TILES]: Accumulator,
+{
+    let index = warpgroup_id() - 1;
+    let (warp, lane) = (gpu::warp_id() % 4, gpu::lane_id());
+    let (g, t) = (lane / 4, lane % 4);
+    // This warpgroup's keys, and the key of fragment entry e (rows g and g + 8 of the warp).
+    let k_first = block.k_start + index * WARPGROUP_ROWS;
+    let key = |e: usize| k_first + 16 * warp + g + 8 * (e / 2);
+    let c = scale * LOG2_E;
+
+    // Descriptors of this warpgroup's 64 rows of K and V (K-major, for Sᵀ and dPᵀ).
+    let rows_offset = (index * WARPGROUP_ROWS * SWIZZLE_ROW_BYTES) as u32;
+    let k_rows = k_major(smem.k() + rows_offset);
+    let v_rows = k_major(smem.v() + rows_offset);
+
+    let mut dk_acc = [[0.0f32; 4]; D_TILES];
+    let mut dv_acc = [[0.0f32; 4]; D_TILES];
+    // SAFETY: initialised barrier; its first (only) phase.
+    unsafe { mbarrier_wait(smem.kv_full(), 0) };
+
+    for step in 0..block.group * block.tiles_per_head() {
+        let (stage, parity) = slot(step, STAGES);
+        let (q_head, tile) = block.step(step);
+        let q_start = tile * BLOCK_M;
+        let head = {
+            let row0 = (block.batch * shape.num_heads_q + q_head) * shape.seqlen_q;
+            // SAFETY: offsets of this query head's rows.
+            unsafe { QueryHead { lse: lse.add(row0), delta: delta.add(row0), dq: dq_accum.add(row0 * D) } }
+        };
+        // SAFETY: initialised barriers.
+        unsafe {
+            mbarrier_wait(smem.q_full(stage), parity);
+            mbarrier_wait(smem.do_full(stage), parity);
+        }
+        let (q_tile, do_tile) = (smem.q(stage), smem.d_o(stage));
+
+        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warpgroup's 64 keys and the tile's 64 queries.
+        let mut s = [[0.0f32; 4]; 8];
+        let mut dp = [[0.0f32; 4]; 8];
+        s.pin();
+        dp.pin();
+        wgmma_fence();
+        for ks in 0..D / 16 {
+            let (column_block, step_bytes) = (ks / 4, (ks % 4 * 32) as u32);
+            let kv_offset = (column_block * BLOCK_N * SWIZZLE_ROW_BYTES) as u32 + step_bytes;
+            let q_offset = (column_block * BLOCK_M * SWIZZLE_ROW_BYTES) as u32 + step_bytes;
+            // SAFETY: tiles the copy engine completed.
+            unsafe {
+                if T::IS_BF16 {
+                    s.mma::<true>(advance_descriptor(k_rows, kv_offset), k_major(q_tile + q_offset), ks > 0);
+                    dp.mma::<true>(advance_descriptor(v_rows, kv_offset), k_major(do_tile + q_offset), ks > 0);
+                } else {
+                    s.mma::<false>(advance_descriptor(k_rows, kv_offset), k_major(q_tile + q_offset), ks > 0);
+                    dp.mma::<false>(advance_descriptor(v_rows, kv_offset), k_major(do_tile + q_offset), ks > 0);
+                }
+            }
+        }
+        wgmma_commit();
+        wgmma_wait::<0>();
+        s.pin();
+        dp.pin();
+
+        // Pᵀ = exp2(Sᵀ·c − LSE·log₂e) and dSᵀ = Pᵀ ∘ (dPᵀ − D), column (query) by column; keys a
+        // query does not see get P = 0 (only tiles that cross some query's limit check).
+        let all_visible = q_start + BLOCK_M <= shape.seqlen_q && mask.key_limit(q_start) >= k_first + WARPGROUP_ROWS;
+        // Sixteen queries (two fragments) at a time, packed into the A operands right away, so
+        // that the f32 values die early (head_dim 128 is short of registers).
+        let mut p = [[0u32; 4]; 4];
+        let mut ds = [[0u32; 4]; 4];
+        for kk in 0..4 {
+            for half in 0..2 {
+                let j = 2 * kk + half;
+                for h in 0..2 {
+                    let query = q_start + 8 * j + 2 * t + h;
+                    let (row_lse, row_delta) = if query < shape.seqlen_q {
+                        // SAFETY: query < seqlen_q.
+                        unsafe { (*head.lse.add(query) * LOG2_E, *head.delta.add(query)) }
+                    } else {
+                        (0.0, 0.0)
+                    };
+                    // Entries h and h + 2: this query's column in rows g and g + 8.
+                    for r in 0..2 {
+                        let e = h + 2 * r;
+                        let visible = all_visible || mask.visible(query, key(e));
+                        let p = if visible { gpu::exp2(gpu::fma(s[j][e], c, -row_lse)) } else { 0.0 };
+                        s[j][e] = p;
+                        dp[j][e] = p * (dp[j][e] - row_delta);
+                    }
+                }
+            }
+            p[kk] = pack_a::<T>(s[2 * kk], s[2 * kk + 1]);
+            ds[kk] = pack_a::<T>(dp[2 * kk], dp[2 * kk + 1]);
+        }
+
+        // dV += Pᵀ·dO and dK += dSᵀ·Q: Pᵀ and dSᵀ from registers, dO and Q MN-major.
+        dv_acc.pin();
+        dk_acc.pin();
+        wgmma_fence();
+        for kk in 0..BLOCK_M / 16 {
+            let offset = (kk * 2 * SWIZZLE_ATOM_BYTES) as u32;
+            let (do_b, q_b) = (mn_major(do_tile + offset, BLOCK_M), mn_major(q_tile + offset, BLOCK_M));
+            // SAFETY: as above.
+            unsafe {
+                if T::IS_BF16 {
+                    dv_acc.mma_register_a::<true>(p[kk], do_b, true);
+                    dk_acc.mma_register_a::<true>(ds[kk], q_b, true);
+                } else {
+                    dv_acc.mma_register_a::<false>(p[kk], do_b, true);
+                    dk_acc.mma_register_a::<false>(ds[kk], q_b, true);
+                }
+            }
+        }
+        wgmma_commit();
+
+        // dSᵀ into this tile's buffer, row-major by key: the packed pairs are (key, two queries).
+        let ds_buffer = smem.ds(step % 2);
+        let ds_pointer = |offset: u32| {
+            let base = gpu::dynamic_shared_memory() as *mut u8;
+            // SAFETY: generic pointer to shared-state-space address `ds_buffer + offset`.
+            unsafe { base.add((ds_buffer + offset - shared_address(base)) as usize) as *mut u32 }
+        };
+        for kk in 0..4 {
+            for (i, &pair) in ds[kk].iter().enumerate() {
+                let (row, column) = (key(2 * (i % 2)) - block.k_start, 16 * kk + 8 * (i / 2) + 2 * t);
+                // SAFETY: inside the 16 KiB buffer.
+                unsafe { *ds_pointer(swizzled_offset(row, column)) = pair };
+            }
+        }
+        fence_proxy_async();
+        // Which dSᵀ rows and columns of dQ this warpgroup takes (see the module docs): with one
+        // column block each warpgroup reads only its own rows of dSᵀ, and a barrier of its own
+        // 128 threads publishes them, so the consumers never wait for each other; with two, each
+        // reads both warpgroups' rows, published by a barrier of all consumers.
+        let split_columns = D / SWIZZLE_COLUMNS >= CONSUMERS;
+        let (first_key, keys, column_blocks) = if split_columns {
+            (0, BLOCK_N, index..index + 1)
+        } else {
+            named_barrier_sync(1 + index as u32, WARPGROUP_THREADS as u32);
+            (index * WARPGROUP_ROWS, WARPGROUP_ROWS, 0..D / SWIZZLE_COLUMNS)
+        };
+        if split_columns {
+            named_barrier_sync(ALL_CONSUMERS, (CONSUMERS * WARPGROUP_THREADS) as u32);
+        }
+
+        // dQ += scale · dS·K, one column block (64 columns of head_dim) at a time: dS (queries ×
+        // keys, read MN-major from dSᵀ) times K (keys × columns, MN-major); each block's share
+        // goes to device memory with atomics.
+        let key_rows = (first_key * SWIZZLE_ROW_BYTES) as u32;
+        let ds_rows = mn_major(ds_buffer + key_rows, BLOCK_M);
+        for column_block in column_blocks {
+            let k_block = smem.k() + (column_block * BLOCK_N * SWIZZLE_ROW_BYTES) as u32 + key_rows;
+            let k_block = mn_major(k_block, BLOCK_N);
+            let mut dq = [[0.0f32; 4]; 8];
+            dq.pin();
+            wgmma_fence();
+            for ks in 0..keys / 16 {
+                let offset = (ks * 2 * SWIZZLE_ATOM_BYTES) as u32;
+                let (a, b) = (advance_descriptor(ds_rows, offset), advance_descriptor(k_block, offset));
+                // SAFETY: dSᵀ was published above; K is complete.
+                unsafe {
+                    if T::IS_BF16 {
+                        dq.mma_mn_major::<true>(a, b, ks > 0);
+                    } else {
+                        dq.mma_mn_major::<false>(a, b, ks > 0);
+                    }
+                }
+            }
+            wgmma_commit();
+            wgmma_wait::<0>();
+            dq.pin();
+            for (j, frag) in dq.iter().enumerate() {
+                for h in 0..2 {
+                    let query = q_start + 16 * warp + g + 8 * h;
+                    if query < shape.seqlen_q {
+                        let column = column_block * SWIZZLE_COLUMNS + 8 * j + 2 * t;
+                        let values = [frag[2 * h] * scale, frag[2 * h + 1] * scale];
+                        // SAFETY: query < seqlen_q, column + 1 < D: inside this head's rows.
+                        unsafe { atomic_add_f32x2(head.dq.add(query * D + column), values) };
+                    }
+                }
+            }
+        }
+        dv_acc.pin();
+        dk_acc.pin();
+        // Q and dO of this slot are no longer read (dV and dK finished with the first wait).
+        unsafe { mbarrier_arrive(smem.q_empty(stage)) };
+    }
+
+    // dK = scale · Σ dSᵀ·Q and dV, for the keys that exist.
+    let kv_row0 = (block.batch * shape.num_heads_kv + block.kv_head) * shape.seqlen_k;
+    for (dt, (dk_frag, dv_frag)) in dk_acc.iter().zip(dv_acc.iter()).enumerate() {
+        for h in 0..2 {
+            let row = key(2 * h);
+            if row < shape.seqlen_k {
+                let offset = (kv_row0 + row) * D + 8 * dt + 2 * t;
+                // SAFETY: row < seqlen_k; the column pair is inside the head dimension.
+                unsafe {
+                    *(dk.add(offset) as *mut u32) = T::pack(dk_frag[2 * h] * scale, dk_frag[2 * h + 1] * scale);
+                    *(dv.add(offset) as *mut u32) = T::pack(dv_frag[2 * h], dv_frag[2 * h + 1]);
+                }
+            }
+        }
+    }
+}
+
+/// The kernel body (see the module docs). Grid: `(ceil(seqlen_k / 128), num_heads_kv, batch)`;
+/// block: 384 threads; dynamic shared memory: [`crate::layout::hopper_backward_smem_bytes`]`(D,
+/// STAGES)`. `D_TILES` = D / 8 sizes the dK and dV accumulators.
+///
+/// # Safety
+/// `maps` holds the tensor maps of Q, K, V and dO (3-D, boxes of 64 columns by 64 rows for Q
+/// and dO, 128 for K and V, 128-byte swizzle) in device memory; `lse` and `delta` hold
+/// `[batch, num_heads_q, seqlen_q]` `f32`, `dq_accum` Q's shape in `f32` (zeroed), `dk` and `dv`
+/// K's shape in 16 bits; `shape.head_dim == D`; the launch as above.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn flash_backward_wgmma<T: HalfFloat, const D: usize, const STAGES: usize, const D_TILES: usize>(
+    maps: *const u8,
+    lse: *const f32,
+    delta: *const f32,
+    dq_accum: *mut f32,
+    dk: *mut u16,
+    dv: *mut u16,
+    shape: AttentionShape,
+    mask: Mask,
+    scale: f32,
+) where
+    [FragC; D_TILES]: Accumulator,
+{
+    let smem = SharedTiles::<D, STAGES>::new();
+    let block = KeyBlock::current(&shape, &mask);
+    if gpu::thread_idx_x() == 0 {
+        // SAFETY: one thread initialises the barriers before the block barrier below.
+        unsafe {
+            mbarrier_init(smem.kv_full(), 1);
+            for stage in 0..STAGES {
+                mbarrier_init(smem.q_full(stage), 1);
+                mbarrier_init(smem.do_full(stage), 1);
+                mbarrier_init(smem.q_empty(stage), (CONSUMERS * WARPGROUP_THREADS) as u32);
+            }
+        }
+        fence_mbarrier_init();
+    }
+    gpu::sync_threads();
+    if warpgroup_id() == 0 {
+        registers_decrease::<{ REGISTERS.0 }>();
+        if gpu::thread_idx_x() == 0 {
+            // SAFETY: the barriers are initialised; the maps are the host's.
+            unsafe { produce(smem, TensorMaps(maps), &shape, &block) };
+        }
+    } else {
+        registers_increase::<{ REGISTERS.1 }>();
+        // SAFETY: the launch contract.
+        unsafe {
+            consume::<T, D, STAGES, D_TILES>(smem, &block, &shape, mask, scale, (lse, delta, dq_accum), (dk, dv))
+        };
+    }
+}
+
+/// The `f16` and `bf16` entries of one head dimension:
+/// `hopper_flash_bwd_{f16,bf16}_m64_n128_d{D}_s{STAGES}`.
+macro_rules! flash_backward_wgmma_entries {
+    ($d:literal, $stages:literal) => {
+        flash_backward_wgmma_entry!(${concat(hopper_flash_bwd_f16_m64_n128_d, $d, _s, $stages)}, F16, $d, $stages);
+        flash_backward_wgmma_entry!(${concat(hopper_flash_bwd_bf16_m64_n128_d, $d, _s, $stages)}, Bf16, $d, $stages);
+    };
+}
+
+/// One kernel entry.
+macro_rules! flash_backward_wgmma_entry {
+    ($name:ident, $format:ident, $d:literal, $stages:literal) => {
+        /// FlashAttention backward on Hopper (sm_90a); see the module docs.
+        ///
+        /// # Safety
+        /// As `flash_backward_wgmma`.
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "gpu-kernel" fn $name(
+            maps: *const u8,
+            lse: *const f32,
+            delta: *const f32,
+            dq_accum: *mut f32,
+            dk: *mut u16,
+            dv: *mut u16,
+            batch: usize,
+            num_heads_q: usize,
+            num_heads_kv: usize,
+            seqlen_q: usize,
+            seqlen_k: usize,
+            head_dim: usize,
+            causal: usize,
+            causal_offset: isize,
+            scale: f32,
+        ) {
+            let shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
+            let mask = Mask { seqlen_q, seqlen_k, causal: causal != 0, offset: causal_offset };
+            unsafe {
+                flash_backward_wgmma::<gpu::$format, $d, $stages, { $d / 8 }>(
+                    maps, lse, delta, dq_accum, dk, dv, shape, mask, scale,
+                )
+            }
+        }
+    };
+}
+
+flash_backward_wgmma_entries!(64, 2);
+flash_backward_wgmma_entries!(128, 2);
