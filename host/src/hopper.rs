@@ -1,5 +1,7 @@
-//! The Hopper path (compute capability 9.0, PTX for `sm_90a`): tensor maps for the copy engine
-//! (TMA) and the probes that check the device crate's Hopper building blocks (`wgmma` from
+//! The Hopper path (compute capability 9.0, PTX for `sm_90a`): which kernels a context runs
+//! ([`KernelPath`]), the Hopper FlashAttention forward and backward passes
+//! (`kernels/src/flash_{forward,backward}_wgmma.rs`), the tensor maps they and the copy engine
+//! (TMA) read, and the probes that check the device crate's Hopper building blocks (`wgmma` from
 //! shared-memory descriptors, TMA loads completing on an `mbarrier`; `kernels/src/hopper.rs`).
 //!
 //! The `sm_90a` module is loaded only on compute capability 9.0 ([`Context::has_hopper_kernels`]);

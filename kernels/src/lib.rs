@@ -14,8 +14,9 @@
 //! | 4 | [`flash_backward`] | FlashAttention-2 backward (Algorithm 2): recomputing P from the saved logsumexp instead of storing it; dQ by atomics or by a deterministic second pass |
 //! | 5 | [`flash_forward_mma`] | the forward pass on tensor cores in `f16`/`bf16`: `mma.sync` fragments, `ldmatrix`, P kept in registers between the two products, a `cp.async` pipeline |
 //! | 6 | [`flash_backward_mma`] | the backward pass on tensor cores: transposed products that keep Pᵀ and dSᵀ in registers, dQ by atomics or deterministic |
-//! | 7 | `hopper` (nvptx64 only) | Hopper's asynchronous units (sm_90a): `wgmma` from shared-memory descriptors, TMA copies completing on `mbarrier`s, the proxy fences between them; probe kernels that check each |
-//! | 8 | `flash_forward_wgmma` (nvptx64 only) | level 5's forward pass on `wgmma`: S from shared-memory descriptors, P·V with P in registers; first version (no TMA ring, one warpgroup) |
+//! | 7 | `hopper` (nvptx64 only) | Hopper's asynchronous units (sm_90a): `wgmma` from shared-memory descriptors (plain and 128-byte swizzled), TMA copies completing on `mbarrier`s, named barriers, `setmaxnreg`, the proxy fences between them; probe kernels that check them |
+//! | 8 | `flash_forward_wgmma` (nvptx64 only) | the forward pass in FlashAttention-3's shape: a TMA producer warpgroup, two `wgmma` consumer warpgroups, the softmax overlapped with the products |
+//! | 9 | `flash_backward_wgmma` (nvptx64 only) | the backward pass on the same machinery: dK, dV in registers, dSᵀ staged in shared memory as dQ's MN-major operand, dQ by vector atomics |
 //!
 //! Kernels never touch `core::arch::nvptx` or `asm!` directly: they go through [`gpu`] (or, for
 //! Hopper's asynchronous units, through the wrappers at the top of `hopper`), so the
