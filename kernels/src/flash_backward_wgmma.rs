@@ -29,10 +29,11 @@
 use crate::flash_forward_mma::pack_a;
 use crate::gpu::{self, FragC, HalfFloat, LOG2_E};
 use crate::hopper::{
-    Accumulator, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, WARPGROUP_THREADS, advance_descriptor, atomic_add_f32x2,
-    fence_mbarrier_init, fence_proxy_async, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait,
-    named_barrier_sync, registers_decrease, registers_increase, shared_address, swizzled_descriptor, tma_load_3d,
-    warpgroup_id, wgmma_commit, wgmma_fence, wgmma_wait,
+    Accumulator, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, TensorMaps, WARPGROUP_THREADS, advance_descriptor,
+    atomic_add_f32x2, fence_mbarrier_init, fence_proxy_async, k_major_descriptor, mbarrier_arrive,
+    mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait, mn_major_descriptor, named_barrier_sync,
+    registers_decrease, registers_increase, ring_slot, shared_address, tma_load_3d, warpgroup_id, wgmma_commit,
+    wgmma_fence, wgmma_wait,
 };
 use crate::layout::{AttentionShape, HOPPER_SMEM_ALIGN, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS};
 use crate::tiles::Mask;
@@ -123,12 +124,6 @@ impl<const D: usize, const STAGES: usize> SharedTiles<D, STAGES> {
     }
 }
 
-/// The ring slot of the `tile`-th query tile a block visits and the parity of that use of it.
-#[inline(always)]
-fn slot(tile: usize, stages: usize) -> (usize, u32) {
-    (tile % stages, ((tile / stages) % 2) as u32)
-}
-
 /// What a block works on: its key block, its key/value head, and the query tiles it visits.
 #[derive(Clone, Copy)]
 struct KeyBlock {
@@ -173,18 +168,6 @@ impl KeyBlock {
     }
 }
 
-/// The tensor maps the host made, 128 bytes each: Q, K, V, dO.
-#[derive(Clone, Copy)]
-struct TensorMaps(*const u8);
-
-impl TensorMaps {
-    #[inline(always)]
-    fn get(self, i: usize) -> *const u8 {
-        // SAFETY: the host passes four maps back to back.
-        unsafe { self.0.add(128 * i) }
-    }
-}
-
 /// The producer: K and V once, then Q and dO of every query tile the block visits, each into its
 /// ring slot once the consumers released the slot.
 ///
@@ -211,7 +194,7 @@ unsafe fn produce<const D: usize, const STAGES: usize>(
     load(smem.k(), maps.get(1), BLOCK_N, block.k_start, kv_head, smem.kv_full());
     load(smem.v(), maps.get(2), BLOCK_N, block.k_start, kv_head, smem.kv_full());
     for step in 0..block.group * block.tiles_per_head() {
-        let (stage, parity) = slot(step, STAGES);
+        let (stage, parity) = ring_slot(step, STAGES);
         let (q_head, tile) = block.step(step);
         let q_head = block.batch * shape.num_heads_q + q_head;
         let bytes = SharedTiles::<D, STAGES>::Q_BYTES;
@@ -227,19 +210,6 @@ unsafe fn produce<const D: usize, const STAGES: usize>(
         load(smem.q(stage), maps.get(0), BLOCK_M, tile * BLOCK_M, q_head, smem.q_full(stage));
         load(smem.d_o(stage), maps.get(3), BLOCK_M, tile * BLOCK_M, q_head, smem.do_full(stage));
     }
-}
-
-/// The descriptor of a K-major operand in a swizzled tile (see `swizzled_descriptor`).
-#[inline(always)]
-fn k_major(address: u32) -> u64 {
-    swizzled_descriptor(address, 16, SWIZZLE_ATOM_BYTES as u32)
-}
-
-/// The descriptor of an MN-major operand in a swizzled tile whose column blocks are `rows`
-/// rows apart.
-#[inline(always)]
-fn mn_major(address: u32, rows: usize) -> u64 {
-    swizzled_descriptor(address, (rows * SWIZZLE_ROW_BYTES) as u32, SWIZZLE_ATOM_BYTES as u32)
 }
 
 /// The byte offset of the 4-byte pair at (`row`, `column`) (16-bit elements, `column` even) of a
@@ -287,8 +257,8 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
 
     // Descriptors of this warpgroup's 64 rows of K and V (K-major, for Sᵀ and dPᵀ).
     let rows_offset = (index * WARPGROUP_ROWS * SWIZZLE_ROW_BYTES) as u32;
-    let k_rows = k_major(smem.k() + rows_offset);
-    let v_rows = k_major(smem.v() + rows_offset);
+    let k_rows = k_major_descriptor(smem.k() + rows_offset);
+    let v_rows = k_major_descriptor(smem.v() + rows_offset);
 
     let mut dk_acc = [[0.0f32; 4]; D_TILES];
     let mut dv_acc = [[0.0f32; 4]; D_TILES];
@@ -296,7 +266,7 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
     unsafe { mbarrier_wait(smem.kv_full(), 0) };
 
     for step in 0..block.group * block.tiles_per_head() {
-        let (stage, parity) = slot(step, STAGES);
+        let (stage, parity) = ring_slot(step, STAGES);
         let (q_head, tile) = block.step(step);
         let q_start = tile * BLOCK_M;
         let head = {
@@ -324,11 +294,23 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
             // SAFETY: tiles the copy engine completed.
             unsafe {
                 if T::IS_BF16 {
-                    s.mma::<true>(advance_descriptor(k_rows, kv_offset), k_major(q_tile + q_offset), ks > 0);
-                    dp.mma::<true>(advance_descriptor(v_rows, kv_offset), k_major(do_tile + q_offset), ks > 0);
+                    s.mma::<true>(advance_descriptor(k_rows, kv_offset), k_major_descriptor(q_tile + q_offset), ks > 0);
+                    dp.mma::<true>(
+                        advance_descriptor(v_rows, kv_offset),
+                        k_major_descriptor(do_tile + q_offset),
+                        ks > 0,
+                    );
                 } else {
-                    s.mma::<false>(advance_descriptor(k_rows, kv_offset), k_major(q_tile + q_offset), ks > 0);
-                    dp.mma::<false>(advance_descriptor(v_rows, kv_offset), k_major(do_tile + q_offset), ks > 0);
+                    s.mma::<false>(
+                        advance_descriptor(k_rows, kv_offset),
+                        k_major_descriptor(q_tile + q_offset),
+                        ks > 0,
+                    );
+                    dp.mma::<false>(
+                        advance_descriptor(v_rows, kv_offset),
+                        k_major_descriptor(do_tile + q_offset),
+                        ks > 0,
+                    );
                 }
             }
         }
@@ -375,7 +357,8 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         wgmma_fence();
         for kk in 0..BLOCK_M / 16 {
             let offset = (kk * 2 * SWIZZLE_ATOM_BYTES) as u32;
-            let (do_b, q_b) = (mn_major(do_tile + offset, BLOCK_M), mn_major(q_tile + offset, BLOCK_M));
+            let (do_b, q_b) =
+                (mn_major_descriptor(do_tile + offset, BLOCK_M), mn_major_descriptor(q_tile + offset, BLOCK_M));
             // SAFETY: as above.
             unsafe {
                 if T::IS_BF16 {
@@ -423,10 +406,10 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         // keys, read MN-major from dSᵀ) times K (keys × columns, MN-major); each block's share
         // goes to device memory with atomics.
         let key_rows = (first_key * SWIZZLE_ROW_BYTES) as u32;
-        let ds_rows = mn_major(ds_buffer + key_rows, BLOCK_M);
+        let ds_rows = mn_major_descriptor(ds_buffer + key_rows, BLOCK_M);
         for column_block in column_blocks {
             let k_block = smem.k() + (column_block * BLOCK_N * SWIZZLE_ROW_BYTES) as u32 + key_rows;
-            let k_block = mn_major(k_block, BLOCK_N);
+            let k_block = mn_major_descriptor(k_block, BLOCK_N);
             let mut dq = [[0.0f32; 4]; 8];
             dq.pin();
             wgmma_fence();

@@ -26,10 +26,10 @@
 use crate::flash_forward_mma::{RowSoftmax, pack_a};
 use crate::gpu::{self, FragA, FragC, HalfFloat};
 use crate::hopper::{
-    Accumulator, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, WARPGROUP_THREADS, advance_descriptor, fence_mbarrier_init,
-    fence_proxy_async, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait, named_barrier_arrive,
-    named_barrier_sync, registers_decrease, registers_increase, shared_address, swizzled_descriptor, tma_load_3d,
-    warpgroup_id, wgmma_commit, wgmma_fence, wgmma_wait,
+    Accumulator, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, TensorMaps, WARPGROUP_THREADS, advance_descriptor,
+    fence_mbarrier_init, fence_proxy_async, k_major_descriptor, mbarrier_arrive, mbarrier_arrive_expect_tx,
+    mbarrier_init, mbarrier_wait, mn_major_descriptor, named_barrier_arrive, named_barrier_sync, registers_decrease,
+    registers_increase, ring_slot, shared_address, tma_load_3d, warpgroup_id, wgmma_commit, wgmma_fence, wgmma_wait,
 };
 use crate::layout::{AttentionShape, HOPPER_SMEM_ALIGN, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS};
 use crate::tiles::{Mask, QueryBlock};
@@ -133,27 +133,6 @@ impl<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, const STAGES: u
     }
 }
 
-/// The ring slot of K/V tile `tile` and the parity of its use of that slot (0, 1, 0, …): the
-/// phase of the slot's barriers to wait for.
-#[inline(always)]
-fn slot(tile: usize, stages: usize) -> (usize, u32) {
-    (tile % stages, ((tile / stages) % 2) as u32)
-}
-
-/// The tensor maps the host made (`CUtensorMap`, 128 bytes each): Q, K and V as 3-D tensors of
-/// (head_dim, seqlen, batch · heads) with boxes of 64 columns (the 128-byte swizzle span) by
-/// `BLOCK_M` (Q) or `BLOCK_N` (K, V) rows.
-#[derive(Clone, Copy)]
-struct TensorMaps(*const u8);
-
-impl TensorMaps {
-    #[inline(always)]
-    fn get(self, i: usize) -> *const u8 {
-        // SAFETY: the host passes three maps back to back.
-        unsafe { self.0.add(128 * i) }
-    }
-}
-
 /// The producer: one thread loads the Q tile, then every K/V tile of the block, each into its
 /// ring slot once the consumers have released the slot's previous tile.
 ///
@@ -184,7 +163,7 @@ unsafe fn produce<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, co
     };
     load(smem.q(), maps.get(0), BLOCK_M, block.q_start, q_head, smem.q_full());
     for tile in 0..kv_tiles {
-        let (stage, parity) = slot(tile, STAGES);
+        let (stage, parity) = ring_slot(tile, STAGES);
         let first_key = tile * BLOCK_N;
         // The slot's previous tile (tile − STAGES) is released by the phase before this one. K
         // is released as soon as its scores are done, V only after P·V, a step later.
@@ -274,10 +253,10 @@ unsafe fn consume<
     let all_see = mask.key_limit(block.q_start + index * WARPGROUP_ROWS);
     // The descriptors of the first k-step of Q (this warpgroup's rows), and of K and V in
     // stage 0; every other operand is one of these, moved along ([`advance_descriptor`]).
-    let q_descriptor = k_major(smem.q() + q_rows_offset as u32);
-    let k_descriptor = k_major(smem.k(0));
+    let q_descriptor = k_major_descriptor(smem.q() + q_rows_offset as u32);
+    let k_descriptor = k_major_descriptor(smem.k(0));
     // Column blocks of V (64 values of N each) are BLOCK_N rows apart.
-    let v_descriptor = swizzled_descriptor(smem.v(0), (BLOCK_N * SWIZZLE_ROW_BYTES) as u32, SWIZZLE_ATOM_BYTES as u32);
+    let v_descriptor = mn_major_descriptor(smem.v(0), BLOCK_N);
     let stage_offset = |stage: usize| stage as u32 * 2 * SharedTiles::<BLOCK_M, D, BLOCK_N, STAGES>::KV_BYTES;
 
     // S = Q·K_tileᵀ into `s` (issued, not waited for): head_dim / 16 k-steps, four per column
@@ -373,8 +352,8 @@ unsafe fn consume<
         p = pack(&s);
     }
     for tile in 1..kv_tiles {
-        let (stage, parity) = slot(tile, STAGES);
-        let (previous, previous_parity) = slot(tile - 1, STAGES);
+        let (stage, parity) = ring_slot(tile, STAGES);
+        let (previous, previous_parity) = ring_slot(tile - 1, STAGES);
         // SAFETY: initialised barriers. V of the previous tile arrived with its K, long ago.
         unsafe {
             mbarrier_wait(smem.k_full(stage), parity);
@@ -412,7 +391,7 @@ unsafe fn consume<
     }
     if kv_tiles > 0 {
         // Epilogue: the last tile's P·V.
-        let (last, last_parity) = slot(kv_tiles - 1, STAGES);
+        let (last, last_parity) = ring_slot(kv_tiles - 1, STAGES);
         unsafe { mbarrier_wait(smem.v_full(last), last_parity) };
         o.pin();
         take_turn();
@@ -446,13 +425,6 @@ unsafe fn consume<
             }
         }
     }
-}
-
-/// A descriptor of a K-major operand in a 128-byte swizzled tile (see [`swizzled_descriptor`]):
-/// the leading offset is unused (16 bytes, as any), 8-row groups one atom apart.
-#[inline(always)]
-fn k_major(address: u32) -> u64 {
-    swizzled_descriptor(address, 16, SWIZZLE_ATOM_BYTES as u32)
 }
 
 /// Flips the sign of the 64 rows × `D` 16-bit values at `rows` in each column block of the

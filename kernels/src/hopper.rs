@@ -97,6 +97,42 @@ pub fn advance_descriptor(descriptor: u64, bytes: u32) -> u64 {
     (descriptor & !0xffff_ffff) | low as u64
 }
 
+/// The descriptor of a *K-major* operand in a tile written by TMA with the 128-byte swizzle (see
+/// [`swizzled_descriptor`]), at `address`: rows of 128 bytes, groups of 8 rows one atom apart;
+/// the leading offset is unused (given as 16 bytes).
+#[inline(always)]
+pub fn k_major_descriptor(address: u32) -> u64 {
+    swizzled_descriptor(address, 16, SWIZZLE_ATOM_BYTES as u32)
+}
+
+/// The descriptor of an *MN-major* operand in such a tile, at `address`, whose column blocks (64
+/// values of N each) are `rows` rows apart: groups of 8 rows (along K) one atom apart.
+#[inline(always)]
+pub fn mn_major_descriptor(address: u32, rows: usize) -> u64 {
+    swizzled_descriptor(address, (rows * SWIZZLE_ROW_BYTES) as u32, SWIZZLE_ATOM_BYTES as u32)
+}
+
+/// The ring slot of the `use_index`-th tile that goes round a ring of `stages` slots, and the
+/// parity of that use of the slot (0, 1, 0, …): the phase of the slot's `mbarrier`s to wait for.
+#[inline(always)]
+pub fn ring_slot(use_index: usize, stages: usize) -> (usize, u32) {
+    (use_index % stages, ((use_index / stages) % 2) as u32)
+}
+
+/// The tensor maps (`CUtensorMap`, 128 bytes each) that the host put back to back in device
+/// memory for one launch, in the order the kernel documents.
+#[derive(Clone, Copy)]
+pub struct TensorMaps(pub *const u8);
+
+impl TensorMaps {
+    /// The `i`-th map.
+    #[inline(always)]
+    pub fn get(self, i: usize) -> *const u8 {
+        // SAFETY: address arithmetic only; the kernel's contract says how many maps there are.
+        unsafe { self.0.add(128 * i) }
+    }
+}
+
 /// Bytes of one row of a 128-byte swizzled tile, and of the swizzle span.
 pub const SWIZZLE_ROW_BYTES: usize = 128;
 
