@@ -510,8 +510,21 @@ fn tensor_core_rows<T: Element>(
     let (shape, dtype) = (case.shape, T::DTYPE);
     let options = AttentionOptions { scale: args.scale, causal: case.causal };
     let tile_for = |pass| args.tile(dtype, shape.head_dim, case.causal, pass);
-    let (tile, backward_tile) = (tile_for(Pass::Forward), tile_for(Pass::Backward));
-    let mode = args.dq_mode(ctx, dtype, shape.head_dim, case.causal);
+    let (mut tile, mut backward_tile) = (tile_for(Pass::Forward), tile_for(Pass::Backward));
+    let mut mode = args.dq_mode(ctx, dtype, shape.head_dim, case.causal);
+    // `--tune` measures the sm_80 tiles only; where this context runs a Hopper kernel (which the
+    // built-in tile selects), that kernel is the faster, so a tuned tile does not replace it.
+    if args.block_m.is_none() {
+        let d = shape.head_dim;
+        let (forward_default, backward_default) =
+            (TileConfig::default_for_dtype(dtype, d), TileConfig::default_backward_for_dtype(dtype, d));
+        if ctx.hopper_forward_for(dtype, d, forward_default).is_some() {
+            tile = forward_default;
+        }
+        if ctx.hopper_backward_for(dtype, d, backward_default, DqAccumulation::Atomic).is_some() {
+            (backward_tile, mode) = (backward_default, DqAccumulation::Atomic);
+        }
+    }
     let mode_name = if mode == DqAccumulation::Atomic { "atomic dQ" } else { "deterministic" };
     let forward_kernel = ctx.forward_kernel_label(dtype, shape.head_dim, tile);
     let names = [
