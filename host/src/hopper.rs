@@ -36,13 +36,15 @@ const PROBE_ROWS: usize = 64;
 /// forward's tensor maps.
 const SWIZZLE_COLUMNS: usize = 64;
 
-/// Which kernels run a context's 16-bit FlashAttention forward pass.
+/// Which kernels run a context's 16-bit FlashAttention passes with the built-in tiles.
 ///
 /// A GPU context takes [`KernelPath::Sm90a`] on compute capability 9.0 and [`KernelPath::Sm80`]
 /// elsewhere, unless the environment variable [`KernelPath::ENV`] names one (`sm80` or
 /// `sm90a`), or [`Context::with_kernel_path`] chooses. The test suite runs once per path that
-/// way. Everything but the 16-bit forward (the `f32` kernels, the backward pass, the naive
-/// kernels) runs the sm_80 kernels on both paths.
+/// way. On the sm_90a path the 16-bit forward pass and the head_dim-128 backward (with atomic
+/// dQ) run the Hopper kernels; everything else (the `f32` kernels, the head_dim-64 backward, the
+/// naive kernels, explicit tiles) runs the sm_80 kernels on both paths. The CPU emulator is
+/// always on sm_80.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KernelPath {
     /// The `mma.sync` kernels, compiled for sm_80: every supported GPU.
@@ -268,12 +270,12 @@ impl Context {
         }
     }
 
-    /// The kernels this context runs for the 16-bit forward pass (see [`KernelPath`]).
+    /// The kernel path of this context (see [`KernelPath`]).
     pub fn kernel_path(&self) -> KernelPath {
         self.kernel_path
     }
 
-    /// This context with the 16-bit forward pass on `path`.
+    /// This context on kernel path `path`.
     ///
     /// # Errors
     /// [`Error::Unsupported`] for [`KernelPath::Sm90a`] on a context without the sm_90a kernels

@@ -89,9 +89,10 @@ pub struct Args {
     /// small inputs only) or `cpu` (the CPU reference instead of the kernels).
     #[arg(long, default_value = "0")]
     pub device: DeviceArg,
-    /// Which kernels run the f16/bf16 forward pass: `sm90a` (Hopper's wgmma and TMA; compute
-    /// capability 9.0 only) or `sm80` (mma.sync, every GPU). Default: sm90a where it runs
-    /// (or what $RUST_ATTENTION_KERNELS says).
+    /// Kernel path for the f16/bf16 passes with the built-in tiles: `sm90a` (Hopper's wgmma and
+    /// TMA for the forward pass and the head_dim-128 backward; compute capability 9.0 only) or
+    /// `sm80` (mma.sync, every GPU). Default: sm90a where it runs (or what
+    /// $RUST_ATTENTION_KERNELS says).
     #[arg(long)]
     pub kernels: Option<KernelPath>,
     /// Timed repeats per kernel (the median is printed).

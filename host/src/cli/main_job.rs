@@ -82,9 +82,10 @@ pub struct Args {
     /// `cpu` runs the CPU reference only (what happens anyway when there is no GPU).
     #[arg(long, default_value = "0")]
     pub device: DeviceArg,
-    /// Which kernels run the f16/bf16 forward pass: `sm90a` (Hopper's wgmma and TMA; compute
-    /// capability 9.0 only) or `sm80` (mma.sync, every GPU). Default: sm90a where it runs
-    /// (or what $RUST_ATTENTION_KERNELS says).
+    /// Kernel path for the f16/bf16 passes with the built-in tiles: `sm90a` (Hopper's wgmma and
+    /// TMA for the forward pass and the head_dim-128 backward; compute capability 9.0 only) or
+    /// `sm80` (mma.sync, every GPU). Default: sm90a where it runs (or what
+    /// $RUST_ATTENTION_KERNELS says).
     #[arg(long)]
     pub kernels: Option<KernelPath>,
     /// Heads checked against the CPU when checking all of them would take long.
