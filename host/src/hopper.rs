@@ -735,3 +735,65 @@ impl Context {
         Ok(out)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::{MODULE_ARCHS, PTX, module_of};
+
+    /// The `.maxntid` x value the build script wrote after `entry`'s parameter list, if any.
+    fn max_threads(entry: &str) -> Option<usize> {
+        let ptx = PTX[module_of(entry)];
+        let start = ptx.find(&format!(".entry {entry}("))?;
+        let body = &ptx[start..];
+        let header = &body[..body.find('{')?];
+        let line = header.lines().find_map(|l| l.trim().strip_prefix(".maxntid "))?;
+        line.split(',').next()?.trim().parse().ok()
+    }
+
+    /// A Hopper's shared memory per block (227 KiB).
+    const HOPPER_SHARED_MEMORY: usize = 227 * 1024;
+
+    #[test]
+    fn every_hopper_configuration_is_compiled_with_its_launch_bounds_and_fits() {
+        for dtype in [DType::F16, DType::Bf16] {
+            for head_dim in HopperForward::HEAD_DIMS {
+                let forward = HopperForward::for_problem(dtype, head_dim).unwrap();
+                assert_eq!(MODULE_ARCHS[module_of(forward.entry)], "sm_90a", "{}", forward.entry);
+                // setmaxnreg needs the block size ptxas budgets registers for.
+                assert_eq!(
+                    max_threads(forward.entry),
+                    Some(hopper_forward_threads(forward.block_m)),
+                    "{}",
+                    forward.entry
+                );
+                let smem = hopper_forward_smem_bytes(forward.block_m, forward.block_n, head_dim, forward.stages);
+                assert!(smem <= HOPPER_SHARED_MEMORY, "{}: {smem} bytes", forward.entry);
+                // The entry names the configuration the host launches it with.
+                let (m, n, stages) = (forward.block_m, forward.block_n, forward.stages);
+                assert!(forward.entry.contains(&format!("_m{m}_n{n}_d{head_dim}_s{stages}")), "{}", forward.entry);
+                assert_eq!(forward.entry.ends_with("_pingpong"), forward.pingpong, "{}", forward.entry);
+
+                let backward = HopperBackward::for_problem(dtype, head_dim).unwrap();
+                assert_eq!(MODULE_ARCHS[module_of(backward.entry)], "sm_90a", "{}", backward.entry);
+                assert_eq!(max_threads(backward.entry), Some(HopperBackward::THREADS), "{}", backward.entry);
+                let smem = hopper_backward_smem_bytes(head_dim, backward.stages);
+                assert!(smem <= HOPPER_SHARED_MEMORY, "{}: {smem} bytes", backward.entry);
+            }
+        }
+    }
+
+    #[test]
+    fn hopper_configurations_refuse_f32_and_other_head_dims() {
+        assert!(matches!(HopperForward::for_problem(DType::F32, 64), Err(Error::Shape(_))));
+        assert!(matches!(HopperBackward::for_problem(DType::F32, 128), Err(Error::Shape(_))));
+        assert!(matches!(
+            HopperForward::for_problem(DType::F16, 32),
+            Err(Error::HeadDimNotCompiled { head_dim: 32, .. })
+        ));
+        assert!(matches!(
+            HopperBackward::for_problem(DType::Bf16, 256),
+            Err(Error::HeadDimNotCompiled { head_dim: 256, .. })
+        ));
+    }
+}
