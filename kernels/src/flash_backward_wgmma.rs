@@ -293,25 +293,8 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
             let q_offset = (column_block * BLOCK_M * SWIZZLE_ROW_BYTES) as u32 + step_bytes;
             // SAFETY: tiles the copy engine completed.
             unsafe {
-                if T::IS_BF16 {
-                    s.mma::<true>(advance_descriptor(k_rows, kv_offset), k_major_descriptor(q_tile + q_offset), ks > 0);
-                    dp.mma::<true>(
-                        advance_descriptor(v_rows, kv_offset),
-                        k_major_descriptor(do_tile + q_offset),
-                        ks > 0,
-                    );
-                } else {
-                    s.mma::<false>(
-                        advance_descriptor(k_rows, kv_offset),
-                        k_major_descriptor(q_tile + q_offset),
-                        ks > 0,
-                    );
-                    dp.mma::<false>(
-                        advance_descriptor(v_rows, kv_offset),
-                        k_major_descriptor(do_tile + q_offset),
-                        ks > 0,
-                    );
-                }
+                s.mma::<T>(advance_descriptor(k_rows, kv_offset), k_major_descriptor(q_tile + q_offset), ks > 0);
+                dp.mma::<T>(advance_descriptor(v_rows, kv_offset), k_major_descriptor(do_tile + q_offset), ks > 0);
             }
         }
         wgmma_commit();
@@ -361,13 +344,8 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
                 (mn_major_descriptor(do_tile + offset, BLOCK_M), mn_major_descriptor(q_tile + offset, BLOCK_M));
             // SAFETY: as above.
             unsafe {
-                if T::IS_BF16 {
-                    dv_acc.mma_register_a::<true>(p[kk], do_b, true);
-                    dk_acc.mma_register_a::<true>(ds[kk], q_b, true);
-                } else {
-                    dv_acc.mma_register_a::<false>(p[kk], do_b, true);
-                    dk_acc.mma_register_a::<false>(ds[kk], q_b, true);
-                }
+                dv_acc.mma_register_a::<T>(p[kk], do_b, true);
+                dk_acc.mma_register_a::<T>(ds[kk], q_b, true);
             }
         }
         wgmma_commit();
@@ -418,11 +396,7 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
                 let (a, b) = (advance_descriptor(ds_rows, offset), advance_descriptor(k_block, offset));
                 // SAFETY: dSᵀ was published above; K is complete.
                 unsafe {
-                    if T::IS_BF16 {
-                        dq.mma_mn_major::<true>(a, b, ks > 0);
-                    } else {
-                        dq.mma_mn_major::<false>(a, b, ks > 0);
-                    }
+                    dq.mma_mn_major::<T>(a, b, ks > 0);
                 }
             }
             wgmma_commit();

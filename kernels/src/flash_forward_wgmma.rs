@@ -269,11 +269,7 @@ unsafe fn consume<
             let b = advance_descriptor(k_stage, (column_block * BLOCK_N * SWIZZLE_ROW_BYTES) as u32 + step);
             // SAFETY: the warpgroup issues it on tiles the copy engine completed.
             unsafe {
-                if T::IS_BF16 {
-                    s.mma::<true>(a, b, ks > 0);
-                } else {
-                    s.mma::<false>(a, b, ks > 0);
-                }
+                s.mma::<T>(a, b, ks > 0);
             }
         }
     };
@@ -284,11 +280,7 @@ unsafe fn consume<
             let b = advance_descriptor(v_stage, (kk * 2 * SWIZZLE_ATOM_BYTES) as u32);
             // SAFETY: as above.
             unsafe {
-                if T::IS_BF16 {
-                    o.mma_register_a::<true>(p[kk], b, true);
-                } else {
-                    o.mma_register_a::<false>(p[kk], b, true);
-                }
+                o.mma_register_a::<T>(p[kk], b, true);
             }
         }
     };

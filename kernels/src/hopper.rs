@@ -44,7 +44,7 @@
 
 use core::arch::asm;
 
-use crate::gpu::{self, FragA, FragC};
+use crate::gpu::{self, FragA, FragC, HalfFloat};
 
 /// Threads in a warpgroup: the unit that issues `wgmma`.
 pub const WARPGROUP_THREADS: usize = 128;
@@ -236,7 +236,7 @@ macro_rules! wgmma_issue {
 /// (`[FragC; 8]`) and N = 128 (`[FragC; 16]`).
 pub trait Accumulator {
     /// D (64 × N) = A (64 × 16) · B (16 × N) + D if `accumulate`, else A · B, on the warpgroup's
-    /// tensor cores (`wgmma.mma_async.m64nNk16.f32.f16.f16`, or `.bf16` with `BF16`). A and B
+    /// tensor cores (`wgmma.mma_async.m64nNk16.f32.f16.f16`, or `.bf16`, as `T` is). A and B
     /// are shared-memory operands given by their descriptors ([`matrix_descriptor`],
     /// [`swizzled_descriptor`]), both *K-major*: A stored as rows of K, B as N rows of K (as Kᵀ
     /// is stored when S = Q·Kᵀ).
@@ -246,7 +246,7 @@ pub trait Accumulator {
     /// initialised shared memory (written by TMA, or published with [`fence_proxy_async`] and a
     /// barrier); the accumulator may be read only after [`wgmma_commit`], [`wgmma_wait`] and
     /// [`Accumulator::pin`].
-    unsafe fn mma<const BF16: bool>(&mut self, a: u64, b: u64, accumulate: bool);
+    unsafe fn mma<T: HalfFloat>(&mut self, a: u64, b: u64, accumulate: bool);
 
     /// As [`Accumulator::mma`], with A from registers and B *MN-major* (`imm-trans-b` = 1,
     /// stored with N contiguous, as V's rows are): how P, computed in registers by the softmax,
@@ -255,7 +255,7 @@ pub trait Accumulator {
     ///
     /// # Safety
     /// As [`Accumulator::mma`], for the B descriptor; `a` must not change until the wait.
-    unsafe fn mma_register_a<const BF16: bool>(&mut self, a: FragA, b: u64, accumulate: bool);
+    unsafe fn mma_register_a<T: HalfFloat>(&mut self, a: FragA, b: u64, accumulate: bool);
 
     /// As [`Accumulator::mma`], with both operands *MN-major* (`imm-trans-a` = `imm-trans-b` =
     /// 1): A stored with M contiguous (as Aᵀ row-major), B with N contiguous. How the backward
@@ -263,7 +263,7 @@ pub trait Accumulator {
     ///
     /// # Safety
     /// As [`Accumulator::mma`].
-    unsafe fn mma_mn_major<const BF16: bool>(&mut self, a: u64, b: u64, accumulate: bool);
+    unsafe fn mma_mn_major<T: HalfFloat>(&mut self, a: u64, b: u64, accumulate: bool);
 
     /// Ties the accumulator's registers to this point of the program (an empty `asm!` that reads
     /// and writes them). Called after [`wgmma_wait`] it keeps the compiler from reading them
@@ -277,9 +277,9 @@ macro_rules! accumulator {
     ($tiles:tt, $n:literal) => {
         impl Accumulator for [FragC; $tiles] {
             #[inline(always)]
-            unsafe fn mma<const BF16: bool>(&mut self, a: u64, b: u64, accumulate: bool) {
+            unsafe fn mma<T: HalfFloat>(&mut self, a: u64, b: u64, accumulate: bool) {
                 let (d, scale_d) = (self, accumulate as u32);
-                if BF16 {
+                if T::IS_BF16 {
                     wgmma_issue!($tiles, $n, "bf16", d, scale_d, ["{a}, {b},"], ["p, 1, 1, 0, 0;"], a = in(reg64) a, b = in(reg64) b,);
                 } else {
                     wgmma_issue!($tiles, $n, "f16", d, scale_d, ["{a}, {b},"], ["p, 1, 1, 0, 0;"], a = in(reg64) a, b = in(reg64) b,);
@@ -287,9 +287,9 @@ macro_rules! accumulator {
             }
 
             #[inline(always)]
-            unsafe fn mma_mn_major<const BF16: bool>(&mut self, a: u64, b: u64, accumulate: bool) {
+            unsafe fn mma_mn_major<T: HalfFloat>(&mut self, a: u64, b: u64, accumulate: bool) {
                 let (d, scale_d) = (self, accumulate as u32);
-                if BF16 {
+                if T::IS_BF16 {
                     wgmma_issue!($tiles, $n, "bf16", d, scale_d, ["{a}, {b},"], ["p, 1, 1, 1, 1;"], a = in(reg64) a, b = in(reg64) b,);
                 } else {
                     wgmma_issue!($tiles, $n, "f16", d, scale_d, ["{a}, {b},"], ["p, 1, 1, 1, 1;"], a = in(reg64) a, b = in(reg64) b,);
@@ -297,9 +297,9 @@ macro_rules! accumulator {
             }
 
             #[inline(always)]
-            unsafe fn mma_register_a<const BF16: bool>(&mut self, a: FragA, b: u64, accumulate: bool) {
+            unsafe fn mma_register_a<T: HalfFloat>(&mut self, a: FragA, b: u64, accumulate: bool) {
                 let (d, scale_d) = (self, accumulate as u32);
-                if BF16 {
+                if T::IS_BF16 {
                     wgmma_issue!($tiles, $n, "bf16", d, scale_d, ["{{{a0}, {a1}, {a2}, {a3}}}, {b},"], ["p, 1, 1, 1;"],
                         a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3], b = in(reg64) b,);
                 } else {
@@ -610,9 +610,9 @@ pub unsafe extern "gpu-kernel" fn hopper_probe_wgmma(
         // SAFETY: the whole warpgroup issues it on the tiles published above.
         unsafe {
             if bf16 != 0 {
-                d.mma::<true>(a_desc, b_desc, step > 0);
+                d.mma::<gpu::Bf16>(a_desc, b_desc, step > 0);
             } else {
-                d.mma::<false>(a_desc, b_desc, step > 0);
+                d.mma::<gpu::F16>(a_desc, b_desc, step > 0);
             }
         }
         step += 1;
@@ -680,9 +680,9 @@ pub unsafe extern "gpu-kernel" fn hopper_probe_wgmma_register_a(
         // SAFETY: the whole warpgroup issues it on the tile published above.
         unsafe {
             if bf16 != 0 {
-                d.mma_register_a::<true>(fragment, b_desc, step > 0);
+                d.mma_register_a::<gpu::Bf16>(fragment, b_desc, step > 0);
             } else {
-                d.mma_register_a::<false>(fragment, b_desc, step > 0);
+                d.mma_register_a::<gpu::F16>(fragment, b_desc, step > 0);
             }
         }
         step += 1;
