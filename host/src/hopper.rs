@@ -270,6 +270,18 @@ impl Context {
         }
     }
 
+    /// `Ok` if this context loaded the sm_90a kernels.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] naming the device otherwise.
+    fn require_hopper_kernels(&self) -> Result<()> {
+        if self.has_hopper_kernels() {
+            Ok(())
+        } else {
+            Err(Error::Unsupported { what: "the sm_90a kernels (wgmma, TMA)", device: self.device().name.clone() })
+        }
+    }
+
     /// The kernel path of this context (see [`KernelPath`]).
     pub fn kernel_path(&self) -> KernelPath {
         self.kernel_path
@@ -281,11 +293,8 @@ impl Context {
     /// [`Error::Unsupported`] for [`KernelPath::Sm90a`] on a context without the sm_90a kernels
     /// (another GPU, or the CPU emulator).
     pub fn with_kernel_path(mut self, path: KernelPath) -> Result<Self> {
-        if path == KernelPath::Sm90a && !self.has_hopper_kernels() {
-            return Err(Error::Unsupported {
-                what: "the sm_90a kernels (wgmma, TMA)",
-                device: self.device().name.clone(),
-            });
+        if path == KernelPath::Sm90a {
+            self.require_hopper_kernels()?;
         }
         self.kernel_path = path;
         Ok(self)
@@ -481,12 +490,7 @@ impl Context {
     ) -> Result<()> {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
         let kernel = HopperForward::for_problem(T::DTYPE, shape.head_dim)?;
-        if !self.has_hopper_kernels() {
-            return Err(Error::Unsupported {
-                what: "the sm_90a kernels (wgmma, TMA)",
-                device: self.device().name.clone(),
-            });
-        }
+        self.require_hopper_kernels()?;
         check_flash_grid(&shape)?;
         let scale_log2 = options.checked_scale(shape.head_dim)? * std::f32::consts::LOG2_E;
         let (s, n) = (&shape, kernel.block_n);
@@ -559,12 +563,7 @@ impl Context {
     ) -> Result<()> {
         let shape = self.check_backward(q, k, v, o, lse, d_o, grads)?;
         let kernel = HopperBackward::for_problem(T::DTYPE, shape.head_dim)?;
-        if !self.has_hopper_kernels() {
-            return Err(Error::Unsupported {
-                what: "the sm_90a kernels (wgmma, TMA)",
-                device: self.device().name.clone(),
-            });
-        }
+        self.require_hopper_kernels()?;
         check_flash_grid(&shape)?;
         let scale = options.checked_scale(shape.head_dim)?;
         let delta = self.row_deltas(o, d_o, &shape)?;
