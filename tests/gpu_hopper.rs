@@ -261,23 +261,24 @@ fn the_kernel_path_picks_the_backward_kernel() {
         let tile = TileConfig::default_backward_for_dtype(DType::Bf16, head_dim);
         let mode = sm90a.dq_accumulation_for(DType::Bf16, head_dim);
         let label = sm90a.backward_kernel_label(DType::Bf16, head_dim, tile, mode);
-        // The Hopper backward where it is the faster (head_dim 128), with the atomic dQ it needs.
-        if head_dim == 128 {
-            assert!(label.starts_with("sm_90a") && mode == DqAccumulation::Atomic, "{label} {mode:?}");
-        } else {
-            assert!(label.starts_with("sm_80"), "{label}");
-        }
+        // The Hopper backward, with the atomic dQ it needs.
+        assert!(label.starts_with("sm_90a") && mode == DqAccumulation::Atomic, "{label} {mode:?}");
         // A deterministic dQ is never the Hopper kernel's.
         let label = sm90a.backward_kernel_label(DType::Bf16, head_dim, tile, DqAccumulation::Deterministic);
         assert!(label.starts_with("sm_80"), "{label}");
     }
-    // Through the public entry point at head_dim 128, poisoned outputs, against the reference.
-    let shape =
-        AttentionShape { batch: 1, num_heads_q: 4, num_heads_kv: 2, seqlen_q: 300, seqlen_k: 300, head_dim: 128 };
-    let (fwd, bwd) =
-        (TileConfig::default_for_dtype(DType::Bf16, 128), TileConfig::default_backward_for_dtype(DType::Bf16, 128));
-    let options = AttentionOptions::causal(Causal::TopLeft);
-    check16::<bf16>(&sm90a, shape, fwd, Some((bwd, DqAccumulation::Atomic)), options, 77, Inputs::Normal);
+    // Through the public entry point, poisoned outputs, against the reference.
+    for head_dim in [64, 128] {
+        let shape =
+            AttentionShape { batch: 1, num_heads_q: 4, num_heads_kv: 2, seqlen_q: 300, seqlen_k: 300, head_dim };
+        let (fwd, bwd) = (
+            TileConfig::default_for_dtype(DType::Bf16, head_dim),
+            TileConfig::default_backward_for_dtype(DType::Bf16, head_dim),
+        );
+        let options = AttentionOptions::causal(Causal::TopLeft);
+        let seed = 77 + head_dim as u64;
+        check16::<bf16>(&sm90a, shape, fwd, Some((bwd, DqAccumulation::Atomic)), options, seed, Inputs::Normal);
+    }
 }
 
 #[test]

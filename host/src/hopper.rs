@@ -32,18 +32,18 @@ const WARPGROUP_THREADS: u32 = 128;
 /// Rows of a `wgmma` tile (m64) and columns of the probe's B (n64).
 const PROBE_ROWS: usize = 64;
 
-/// Columns of one 128-byte swizzled box of 16-bit values: the inner box dimension of the Hopper
-/// forward's tensor maps.
-const SWIZZLE_COLUMNS: usize = 64;
+/// Bytes of one row of a 128-byte swizzled box: the inner box dimension of the Hopper kernels'
+/// tensor maps.
+const SWIZZLE_ROW_BYTES: usize = 128;
 
 /// Which kernels run a context's 16-bit FlashAttention passes with the built-in tiles.
 ///
 /// A GPU context takes [`KernelPath::Sm90a`] on compute capability 9.0 and [`KernelPath::Sm80`]
 /// elsewhere, unless the environment variable [`KernelPath::ENV`] names one (`sm80` or
 /// `sm90a`), or [`Context::with_kernel_path`] chooses. The test suite runs once per path that
-/// way. On the sm_90a path the 16-bit forward pass and the head_dim-128 backward (with atomic
-/// dQ) run the Hopper kernels; everything else (the `f32` kernels, the head_dim-64 backward, the
-/// naive kernels, explicit tiles) runs the sm_80 kernels on both paths. The CPU emulator is
+/// way. On the sm_90a path the 16-bit forward and backward passes with the built-in tiles (the
+/// backward with atomic dQ) run the Hopper kernels; everything else (the `f32` kernels, the
+/// naive kernels, explicit tiles, a deterministic dQ) runs the sm_80 kernels on both paths. The CPU emulator is
 /// always on sm_80.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KernelPath {
@@ -158,11 +158,6 @@ impl HopperBackward {
     pub(crate) const BLOCK_N: usize = 128;
     /// Threads per block: a producer and two consumer warpgroups.
     pub(crate) const THREADS: usize = 384;
-    /// The head dimensions at which the sm_90a path runs this kernel: where it beats the sm_80
-    /// backward on an H200 (`PERFORMANCE.md`: 228–230 against 199–204 TFLOP/s at head_dim 128;
-    /// at 64 it trails, 128–139 against 143–164, its dQ atomics costing more than the products
-    /// save). [`Context::flash_attention_backward_hopper`] runs it at either.
-    pub(crate) const CHOSEN_HEAD_DIMS: [usize; 1] = [128];
 
     /// The kernel for `dtype` and `head_dim`.
     ///
@@ -494,14 +489,11 @@ impl Context {
         check_flash_grid(&shape)?;
         let scale_log2 = options.checked_scale(shape.head_dim)? * std::f32::consts::LOG2_E;
         let (s, n) = (&shape, kernel.block_n);
-        let maps = self.attention_tensor_maps(
-            &[
-                (q, s.num_heads_q, s.seqlen_q, kernel.block_m),
-                (k, s.num_heads_kv, s.seqlen_k, n),
-                (v, s.num_heads_kv, s.seqlen_k, n),
-            ],
-            s,
-        )?;
+        let maps = self.upload_tensor_maps(&[
+            self.attention_tensor_map(q, s.num_heads_q, s.seqlen_q, kernel.block_m, s)?,
+            self.attention_tensor_map(k, s.num_heads_kv, s.seqlen_k, n, s)?,
+            self.attention_tensor_map(v, s.num_heads_kv, s.seqlen_k, n, s)?,
+        ])?;
         let config = flash_config(
             (shape.seqlen_q.div_ceil(kernel.block_m), shape.num_heads_q, shape.batch),
             hopper_forward_threads(kernel.block_m),
@@ -519,8 +511,7 @@ impl Context {
     /// 64) and loops over query tiles of 64 rows that a producer warpgroup loads with TMA; dQ is
     /// added to an `f32` copy with atomics (as [`DqAccumulation::Atomic`]: the last bits of dQ may
     /// differ between runs) and rounded at the end. On the sm_90a path
-    /// [`Context::flash_attention_backward`] runs this kernel at head_dim 128 for its default tile
-    /// and atomic dQ (at 64 the sm_80 kernels are faster).
+    /// [`Context::flash_attention_backward`] runs this kernel for its default tile and atomic dQ.
     ///
     /// Extra device memory: D (one `f32` per query row) and the `f32` copy of dQ.
     ///
@@ -568,32 +559,31 @@ impl Context {
         let scale = options.checked_scale(shape.head_dim)?;
         let delta = self.row_deltas(o, d_o, &shape)?;
         let (s, m, n) = (&shape, HopperBackward::BLOCK_M, HopperBackward::BLOCK_N);
-        let maps = self.attention_tensor_maps(
-            &[
-                (q, s.num_heads_q, s.seqlen_q, m),
-                (k, s.num_heads_kv, s.seqlen_k, n),
-                (v, s.num_heads_kv, s.seqlen_k, n),
-                (d_o, s.num_heads_q, s.seqlen_q, m),
-            ],
-            s,
-        )?;
         let mut accum = self.alloc_output::<f32>(&shape.q_shape())?;
         self.fill_zeros(&mut accum)?;
+        let maps = self.upload_tensor_maps(&[
+            self.attention_tensor_map(q, s.num_heads_q, s.seqlen_q, m, s)?,
+            self.attention_tensor_map(k, s.num_heads_kv, s.seqlen_k, n, s)?,
+            self.attention_tensor_map(v, s.num_heads_kv, s.seqlen_k, n, s)?,
+            self.attention_tensor_map(d_o, s.num_heads_q, s.seqlen_q, m, s)?,
+            // The kernel adds each block's share of dQ to this one with the copy engine.
+            self.attention_tensor_map(&accum, s.num_heads_q, s.seqlen_q, m, s)?,
+        ])?;
         let config = flash_config(
             (shape.seqlen_k.div_ceil(n), shape.num_heads_kv, shape.batch),
             HopperBackward::THREADS,
             hopper_backward_smem_bytes(shape.head_dim, kernel.stages),
         );
         let args = ProblemArgs::new(&shape, options);
-        let head: [&dyn KernelArg; 6] = [&maps, lse, &delta, &accum, &grads.dk, &grads.dv];
+        let head: [&dyn KernelArg; 5] = [&maps, lse, &delta, &grads.dk, &grads.dv];
         self.launch(kernel.entry, config, &args.with_mask(&head, &[&scale]))?;
         self.round_dq(&accum, &mut grads.dq)
     }
 
     /// The Hopper backward kernel that [`Context::flash_attention_backward`] runs in place of the
-    /// sm_80 ones: on the sm_90a path, for `f16`/`bf16` and the head dimensions where it is the
-    /// faster (`HopperBackward::CHOSEN_HEAD_DIMS`: 128), when `tile` is the built-in default
-    /// ([`TileConfig::default_backward_for_dtype`]) and dQ is accumulated with atomics.
+    /// sm_80 ones: on the sm_90a path, for `f16`/`bf16` and the head dimensions it has, when
+    /// `tile` is the built-in default ([`TileConfig::default_backward_for_dtype`]) and dQ is
+    /// accumulated with atomics.
     pub(crate) fn hopper_backward_for(
         &self,
         dtype: DType,
@@ -603,7 +593,6 @@ impl Context {
     ) -> Option<HopperBackward> {
         let wanted = self.kernel_path == KernelPath::Sm90a
             && dq == DqAccumulation::Atomic
-            && HopperBackward::CHOSEN_HEAD_DIMS.contains(&head_dim)
             && tile == TileConfig::default_backward_for_dtype(dtype, head_dim);
         wanted.then(|| HopperBackward::for_problem(dtype, head_dim).ok()).flatten()
     }
@@ -634,34 +623,38 @@ impl Context {
         }
     }
 
-    /// Tensor maps of attention tensors for the Hopper kernels, back to back in one device buffer
-    /// (the kernels' first argument): each `[batch, heads, seqlen, head_dim]` tensor as a 3-D map
-    /// of (head_dim, seqlen, batch · heads), so that a box running past a head's last row reads
-    /// zeros rather than the next head, with boxes of 64 columns (the 128-byte swizzle's span) by
-    /// the given rows, written with the 128-byte swizzle. Each entry: the tensor, its heads, its
-    /// sequence length and the box's rows.
-    fn attention_tensor_maps<T: Element>(
+    /// The tensor map of one `[batch, heads, seqlen, head_dim]` attention tensor for the Hopper
+    /// kernels: a 3-D map of (head_dim, seqlen, batch · heads), so that a box running past a
+    /// head's last row reads zeros (or, for a reduction, skips them) rather than touching the next
+    /// head, with boxes of 128 bytes of columns (the 128-byte swizzle's span: 64 16-bit or 32
+    /// `f32` values) by `box_rows`, laid out in shared memory with the 128-byte swizzle.
+    fn attention_tensor_map<T: Element>(
         &self,
-        tensors: &[(&DeviceTensor<T>, usize, usize, usize)],
+        tensor: &DeviceTensor<T>,
+        heads: usize,
+        seqlen: usize,
+        box_rows: usize,
         shape: &AttentionShape,
-    ) -> Result<TensorMaps> {
+    ) -> Result<CUtensorMap> {
+        let (d, bytes) = (shape.head_dim, std::mem::size_of::<T>());
+        let dims = [d as u64, seqlen as u64, (shape.batch * heads) as u64];
+        let strides = [(d * bytes) as u64, (seqlen * d * bytes) as u64];
+        let box_dims = [(SWIZZLE_ROW_BYTES / bytes) as u32, box_rows as u32, 1];
+        self.encode_tensor_map(tensor, &dims, &strides, &box_dims, CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B)
+    }
+
+    /// Copies tensor maps back to back into one device buffer, the Hopper kernels' first argument
+    /// (they are read by the copy engine, from global memory).
+    fn upload_tensor_maps(&self, maps: &[CUtensorMap]) -> Result<TensorMaps> {
         let Backend::Cuda { stream, .. } = &self.backend else {
             return Err(Error::NotOnEmulator("tensor maps (TMA)"));
         };
-        let d = shape.head_dim;
-        let mut words: Vec<u64> = Vec::with_capacity(16 * tensors.len());
-        for &(tensor, heads, seqlen, box_rows) in tensors {
-            let dims = [d as u64, seqlen as u64, (shape.batch * heads) as u64];
-            let strides = [(d * 2) as u64, (seqlen * d * 2) as u64];
-            let box_dims = [SWIZZLE_COLUMNS as u32, box_rows as u32, 1];
-            let swizzle = CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B;
-            words.extend(self.encode_tensor_map(tensor, &dims, &strides, &box_dims, swizzle)?.opaque);
-        }
+        let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
         let maps = stream.clone_htod(&words).during("copying tensor maps to the device")?;
         Ok(TensorMaps { maps })
     }
 
-    /// Encodes a tensor map of `tensor` (16-bit) with `cuTensorMapEncodeTiled`: `dims` and
+    /// Encodes a tensor map of `tensor` with `cuTensorMapEncodeTiled`: `dims` and
     /// `box_dims` innermost first, `strides` in bytes for every dimension but the innermost.
     fn encode_tensor_map<T: Element>(
         &self,
@@ -677,7 +670,7 @@ impl Context {
         let data_type = match T::DTYPE {
             DType::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
             DType::Bf16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            DType::F32 => return Err(Error::Shape("tensor maps here are for 16-bit tensors".into())),
+            DType::F32 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
         };
         let rank = dims.len();
         debug_assert!(box_dims.len() == rank && strides.len() + 1 == rank);

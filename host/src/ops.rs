@@ -295,8 +295,7 @@ impl Context {
     /// Extra device memory, all O(seqlen): one `f32` per query row (D = rowsum(dO ∘ O)); with
     /// 16-bit types and atomic dQ also an `f32` copy of dQ to accumulate into.
     ///
-    /// On the sm_90a path ([`Context::kernel_path`]) a 16-bit backward pass of head_dim 128 with
-    /// the default tile and [`DqAccumulation::Atomic`] runs the Hopper kernel instead
+    /// On the sm_90a path ([`Context::kernel_path`]) a 16-bit backward pass with the default tile and [`DqAccumulation::Atomic`] runs the Hopper kernel instead
     /// ([`Context::flash_attention_backward_hopper`]); [`Context::dq_accumulation_for`] gives the
     /// mode that is fastest on this context.
     ///

@@ -30,10 +30,11 @@ use crate::flash_forward_mma::pack_a;
 use crate::gpu::{self, FragC, HalfFloat, LOG2_E};
 use crate::hopper::{
     Accumulator, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, TensorMaps, WARPGROUP_THREADS, advance_descriptor,
-    atomic_add_f32x2, fence_mbarrier_init, fence_proxy_async, k_major_descriptor, mbarrier_arrive,
-    mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait, mn_major_descriptor, named_barrier_sync,
-    registers_decrease, registers_increase, ring_slot, shared_address, tma_load_3d, warpgroup_id, wgmma_commit,
-    wgmma_fence, wgmma_wait,
+    bulk_commit_group, bulk_wait_group, bulk_wait_group_read, fence_mbarrier_init, fence_proxy_async,
+    k_major_descriptor, load_shared_f32x2, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait,
+    mn_major_descriptor, named_barrier_sync, opaque, registers_decrease, registers_increase, ring_slot, shared_address,
+    store_shared_f32x2, store_shared_u32, tma_load_3d, tma_reduce_add_3d, warpgroup_id, wgmma_commit, wgmma_fence,
+    wgmma_wait,
 };
 use crate::layout::{AttentionShape, HOPPER_SMEM_ALIGN, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS};
 use crate::tiles::Mask;
@@ -47,14 +48,21 @@ const CONSUMERS: usize = BLOCK_N / WARPGROUP_ROWS;
 /// Columns of one swizzled column block: 128 bytes of 16-bit values.
 const SWIZZLE_COLUMNS: usize = SWIZZLE_ROW_BYTES / 2;
 /// Register budgets after `setmaxnreg` (producer, consumers), of 168 each at launch (384
-/// threads): 40 + 2 · 232 = 3 · 168.
+/// threads): 24 + 2 · 240 = 3 · 168.
 const REGISTERS: (u32, u32) = (40, 232);
 /// The named barrier of both consumers (0 is `__syncthreads`, 1 and 2 each consumer's own).
 const ALL_CONSUMERS: u32 = 3;
+/// Columns of one box of the `f32` dQ tile: 128 bytes, the widest box the 128-byte swizzle allows.
+const DQ_BOX_COLUMNS: usize = SWIZZLE_ROW_BYTES / 4;
+/// Bytes of one such box of `BLOCK_M` rows.
+const DQ_BOX_BYTES: u32 = (BLOCK_M * SWIZZLE_ROW_BYTES) as u32;
 
 /// The block's shared memory, as shared-state-space addresses from a base aligned to one swizzle
 /// atom: K and V (`BLOCK_N × D`), `STAGES` slots of a Q and a dO tile (`BLOCK_M × D`), two dSᵀ
-/// buffers (`BLOCK_N × BLOCK_M`), then the `mbarrier`s. Tiles are `D / 64` swizzled column blocks.
+/// buffers (`BLOCK_N × BLOCK_M`), a dQ staging tile per consumer (`BLOCK_M × 64` `f32`),
+/// `STAGES` slots of the tile's statistics (`BLOCK_M` values of
+/// LSE·log₂e, then `BLOCK_M` of D, `f32`), then the `mbarrier`s. Tiles are `D / 64` swizzled
+/// column blocks.
 #[derive(Clone, Copy)]
 struct SharedTiles<const D: usize, const STAGES: usize> {
     base: u32,
@@ -64,6 +72,8 @@ impl<const D: usize, const STAGES: usize> SharedTiles<D, STAGES> {
     const KV_BYTES: u32 = (BLOCK_N * D * 2) as u32;
     const Q_BYTES: u32 = (BLOCK_M * D * 2) as u32;
     const DS_BYTES: u32 = (BLOCK_N * BLOCK_M * 2) as u32;
+    const STATISTICS_BYTES: u32 = (2 * BLOCK_M * 4) as u32;
+    const DQ_STAGING_BYTES: u32 = (BLOCK_M * SWIZZLE_COLUMNS * 4) as u32;
 
     #[inline(always)]
     fn new() -> Self {
@@ -97,10 +107,30 @@ impl<const D: usize, const STAGES: usize> SharedTiles<D, STAGES> {
         self.base + 2 * Self::KV_BYTES + 2 * STAGES as u32 * Self::Q_BYTES + buffer as u32 * Self::DS_BYTES
     }
 
+    /// Consumer `index`'s staging tile of dQ: `BLOCK_M` rows × 64 columns of `f32`, as two
+    /// swizzled boxes of [`DQ_BOX_COLUMNS`].
+    #[inline(always)]
+    fn dq_staging(self, index: usize) -> u32 {
+        self.ds(2) + index as u32 * Self::DQ_STAGING_BYTES
+    }
+
+    /// LSE·log₂e of the tile in slot `stage`, one `f32` per query row.
+    #[inline(always)]
+    fn lse(self, stage: usize) -> u32 {
+        self.dq_staging(CONSUMERS) + stage as u32 * Self::STATISTICS_BYTES
+    }
+
+    /// D = rowsum(dO ∘ O) of the tile in slot `stage`.
+    #[inline(always)]
+    fn delta(self, stage: usize) -> u32 {
+        self.lse(stage) + Self::STATISTICS_BYTES / 2
+    }
+
     /// Barrier `i` of `[K and V full, Q full × STAGES, dO full × STAGES, Q and dO empty × STAGES]`.
+    /// "dO full" also waits for the tile's statistics.
     #[inline(always)]
     fn barrier(self, i: usize) -> u32 {
-        self.ds(2) + 8 * i as u32
+        self.lse(STAGES) + 8 * i as u32
     }
 
     #[inline(always)]
@@ -168,13 +198,13 @@ impl KeyBlock {
     }
 }
 
-/// The producer: K and V once, then Q and dO of every query tile the block visits, each into its
-/// ring slot once the consumers released the slot.
+/// The producer's copy engine work: K and V once, then Q and dO of every query tile the block
+/// visits, each into its ring slot once the consumers released the slot.
 ///
 /// # Safety
 /// One thread of warpgroup 0 calls it, after the barriers were initialised.
 #[inline(always)]
-unsafe fn produce<const D: usize, const STAGES: usize>(
+unsafe fn produce_tiles<const D: usize, const STAGES: usize>(
     smem: SharedTiles<D, STAGES>,
     maps: TensorMaps,
     shape: &AttentionShape,
@@ -212,21 +242,78 @@ unsafe fn produce<const D: usize, const STAGES: usize>(
     }
 }
 
-/// The byte offset of the 4-byte pair at (`row`, `column`) (16-bit elements, `column` even) of a
-/// tile of 64 columns with the 128-byte swizzle: the 16-byte chunk `column / 8` of the row moves
-/// to chunk `(column / 8) ^ (row % 8)`.
+/// The producer's second warp: the LSE (times log₂e) and D of every query tile, two rows per lane,
+/// into the tile's slot, then one arrival per lane on the slot's "dO full" barrier. A tile's
+/// statistics are 512 bytes whose start need not be 16-byte aligned (any `seqlen_q`), too little
+/// and too unaligned for a bulk copy; read here, they reach the consumers with the tile instead
+/// of costing them a device-memory round trip after every Sᵀ. Rows past `seqlen_q` get an LSE
+/// of +∞, so their P is exactly 0.
+///
+/// # Safety
+/// Every lane of one warp of warpgroup 0 calls it, after the barriers were initialised; `lse` and
+/// `delta` hold `[batch, num_heads_q, seqlen_q]` `f32`.
 #[inline(always)]
-fn swizzled_offset(row: usize, column: usize) -> u32 {
-    let chunk = (column / 8) ^ (row % 8);
-    (row * SWIZZLE_ROW_BYTES + chunk * 16 + (column % 8) * 2) as u32
-}
-
-/// Pointers to the rows of one query head: LSE, D and the `f32` dQ accumulator.
-#[derive(Clone, Copy)]
-struct QueryHead {
+unsafe fn produce_statistics<const D: usize, const STAGES: usize>(
+    smem: SharedTiles<D, STAGES>,
+    shape: &AttentionShape,
+    block: &KeyBlock,
     lse: *const f32,
     delta: *const f32,
-    dq: *mut f32,
+) {
+    let lane = gpu::lane_id();
+    for step in 0..block.group * block.tiles_per_head() {
+        let (stage, parity) = ring_slot(step, STAGES);
+        let (q_head, tile) = block.step(step);
+        let row0 = (block.batch * shape.num_heads_q + q_head) * shape.seqlen_q;
+        // Read before waiting for the slot: the loads do not depend on it.
+        let rows = [0, 1].map(|h| {
+            let query = tile * BLOCK_M + 2 * lane + h;
+            if query < shape.seqlen_q {
+                // SAFETY: query < seqlen_q: inside this head's rows.
+                unsafe { (*lse.add(row0 + query) * LOG2_E, *delta.add(row0 + query)) }
+            } else {
+                (f32::INFINITY, 0.0)
+            }
+        });
+        let offset = (8 * lane) as u32;
+        // SAFETY: initialised barriers; the slot is free once its phase before this one completed.
+        unsafe {
+            if step >= STAGES {
+                mbarrier_wait(smem.q_empty(stage), parity ^ 1);
+            }
+            store_shared_f32x2(smem.lse(stage) + offset, [rows[0].0, rows[1].0]);
+            store_shared_f32x2(smem.delta(stage) + offset, [rows[0].1, rows[1].1]);
+            // Release semantics: the stores above are visible to whoever waits on the phase.
+            mbarrier_arrive(smem.do_full(stage));
+        }
+    }
+}
+
+/// The offset of byte `byte` of row `row` in a tile of 128-byte rows with the 128-byte swizzle:
+/// the row's 16-byte chunk `byte / 16` moves to chunk `(byte / 16) ^ (row % 8)`.
+#[inline(always)]
+fn swizzled_offset(row: usize, byte: usize) -> u32 {
+    let chunk = (byte / 16) ^ (row % 8);
+    (row * SWIZZLE_ROW_BYTES + chunk * 16 + byte % 16) as u32
+}
+
+/// Issues `acc = A·Bᵀ` over the head dimension (not committed): A is this warpgroup's 64 rows of
+/// K or V (`a_rows`, a descriptor of the block's swizzled tile, `BLOCK_N` rows per column block)
+/// and B the query tile's Q or dO (`b_tile`, `BLOCK_M` rows per column block), both K-major. The
+/// result is Sᵀ or dPᵀ: keys as rows, queries as columns.
+///
+/// # Safety
+/// Every thread of the warpgroup calls it after [`wgmma_fence`]; both tiles are complete.
+#[inline(always)]
+unsafe fn issue_transposed_product<T: HalfFloat, const D: usize>(acc: &mut [FragC; 8], a_rows: u64, b_tile: u32) {
+    for ks in 0..D / 16 {
+        // 16 columns of head_dim: k-step ks % 4 (32 bytes) of column block ks / 4.
+        let (column_block, step_bytes) = (ks / 4, (ks % 4 * 32) as u32);
+        let a_offset = (column_block * BLOCK_N * SWIZZLE_ROW_BYTES) as u32 + step_bytes;
+        let b_offset = (column_block * BLOCK_M * SWIZZLE_ROW_BYTES) as u32 + step_bytes;
+        // SAFETY: the caller's contract.
+        unsafe { acc.mma::<T>(advance_descriptor(a_rows, a_offset), k_major_descriptor(b_tile + b_offset), ks > 0) };
+    }
 }
 
 /// One consumer warpgroup: dK and dV of its 64 keys over every query tile (see the module docs),
@@ -242,38 +329,37 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
     shape: &AttentionShape,
     mask: Mask,
     scale: f32,
-    (lse, delta, dq_accum): (*const f32, *const f32, *mut f32),
+    maps: TensorMaps,
     (dk, dv): (*mut u16, *mut u16),
 ) where
     [FragC; D_TILES]: Accumulator,
 {
     let index = warpgroup_id() - 1;
-    let (warp, lane) = (gpu::warp_id() % 4, gpu::lane_id());
-    let (g, t) = (lane / 4, lane % 4);
-    // This warpgroup's keys, and the key of fragment entry e (rows g and g + 8 of the warp).
+    // The thread that hands the warpgroup's dQ tiles to the copy engine.
+    let leader = gpu::thread_idx_x() % WARPGROUP_THREADS == 0;
     let k_first = block.k_start + index * WARPGROUP_ROWS;
-    let key = |e: usize| k_first + 16 * warp + g + 8 * (e / 2);
     let c = scale * LOG2_E;
-
-    // Descriptors of this warpgroup's 64 rows of K and V (K-major, for Sᵀ and dPᵀ).
-    let rows_offset = (index * WARPGROUP_ROWS * SWIZZLE_ROW_BYTES) as u32;
-    let k_rows = k_major_descriptor(smem.k() + rows_offset);
-    let v_rows = k_major_descriptor(smem.v() + rows_offset);
 
     let mut dk_acc = [[0.0f32; 4]; D_TILES];
     let mut dv_acc = [[0.0f32; 4]; D_TILES];
     // SAFETY: initialised barrier; its first (only) phase.
     unsafe { mbarrier_wait(smem.kv_full(), 0) };
 
+    let (smem0, thread0) = (smem.base, gpu::thread_idx_x() as u32);
     for step in 0..block.group * block.tiles_per_head() {
+        let smem = SharedTiles::<D, STAGES> { base: opaque(smem0) };
+        let thread = opaque(thread0) as usize;
+        let (warp, lane) = (thread / 32 % 4, thread % 32);
+        let (g, t) = (lane / 4, lane % 4);
+        // This warpgroup's keys, and the key of fragment entry e (rows g and g + 8 of the warp).
+        let key = |e: usize| k_first + 16 * warp + g + 8 * (e / 2);
+        // Descriptors of this warpgroup's 64 rows of K and V (K-major, for Sᵀ and dPᵀ).
+        let rows_offset = (index * WARPGROUP_ROWS * SWIZZLE_ROW_BYTES) as u32;
+        let k_rows = k_major_descriptor(smem.k() + rows_offset);
+        let v_rows = k_major_descriptor(smem.v() + rows_offset);
         let (stage, parity) = ring_slot(step, STAGES);
         let (q_head, tile) = block.step(step);
         let q_start = tile * BLOCK_M;
-        let head = {
-            let row0 = (block.batch * shape.num_heads_q + q_head) * shape.seqlen_q;
-            // SAFETY: offsets of this query head's rows.
-            unsafe { QueryHead { lse: lse.add(row0), delta: delta.add(row0), dq: dq_accum.add(row0 * D) } }
-        };
         // SAFETY: initialised barriers.
         unsafe {
             mbarrier_wait(smem.q_full(stage), parity);
@@ -281,21 +367,17 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         }
         let (q_tile, do_tile) = (smem.q(stage), smem.d_o(stage));
 
-        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warpgroup's 64 keys and the tile's 64 queries.
+        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warpgroup's 64 keys and the tile's 64 queries. (Two
+        // groups, with Pᵀ's exponentials overlapping dPᵀ, measured 7–10 % slower.)
         let mut s = [[0.0f32; 4]; 8];
         let mut dp = [[0.0f32; 4]; 8];
         s.pin();
         dp.pin();
         wgmma_fence();
-        for ks in 0..D / 16 {
-            let (column_block, step_bytes) = (ks / 4, (ks % 4 * 32) as u32);
-            let kv_offset = (column_block * BLOCK_N * SWIZZLE_ROW_BYTES) as u32 + step_bytes;
-            let q_offset = (column_block * BLOCK_M * SWIZZLE_ROW_BYTES) as u32 + step_bytes;
-            // SAFETY: tiles the copy engine completed.
-            unsafe {
-                s.mma::<T>(advance_descriptor(k_rows, kv_offset), k_major_descriptor(q_tile + q_offset), ks > 0);
-                dp.mma::<T>(advance_descriptor(v_rows, kv_offset), k_major_descriptor(do_tile + q_offset), ks > 0);
-            }
+        // SAFETY: tiles the copy engine completed.
+        unsafe {
+            issue_transposed_product::<T, D>(&mut s, k_rows, q_tile);
+            issue_transposed_product::<T, D>(&mut dp, v_rows, do_tile);
         }
         wgmma_commit();
         wgmma_wait::<0>();
@@ -303,31 +385,25 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         dp.pin();
 
         // Pᵀ = exp2(Sᵀ·c − LSE·log₂e) and dSᵀ = Pᵀ ∘ (dPᵀ − D), column (query) by column; keys a
-        // query does not see get P = 0 (only tiles that cross some query's limit check).
-        let all_visible = q_start + BLOCK_M <= shape.seqlen_q && mask.key_limit(q_start) >= k_first + WARPGROUP_ROWS;
-        // Sixteen queries (two fragments) at a time, packed into the A operands right away, so
-        // that the f32 values die early (head_dim 128 is short of registers).
+        // query does not see get P = 0 (only tiles that cross some query's limit check), and so
+        // do queries past seqlen_q (their LSE is +∞). Sixteen queries (two fragments) at a time,
+        // packed into the A operands right away, so that the f32 values die early.
+        let all_visible = mask.key_limit(q_start) >= k_first + WARPGROUP_ROWS;
+        // This thread's two queries of fragment j are tile columns 8j + 2t and 8j + 2t + 1;
+        // their statistics are a pair in the slot, published by "dO full".
+        let statistics = |slot: u32, j: usize| unsafe { load_shared_f32x2(slot + (4 * (8 * j + 2 * t)) as u32) };
         let mut p = [[0u32; 4]; 4];
         let mut ds = [[0u32; 4]; 4];
         for kk in 0..4 {
-            for half in 0..2 {
-                let j = 2 * kk + half;
-                for h in 0..2 {
-                    let query = q_start + 8 * j + 2 * t + h;
-                    let (row_lse, row_delta) = if query < shape.seqlen_q {
-                        // SAFETY: query < seqlen_q.
-                        unsafe { (*head.lse.add(query) * LOG2_E, *head.delta.add(query)) }
-                    } else {
-                        (0.0, 0.0)
-                    };
-                    // Entries h and h + 2: this query's column in rows g and g + 8.
-                    for r in 0..2 {
-                        let e = h + 2 * r;
-                        let visible = all_visible || mask.visible(query, key(e));
-                        let p = if visible { gpu::exp2(gpu::fma(s[j][e], c, -row_lse)) } else { 0.0 };
-                        s[j][e] = p;
-                        dp[j][e] = p * (dp[j][e] - row_delta);
-                    }
+            for j in 2 * kk..2 * kk + 2 {
+                let (row_lse, row_delta) = (statistics(smem.lse(stage), j), statistics(smem.delta(stage), j));
+                // Entry e: query column h = e % 2 of the pair, key row g + 8·(e / 2).
+                for e in 0..4 {
+                    let (query, h) = (q_start + 8 * j + 2 * t + e % 2, e % 2);
+                    let visible = all_visible || mask.visible(query, key(e));
+                    let p = if visible { gpu::exp2(gpu::fma(s[j][e], c, -row_lse[h])) } else { 0.0 };
+                    s[j][e] = p;
+                    dp[j][e] = p * (dp[j][e] - row_delta[h]);
                 }
             }
             p[kk] = pack_a::<T>(s[2 * kk], s[2 * kk + 1]);
@@ -335,84 +411,94 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         }
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q: Pᵀ and dSᵀ from registers, dO and Q MN-major.
+        let mn_major_step =
+            |tile: u32, kk: usize| mn_major_descriptor(tile + (kk * 2 * SWIZZLE_ATOM_BYTES) as u32, BLOCK_M);
         dv_acc.pin();
         dk_acc.pin();
         wgmma_fence();
         for kk in 0..BLOCK_M / 16 {
-            let offset = (kk * 2 * SWIZZLE_ATOM_BYTES) as u32;
-            let (do_b, q_b) =
-                (mn_major_descriptor(do_tile + offset, BLOCK_M), mn_major_descriptor(q_tile + offset, BLOCK_M));
             // SAFETY: as above.
             unsafe {
-                dv_acc.mma_register_a::<T>(p[kk], do_b, true);
-                dk_acc.mma_register_a::<T>(ds[kk], q_b, true);
+                dv_acc.mma_register_a::<T>(p[kk], mn_major_step(do_tile, kk), true);
+                dk_acc.mma_register_a::<T>(ds[kk], mn_major_step(q_tile, kk), true);
             }
         }
         wgmma_commit();
 
         // dSᵀ into this tile's buffer, row-major by key: the packed pairs are (key, two queries).
         let ds_buffer = smem.ds(step % 2);
-        let ds_pointer = |offset: u32| {
-            let base = gpu::dynamic_shared_memory() as *mut u8;
-            // SAFETY: generic pointer to shared-state-space address `ds_buffer + offset`.
-            unsafe { base.add((ds_buffer + offset - shared_address(base)) as usize) as *mut u32 }
-        };
         for kk in 0..4 {
             for (i, &pair) in ds[kk].iter().enumerate() {
                 let (row, column) = (key(2 * (i % 2)) - block.k_start, 16 * kk + 8 * (i / 2) + 2 * t);
-                // SAFETY: inside the 16 KiB buffer.
-                unsafe { *ds_pointer(swizzled_offset(row, column)) = pair };
+                // SAFETY: inside the 16 KiB buffer; the other buffer is the one a product may read.
+                unsafe { store_shared_u32(ds_buffer + swizzled_offset(row, 2 * column), pair) };
             }
         }
         fence_proxy_async();
-        // Which dSᵀ rows and columns of dQ this warpgroup takes (see the module docs): with one
-        // column block each warpgroup reads only its own rows of dSᵀ, and a barrier of its own
-        // 128 threads publishes them, so the consumers never wait for each other; with two, each
-        // reads both warpgroups' rows, published by a barrier of all consumers.
-        let split_columns = D / SWIZZLE_COLUMNS >= CONSUMERS;
-        let (first_key, keys, column_blocks) = if split_columns {
-            (0, BLOCK_N, index..index + 1)
+        // Which dSᵀ rows and which of dQ's column blocks (64 columns of head_dim) this warpgroup
+        // takes (see the module docs): with one column block each warpgroup reads only its own
+        // rows of dSᵀ, and a barrier of its own 128 threads publishes them, so the consumers
+        // never wait for each other; with two, each reads both warpgroups' rows, published by a
+        // barrier of all consumers. The barrier also frees the staging tile: its previous copy
+        // finished reading it before the leader passed the barrier.
+        if leader {
+            bulk_wait_group_read::<0>();
+        }
+        let split_columns = D / SWIZZLE_COLUMNS == CONSUMERS;
+        let (first_key, keys, column_block) = if split_columns {
+            named_barrier_sync(ALL_CONSUMERS, (CONSUMERS * WARPGROUP_THREADS) as u32);
+            (0, BLOCK_N, index)
         } else {
             named_barrier_sync(1 + index as u32, WARPGROUP_THREADS as u32);
-            (index * WARPGROUP_ROWS, WARPGROUP_ROWS, 0..D / SWIZZLE_COLUMNS)
+            (index * WARPGROUP_ROWS, WARPGROUP_ROWS, 0)
         };
-        if split_columns {
-            named_barrier_sync(ALL_CONSUMERS, (CONSUMERS * WARPGROUP_THREADS) as u32);
-        }
 
-        // dQ += scale · dS·K, one column block (64 columns of head_dim) at a time: dS (queries ×
-        // keys, read MN-major from dSᵀ) times K (keys × columns, MN-major); each block's share
-        // goes to device memory with atomics.
+        // dQ += scale · dS·K for the column block: dS (queries × keys, read MN-major from dSᵀ)
+        // times K (keys × columns, MN-major).
         let key_rows = (first_key * SWIZZLE_ROW_BYTES) as u32;
         let ds_rows = mn_major_descriptor(ds_buffer + key_rows, BLOCK_M);
-        for column_block in column_blocks {
-            let k_block = smem.k() + (column_block * BLOCK_N * SWIZZLE_ROW_BYTES) as u32 + key_rows;
-            let k_block = mn_major_descriptor(k_block, BLOCK_N);
-            let mut dq = [[0.0f32; 4]; 8];
-            dq.pin();
-            wgmma_fence();
-            for ks in 0..keys / 16 {
-                let offset = (ks * 2 * SWIZZLE_ATOM_BYTES) as u32;
-                let (a, b) = (advance_descriptor(ds_rows, offset), advance_descriptor(k_block, offset));
-                // SAFETY: dSᵀ was published above; K is complete.
-                unsafe {
-                    dq.mma_mn_major::<T>(a, b, ks > 0);
-                }
-            }
-            wgmma_commit();
-            wgmma_wait::<0>();
-            dq.pin();
+        let k_block = smem.k() + (column_block * BLOCK_N * SWIZZLE_ROW_BYTES) as u32 + key_rows;
+        let k_block = mn_major_descriptor(k_block, BLOCK_N);
+        let mut dq = [[0.0f32; 4]; 8];
+        dq.pin();
+        wgmma_fence();
+        for ks in 0..keys / 16 {
+            let offset = (ks * 2 * SWIZZLE_ATOM_BYTES) as u32;
+            let (a, b) = (advance_descriptor(ds_rows, offset), advance_descriptor(k_block, offset));
+            // SAFETY: dSᵀ was published above; K is complete.
+            unsafe { dq.mma_mn_major::<T>(a, b, ks > 0) };
+        }
+        wgmma_commit();
+        wgmma_wait::<0>();
+        dq.pin();
+
+        // The block's share of dQ goes to device memory through the copy engine: each thread
+        // writes its fragments to the staging tile (two boxes of 32 `f32` columns, swizzled as
+        // TMA expects), and one thread asks for the tile to be added to dQ, element by element
+        // and atomically, skipping rows past seqlen_q. That is one request per tile instead of
+        // 16 atomics per thread, whose queue filled up and stalled the warps.
+        let staging = smem.dq_staging(index);
+        for h in 0..2 {
+            let row = 16 * warp + g + 8 * h;
             for (j, frag) in dq.iter().enumerate() {
-                for h in 0..2 {
-                    let query = q_start + 16 * warp + g + 8 * h;
-                    if query < shape.seqlen_q {
-                        let column = column_block * SWIZZLE_COLUMNS + 8 * j + 2 * t;
-                        let values = [frag[2 * h] * scale, frag[2 * h + 1] * scale];
-                        // SAFETY: query < seqlen_q, column + 1 < D: inside this head's rows.
-                        unsafe { atomic_add_f32x2(head.dq.add(query * D + column), values) };
-                    }
-                }
+                let column = 8 * j + 2 * t;
+                let offset = (column / DQ_BOX_COLUMNS) as u32 * DQ_BOX_BYTES
+                    + swizzled_offset(row, 4 * (column % DQ_BOX_COLUMNS));
+                // SAFETY: inside the staging tile, which the barrier above freed.
+                unsafe { store_shared_f32x2(staging + offset, [frag[2 * h] * scale, frag[2 * h + 1] * scale]) };
             }
+        }
+        fence_proxy_async();
+        named_barrier_sync(1 + index as u32, WARPGROUP_THREADS as u32);
+        if leader {
+            let head = (block.batch * shape.num_heads_q + q_head) as i32;
+            for dq_box in 0..SWIZZLE_COLUMNS / DQ_BOX_COLUMNS {
+                let x = (column_block * SWIZZLE_COLUMNS + dq_box * DQ_BOX_COLUMNS) as i32;
+                let source = staging + dq_box as u32 * DQ_BOX_BYTES;
+                // SAFETY: the staging tile was written and published above; map 4 is dQ's.
+                unsafe { tma_reduce_add_3d(maps.get(4), x, q_start as i32, head, source) };
+            }
+            bulk_commit_group();
         }
         dv_acc.pin();
         dk_acc.pin();
@@ -420,7 +506,15 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         unsafe { mbarrier_arrive(smem.q_empty(stage)) };
     }
 
+    // The last dQ tile must be read before the block's shared memory goes away.
+    if leader {
+        bulk_wait_group::<0>();
+    }
+
     // dK = scale · Σ dSᵀ·Q and dV, for the keys that exist.
+    let (warp, lane) = (gpu::warp_id() % 4, gpu::lane_id());
+    let (g, t) = (lane / 4, lane % 4);
+    let key = |e: usize| k_first + 16 * warp + g + 8 * (e / 2);
     let kv_row0 = (block.batch * shape.num_heads_kv + block.kv_head) * shape.seqlen_k;
     for (dt, (dk_frag, dv_frag)) in dk_acc.iter().zip(dv_acc.iter()).enumerate() {
         for h in 0..2 {
@@ -442,17 +536,17 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
 /// STAGES)`. `D_TILES` = D / 8 sizes the dK and dV accumulators.
 ///
 /// # Safety
-/// `maps` holds the tensor maps of Q, K, V and dO (3-D, boxes of 64 columns by 64 rows for Q
-/// and dO, 128 for K and V, 128-byte swizzle) in device memory; `lse` and `delta` hold
-/// `[batch, num_heads_q, seqlen_q]` `f32`, `dq_accum` Q's shape in `f32` (zeroed), `dk` and `dv`
-/// K's shape in 16 bits; `shape.head_dim == D`; the launch as above.
+/// `maps` holds, in device memory, the tensor maps (3-D, 128-byte swizzle) of Q, K, V and dO
+/// (boxes of 64 columns by 64 rows for Q and dO, 128 for K and V) and of the `f32` dQ
+/// accumulator (Q's shape, zeroed; boxes of 32 columns by 64 rows), which the kernel adds to;
+/// `lse` and `delta` hold `[batch, num_heads_q, seqlen_q]` `f32`, `dk` and `dv` K's shape in 16
+/// bits; `shape.head_dim == D`; the launch as above.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn flash_backward_wgmma<T: HalfFloat, const D: usize, const STAGES: usize, const D_TILES: usize>(
     maps: *const u8,
     lse: *const f32,
     delta: *const f32,
-    dq_accum: *mut f32,
     dk: *mut u16,
     dv: *mut u16,
     shape: AttentionShape,
@@ -469,7 +563,8 @@ unsafe fn flash_backward_wgmma<T: HalfFloat, const D: usize, const STAGES: usize
             mbarrier_init(smem.kv_full(), 1);
             for stage in 0..STAGES {
                 mbarrier_init(smem.q_full(stage), 1);
-                mbarrier_init(smem.do_full(stage), 1);
+                // The copy engine's bytes, plus one arrival per lane of the statistics warp.
+                mbarrier_init(smem.do_full(stage), 1 + 32);
                 mbarrier_init(smem.q_empty(stage), (CONSUMERS * WARPGROUP_THREADS) as u32);
             }
         }
@@ -478,16 +573,16 @@ unsafe fn flash_backward_wgmma<T: HalfFloat, const D: usize, const STAGES: usize
     gpu::sync_threads();
     if warpgroup_id() == 0 {
         registers_decrease::<{ REGISTERS.0 }>();
-        if gpu::thread_idx_x() == 0 {
-            // SAFETY: the barriers are initialised; the maps are the host's.
-            unsafe { produce(smem, TensorMaps(maps), &shape, &block) };
+        // SAFETY: the barriers are initialised; the maps and pointers are the host's.
+        match gpu::warp_id() {
+            0 if gpu::lane_id() == 0 => unsafe { produce_tiles(smem, TensorMaps(maps), &shape, &block) },
+            1 => unsafe { produce_statistics(smem, &shape, &block, lse, delta) },
+            _ => {}
         }
     } else {
         registers_increase::<{ REGISTERS.1 }>();
         // SAFETY: the launch contract.
-        unsafe {
-            consume::<T, D, STAGES, D_TILES>(smem, &block, &shape, mask, scale, (lse, delta, dq_accum), (dk, dv))
-        };
+        unsafe { consume::<T, D, STAGES, D_TILES>(smem, &block, &shape, mask, scale, TensorMaps(maps), (dk, dv)) };
     }
 }
 
@@ -513,7 +608,6 @@ macro_rules! flash_backward_wgmma_entry {
             maps: *const u8,
             lse: *const f32,
             delta: *const f32,
-            dq_accum: *mut f32,
             dk: *mut u16,
             dv: *mut u16,
             batch: usize,
@@ -530,7 +624,7 @@ macro_rules! flash_backward_wgmma_entry {
             let mask = Mask { seqlen_q, seqlen_k, causal: causal != 0, offset: causal_offset };
             unsafe {
                 flash_backward_wgmma::<gpu::$format, $d, $stages, { $d / 8 }>(
-                    maps, lse, delta, dq_accum, dk, dv, shape, mask, scale,
+                    maps, lse, delta, dk, dv, shape, mask, scale,
                 )
             }
         }

@@ -31,6 +31,7 @@
 //! | [`mbarrier_arrive_expect_tx`] | the thread that issues the copies of a phase | announces the bytes that phase must receive; counts as one arrival |
 //! | [`tma_load_2d`] | one thread | nothing by itself: completion is the `mbarrier`'s phase flipping |
 //! | [`tma_load_3d`] | one thread | as [`tma_load_2d`] |
+//! | [`tma_reduce_add_3d`] | one thread, after the writers' [`fence_proxy_async`] and a barrier | nothing by itself: [`bulk_commit_group`] closes its group, [`bulk_wait_group_read`] frees its source, [`bulk_wait_group`] completes it |
 //! | [`mbarrier_wait`] | every consumer | returns once the phase of the given parity completed: the copy's bytes are visible to the waiting thread |
 //! | [`mbarrier_arrive`] | each consumer thread, once per phase, after its last read of the slot | counts one arrival: the producer waiting on the phase may overwrite the slot |
 //! | [`named_barrier_sync`] | every thread of the part of the block named by the thread count | a `__syncthreads` for that part only (the producer warpgroup never waits on it) |
@@ -495,6 +496,58 @@ pub unsafe fn tma_load_3d(destination: u32, tensor_map: *const u8, x: i32, y: i3
     };
 }
 
+/// Asks the copy engine to add the box at `source` (shared memory, laid out as [`tma_load_3d`]
+/// would have written it) to the box at (`x`, `y`, `z`) of the 3-D tensor that `tensor_map`
+/// describes, element by element in the map's type (`cp.reduce.async.bulk.tensor.3d…add`). The
+/// additions are atomic per element; elements outside the tensor are skipped. The copy is
+/// asynchronous, in a *bulk group* ([`bulk_commit_group`]): `source` may be overwritten only after
+/// [`bulk_wait_group_read`].
+///
+/// # Safety
+/// `tensor_map` points to a valid `CUtensorMap` in global memory whose box lies at `source`
+/// (1024-byte aligned shared memory with the 128-byte swizzle); the box's shared memory was
+/// written before a [`fence_proxy_async`] and a barrier that ordered it before this call. One
+/// thread issues it.
+#[inline(always)]
+pub unsafe fn tma_reduce_add_3d(tensor_map: *const u8, x: i32, y: i32, z: i32, source: u32) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        asm!(
+            "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [{map}, {{{x}, {y}, {z}}}], [{src}];",
+            map = in(reg64) tensor_map as u64,
+            x = in(reg32) x,
+            y = in(reg32) y,
+            z = in(reg32) z,
+            src = in(reg32) source,
+            options(nostack)
+        )
+    };
+}
+
+/// Closes the bulk group of the bulk copies this thread issued since the last commit
+/// (`cp.async.bulk.commit_group`).
+#[inline(always)]
+pub fn bulk_commit_group() {
+    // SAFETY: bookkeeping of this thread's own bulk copies only.
+    unsafe { asm!("cp.async.bulk.commit_group;", options(nostack)) };
+}
+
+/// Waits until at most `PENDING` of this thread's committed bulk groups still read their shared
+/// memory sources (`cp.async.bulk.wait_group.read`): their sources may then be overwritten.
+#[inline(always)]
+pub fn bulk_wait_group_read<const PENDING: u32>() {
+    // SAFETY: waiting only.
+    unsafe { asm!("cp.async.bulk.wait_group.read {n};", n = const PENDING, options(nostack)) };
+}
+
+/// Waits until at most `PENDING` of this thread's committed bulk groups are incomplete
+/// (`cp.async.bulk.wait_group`): their writes to global memory are then done.
+#[inline(always)]
+pub fn bulk_wait_group<const PENDING: u32>() {
+    // SAFETY: waiting only.
+    unsafe { asm!("cp.async.bulk.wait_group {n};", n = const PENDING, options(nostack)) };
+}
+
 /// Asks the copy engine for the box at (`x`, `y`) (elements; x is the innermost dimension) of
 /// the 2-D tensor that `tensor_map` describes, written to `destination` (a shared-state-space
 /// address) in the box's row-major order; elements outside the tensor are filled with zeros. Completion is
@@ -535,6 +588,62 @@ pub unsafe fn atomic_add_f32x2(address: *mut f32, values: [f32; 2]) {
             p = in(reg64) address as u64, x = in(reg32) values[0], y = in(reg32) values[1], options(nostack)
         )
     };
+}
+
+/// Loads two `f32` from shared-state-space `address` (8-byte aligned): `ld.shared.v2.f32`.
+///
+/// # Safety
+/// `address` lies in this block's shared memory, 8-byte aligned.
+#[inline(always)]
+pub unsafe fn load_shared_f32x2(address: u32) -> [f32; 2] {
+    let (x, y): (f32, f32);
+    // SAFETY: the caller's contract.
+    unsafe {
+        asm!(
+            "ld.shared.v2.f32 {{{x}, {y}}}, [{a}];",
+            a = in(reg32) address, x = out(reg32) x, y = out(reg32) y, options(nostack, readonly)
+        )
+    };
+    [x, y]
+}
+
+/// Stores two `f32` to shared-state-space `address` (8-byte aligned): `st.shared.v2.f32`.
+///
+/// # Safety
+/// `address` lies in this block's shared memory, 8-byte aligned, and no other thread accesses
+/// those bytes until a barrier.
+#[inline(always)]
+pub unsafe fn store_shared_f32x2(address: u32, values: [f32; 2]) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        asm!(
+            "st.shared.v2.f32 [{a}], {{{x}, {y}}};",
+            a = in(reg32) address, x = in(reg32) values[0], y = in(reg32) values[1], options(nostack)
+        )
+    };
+}
+
+/// Stores one 32-bit word (e.g. two packed 16-bit values) to shared-state-space `address`
+/// (4-byte aligned): `st.shared.b32`.
+///
+/// # Safety
+/// As [`store_shared_f32x2`], 4-byte aligned.
+#[inline(always)]
+pub unsafe fn store_shared_u32(address: u32, value: u32) {
+    // SAFETY: the caller's contract.
+    unsafe { asm!("st.shared.b32 [{a}], {v};", a = in(reg32) address, v = in(reg32) value, options(nostack)) };
+}
+
+/// `x`, hidden from the compiler: an empty `asm!` that returns its input. Values computed from
+/// the result inside a loop are computed there, where they are used, instead of being hoisted
+/// out of the loop and held in registers across it (LLVM hoists without regard to register
+/// pressure, and ptxas then spills what it hoisted).
+#[inline(always)]
+pub fn opaque(x: u32) -> u32 {
+    let mut x = x;
+    // SAFETY: no instruction (the operand sits in a PTX comment).
+    unsafe { asm!("// opaque {x}", x = inout(reg32) x, options(nostack, nomem, preserves_flags)) };
+    x
 }
 
 /// Which warpgroup of the block this thread belongs to.

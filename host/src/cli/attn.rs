@@ -90,7 +90,7 @@ pub struct Args {
     #[arg(long, default_value = "0")]
     pub device: DeviceArg,
     /// Kernel path for the f16/bf16 passes with the built-in tiles: `sm90a` (Hopper's wgmma and
-    /// TMA for the forward pass and the head_dim-128 backward; compute capability 9.0 only) or
+    /// TMA for the forward and backward passes; compute capability 9.0 only) or
     /// `sm80` (mma.sync, every GPU). Default: sm90a where it runs (or what
     /// $RUST_ATTENTION_KERNELS says).
     #[arg(long)]

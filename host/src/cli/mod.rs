@@ -113,8 +113,8 @@ pub(crate) fn with_kernels(ctx: Context, path: Option<KernelPath>) -> Result<Con
     if !ctx.is_emulated() {
         match ctx.kernel_path() {
             KernelPath::Sm90a => println!(
-                "kernels: sm_90a (wgmma, TMA, warp specialisation) for the f16/bf16 forward pass and the head_dim-128 \
-                 backward; sm_80 for the rest (--kernels sm80 for sm_80 throughout)"
+                "kernels: sm_90a (wgmma, TMA, warp specialisation) for the f16/bf16 forward and backward passes; \
+                 sm_80 for the rest (--kernels sm80 for sm_80 throughout)"
             ),
             KernelPath::Sm80 => println!("kernels: sm_80 (mma.sync tensor cores; CUDA cores for f32)"),
         }
