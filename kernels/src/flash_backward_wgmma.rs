@@ -397,13 +397,20 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         for kk in 0..4 {
             for j in 2 * kk..2 * kk + 2 {
                 let (row_lse, row_delta) = (statistics(smem.lse(stage), j), statistics(smem.delta(stage), j));
-                // Entry e: query column h = e % 2 of the pair, key row g + 8·(e / 2).
-                for e in 0..4 {
-                    let (query, h) = (q_start + 8 * j + 2 * t + e % 2, e % 2);
-                    let visible = all_visible || mask.visible(query, key(e));
-                    let p = if visible { gpu::exp2(gpu::fma(s[j][e], c, -row_lse[h])) } else { 0.0 };
-                    s[j][e] = p;
-                    dp[j][e] = p * (dp[j][e] - row_delta[h]);
+                for h in 0..2 {
+                    // The query's key limit, applied to every score by a select: a branch per
+                    // score (what `if visible { exp2(…) }` compiles to) cost three more
+                    // instructions per score than the exponentials it skipped.
+                    let query = q_start + 8 * j + 2 * t + h;
+                    let limit = if all_visible { usize::MAX } else { mask.key_limit(query) };
+                    // Entries h and h + 2: this query's column in key rows g and g + 8.
+                    for r in 0..2 {
+                        let e = h + 2 * r;
+                        let p = gpu::exp2(gpu::fma(s[j][e], c, -row_lse[h]));
+                        let p = if key(e) < limit { p } else { 0.0 };
+                        s[j][e] = p;
+                        dp[j][e] = p * (dp[j][e] - row_delta[h]);
+                    }
                 }
             }
             p[kk] = pack_a::<T>(s[2 * kk], s[2 * kk + 1]);
