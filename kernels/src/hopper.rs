@@ -92,9 +92,15 @@ pub fn swizzled_descriptor(shared_address: u32, leading_byte_offset: u32, stride
 /// address inside shared memory, so the 14-bit field cannot carry into the next). Only the low
 /// 32 bits change: a single 32-bit add per `wgmma`, where rebuilding the descriptor from an
 /// address costs ptxas a handful of 64-bit instructions.
+///
+/// The add is written in PTX: as Rust arithmetic, LLVM proves that the low word cannot carry
+/// and turns the whole thing back into a 64-bit add, which ptxas does in two instructions plus
+/// moves before every `wgmma`.
 #[inline(always)]
 pub fn advance_descriptor(descriptor: u64, bytes: u32) -> u64 {
-    let low = (descriptor as u32).wrapping_add(bytes >> 4);
+    let mut low = descriptor as u32;
+    // SAFETY: arithmetic on registers only.
+    unsafe { asm!("add.u32 {l}, {l}, {b};", l = inout(reg32) low, b = in(reg32) bytes >> 4, options(pure, nomem, nostack)) };
     (descriptor & !0xffff_ffff) | low as u64
 }
 
@@ -646,10 +652,16 @@ pub fn opaque(x: u32) -> u32 {
     x
 }
 
-/// Which warpgroup of the block this thread belongs to.
+/// Which warpgroup of the block this thread belongs to. Read from lane 0 of the warp
+/// (`shfl.sync`), so that ptxas knows every lane has the same value: the shared-memory addresses
+/// and descriptors derived from it then live in uniform registers, where `wgmma` takes its
+/// descriptors, instead of being computed per thread and moved over before every `wgmma`.
 #[inline(always)]
 pub fn warpgroup_id() -> usize {
-    gpu::thread_idx_x() / WARPGROUP_THREADS
+    let mut index = (gpu::thread_idx_x() / WARPGROUP_THREADS) as u32;
+    // SAFETY: every lane of the warp executes it (warpgroups are whole warps).
+    unsafe { asm!("shfl.sync.idx.b32 {i}, {i}, 0, 0x1f, 0xffffffff;", i = inout(reg32) index, options(nostack, nomem, pure)) };
+    index as usize
 }
 
 // ---------------------------------------------------------------------------------------------
