@@ -579,8 +579,9 @@ macro_rules! flash_forward_wgmma_entry {
     };
 }
 
-// The configurations measured fastest on an H200 (PERFORMANCE.md, issue #9): at head_dim 64 the
-// softmax costs as much as the products, and the ping-pong turns keep the tensor cores busier;
-// at head_dim 128 the products dominate and the turns only add waiting.
-flash_forward_wgmma_entries!(128, 64, 128, 2, true, s2_pingpong);
+// The configurations measured fastest on an H200 (PERFORMANCE.md, issue #9). At head_dim 64 the
+// softmax costs as much as the products: three consumer warpgroups (block_m 192) keep the tensor
+// cores busier than two taking ping-pong turns did (+12 % non-causal). At head_dim 128 the
+// products dominate, registers allow only two consumers, and the turns only add waiting.
+flash_forward_wgmma_entries!(192, 64, 128, 2, false, s2);
 flash_forward_wgmma_entries!(128, 128, 128, 2, false, s2);

@@ -100,7 +100,9 @@ pub fn swizzled_descriptor(shared_address: u32, leading_byte_offset: u32, stride
 pub fn advance_descriptor(descriptor: u64, bytes: u32) -> u64 {
     let mut low = descriptor as u32;
     // SAFETY: arithmetic on registers only.
-    unsafe { asm!("add.u32 {l}, {l}, {b};", l = inout(reg32) low, b = in(reg32) bytes >> 4, options(pure, nomem, nostack)) };
+    unsafe {
+        asm!("add.u32 {l}, {l}, {b};", l = inout(reg32) low, b = in(reg32) bytes >> 4, options(pure, nomem, nostack))
+    };
     (descriptor & !0xffff_ffff) | low as u64
 }
 
@@ -660,7 +662,9 @@ pub fn opaque(x: u32) -> u32 {
 pub fn warpgroup_id() -> usize {
     let mut index = (gpu::thread_idx_x() / WARPGROUP_THREADS) as u32;
     // SAFETY: every lane of the warp executes it (warpgroups are whole warps).
-    unsafe { asm!("shfl.sync.idx.b32 {i}, {i}, 0, 0x1f, 0xffffffff;", i = inout(reg32) index, options(nostack, nomem, pure)) };
+    unsafe {
+        asm!("shfl.sync.idx.b32 {i}, {i}, 0, 0x1f, 0xffffffff;", i = inout(reg32) index, options(nostack, nomem, pure))
+    };
     index as usize
 }
 
