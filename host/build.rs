@@ -34,9 +34,8 @@ const NVPTX_TARGET: &str = "nvptx64-nvidia-cuda";
 const PTX_VERSION: &str = "ptx78";
 
 /// The PTX ISA version of the Hopper module: 8.0 (CUDA 12.0) is the first with `wgmma`,
-/// `setmaxnreg` and the `sm_90a` target, 8.1 the first with vector atomics (`red…v2.f32`, which
-/// the backward pass adds dQ with).
-const PTX_VERSION_HOPPER: &str = "ptx81";
+/// `setmaxnreg`, the bulk tensor copies and reductions, and the `sm_90a` target.
+const PTX_VERSION_HOPPER: &str = "ptx80";
 
 /// LLVM's loop-unrolling budget for the device code. The tensor-core kernels hold their tiles in
 /// register arrays (`[FragC; N]`) indexed by loop counters: only a fully unrolled loop turns every

@@ -5,23 +5,30 @@
 //! section 3 and Appendix B):
 //!
 //! * a producer warpgroup loads this block's K and V once and then every query tile's Q and dO
-//!   round a ring of `STAGES` slots with TMA; two consumer warpgroups each own 64 of the
-//!   block's 128 keys and keep their rows of dK and dV in registers for the whole loop;
+//!   round a ring of `STAGES` slots with TMA; a second producer warp copies the tile's LSE and
+//!   D = rowsum(dO ∘ O) into the same slot. Two consumer warpgroups each own 64 of the block's
+//!   128 keys and keep their rows of dK and dV in registers for the whole loop;
 //! * per query tile of 64 rows, each consumer computes Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (both operands
 //!   from shared memory), then Pᵀ = exp(Sᵀ·scale − LSE) and dSᵀ = Pᵀ ∘ (dPᵀ − D) in registers,
 //!   and accumulates dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ and dSᵀ as register operands;
 //! * dQ = scale · dS·K needs dS with the queries as rows, which no thread holds: each consumer
 //!   writes its rows of dSᵀ to shared memory (row-major by key), which `wgmma` reads as an
-//!   MN-major A operand ([`Accumulator::mma_mn_major`]), and adds a share of the tile's dQ to
-//!   an `f32` copy in device memory with vector atomics; a last kernel rounds it to 16 bits.
+//!   MN-major A operand ([`Accumulator::mma_mn_major`]). Its share of the tile's dQ goes to a
+//!   staging tile in shared memory, and one thread asks the copy engine to add that tile to an
+//!   `f32` copy of dQ in device memory (`cp.reduce.async.bulk.tensor`, FA3's way); a last kernel
+//!   rounds the copy to 16 bits.
 //!
 //! Which share: at head_dim 64 each consumer adds its own 64 keys' contribution to all of dQ's
 //! columns; it reads only the dSᵀ rows it wrote, so the consumers never wait for each other and
 //! drift apart, one's exponentials overlapping the other's products. At head_dim 128 that would
-//! double the atomics, which cost more than the waiting (measured, `PERFORMANCE.md`): each
-//! consumer multiplies all 128 keys by its 64 columns of K, after a barrier of both consumers.
-//! dSᵀ alternates between two buffers, so a warp never overwrites rows that a product of the
-//! previous tile may still read.
+//! double the additions: each consumer multiplies all 128 keys by its 64 columns of K, after a
+//! barrier of both consumers. dSᵀ alternates between two buffers, so a warp never overwrites
+//! rows that a product of the previous tile may still read.
+//!
+//! What made it fast (`PERFORMANCE.md`): the statistics in shared memory (read from device memory
+//! after every Sᵀ they stalled each tile), no register spills (the per-tile addresses are
+//! recomputed, see [`crate::hopper::opaque`]), the copy engine's reduction in place of 16
+//! atomics per thread and tile, and the causal limit applied by selects rather than branches.
 //!
 //! Grouped-query attention: a block owns a key block of one key/value head and loops over the
 //! query tiles of every query head of its group, so dK and dV are complete when it ends.
@@ -336,7 +343,7 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
 {
     let index = warpgroup_id() - 1;
     // The thread that hands the warpgroup's dQ tiles to the copy engine.
-    let leader = gpu::thread_idx_x() % WARPGROUP_THREADS == 0;
+    let leader = gpu::thread_idx_x().is_multiple_of(WARPGROUP_THREADS);
     let k_first = block.k_start + index * WARPGROUP_ROWS;
     let c = scale * LOG2_E;
 

@@ -4,10 +4,11 @@
 //! ([`crate::flash_forward_mma`]: online softmax, P kept in registers between the two products);
 //! what changes is who does what, and when:
 //!
-//! * **Warp specialisation.** A block has three warpgroups. Warpgroup 0, the *producer*, owns no
-//!   rows: one of its threads asks the copy engine (TMA, [`tma_load_3d`]) for the Q tile and then
-//!   for K and V tiles, round a ring of `STAGES` slots. Warpgroups 1 and 2, the *consumers*,
-//!   each own 64 query rows (block_m = 128) and only compute. Producer and consumers meet at
+//! * **Warp specialisation.** Warpgroup 0, the *producer*, owns no rows: one of its threads asks
+//!   the copy engine (TMA, [`tma_load_3d`]) for the Q tile and then for K and V tiles, round a
+//!   ring of `STAGES` slots. The other warpgroups, the *consumers*, each own 64 query rows and
+//!   only compute: two at head_dim 128 (block_m = 128), three at 64 (block_m = 192), where the
+//!   softmax costs as much as the products and a third warpgroup keeps the tensor cores busier. Producer and consumers meet at
 //!   `mbarrier`s: per slot a *full* barrier for K, one for V (the copy engine completes them),
 //!   and an *empty* barrier that every consumer thread arrives at once it is done with the slot.
 //!   The producer gives most of its registers to the consumers (`setmaxnreg`).
@@ -300,9 +301,11 @@ unsafe fn consume<
     let pack =
         |s: &[FragC; N_TILES]| -> [FragA; P_STEPS] { core::array::from_fn(|kk| pack_a::<T>(s[2 * kk], s[2 * kk + 1])) };
 
-    // Ping-pong (FA3 section 3.1): the consumer warpgroups take turns, round robin, to issue
-    // their products, through one named barrier each, so that one warpgroup's softmax runs
-    // while another's products occupy the tensor cores. Warpgroup 0 has the first turn; each turn
+    // Ping-pong (FA3 section 3.1), when `PINGPONG`: the consumer warpgroups take turns, round
+    // robin, to issue their products, through one named barrier each, so that one warpgroup's
+    // softmax runs while another's products occupy the tensor cores. (Measured on the H200: +5 %
+    // with two consumers at head_dim 64, −2 % at 128, and −2 % with three consumers, which is
+    // what head_dim 64 now runs; no built kernel turns it on, see PERFORMANCE.md.) Warpgroup 0 has the first turn; each turn
     // ends by handing the next to the following warpgroup (the last turn of the last warpgroup
     // is not handed on, so that every wait has exactly one arrival). A barrier's count is the
     // waiting warpgroup and the arriving one.

@@ -581,23 +581,6 @@ pub unsafe fn tma_load_2d(destination: u32, tensor_map: *const u8, x: i32, y: i3
     };
 }
 
-/// Adds `values` to the two `f32` at `address` (8-byte aligned, global memory) atomically,
-/// without returning the old values (`red.global.add.v2.f32`, sm_90): how the backward pass
-/// accumulates dQ from every key block.
-///
-/// # Safety
-/// `address` points to two `f32` of global memory, 8-byte aligned.
-#[inline(always)]
-pub unsafe fn atomic_add_f32x2(address: *mut f32, values: [f32; 2]) {
-    // SAFETY: the caller's contract.
-    unsafe {
-        asm!(
-            "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; red.global.add.v2.f32 [g], {{{x}, {y}}}; }}",
-            p = in(reg64) address as u64, x = in(reg32) values[0], y = in(reg32) values[1], options(nostack)
-        )
-    };
-}
-
 /// Loads two `f32` from shared-state-space `address` (8-byte aligned): `ld.shared.v2.f32`.
 ///
 /// # Safety
