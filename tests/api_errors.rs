@@ -2,7 +2,9 @@
 //! leaves the context usable. These run on the CPU emulator, so they need no GPU: the checks
 //! happen on the host before any launch, the same on both kinds of context.
 
-use attn_host::{AttentionOptions, AttentionOutput, Context, DqAccumulation, Error, Gradients, TileConfig};
+use attn_host::{
+    AttentionOptions, AttentionOutput, AttentionShape, Context, DqAccumulation, Error, Gradients, TileConfig,
+};
 
 fn tensors(ctx: &Context, shapes: &[&[usize]]) -> Vec<attn_host::DeviceTensor> {
     shapes.iter().map(|s| ctx.full(s, 0.25).unwrap()).collect()
@@ -100,6 +102,7 @@ fn kernel_paths_parse_and_the_emulator_refuses_sm90a() {
     // Off sm_90a the forward runs the sm_80 kernel of the tile it is given.
     let ctx = Context::cpu_emulated();
     let tile = TileConfig::default_for_dtype(attn_host::DType::F16, 64);
-    assert!(ctx.forward_kernel_entry(attn_host::DType::F16, 64, tile).unwrap().starts_with("flash_fwd_f16"));
-    assert!(ctx.forward_kernel_label(attn_host::DType::F16, 64, tile).starts_with("sm_80 "));
+    let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 2, seqlen_q: 64, seqlen_k: 64, head_dim: 64 };
+    assert!(ctx.forward_kernel_entry(attn_host::DType::F16, &shape, tile).unwrap().starts_with("flash_fwd_f16"));
+    assert!(ctx.forward_kernel_label(attn_host::DType::F16, &shape, tile).starts_with("sm_80 "));
 }

@@ -156,6 +156,13 @@ fn hopper_forward_matches_the_reference() {
     }
 }
 
+/// A grid of 17 · 16 · 2 = 544 blocks of 192 query rows (200 queries each, the last block
+/// ragged): at least four waves on an H200's 132 SMs, so head_dim 64 runs its three-consumer
+/// forward (`WAVES_FOR_192_ROWS`); GQA with 4 query heads per key/value head, 300 keys.
+fn deep_grid(head_dim: usize) -> AttentionShape {
+    AttentionShape { batch: 17, num_heads_q: 16, num_heads_kv: 4, seqlen_q: 200, seqlen_k: 300, head_dim }
+}
+
 /// Every case of the Hopper forward at `head_dim`: block edges (1, 64, 65, 127–130 rows), ragged
 /// key tiles, GQA, both causal alignments (including query blocks that see no key), negative and
 /// zero scales, and a batch that fills the GPU.
@@ -182,6 +189,10 @@ fn check_hopper_cases(ctx: &Context, head_dim: usize) {
         (shape(1, 2, 1, 300, 257), AttentionOptions::causal(Causal::BottomRight)),
         (shape(4, 8, 8, 1024, 1024), AttentionOptions::causal(Causal::TopLeft)),
         (shape(2, 16, 4, 1000, 1000), AttentionOptions::default()),
+        // Deep enough for the three-consumer configuration at head_dim 64 (checked in
+        // `the_kernel_path_picks_the_forward_kernel`), with a ragged last block of queries.
+        (deep_grid(head_dim), AttentionOptions::default()),
+        (deep_grid(head_dim), AttentionOptions::causal(Causal::BottomRight)),
     ];
     for (i, (shape, options)) in cases.into_iter().enumerate() {
         let seed = (head_dim + i) as u64;
@@ -287,13 +298,19 @@ fn the_kernel_path_picks_the_forward_kernel() {
     let default = TileConfig::default_for_dtype(DType::F16, 64);
     let sm80 = Context::new(ctx.device().ordinal).unwrap().with_kernel_path(KernelPath::Sm80).unwrap();
     let sm90a = Context::new(ctx.device().ordinal).unwrap().with_kernel_path(KernelPath::Sm90a).unwrap();
-    assert!(sm90a.forward_kernel_entry(DType::F16, 64, default).unwrap().starts_with("hopper_flash_fwd_f16"));
-    assert!(sm80.forward_kernel_entry(DType::F16, 64, default).unwrap().starts_with("flash_fwd_f16"));
+    let small =
+        AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 2, seqlen_q: 300, seqlen_k: 300, head_dim: 64 };
+    assert!(sm90a.forward_kernel_entry(DType::F16, &small, default).unwrap().starts_with("hopper_flash_fwd_f16"));
+    assert!(sm80.forward_kernel_entry(DType::F16, &small, default).unwrap().starts_with("flash_fwd_f16"));
+    // At head_dim 64 a grid a few waves deep runs two consumer warpgroups with ping-pong turns,
+    // a deep one three (see `deep_grid` in the forward cases).
+    assert!(sm90a.forward_kernel_label(DType::F16, &small, default).ends_with("m128_n128_s2_pingpong"));
+    assert!(sm90a.forward_kernel_label(DType::F16, &deep_grid(64), default).ends_with("m192_n128_s2"));
     // An explicit tile runs the sm_80 kernel it names on either path; f32 never leaves sm_80.
     let explicit = TileConfig::new(64, 64).with_stages(2);
-    assert!(sm90a.forward_kernel_entry(DType::F16, 64, explicit).unwrap().starts_with("flash_fwd_f16_m64_n64"));
+    assert!(sm90a.forward_kernel_entry(DType::F16, &small, explicit).unwrap().starts_with("flash_fwd_f16_m64_n64"));
     let f32_tile = TileConfig::default_for_dtype(DType::F32, 64);
-    assert!(sm90a.forward_kernel_entry(DType::F32, 64, f32_tile).unwrap().starts_with("flash_fwd_f32"));
+    assert!(sm90a.forward_kernel_entry(DType::F32, &small, f32_tile).unwrap().starts_with("flash_fwd_f32"));
 
     // Both paths agree with each other on the same inputs, through the public entry point.
     let shape =

@@ -114,18 +114,31 @@ impl HopperForward {
     /// The compiled head dimensions.
     pub(crate) const HEAD_DIMS: [usize; 2] = [64, 128];
 
-    /// The kernel for `dtype` and `head_dim`: the configuration measured fastest on an H200 for
-    /// each head_dim (`PERFORMANCE.md`).
+    /// Blocks per streaming multiprocessor from which the three-consumer forward (block_m 192)
+    /// runs at head_dim 64. Its blocks are fewer and longer than those of the two-consumer one
+    /// (block_m 128, ping-pong turns); on the H200 it was 12 % faster on a grid 10.7 waves deep
+    /// (4 × 16 × 4096) and 9 % slower (16 % causal) on one of 2 waves (1 × 12 × 4096), where
+    /// the last wave's idle SMs weigh more (`PERFORMANCE.md`).
+    pub(crate) const WAVES_FOR_192_ROWS: usize = 4;
+
+    /// The kernel for `dtype` and `shape` on a GPU of `sm_count` SMs: the configuration measured
+    /// fastest on an H200 for the head dimension, and at head_dim 64 for the grid's depth
+    /// ([`Self::WAVES_FOR_192_ROWS`]).
     ///
     /// # Errors
     /// [`Error::Shape`] for `f32`, [`Error::HeadDimNotCompiled`] for other head dimensions.
-    pub(crate) fn for_problem(dtype: DType, head_dim: usize) -> Result<Self> {
-        let entry = match (dtype, head_dim) {
-            (DType::F16, 64) => entry::HOPPER_FLASH_FWD_F16_M192_N128_D64_S2,
-            (DType::Bf16, 64) => entry::HOPPER_FLASH_FWD_BF16_M192_N128_D64_S2,
-            (DType::F16, 128) => entry::HOPPER_FLASH_FWD_F16_M128_N128_D128_S2,
-            (DType::Bf16, 128) => entry::HOPPER_FLASH_FWD_BF16_M128_N128_D128_S2,
-            (DType::F32, _) => return Err(Error::Shape("the Hopper forward takes f16 or bf16 tensors".into())),
+    pub(crate) fn for_problem(dtype: DType, shape: &AttentionShape, sm_count: usize) -> Result<Self> {
+        let head_dim = shape.head_dim;
+        let blocks_192 = shape.seqlen_q.div_ceil(192) * shape.num_heads_q * shape.batch;
+        let rows_192 = head_dim == 64 && blocks_192 >= Self::WAVES_FOR_192_ROWS * sm_count;
+        let (entry, block_m, pingpong) = match (dtype, head_dim, rows_192) {
+            (DType::F16, 64, true) => (entry::HOPPER_FLASH_FWD_F16_M192_N128_D64_S2, 192, false),
+            (DType::Bf16, 64, true) => (entry::HOPPER_FLASH_FWD_BF16_M192_N128_D64_S2, 192, false),
+            (DType::F16, 64, false) => (entry::HOPPER_FLASH_FWD_F16_M128_N128_D64_S2_PINGPONG, 128, true),
+            (DType::Bf16, 64, false) => (entry::HOPPER_FLASH_FWD_BF16_M128_N128_D64_S2_PINGPONG, 128, true),
+            (DType::F16, 128, _) => (entry::HOPPER_FLASH_FWD_F16_M128_N128_D128_S2, 128, false),
+            (DType::Bf16, 128, _) => (entry::HOPPER_FLASH_FWD_BF16_M128_N128_D128_S2, 128, false),
+            (DType::F32, _, _) => return Err(Error::Shape("the Hopper forward takes f16 or bf16 tensors".into())),
             _ => {
                 return Err(Error::HeadDimNotCompiled {
                     head_dim,
@@ -133,9 +146,7 @@ impl HopperForward {
                 });
             }
         };
-        // Three consumer warpgroups at head_dim 64, two at 128 (see the kernels' entry list).
-        let block_m = if head_dim == 64 { 192 } else { 128 };
-        Ok(Self { entry, block_m, block_n: 128, stages: 2, pingpong: false })
+        Ok(Self { entry, block_m, block_n: 128, stages: 2, pingpong })
     }
 
     /// The configuration as the entry names it: `m128_n128_s2`, with `_pingpong` when it applies.
@@ -298,34 +309,40 @@ impl Context {
     }
 
     /// The Hopper kernel that [`Context::flash_attention_forward`] runs in place of the sm_80
-    /// `tile`: on the sm_90a path, for `f16`/`bf16` and head_dim 64 or 128, when `tile` is the
-    /// built-in default ([`TileConfig::default_for_dtype`]). Any other tile names the sm_80
-    /// kernel to run, so that tile sweeps measure what they ask for.
-    pub(crate) fn hopper_forward_for(&self, dtype: DType, head_dim: usize, tile: TileConfig) -> Option<HopperForward> {
-        let wanted = self.kernel_path == KernelPath::Sm90a && tile == TileConfig::default_for_dtype(dtype, head_dim);
-        wanted.then(|| HopperForward::for_problem(dtype, head_dim).ok()).flatten()
+    /// `tile` for `shape`: on the sm_90a path, for `f16`/`bf16` and head_dim 64 or 128, when
+    /// `tile` is the built-in default ([`TileConfig::default_for_dtype`]). Any other tile names
+    /// the sm_80 kernel to run, so that tile sweeps measure what they ask for.
+    pub(crate) fn hopper_forward_for(
+        &self,
+        dtype: DType,
+        shape: &AttentionShape,
+        tile: TileConfig,
+    ) -> Option<HopperForward> {
+        let wanted =
+            self.kernel_path == KernelPath::Sm90a && tile == TileConfig::default_for_dtype(dtype, shape.head_dim);
+        wanted.then(|| HopperForward::for_problem(dtype, shape, self.device().sm_count).ok()).flatten()
     }
 
-    /// A short name of the kernel [`Context::flash_attention_forward`] runs for `dtype`,
-    /// `head_dim` and `tile` on this context, for tables: the path and the configuration, e.g.
-    /// `sm_90a m128_n128_s2` or `sm_80 m64_n64_s2`.
-    pub fn forward_kernel_label(&self, dtype: DType, head_dim: usize, tile: TileConfig) -> String {
-        match self.hopper_forward_for(dtype, head_dim, tile) {
+    /// A short name of the kernel [`Context::flash_attention_forward`] runs for `dtype`, `shape`
+    /// and `tile` on this context, for tables: the path and the configuration, e.g.
+    /// `sm_90a m192_n128_s2` or `sm_80 m64_n64_s2`.
+    pub fn forward_kernel_label(&self, dtype: DType, shape: &AttentionShape, tile: TileConfig) -> String {
+        match self.hopper_forward_for(dtype, shape, tile) {
             Some(kernel) => format!("{} {}", KernelPath::Sm90a, kernel.config_name()),
             None => format!("{} {tile}", KernelPath::Sm80),
         }
     }
 
     /// The kernel entry [`Context::flash_attention_forward`] launches for element type `dtype`,
-    /// `head_dim` and `tile` on this context: a Hopper kernel (`hopper_flash_fwd_…`) or the
-    /// sm_80 kernel of the tile.
+    /// `shape` and `tile` on this context: a Hopper kernel (`hopper_flash_fwd_…`) or the sm_80
+    /// kernel of the tile.
     ///
     /// # Errors
     /// As [`TileConfig::validate_kernel`].
-    pub fn forward_kernel_entry(&self, dtype: DType, head_dim: usize, tile: TileConfig) -> Result<&'static str> {
-        match self.hopper_forward_for(dtype, head_dim, tile) {
+    pub fn forward_kernel_entry(&self, dtype: DType, shape: &AttentionShape, tile: TileConfig) -> Result<&'static str> {
+        match self.hopper_forward_for(dtype, shape, tile) {
             Some(kernel) => Ok(kernel.entry),
-            None => tile.validate_kernel(crate::kernels::FlashKernel::Forward, dtype, head_dim, self.device()),
+            None => tile.validate_kernel(crate::kernels::FlashKernel::Forward, dtype, shape.head_dim, self.device()),
         }
     }
 
@@ -470,7 +487,7 @@ impl Context {
         options: &AttentionOptions,
     ) -> Result<AttentionOutput<T>> {
         let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
-        HopperForward::for_problem(T::DTYPE, shape.head_dim)?;
+        HopperForward::for_problem(T::DTYPE, &shape, self.device().sm_count)?;
         let mut out = self.alloc_attention_output(&shape)?;
         self.flash_attention_forward_hopper_into(q, k, v, &mut out, options)?;
         Ok(out)
@@ -486,7 +503,7 @@ impl Context {
         options: &AttentionOptions,
     ) -> Result<()> {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
-        let kernel = HopperForward::for_problem(T::DTYPE, shape.head_dim)?;
+        let kernel = HopperForward::for_problem(T::DTYPE, &shape, self.device().sm_count)?;
         self.require_hopper_kernels()?;
         check_flash_grid(&shape)?;
         let scale_log2 = options.checked_scale(shape.head_dim)? * std::f32::consts::LOG2_E;
@@ -748,11 +765,22 @@ mod tests {
     /// A Hopper's shared memory per block (227 KiB).
     const HOPPER_SHARED_MEMORY: usize = 227 * 1024;
 
+    /// A problem of `head_dim` whose grid is `blocks` blocks of 192 query rows deep.
+    fn shape_of(head_dim: usize, blocks: usize) -> AttentionShape {
+        AttentionShape { batch: blocks, num_heads_q: 1, num_heads_kv: 1, seqlen_q: 192, seqlen_k: 192, head_dim }
+    }
+
+    /// The H200's streaming multiprocessors.
+    const H200_SMS: usize = 132;
+
     #[test]
     fn every_hopper_configuration_is_compiled_with_its_launch_bounds_and_fits() {
+        let waves = |w: usize| w * H200_SMS;
         for dtype in [DType::F16, DType::Bf16] {
-            for head_dim in HopperForward::HEAD_DIMS {
-                let forward = HopperForward::for_problem(dtype, head_dim).unwrap();
+            // Both head_dim-64 forwards: a shallow grid and a deep one.
+            let grids = [(64, waves(1)), (64, waves(HopperForward::WAVES_FOR_192_ROWS)), (128, waves(1))];
+            for (head_dim, blocks) in grids {
+                let forward = HopperForward::for_problem(dtype, &shape_of(head_dim, blocks), H200_SMS).unwrap();
                 assert_eq!(MODULE_ARCHS[module_of(forward.entry)], "sm_90a", "{}", forward.entry);
                 // setmaxnreg needs the block size ptxas budgets registers for.
                 assert_eq!(
@@ -767,6 +795,8 @@ mod tests {
                 let (m, n, stages) = (forward.block_m, forward.block_n, forward.stages);
                 assert!(forward.entry.contains(&format!("_m{m}_n{n}_d{head_dim}_s{stages}")), "{}", forward.entry);
                 assert_eq!(forward.entry.ends_with("_pingpong"), forward.pingpong, "{}", forward.entry);
+                let deep = head_dim == 64 && blocks >= waves(HopperForward::WAVES_FOR_192_ROWS);
+                assert_eq!(forward.block_m, if deep { 192 } else { 128 }, "{}", forward.entry);
 
                 let backward = HopperBackward::for_problem(dtype, head_dim).unwrap();
                 assert_eq!(MODULE_ARCHS[module_of(backward.entry)], "sm_90a", "{}", backward.entry);
@@ -779,10 +809,10 @@ mod tests {
 
     #[test]
     fn hopper_configurations_refuse_f32_and_other_head_dims() {
-        assert!(matches!(HopperForward::for_problem(DType::F32, 64), Err(Error::Shape(_))));
+        assert!(matches!(HopperForward::for_problem(DType::F32, &shape_of(64, 1), H200_SMS), Err(Error::Shape(_))));
         assert!(matches!(HopperBackward::for_problem(DType::F32, 128), Err(Error::Shape(_))));
         assert!(matches!(
-            HopperForward::for_problem(DType::F16, 32),
+            HopperForward::for_problem(DType::F16, &shape_of(32, 1), H200_SMS),
             Err(Error::HeadDimNotCompiled { head_dim: 32, .. })
         ));
         assert!(matches!(

@@ -249,7 +249,7 @@ impl Context {
         tile: TileConfig,
     ) -> Result<()> {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
-        if self.hopper_forward_for(T::DTYPE, shape.head_dim, tile).is_some() {
+        if self.hopper_forward_for(T::DTYPE, &shape, tile).is_some() {
             return self.flash_attention_forward_hopper_into(q, k, v, out, options);
         }
         self.flash_attention_forward_sm80_into(q, k, v, out, options, tile)

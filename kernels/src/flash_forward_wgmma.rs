@@ -7,8 +7,9 @@
 //! * **Warp specialisation.** Warpgroup 0, the *producer*, owns no rows: one of its threads asks
 //!   the copy engine (TMA, [`tma_load_3d`]) for the Q tile and then for K and V tiles, round a
 //!   ring of `STAGES` slots. The other warpgroups, the *consumers*, each own 64 query rows and
-//!   only compute: two at head_dim 128 (block_m = 128), three at 64 (block_m = 192), where the
-//!   softmax costs as much as the products and a third warpgroup keeps the tensor cores busier. Producer and consumers meet at
+//!   only compute: two (block_m = 128), or three (block_m = 192) at head_dim 64 on grids deep
+//!   enough, where the softmax costs as much as the products and a third warpgroup keeps the
+//!   tensor cores busier. Producer and consumers meet at
 //!   `mbarrier`s: per slot a *full* barrier for K, one for V (the copy engine completes them),
 //!   and an *empty* barrier that every consumer thread arrives at once it is done with the slot.
 //!   The producer gives most of its registers to the consumers (`setmaxnreg`).
@@ -304,8 +305,7 @@ unsafe fn consume<
     // Ping-pong (FA3 section 3.1), when `PINGPONG`: the consumer warpgroups take turns, round
     // robin, to issue their products, through one named barrier each, so that one warpgroup's
     // softmax runs while another's products occupy the tensor cores. (Measured on the H200: +5 %
-    // with two consumers at head_dim 64, −2 % at 128, and −2 % with three consumers, which is
-    // what head_dim 64 now runs; no built kernel turns it on, see PERFORMANCE.md.) Warpgroup 0 has the first turn; each turn
+    // with two consumers at head_dim 64, −2 % at 128, −2 % with three consumers.) Warpgroup 0 has the first turn; each turn
     // ends by handing the next to the following warpgroup (the last turn of the last warpgroup
     // is not handed on, so that every wait has exactly one arrival). A barrier's count is the
     // waiting warpgroup and the arriving one.
@@ -584,7 +584,10 @@ macro_rules! flash_forward_wgmma_entry {
 
 // The configurations measured fastest on an H200 (PERFORMANCE.md, issue #9). At head_dim 64 the
 // softmax costs as much as the products: three consumer warpgroups (block_m 192) keep the tensor
-// cores busier than two taking ping-pong turns did (+12 % non-causal). At head_dim 128 the
-// products dominate, registers allow only two consumers, and the turns only add waiting.
+// cores busier than two taking ping-pong turns (+12 % non-causal on 4 × 16 × 4096), but make
+// fewer, longer blocks, which lose where the grid is only a few waves deep; the host picks by
+// grid size. At head_dim 128 the products dominate, registers allow only two consumers, and the
+// turns only add waiting.
 flash_forward_wgmma_entries!(192, 64, 128, 2, false, s2);
+flash_forward_wgmma_entries!(128, 64, 128, 2, true, s2_pingpong);
 flash_forward_wgmma_entries!(128, 128, 128, 2, false, s2);

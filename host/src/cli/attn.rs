@@ -362,13 +362,14 @@ fn flash_rows<T: Element>(
     let dtype = T::DTYPE;
     let device: Vec<_> = rounded.iter().map(|t| t.upload::<T>(ctx)).collect::<Result<_>>()?;
     let (q, k, v) = (&device[0], &device[1], &device[2]);
-    let d = q.shape()[3];
+    let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
+    let d = shape.head_dim;
     let tile = TileConfig::default_for_dtype(dtype, d);
     let mut out = ctx.flash_attention_forward(q, k, v, options, tile)?;
     let forward =
         time_gpu(ctx, warmup, repeats, || ctx.flash_attention_forward_into(q, k, v, &mut out, options, tile))?;
     let mut rows = vec![Row {
-        label: format!("flash forward {dtype} ({})", ctx.forward_kernel_label(dtype, d, tile)),
+        label: format!("flash forward {dtype} ({})", ctx.forward_kernel_label(dtype, &shape, tile)),
         ms: forward.median_ms,
         flops,
         outputs: vec![HostTensor::from_device("o", &out.o)?, HostTensor::from_device("lse", &out.lse)?],
