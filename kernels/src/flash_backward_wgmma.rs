@@ -55,7 +55,7 @@ const CONSUMERS: usize = BLOCK_N / WARPGROUP_ROWS;
 /// Columns of one swizzled column block: 128 bytes of 16-bit values.
 const SWIZZLE_COLUMNS: usize = SWIZZLE_ROW_BYTES / 2;
 /// Register budgets after `setmaxnreg` (producer, consumers), of 168 each at launch (384
-/// threads): 24 + 2 · 240 = 3 · 168.
+/// threads): 40 + 2 · 232 = 3 · 168.
 const REGISTERS: (u32, u32) = (40, 232);
 /// The named barrier of both consumers (0 is `__syncthreads`, 1 and 2 each consumer's own).
 const ALL_CONSUMERS: u32 = 3;
@@ -354,6 +354,9 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
 
     let (smem0, thread0) = (smem.base, gpu::thread_idx_x() as u32);
     for step in 0..block.group * block.tiles_per_head() {
+        // Everything derived from these two is recomputed every tile ([`opaque`]): hoisted out of
+        // the loop, the descriptors and shared-memory addresses held ~50 registers across it and
+        // spilled 260 bytes at head_dim 128.
         let smem = SharedTiles::<D, STAGES> { base: opaque(smem0) };
         let thread = opaque(thread0) as usize;
         let (warp, lane) = (thread / 32 % 4, thread % 32);
@@ -398,6 +401,7 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         let all_visible = mask.key_limit(q_start) >= k_first + WARPGROUP_ROWS;
         // This thread's two queries of fragment j are tile columns 8j + 2t and 8j + 2t + 1;
         // their statistics are a pair in the slot, published by "dO full".
+        // SAFETY: inside the slot's 64 values.
         let statistics = |slot: u32, j: usize| unsafe { load_shared_f32x2(slot + (4 * (8 * j + 2 * t)) as u32) };
         let mut p = [[0u32; 4]; 4];
         let mut ds = [[0u32; 4]; 4];
