@@ -1,9 +1,10 @@
 //! The Hopper building blocks (`kernels/src/hopper.rs`, PTX for `sm_90a`) on a GPU of compute
 //! capability 9.0: `wgmma` reading both operands from shared memory through matrix descriptors
 //! (f16 and bf16, one to eight k-steps) against the product in f64, and a TMA load of a 2-D box
-//! completing on an `mbarrier`, inside and across the tensor's edges, against the tensor itself;
-//! and the Hopper FlashAttention forward (TMA producer, two `wgmma` consumer warpgroups) against
-//! the float64 reference, and its selection by the kernel path.
+//! completing on an `mbarrier`, inside and across the tensor's edges, against the tensor itself
+//! (and `wgmma` with A in registers); the Hopper FlashAttention forward (TMA producer, two or
+//! three `wgmma` consumer warpgroups, both head_dim-64 configurations) and backward against the
+//! float64 reference, and their selection by the kernel path.
 //! Other GPUs skip these tests with a visible line (they do not load the `sm_90a` module).
 
 mod common;

@@ -471,9 +471,11 @@ impl Context {
     /// FlashAttention-3: Shah et al. 2024, Algorithms 1 and 2): O = softmax(Q Kᵀ · scale) V and
     /// the logsumexp, for `f16`/`bf16` tensors of head_dim 64 or 128, with the shapes, masks
     /// (causal either alignment), GQA and scale of [`Context::flash_attention_forward`]. A block
-    /// has a producer warpgroup, which loads tiles with TMA, and two consumer warpgroups of 64
-    /// query rows each (block_m = 128, block_n = 128, a two-stage K/V ring). On the sm_90a path
-    /// [`Context::flash_attention_forward`] runs this kernel for its default tile.
+    /// has a producer warpgroup, which loads tiles with TMA, and consumer warpgroups of 64 query
+    /// rows each (block_n = 128, a two-stage K/V ring): two (block_m = 128) at head_dim 128; at
+    /// 64 three (block_m = 192) on grids at least `WAVES_FOR_192_ROWS` = 4 waves deep, else two
+    /// taking ping-pong turns. On the sm_90a path [`Context::flash_attention_forward`] runs this
+    /// kernel for its default tile.
     ///
     /// # Errors
     /// [`Error::Shape`] for inconsistent shapes or `f32`; [`Error::HeadDimNotCompiled`] for a
@@ -528,8 +530,9 @@ impl Context {
     /// head_dim 64 or 128, with the shapes, masks, GQA and scale of
     /// [`Context::flash_attention_backward`]. A block owns 128 keys (two consumer warpgroups of
     /// 64) and loops over query tiles of 64 rows that a producer warpgroup loads with TMA; dQ is
-    /// added to an `f32` copy with atomics (as [`DqAccumulation::Atomic`]: the last bits of dQ may
-    /// differ between runs) and rounded at the end. On the sm_90a path
+    /// added to an `f32` copy by the copy engine's atomic reductions (as
+    /// [`DqAccumulation::Atomic`]: the last bits of dQ may differ between runs) and rounded at the
+    /// end. On the sm_90a path
     /// [`Context::flash_attention_backward`] runs this kernel for its default tile and atomic dQ.
     ///
     /// Extra device memory: D (one `f32` per query row) and the `f32` copy of dQ.

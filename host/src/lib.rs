@@ -31,7 +31,7 @@
 //! | item | what |
 //! |---|---|
 //! | [`Context`] | one device, its stream, the loaded kernels; [`DeviceInfo`]; or the CPU emulator ([`Context::cpu_emulated`], [`Device`]) |
-//! | [`DeviceTensor`] | a buffer of [`Element`]s (`f32`, [`f16`], [`bf16`]; [`DType`]) in device memory with its shape |
+//! | [`DeviceTensor`] | a buffer of [`Element`]s (`f32`, [`struct@f16`], [`struct@bf16`]; [`DType`]) in device memory with its shape |
 //! | [`Context::vector_add`], [`Context::attention_naive`], [`Context::flash_attention_forward`] | the forward operations |
 //! | [`Context::attention_naive_backward`], [`Context::flash_attention_backward`] | the backward operations ([`Gradients`], [`DqAccumulation`]) |
 //! | [`AttentionShape`], [`AttentionOptions`], [`Causal`], [`TileConfig`] | the problem, its options and mask, the tile sizes (and pipeline stages of the tensor-core kernels) |
@@ -69,7 +69,7 @@ pub mod vit;
 pub use context::{Context, Device, DeviceInfo};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
-/// The 16-bit float types of the `half` crate, re-exported: tensors of [`f16`] or [`bf16`] run on
+/// The 16-bit float types of the `half` crate, re-exported: tensors of [`struct@f16`] or [`struct@bf16`] run on
 /// the tensor-core kernels.
 pub use half::{bf16, f16};
 pub use hopper::{DescriptorOffsets, KernelPath, TensorMap};

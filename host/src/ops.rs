@@ -343,6 +343,27 @@ impl Context {
         if self.hopper_backward_for(T::DTYPE, shape.head_dim, tile, dq).is_some() {
             return self.flash_attention_backward_hopper_into(q, k, v, o, lse, d_o, grads, options);
         }
+        self.flash_attention_backward_sm80_into(q, k, v, o, lse, d_o, grads, options, tile, dq)
+    }
+
+    /// The sm_80 kernels of `tile` and `dq`, on either kernel path: what
+    /// [`Context::flash_attention_backward_into`] runs when no Hopper kernel replaces them, and
+    /// what the tile sweep measures.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn flash_attention_backward_sm80_into<T: Element>(
+        &self,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        o: &DeviceTensor<T>,
+        lse: &DeviceTensor<f32>,
+        d_o: &DeviceTensor<T>,
+        grads: &mut Gradients<T>,
+        options: &AttentionOptions,
+        tile: TileConfig,
+        dq: DqAccumulation,
+    ) -> Result<()> {
+        let shape = self.check_backward(q, k, v, o, lse, d_o, grads)?;
         let dtype = T::DTYPE;
         let entries: Vec<&'static str> = backward_kernels(dq)
             .iter()

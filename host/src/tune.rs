@@ -197,7 +197,9 @@ impl Sweep<'_> {
                         }
                         let (o, lse) = (&out.o, &out.lse);
                         let ms = self.time(|| {
-                            ctx.flash_attention_backward_into(&q, &k, &v, o, lse, &d_o, &mut grads, &options, tile, dq)
+                            ctx.flash_attention_backward_sm80_into(
+                                &q, &k, &v, o, lse, &d_o, &mut grads, &options, tile, dq,
+                            )
                         })?;
                         measurements.push(self.measure(pass, dtype, tile, Some(dq), ms)?);
                         on_each(measurements.last().expect("just pushed"));

@@ -19,8 +19,9 @@
 //!   blocks of `rows × 128` bytes.
 //! * **Intra-warpgroup overlap** (FA3 Algorithm 2). In iteration j a consumer issues S_j = Q·K_jᵀ
 //!   and O += P_{j−1}·V_{j−1} back to back, waits only for S_j, and runs the softmax of tile j
-//!   while the tensor cores still work on P_{j−1}·V_{j−1}. The two consumer warpgroups also
-//!   overlap each other, as the scheduler interleaves them.
+//!   while the tensor cores still work on P_{j−1}·V_{j−1}. The consumer warpgroups also overlap
+//!   each other, as the scheduler interleaves them, or, with `PINGPONG`, by taking turns at the
+//!   tensor cores (FA3 section 3.1).
 //!
 //! Each consumer warp's `wgmma` accumulator has the m16n8 layout of `mma.sync`
 //! ([`Accumulator`]), so level 5's [`RowSoftmax`] and [`pack_a`] apply unchanged.
@@ -444,9 +445,9 @@ unsafe fn negate_rows<const BLOCK_M: usize, const D: usize>(rows: *mut u8) {
     }
 }
 
-/// The kernel body (see the module docs). Grid: `(ceil(seqlen_q / 128), num_heads_q, batch)`;
-/// block: [`crate::layout::HOPPER_FORWARD_THREADS`] (384) threads; dynamic shared memory:
-/// [`crate::layout::hopper_forward_smem_bytes`]`(BLOCK_N, D, STAGES)`. `N_TILES` = BLOCK_N / 8,
+/// The kernel body (see the module docs). Grid: `(ceil(seqlen_q / BLOCK_M), num_heads_q, batch)`;
+/// block: [`crate::layout::hopper_forward_threads`]`(BLOCK_M)` threads (384 or 512); dynamic
+/// shared memory: [`crate::layout::hopper_forward_smem_bytes`]`(BLOCK_M, BLOCK_N, D, STAGES)`. `N_TILES` = BLOCK_N / 8,
 /// `P_STEPS` = BLOCK_N / 16 and `D_TILES` = D / 8 size the register arrays (array lengths must be
 /// plain const parameters).
 ///

@@ -1,5 +1,5 @@
 //! Level 7 (sm_90a only): Hopper's asynchronous building blocks, as small documented wrappers over
-//! PTX, and two probe kernels that check each of them against the CPU.
+//! PTX, and three probe kernels that check them against the CPU.
 //!
 //! Hopper adds three things that the `mma.sync` kernels of levels 5 and 6 do not use:
 //!

@@ -565,7 +565,10 @@ fn tensor_core_rows<T: Element>(
         Ok([(forward_ms, forward_errors), (backward_ms, backward_errors)])
     })();
     let checked = part.heads_checked(&shape);
+    // One `f32` per query row (LSE, or D in the backward); a 16-bit backward with atomic dQ also
+    // accumulates dQ in an `f32` copy.
     let row_bytes = shape.lse_bytes();
+    let dq_copy_bytes = if mode == DqAccumulation::Atomic { shape.q_shape().iter().product::<usize>() * 4 } else { 0 };
     match result {
         Ok(measured) => names
             .into_iter()
@@ -573,7 +576,8 @@ fn tensor_core_rows<T: Element>(
             .enumerate()
             .map(|(i, (name, (ms, errors)))| {
                 let tf = tflops(if i == 1 { 2.5 * flops } else { flops }, ms);
-                [name, format!("{ms:.3}"), format!("{tf:.2}"), format_bytes(row_bytes), checked.clone(), errors]
+                let extra = if i == 1 { row_bytes + dq_copy_bytes } else { row_bytes };
+                [name, format!("{ms:.3}"), format!("{tf:.2}"), format_bytes(extra), checked.clone(), errors]
             })
             .collect(),
         Err(e) => {
