@@ -552,11 +552,7 @@ impl Context {
     ) -> Result<Gradients<T>> {
         let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
         HopperBackward::for_problem(T::DTYPE, shape.head_dim)?;
-        let mut grads = Gradients {
-            dq: self.alloc_output(&shape.q_shape())?,
-            dk: self.alloc_output(&shape.kv_shape())?,
-            dv: self.alloc_output(&shape.kv_shape())?,
-        };
+        let mut grads = self.alloc_gradients(&shape)?;
         self.flash_attention_backward_hopper_into(q, k, v, o, lse, d_o, &mut grads, options)?;
         Ok(grads)
     }

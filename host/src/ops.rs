@@ -252,13 +252,16 @@ impl Context {
         if self.hopper_forward_for(T::DTYPE, &shape, tile).is_some() {
             return self.flash_attention_forward_hopper_into(q, k, v, out, options);
         }
-        self.flash_attention_forward_sm80_into(q, k, v, out, options, tile)
+        self.flash_attention_forward_sm80_into(&shape, q, k, v, out, options, tile)
     }
 
     /// [`Context::flash_attention_forward_into`] on the sm_80 kernel of `tile`, whatever the
-    /// kernel path: what the tile sweep measures.
+    /// kernel path: what the tile sweep measures. `shape` is what
+    /// [`Context::check_attention`] returned for these tensors.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn flash_attention_forward_sm80_into<T: Element>(
         &self,
+        shape: &AttentionShape,
         q: &DeviceTensor<T>,
         k: &DeviceTensor<T>,
         v: &DeviceTensor<T>,
@@ -266,7 +269,7 @@ impl Context {
         options: &AttentionOptions,
         tile: TileConfig,
     ) -> Result<()> {
-        let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
+        let shape = *shape;
         let kernel = FlashKernel::Forward;
         let entry = tile.validate_kernel(kernel, T::DTYPE, shape.head_dim, self.device())?;
         check_flash_grid(&shape)?;
@@ -343,15 +346,17 @@ impl Context {
         if self.hopper_backward_for(T::DTYPE, shape.head_dim, tile, dq).is_some() {
             return self.flash_attention_backward_hopper_into(q, k, v, o, lse, d_o, grads, options);
         }
-        self.flash_attention_backward_sm80_into(q, k, v, o, lse, d_o, grads, options, tile, dq)
+        self.flash_attention_backward_sm80_into(&shape, q, k, v, o, lse, d_o, grads, options, tile, dq)
     }
 
     /// The sm_80 kernels of `tile` and `dq`, on either kernel path: what
     /// [`Context::flash_attention_backward_into`] runs when no Hopper kernel replaces them, and
-    /// what the tile sweep measures.
+    /// what the tile sweep measures. `shape` is what [`Context::check_backward`] returned for
+    /// these tensors.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn flash_attention_backward_sm80_into<T: Element>(
         &self,
+        shape: &AttentionShape,
         q: &DeviceTensor<T>,
         k: &DeviceTensor<T>,
         v: &DeviceTensor<T>,
@@ -363,7 +368,7 @@ impl Context {
         tile: TileConfig,
         dq: DqAccumulation,
     ) -> Result<()> {
-        let shape = self.check_backward(q, k, v, o, lse, d_o, grads)?;
+        let shape = *shape;
         let dtype = T::DTYPE;
         let entries: Vec<&'static str> = backward_kernels(dq)
             .iter()
@@ -511,7 +516,7 @@ impl Context {
     }
 
     /// Uninitialised dQ, dK, dV tensors for `shape`.
-    fn alloc_gradients<T: Element>(&self, shape: &AttentionShape) -> Result<Gradients<T>> {
+    pub(crate) fn alloc_gradients<T: Element>(&self, shape: &AttentionShape) -> Result<Gradients<T>> {
         Ok(Gradients {
             dq: self.alloc_output(&shape.q_shape())?,
             dk: self.alloc_output(&shape.kv_shape())?,

@@ -163,12 +163,14 @@ impl Sweep<'_> {
         let mut measurements = Vec::new();
         match pass {
             Pass::Forward => {
+                let checked = ctx.check_attention(&q, &k, &v, &out.o, &out.lse)?;
                 for tile in TileConfig::compiled_for(FlashKernel::Forward, dtype, d) {
                     if tile.validate_kernel(FlashKernel::Forward, dtype, d, ctx.device()).is_err() {
                         continue;
                     }
-                    let ms =
-                        self.time(|| ctx.flash_attention_forward_sm80_into(&q, &k, &v, &mut out, &options, tile))?;
+                    let ms = self.time(|| {
+                        ctx.flash_attention_forward_sm80_into(&checked, &q, &k, &v, &mut out, &options, tile)
+                    })?;
                     measurements.push(self.measure(pass, dtype, tile, None, ms)?);
                     on_each(measurements.last().expect("just pushed"));
                 }
@@ -187,6 +189,8 @@ impl Sweep<'_> {
                     default,
                     DqAccumulation::Atomic,
                 )?;
+                let (o, lse) = (&out.o, &out.lse);
+                let checked = ctx.check_backward(&q, &k, &v, o, lse, &d_o, &grads)?;
                 for tile in TileConfig::compiled_for(FlashKernel::Backward, dtype, d) {
                     for dq in [DqAccumulation::Atomic, DqAccumulation::Deterministic] {
                         let fits = backward_kernels(dq)
@@ -195,10 +199,9 @@ impl Sweep<'_> {
                         if !fits {
                             continue;
                         }
-                        let (o, lse) = (&out.o, &out.lse);
                         let ms = self.time(|| {
                             ctx.flash_attention_backward_sm80_into(
-                                &q, &k, &v, o, lse, &d_o, &mut grads, &options, tile, dq,
+                                &checked, &q, &k, &v, o, lse, &d_o, &mut grads, &options, tile, dq,
                             )
                         })?;
                         measurements.push(self.measure(pass, dtype, tile, Some(dq), ms)?);
