@@ -158,7 +158,7 @@ fn hopper_forward_matches_the_reference() {
 }
 
 /// A grid of 17 · 16 · 2 = 544 blocks of 192 query rows (200 queries each, the last block
-/// ragged): at least four waves on an H200's 132 SMs, so head_dim 64 runs its three-consumer
+/// holding 8): at least four waves on an H200's 132 SMs, so head_dim 64 runs its three-consumer
 /// forward (`WAVES_FOR_192_ROWS`); GQA with 4 query heads per key/value head, 300 keys.
 fn deep_grid(head_dim: usize) -> AttentionShape {
     AttentionShape { batch: 17, num_heads_q: 16, num_heads_kv: 4, seqlen_q: 200, seqlen_k: 300, head_dim }
@@ -191,9 +191,12 @@ fn check_hopper_cases(ctx: &Context, head_dim: usize) {
         (shape(4, 8, 8, 1024, 1024), AttentionOptions::causal(Causal::TopLeft)),
         (shape(2, 16, 4, 1000, 1000), AttentionOptions::default()),
         // Deep enough for the three-consumer configuration at head_dim 64 (checked in
-        // `the_kernel_path_picks_the_forward_kernel`), with a ragged last block of queries.
+        // `the_kernel_path_picks_the_forward_kernel`), with a ragged last block of queries in
+        // which two of the three consumer warpgroups have no rows and only hand the K/V tiles
+        // back; causal grids start from the last query block.
         (deep_grid(head_dim), AttentionOptions::default()),
         (deep_grid(head_dim), AttentionOptions::causal(Causal::BottomRight)),
+        (deep_grid(head_dim), AttentionOptions { scale: Some(-0.2), causal: Causal::TopLeft }),
     ];
     for (i, (shape, options)) in cases.into_iter().enumerate() {
         let seed = (head_dim + i) as u64;

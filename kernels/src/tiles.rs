@@ -37,7 +37,18 @@ impl QueryBlock {
     /// This block's rows.
     #[inline(always)]
     pub fn current<const BLOCK_M: usize>(shape: &AttentionShape) -> Self {
-        let (q_block, head, batch) = gpu::block_idx();
+        Self::current_in_order::<BLOCK_M>(shape, false)
+    }
+
+    /// This block's rows, with `last_first` counting the query blocks of a head from the end:
+    /// under a causal mask the last query blocks see the most keys, and as the GPU starts blocks
+    /// in the order of their index, giving the longest ones the lowest indices leaves the short
+    /// ones to fill the SMs at the end of the grid (the "longest processing time first" rule
+    /// FlashAttention-3's scheduler follows).
+    #[inline(always)]
+    pub fn current_in_order<const BLOCK_M: usize>(shape: &AttentionShape, last_first: bool) -> Self {
+        let (index, head, batch) = gpu::block_idx();
+        let q_block = if last_first { shape.seqlen_q.div_ceil(BLOCK_M) - 1 - index } else { index };
         let q_start = q_block * BLOCK_M;
         Self {
             q_start,
