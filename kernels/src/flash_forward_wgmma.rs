@@ -22,7 +22,6 @@
 //!   while the tensor cores still work on P_{j−1}·V_{j−1}. The consumer warpgroups also overlap
 //!   each other, as the scheduler interleaves them, or, with `PINGPONG`, by taking turns at the
 //!   tensor cores (FA3 section 3.1).
-//!
 //! * **Short blocks stay short.** In a head's last query block, consumer warpgroups whose rows
 //!   all lie past seqlen_q only hand the K/V tiles back, and under a causal mask the grid starts
 //!   from each head's last query block, which sees the most keys, so that short blocks, not long
