@@ -1,6 +1,6 @@
 //! The Hopper path (compute capability 9.0, PTX for `sm_90a`): which kernels a context runs
 //! ([`KernelPath`]), the Hopper FlashAttention forward and backward passes
-//! (`kernels/src/flash_{forward,backward}_wgmma.rs`), the tensor maps they and the copy engine
+//! (`kernels/src/flash_{forward,backward}_wgmma.rs`), the tensor maps they and TMA
 //! (TMA) read, and the probes that check the device crate's Hopper building blocks (`wgmma` from
 //! shared-memory descriptors, TMA loads completing on an `mbarrier`; `kernels/src/hopper.rs`).
 //!
@@ -213,7 +213,7 @@ impl KernelArg for TensorMaps {
 /// Bytes of one core matrix, the unit `wgmma` reads from shared memory (8 rows of 16 bytes).
 const CORE_MATRIX_BYTES: usize = 128;
 
-/// A tensor map (`CUtensorMap`, 128 bytes) in device memory, where the copy engine reads it: the
+/// A tensor map (`CUtensorMap`, 128 bytes) in device memory, where TMA reads it: the
 /// shape, strides and box of a tensor for `cp.async.bulk.tensor`. Kernels take it by pointer
 /// (a by-value kernel parameter aligned to 64 bytes would need `__grid_constant__`, which rustc's
 /// nvptx backend cannot express).
@@ -224,7 +224,7 @@ pub struct TensorMap {
 }
 
 impl TensorMap {
-    /// The box the copy engine moves per load, `[rows, cols]`.
+    /// The box TMA moves per load, `[rows, cols]`.
     pub fn box_shape(&self) -> [usize; 2] {
         self.box_shape
     }
@@ -351,7 +351,7 @@ impl Context {
     ///
     /// # Errors
     /// [`Error::Shape`] unless the tensor is two-dimensional and 16-bit, its rows a multiple of 16
-    /// bytes, and the box within the copy engine's limits (1–256 per dimension, rows of the box a
+    /// bytes, and the box within TMA's limits (1–256 per dimension, rows of the box a
     /// multiple of 16 bytes); [`Error::NotOnEmulator`]; [`Error::Driver`] if the driver refuses
     /// the map.
     pub fn tensor_map_2d<T: Element>(
@@ -530,7 +530,7 @@ impl Context {
     /// head_dim 64 or 128, with the shapes, masks, GQA and scale of
     /// [`Context::flash_attention_backward`]. A block owns 128 keys (two consumer warpgroups of
     /// 64) and loops over query tiles of 64 rows that a producer warpgroup loads with TMA; dQ is
-    /// added to an `f32` copy by the copy engine's atomic reductions (as
+    /// added to an `f32` copy by TMA's atomic reductions (as
     /// [`DqAccumulation::Atomic`]: the last bits of dQ may differ between runs) and rounded at the
     /// end. On the sm_90a path
     /// [`Context::flash_attention_backward`] runs this kernel for its default tile and atomic dQ.
@@ -584,7 +584,7 @@ impl Context {
             self.attention_tensor_map(k, s.num_heads_kv, s.seqlen_k, n, s)?,
             self.attention_tensor_map(v, s.num_heads_kv, s.seqlen_k, n, s)?,
             self.attention_tensor_map(d_o, s.num_heads_q, s.seqlen_q, m, s)?,
-            // The kernel adds each block's share of dQ to this one with the copy engine.
+            // The kernel adds each block's share of dQ to this one with TMA.
             self.attention_tensor_map(&accum, s.num_heads_q, s.seqlen_q, m, s)?,
         ])?;
         let config = flash_config(
@@ -662,7 +662,7 @@ impl Context {
     }
 
     /// Copies tensor maps back to back into one device buffer, the Hopper kernels' first argument
-    /// (they are read by the copy engine, from global memory).
+    /// (they are read by TMA, from global memory).
     fn upload_tensor_maps(&self, maps: &[CUtensorMap]) -> Result<TensorMaps> {
         let Backend::Cuda { stream, .. } = &self.backend else {
             return Err(Error::NotOnEmulator("tensor maps (TMA)"));
@@ -720,7 +720,7 @@ impl Context {
     }
 
     /// Probe of TMA: the 64 × 64 box at column `x`, row `y` of `tensor` (`[rows, cols]`, 16-bit),
-    /// loaded by the copy engine into shared memory (completion on an `mbarrier`) and written back
+    /// loaded by TMA into shared memory (completion on an `mbarrier`) and written back
     /// as a `[64, 64]` tensor; zeros where the box leaves the tensor. Output poisoned first.
     ///
     /// # Errors

@@ -706,7 +706,7 @@ pub(crate) fn pack_bf16x2(lo: f32, hi: f32) -> u32 {
     to_bf16(lo) | to_bf16(hi) << 16
 }
 
-/// `cp.async` of 16 bytes, done at once (the emulator has no copy engine to wait for).
+/// `cp.async` of 16 bytes, done at once (the emulator has no asynchronous copy to wait for).
 ///
 /// # Safety
 /// `src` is 16 readable bytes when `valid`; `dst` 16 writable bytes of shared memory (checked by

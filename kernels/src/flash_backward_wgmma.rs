@@ -14,7 +14,7 @@
 //! * dQ = scale · dS·K needs dS with the queries as rows, which no thread holds: each consumer
 //!   writes its rows of dSᵀ to shared memory (row-major by key), which `wgmma` reads as an
 //!   MN-major A operand ([`Accumulator::mma_mn_major`]). Its share of the tile's dQ goes to a
-//!   staging tile in shared memory, and one thread asks the copy engine to add that tile to an
+//!   staging tile in shared memory, and one thread asks TMA to add that tile to an
 //!   `f32` copy of dQ in device memory (`cp.reduce.async.bulk.tensor`, FA3's way); a last kernel
 //!   rounds the copy to 16 bits.
 //!
@@ -27,7 +27,7 @@
 //!
 //! What made it fast (`PERFORMANCE.md`): the statistics in shared memory (read from device memory
 //! after every Sᵀ they stalled each tile), no register spills (the per-tile addresses are
-//! recomputed, see [`crate::hopper::opaque`]), the copy engine's reduction in place of 16
+//! recomputed, see [`crate::hopper::opaque`]), TMA's reduction in place of 16
 //! atomics per thread and tile, and the causal limit applied by selects rather than branches.
 //!
 //! Grouped-query attention: a block owns a key block of one key/value head and loops over the
@@ -205,7 +205,7 @@ impl KeyBlock {
     }
 }
 
-/// The producer's copy engine work: K and V once, then Q and dO of every query tile the block
+/// The producer's TMA work: K and V once, then Q and dO of every query tile the block
 /// visits, each into its ring slot once the consumers released the slot.
 ///
 /// # Safety
@@ -342,7 +342,7 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
     [FragC; D_TILES]: Accumulator,
 {
     let index = warpgroup_id() - 1;
-    // The thread that hands the warpgroup's dQ tiles to the copy engine.
+    // The thread that hands the warpgroup's dQ tiles to TMA.
     let leader = gpu::thread_idx_x().is_multiple_of(WARPGROUP_THREADS);
     let k_first = block.k_start + index * WARPGROUP_ROWS;
     let c = scale * LOG2_E;
@@ -384,7 +384,7 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         s.pin();
         dp.pin();
         wgmma_fence();
-        // SAFETY: tiles the copy engine completed.
+        // SAFETY: tiles TMA completed.
         unsafe {
             issue_transposed_product::<T, D>(&mut s, k_rows, q_tile);
             issue_transposed_product::<T, D>(&mut dp, v_rows, do_tile);
@@ -490,7 +490,7 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         wgmma_wait::<0>();
         dq.pin();
 
-        // The block's share of dQ goes to device memory through the copy engine: each thread
+        // The block's share of dQ goes to device memory through TMA: each thread
         // writes its fragments to the staging tile (two boxes of 32 `f32` columns, swizzled as
         // TMA expects), and one thread asks for the tile to be added to dQ, element by element
         // and atomically, skipping rows past seqlen_q. That is one request per tile instead of
@@ -581,7 +581,7 @@ unsafe fn flash_backward_wgmma<T: HalfFloat, const D: usize, const STAGES: usize
             mbarrier_init(smem.kv_full(), 1);
             for stage in 0..STAGES {
                 mbarrier_init(smem.q_full(stage), 1);
-                // The copy engine's bytes, plus one arrival per lane of the statistics warp.
+                // TMA's bytes, plus one arrival per lane of the statistics warp.
                 mbarrier_init(smem.do_full(stage), 1 + 32);
                 mbarrier_init(smem.q_empty(stage), (CONSUMERS * WARPGROUP_THREADS) as u32);
             }

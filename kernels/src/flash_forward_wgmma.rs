@@ -5,12 +5,12 @@
 //! what changes is who does what, and when:
 //!
 //! * **Warp specialisation.** Warpgroup 0, the *producer*, owns no rows: one of its threads asks
-//!   the copy engine (TMA, [`tma_load_3d`]) for the Q tile and then for K and V tiles, round a
+//!   TMA ([`tma_load_3d`]) for the Q tile and then for K and V tiles, round a
 //!   ring of `STAGES` slots. The other warpgroups, the *consumers*, each own 64 query rows and
 //!   only compute: two (block_m = 128), or three (block_m = 192) at head_dim 64 on grids deep
 //!   enough, where the softmax costs as much as the products and a third warpgroup keeps the
 //!   tensor cores busier. Producer and consumers meet at
-//!   `mbarrier`s: per slot a *full* barrier for K, one for V (the copy engine completes them),
+//!   `mbarrier`s: per slot a *full* barrier for K, one for V (TMA completes them),
 //!   and an *empty* barrier that every consumer thread arrives at once it is done with the slot.
 //!   The producer gives most of its registers to the consumers (`setmaxnreg`).
 //! * **Both products on `wgmma`.** S = Q·Kᵀ reads both operands from shared memory; O += P·V
@@ -25,7 +25,8 @@
 //! * **Short blocks stay short.** In a head's last query block, consumer warpgroups whose rows
 //!   all lie past seqlen_q only hand the K/V tiles back, and under a causal mask the grid starts
 //!   from each head's last query block, which sees the most keys, so that short blocks, not long
-//!   ones, end the grid (PERFORMANCE.md: +7 % and +8 % on 4 × 16 × 4096 at head_dim 64).
+//!   ones, end the grid (PERFORMANCE.md: +4–8 % non-causal and +6–12 % causal on 4 × 16 × 4096
+//!   at head_dim 64).
 //!
 //! Each consumer warp's `wgmma` accumulator has the m16n8 layout of `mma.sync`
 //! ([`Accumulator`]), so level 5's [`RowSoftmax`] and [`pack_a`] apply unchanged.
@@ -294,7 +295,7 @@ unsafe fn consume<
             let (column_block, step) = (ks / 4, (ks % 4 * 32) as u32);
             let a = advance_descriptor(q_descriptor, (column_block * BLOCK_M * SWIZZLE_ROW_BYTES) as u32 + step);
             let b = advance_descriptor(k_stage, (column_block * BLOCK_N * SWIZZLE_ROW_BYTES) as u32 + step);
-            // SAFETY: the warpgroup issues it on tiles the copy engine completed.
+            // SAFETY: the warpgroup issues it on tiles TMA completed.
             unsafe {
                 s.mma::<T>(a, b, ks > 0);
             }

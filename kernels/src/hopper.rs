@@ -9,7 +9,7 @@
 //!   described by 64-bit *matrix descriptors* ([`matrix_descriptor`]), so no thread loads
 //!   fragments. The instruction is asynchronous: it is issued, then committed in a group, and its
 //!   results may only be read after waiting for the group.
-//! * **TMA** (the tensor memory accelerator): one thread asks the copy engine for a whole 2-D box
+//! * **TMA** (the tensor memory accelerator): one thread asks it for a whole 2-D box
 //!   of a tensor (`cp.async.bulk.tensor`), described by a *tensor map* the host made
 //!   (`cuTensorMapEncodeTiled`). The engine writes shared memory and reports the bytes it wrote to
 //!   an `mbarrier`.
@@ -380,7 +380,7 @@ pub unsafe fn mbarrier_init(barrier: u32, arrivals: u32) {
     };
 }
 
-/// Makes `mbarrier` initialisations visible to the async proxy (the copy engine), which will
+/// Makes `mbarrier` initialisations visible to the async proxy (TMA), which will
 /// complete transactions on them: `fence.mbarrier_init.release.cluster`. The initialising thread
 /// calls it after [`mbarrier_init`].
 #[inline(always)]
@@ -480,7 +480,7 @@ pub fn registers_increase<const COUNT: u32>() {
     unsafe { asm!("setmaxnreg.inc.sync.aligned.u32 {n};", n = const COUNT, options(nostack)) };
 }
 
-/// Asks the copy engine for the box at (`x`, `y`, `z`) (elements; x innermost) of the 3-D
+/// Asks TMA for the box at (`x`, `y`, `z`) (elements; x innermost) of the 3-D
 /// tensor that `tensor_map` describes; otherwise as [`tma_load_2d`]. Attention tensors
 /// `[batch, heads, seqlen, head_dim]` are 3-D maps of (head_dim, seqlen, batch · heads), so that
 /// a box running past a head's last row reads zeros instead of the next head.
@@ -504,7 +504,7 @@ pub unsafe fn tma_load_3d(destination: u32, tensor_map: *const u8, x: i32, y: i3
     };
 }
 
-/// Asks the copy engine to add the box at `source` (shared memory, laid out as [`tma_load_3d`]
+/// Asks TMA to add the box at `source` (shared memory, laid out as [`tma_load_3d`]
 /// would have written it) to the box at (`x`, `y`, `z`) of the 3-D tensor that `tensor_map`
 /// describes, element by element in the map's type (`cp.reduce.async.bulk.tensor.3d…add`). The
 /// additions are atomic per element; elements outside the tensor are skipped. The copy is
@@ -556,7 +556,7 @@ pub fn bulk_wait_group<const PENDING: u32>() {
     unsafe { asm!("cp.async.bulk.wait_group {n};", n = const PENDING, options(nostack)) };
 }
 
-/// Asks the copy engine for the box at (`x`, `y`) (elements; x is the innermost dimension) of
+/// Asks TMA for the box at (`x`, `y`) (elements; x is the innermost dimension) of
 /// the 2-D tensor that `tensor_map` describes, written to `destination` (a shared-state-space
 /// address) in the box's row-major order; elements outside the tensor are filled with zeros. Completion is
 /// reported, in bytes, to `barrier` (`cp.async.bulk.tensor.2d…mbarrier::complete_tx::bytes`).

@@ -1,9 +1,10 @@
-//! Block-level tile math shared by the FlashAttention kernels (forward and backward), and the one
-//! causal-mask helper they all use.
+//! Block-level tile math of the `f32` FlashAttention kernels (forward and backward), and what
+//! every FlashAttention kernel uses: the causal mask ([`Mask`]) and a block's query rows
+//! ([`QueryBlock`]).
 //!
 //! ## The thread grid
 //!
-//! Every FlashAttention block has 128 threads, seen as 16 *row groups* of 8 *lanes*
+//! Every `f32` FlashAttention block has 128 threads, seen as 16 *row groups* of 8 *lanes*
 //! (`layout::FLASH_THREAD_ROWS × FLASH_THREAD_COLS`). A thread owns `ROWS` consecutive rows of a
 //! tile, starting at `first_row = row_group · ROWS`. In a product tile it owns the columns
 //! `lane + 8·j`, `j < COLS`: interleaved, so the 8 lanes of a row group read 8 different rows of
