@@ -506,6 +506,25 @@ impl Context {
     ) -> Result<()> {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
         let kernel = HopperForward::for_problem(T::DTYPE, &shape, self.device().sm_count)?;
+        self.launch_hopper_forward(kernel, &shape, q, k, v, out, options)
+    }
+
+    /// Runs the Hopper forward `kernel` on tensors of `shape`, which [`Context::check_attention`]
+    /// returned for them: the rest of [`Context::flash_attention_forward_hopper_into`], and what
+    /// [`Context::flash_attention_forward_into`] runs when [`Context::hopper_forward_for`] picked
+    /// `kernel` (so that neither checks the tensors twice).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn launch_hopper_forward<T: Element>(
+        &self,
+        kernel: HopperForward,
+        shape: &AttentionShape,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        out: &mut AttentionOutput<T>,
+        options: &AttentionOptions,
+    ) -> Result<()> {
+        let shape = *shape;
         self.require_hopper_kernels()?;
         check_flash_grid(&shape)?;
         let scale_log2 = options.checked_scale(shape.head_dim)? * std::f32::consts::LOG2_E;
@@ -572,6 +591,28 @@ impl Context {
     ) -> Result<()> {
         let shape = self.check_backward(q, k, v, o, lse, d_o, grads)?;
         let kernel = HopperBackward::for_problem(T::DTYPE, shape.head_dim)?;
+        self.launch_hopper_backward(kernel, &shape, q, k, v, o, lse, d_o, grads, options)
+    }
+
+    /// Runs the Hopper backward `kernel` on tensors of `shape`, which [`Context::check_backward`]
+    /// returned for them: the rest of [`Context::flash_attention_backward_hopper_into`], and what
+    /// [`Context::flash_attention_backward_into`] runs when [`Context::hopper_backward_for`]
+    /// picked `kernel`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn launch_hopper_backward<T: Element>(
+        &self,
+        kernel: HopperBackward,
+        shape: &AttentionShape,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        o: &DeviceTensor<T>,
+        lse: &DeviceTensor<f32>,
+        d_o: &DeviceTensor<T>,
+        grads: &mut Gradients<T>,
+        options: &AttentionOptions,
+    ) -> Result<()> {
+        let shape = *shape;
         self.require_hopper_kernels()?;
         check_flash_grid(&shape)?;
         let scale = options.checked_scale(shape.head_dim)?;

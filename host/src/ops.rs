@@ -249,8 +249,8 @@ impl Context {
         tile: TileConfig,
     ) -> Result<()> {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
-        if self.hopper_forward_for(T::DTYPE, &shape, tile).is_some() {
-            return self.flash_attention_forward_hopper_into(q, k, v, out, options);
+        if let Some(kernel) = self.hopper_forward_for(T::DTYPE, &shape, tile) {
+            return self.launch_hopper_forward(kernel, &shape, q, k, v, out, options);
         }
         self.flash_attention_forward_sm80_into(&shape, q, k, v, out, options, tile)
     }
@@ -343,8 +343,8 @@ impl Context {
         dq: DqAccumulation,
     ) -> Result<()> {
         let shape = self.check_backward(q, k, v, o, lse, d_o, grads)?;
-        if self.hopper_backward_for(T::DTYPE, shape.head_dim, tile, dq).is_some() {
-            return self.flash_attention_backward_hopper_into(q, k, v, o, lse, d_o, grads, options);
+        if let Some(kernel) = self.hopper_backward_for(T::DTYPE, shape.head_dim, tile, dq) {
+            return self.launch_hopper_backward(kernel, &shape, q, k, v, o, lse, d_o, grads, options);
         }
         self.flash_attention_backward_sm80_into(&shape, q, k, v, o, lse, d_o, grads, options, tile, dq)
     }
