@@ -16,8 +16,8 @@ use attn_host::{
     AttentionOptions, AttentionOutput, AttentionShape, Causal, Context, DType, DescriptorOffsets, Element, Gradients,
     KernelPath, TileConfig, bf16, cpu, f16,
 };
-use common::gpu;
 use common::tensor_cores::{Inputs, LSE_TOLERANCE, Problem16, check16, tolerances};
+use common::{gpu, gqa};
 
 /// The context, if it runs the `sm_90a` kernels; otherwise a skip line.
 fn hopper(test: &str) -> Option<&'static Context> {
@@ -161,21 +161,15 @@ fn hopper_forward_matches_the_reference() {
 /// holding 8): at least four waves on an H200's 132 SMs, so head_dim 64 runs its three-consumer
 /// forward (`WAVES_FOR_192_ROWS`); GQA with 4 query heads per key/value head, 300 keys.
 fn deep_grid(head_dim: usize) -> AttentionShape {
-    AttentionShape { batch: 17, num_heads_q: 16, num_heads_kv: 4, seqlen_q: 200, seqlen_k: 300, head_dim }
+    gqa(17, 16, 4, 200, 300, head_dim)
 }
 
 /// Every case of the Hopper forward at `head_dim`: block edges (1, 64, 65, 127–130 rows), ragged
 /// key tiles, GQA, both causal alignments (including query blocks that see no key), negative and
 /// zero scales, and a batch that fills the GPU.
 fn check_hopper_cases(ctx: &Context, head_dim: usize) {
-    let shape = |batch, heads_q, heads_kv, seqlen_q, seqlen_k| AttentionShape {
-        batch,
-        num_heads_q: heads_q,
-        num_heads_kv: heads_kv,
-        seqlen_q,
-        seqlen_k,
-        head_dim,
-    };
+    let shape =
+        |batch, heads_q, heads_kv, seqlen_q, seqlen_k| gqa(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim);
     let cases = [
         (shape(1, 1, 1, 64, 64), AttentionOptions::default()),
         (shape(2, 4, 2, 333, 333), AttentionOptions::default()),
@@ -240,14 +234,8 @@ fn check_hopper_backward<T: Element>(ctx: &Context, shape: AttentionShape, optio
 fn hopper_backward_matches_the_reference() {
     let Some(ctx) = hopper("hopper_backward_matches_the_reference") else { return };
     for head_dim in [64, 128] {
-        let shape = |batch, heads_q, heads_kv, seqlen_q, seqlen_k| AttentionShape {
-            batch,
-            num_heads_q: heads_q,
-            num_heads_kv: heads_kv,
-            seqlen_q,
-            seqlen_k,
-            head_dim,
-        };
+        let shape =
+            |batch, heads_q, heads_kv, seqlen_q, seqlen_k| gqa(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim);
         // Key blocks of 128 and query tiles of 64: whole, ragged on either side, a block that
         // no query sees (bottom-right with seqlen_q < seqlen_k), GQA, negative scale.
         let cases = [

@@ -46,6 +46,18 @@ pub fn gpu_proptest_config(cases: u32) -> Config {
     Config { cases, failure_persistence: None, ..Config::default() }
 }
 
+/// Grouped-query attention shape helper: `heads_q` query heads sharing `heads_kv` key/value heads.
+pub fn gqa(
+    batch: usize,
+    heads_q: usize,
+    heads_kv: usize,
+    seqlen_q: usize,
+    seqlen_k: usize,
+    head_dim: usize,
+) -> AttentionShape {
+    AttentionShape { batch, num_heads_q: heads_q, num_heads_kv: heads_kv, seqlen_q, seqlen_k, head_dim }
+}
+
 /// Multi-head attention shape helper.
 pub fn mha(batch: usize, heads: usize, seqlen: usize, head_dim: usize) -> AttentionShape {
     AttentionShape { batch, num_heads_q: heads, num_heads_kv: heads, seqlen_q: seqlen, seqlen_k: seqlen, head_dim }
