@@ -103,6 +103,12 @@ fn kernel_paths_parse_and_the_emulator_refuses_sm90a() {
     let ctx = Context::cpu_emulated();
     let tile = TileConfig::default_for_dtype(attn_host::DType::F16, 64);
     let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 2, seqlen_q: 64, seqlen_k: 64, head_dim: 64 };
-    assert!(ctx.forward_kernel_entry(attn_host::DType::F16, &shape, tile).unwrap().starts_with("flash_fwd_f16"));
-    assert!(ctx.forward_kernel_label(attn_host::DType::F16, &shape, tile).starts_with("sm_80 "));
+    assert!(
+        ctx.forward_kernel_entry(attn_host::DType::F16, &shape, attn_host::Causal::None, tile)
+            .unwrap()
+            .starts_with("flash_fwd_f16")
+    );
+    assert!(
+        ctx.forward_kernel_label(attn_host::DType::F16, &shape, attn_host::Causal::None, tile).starts_with("sm_80 ")
+    );
 }

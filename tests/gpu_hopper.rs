@@ -157,11 +157,12 @@ fn hopper_forward_matches_the_reference() {
     }
 }
 
-/// A grid of 17 · 16 · 2 = 544 blocks of 192 query rows (200 queries each, the last block
-/// holding 8): at least four waves on an H200's 132 SMs, so head_dim 64 runs its three-consumer
-/// forward (`WAVES_FOR_192_ROWS`); GQA with 4 query heads per key/value head, 300 keys.
+/// A grid of 6 · 16 · 3 = 288 blocks of up to 192 query rows: 400 queries per head make blocks
+/// of 192, 128 and 80 rows, so the third consumer warpgroup owns no rows in two of them. At least
+/// two waves on an H200's 132 SMs, so head_dim 64 runs its three-consumer forward with and
+/// without a mask (`waves_for_192_rows`); GQA with 4 query heads per key/value head, 300 keys.
 fn deep_grid(head_dim: usize) -> AttentionShape {
-    gqa(17, 16, 4, 200, 300, head_dim)
+    gqa(6, 16, 4, 400, 300, head_dim)
 }
 
 /// Every case of the Hopper forward at `head_dim`: block edges (1, 64, 65, 127–130 rows), ragged
@@ -185,9 +186,9 @@ fn check_hopper_cases(ctx: &Context, head_dim: usize) {
         (shape(4, 8, 8, 1024, 1024), AttentionOptions::causal(Causal::TopLeft)),
         (shape(2, 16, 4, 1000, 1000), AttentionOptions::default()),
         // Deep enough for the three-consumer configuration at head_dim 64 (checked in
-        // `the_kernel_path_picks_the_forward_kernel`), with a ragged last block of queries in
-        // which two of the three consumer warpgroups have no rows and only hand the K/V tiles
-        // back; causal grids start from the last query block.
+        // `the_kernel_path_picks_the_forward_kernel`), with short blocks in which the third
+        // consumer warpgroup has no rows and only hands the K/V tiles back, a ragged last block,
+        // and the grid's longest-first order, causal (by sections of heads) and not.
         (deep_grid(head_dim), AttentionOptions::default()),
         (deep_grid(head_dim), AttentionOptions::causal(Causal::BottomRight)),
         (deep_grid(head_dim), AttentionOptions { scale: Some(-0.2), causal: Causal::TopLeft }),
@@ -292,17 +293,21 @@ fn the_kernel_path_picks_the_forward_kernel() {
     let sm90a = Context::new(ctx.device().ordinal).unwrap().with_kernel_path(KernelPath::Sm90a).unwrap();
     let small =
         AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 2, seqlen_q: 300, seqlen_k: 300, head_dim: 64 };
-    assert!(sm90a.forward_kernel_entry(DType::F16, &small, default).unwrap().starts_with("hopper_flash_fwd_f16"));
-    assert!(sm80.forward_kernel_entry(DType::F16, &small, default).unwrap().starts_with("flash_fwd_f16"));
-    // At head_dim 64 a grid a few waves deep runs two consumer warpgroups with ping-pong turns,
-    // a deep one three (see `deep_grid` in the forward cases).
-    assert!(sm90a.forward_kernel_label(DType::F16, &small, default).ends_with("m128_n128_s2_pingpong"));
-    assert!(sm90a.forward_kernel_label(DType::F16, &deep_grid(64), default).ends_with("m192_n128_s2"));
+    let none = Causal::None;
+    assert!(sm90a.forward_kernel_entry(DType::F16, &small, none, default).unwrap().starts_with("hopper_flash_fwd_f16"));
+    assert!(sm80.forward_kernel_entry(DType::F16, &small, none, default).unwrap().starts_with("flash_fwd_f16"));
+    // At head_dim 64 a grid of less than a wave runs two consumer warpgroups with ping-pong
+    // turns, a deeper one three (see `deep_grid` in the forward cases), causal or not.
+    assert!(sm90a.forward_kernel_label(DType::F16, &small, none, default).ends_with("m128_n128_s2_pingpong"));
+    for causal in [Causal::None, Causal::TopLeft] {
+        assert!(sm90a.forward_kernel_label(DType::F16, &deep_grid(64), causal, default).ends_with("m192_n128_s2"));
+    }
     // An explicit tile runs the sm_80 kernel it names on either path; f32 never leaves sm_80.
     let explicit = TileConfig::new(64, 64).with_stages(2);
-    assert!(sm90a.forward_kernel_entry(DType::F16, &small, explicit).unwrap().starts_with("flash_fwd_f16_m64_n64"));
+    let entry = sm90a.forward_kernel_entry(DType::F16, &small, none, explicit).unwrap();
+    assert!(entry.starts_with("flash_fwd_f16_m64_n64"));
     let f32_tile = TileConfig::default_for_dtype(DType::F32, 64);
-    assert!(sm90a.forward_kernel_entry(DType::F32, &small, f32_tile).unwrap().starts_with("flash_fwd_f32"));
+    assert!(sm90a.forward_kernel_entry(DType::F32, &small, none, f32_tile).unwrap().starts_with("flash_fwd_f32"));
 
     // Both paths agree with each other on the same inputs, through the public entry point.
     let shape =

@@ -107,6 +107,9 @@ pub(crate) enum Backend {
         cuda: Arc<CudaContext>,
         stream: Arc<CudaStream>,
         modules: Vec<Option<Arc<CudaModule>>>,
+        /// The Hopper kernels' tensor maps already in device memory, by content
+        /// ([`crate::hopper::TensorMapCache`]).
+        tensor_maps: crate::hopper::TensorMapCache,
     },
     Emulated,
 }
@@ -171,7 +174,7 @@ impl Context {
         let preferred = if hopper { KernelPath::Sm90a } else { KernelPath::Sm80 };
         let context = Self {
             id: next_context_id(),
-            backend: Backend::Cuda { cuda, stream, modules },
+            backend: Backend::Cuda { cuda, stream, modules, tensor_maps: Default::default() },
             info,
             kernel_path: KernelPath::Sm80,
         };

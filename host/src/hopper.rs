@@ -1,19 +1,23 @@
 //! The Hopper path (compute capability 9.0, PTX for `sm_90a`): which kernels a context runs
 //! ([`KernelPath`]), the Hopper FlashAttention forward and backward passes
-//! (`kernels/src/flash_{forward,backward}_wgmma.rs`), the tensor maps they and TMA
-//! (TMA) read, and the probes that check the device crate's Hopper building blocks (`wgmma` from
+//! (`kernels/src/flash_{forward,backward}_wgmma.rs`), the tensor maps from which TMA loads
+//! their tiles, and the probes that check the device crate's Hopper building blocks (`wgmma` from
 //! shared-memory descriptors, TMA loads completing on an `mbarrier`; `kernels/src/hopper.rs`).
 //!
 //! The `sm_90a` module is loaded only on compute capability 9.0 ([`Context::has_hopper_kernels`]);
 //! elsewhere these calls return [`Error::Unsupported`]. The CPU emulator does not run them either.
 
-use cudarc::driver::CudaSlice;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
 use cudarc::driver::sys::{
     CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave, CUtensorMapL2promotion,
     CUtensorMapSwizzle,
 };
+use cudarc::driver::{CudaSlice, CudaStream};
 
 use attn_kernels::emu::Arg;
+use attn_kernels::tiles::BalancedRows;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::context::{Backend, KernelArg};
@@ -23,7 +27,7 @@ use crate::kernels::entry;
 use crate::layout::{hopper_backward_smem_bytes, hopper_forward_smem_bytes, hopper_forward_threads};
 use crate::ops::{AttentionOutput, DqAccumulation, Gradients, ProblemArgs, flash_config};
 use crate::problem::check_flash_grid;
-use crate::{AttentionOptions, AttentionShape, TileConfig};
+use crate::{AttentionOptions, AttentionShape, Causal, TileConfig};
 use crate::{Context, DeviceTensor};
 
 /// Threads of the probe kernels: one warpgroup.
@@ -115,22 +119,28 @@ impl HopperForward {
     pub(crate) const HEAD_DIMS: [usize; 2] = [64, 128];
 
     /// Blocks per streaming multiprocessor from which the three-consumer forward (block_m 192)
-    /// runs at head_dim 64. Its blocks are fewer and longer than those of the two-consumer one
-    /// (block_m 128, ping-pong turns); on the H200 it was 12 % faster on a grid 10.7 waves deep
-    /// (4 × 16 × 4096) and 9 % slower (16 % causal) on one of 2 waves (1 × 12 × 4096), where
-    /// the last wave's idle SMs weigh more (`PERFORMANCE.md`).
-    pub(crate) const WAVES_FOR_192_ROWS: usize = 4;
+    /// runs at head_dim 64, without a mask and under a causal one. Its blocks are fewer and
+    /// longer than those of the two-consumer one (block_m 128, ping-pong turns). On the H200
+    /// (`PERFORMANCE.md`, 2026-11-29 "late"), without a mask it was 1.5× as fast on a grid of
+    /// one wave (1 × 12 × 2048) and 1.25× on two (1 × 12 × 4096); causal, 1.2× on two waves and
+    /// 13 % slower on one, where causal blocks differ most in length and fewer blocks leave more
+    /// SMs idle at the end.
+    pub(crate) const fn waves_for_192_rows(causal: bool) -> usize {
+        if causal { 2 } else { 1 }
+    }
 
-    /// The kernel for `dtype` and `shape` on a GPU of `sm_count` SMs: the configuration measured
-    /// fastest on an H200 for the head dimension, and at head_dim 64 for the grid's depth
-    /// ([`Self::WAVES_FOR_192_ROWS`]).
+    /// The kernel for `dtype`, `shape` and mask on a GPU of `sm_count` SMs: the configuration
+    /// measured fastest on an H200 for the head dimension, and at head_dim 64 for the grid's
+    /// depth ([`Self::waves_for_192_rows`]) where a head has rows for at least one block of 192
+    /// ([`BalancedRows`]; below that the third consumer would have no rows in any block).
     ///
     /// # Errors
     /// [`Error::Shape`] for `f32`, [`Error::HeadDimNotCompiled`] for other head dimensions.
-    pub(crate) fn for_problem(dtype: DType, shape: &AttentionShape, sm_count: usize) -> Result<Self> {
+    pub(crate) fn for_problem(dtype: DType, shape: &AttentionShape, causal: bool, sm_count: usize) -> Result<Self> {
         let head_dim = shape.head_dim;
-        let blocks_192 = shape.seqlen_q.div_ceil(192) * shape.num_heads_q * shape.batch;
-        let rows_192 = head_dim == 64 && blocks_192 >= Self::WAVES_FOR_192_ROWS * sm_count;
+        let rows = BalancedRows::<192>::new(shape.seqlen_q);
+        let blocks_192 = rows.blocks * shape.num_heads_q * shape.batch;
+        let rows_192 = head_dim == 64 && rows.full > 0 && blocks_192 >= Self::waves_for_192_rows(causal) * sm_count;
         let (entry, block_m, pingpong) = match (dtype, head_dim, rows_192) {
             (DType::F16, 64, true) => (entry::HOPPER_FLASH_FWD_F16_M192_N128_D64_S2, 192, false),
             (DType::Bf16, 64, true) => (entry::HOPPER_FLASH_FWD_BF16_M192_N128_D64_S2, 192, false),
@@ -196,12 +206,48 @@ impl HopperBackward {
 
 /// The tensor maps of one Hopper kernel launch, in device memory (the kernel's first argument).
 struct TensorMaps {
-    maps: CudaSlice<u64>,
+    maps: Arc<CudaSlice<u64>>,
+}
+
+/// The tensor maps a context has copied to device memory, by content: a launch whose maps are
+/// those of an earlier launch (same tensors, same boxes: every training step, every benchmark
+/// repeat) reuses that launch's device copy instead of queueing a host-to-device copy before the
+/// kernel, which kept the GPU idle for microseconds per call. A map's content is a function of
+/// the tensor's address, shape and box only, and a device copy is never written again, so a hit is
+/// always the right map, even for a new tensor at a freed one's address. Holds the last
+/// [`TensorMapCache::CAPACITY`] sets.
+#[derive(Default)]
+pub(crate) struct TensorMapCache {
+    entries: Mutex<VecDeque<CachedMaps>>,
+}
+
+/// One cached set: the maps' words on the host, and their device copy.
+type CachedMaps = (Vec<u64>, Arc<CudaSlice<u64>>);
+
+impl TensorMapCache {
+    /// Sets of maps kept (a forward and a backward of a few problems).
+    const CAPACITY: usize = 16;
+
+    /// The device copy of `words` (tensor maps back to back), from the cache or copied now on
+    /// `stream`. A set that leaves the cache is freed in stream order, after the launches that
+    /// read it.
+    fn get(&self, stream: &Arc<CudaStream>, words: &[u64]) -> Result<Arc<CudaSlice<u64>>> {
+        let mut entries = self.entries.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some((_, maps)) = entries.iter().find(|(cached, _)| cached == words) {
+            return Ok(Arc::clone(maps));
+        }
+        let maps = Arc::new(stream.clone_htod(words).during("copying tensor maps to the device")?);
+        if entries.len() == Self::CAPACITY {
+            entries.pop_front();
+        }
+        entries.push_back((words.to_vec(), Arc::clone(&maps)));
+        Ok(maps)
+    }
 }
 
 impl KernelArg for TensorMaps {
     fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) -> Result<()> {
-        builder.arg(&self.maps);
+        builder.arg(&*self.maps);
         Ok(())
     }
 
@@ -309,38 +355,52 @@ impl Context {
     }
 
     /// The Hopper kernel that [`Context::flash_attention_forward`] runs in place of the sm_80
-    /// `tile` for `shape`: on the sm_90a path, for `f16`/`bf16` and head_dim 64 or 128, when
-    /// `tile` is the built-in default ([`TileConfig::default_for_dtype`]). Any other tile names
-    /// the sm_80 kernel to run, so that tile sweeps measure what they ask for.
+    /// `tile` for `shape` and mask `causal`: on the sm_90a path, for `f16`/`bf16` and head_dim 64
+    /// or 128, when `tile` is the built-in default ([`TileConfig::default_for_dtype`]). Any other
+    /// tile names the sm_80 kernel to run, so that tile sweeps measure what they ask for.
     pub(crate) fn hopper_forward_for(
         &self,
         dtype: DType,
         shape: &AttentionShape,
+        causal: Causal,
         tile: TileConfig,
     ) -> Option<HopperForward> {
         let wanted =
             self.kernel_path == KernelPath::Sm90a && tile == TileConfig::default_for_dtype(dtype, shape.head_dim);
-        wanted.then(|| HopperForward::for_problem(dtype, shape, self.device().sm_count).ok()).flatten()
+        let causal = causal != Causal::None;
+        wanted.then(|| HopperForward::for_problem(dtype, shape, causal, self.device().sm_count).ok()).flatten()
     }
 
-    /// A short name of the kernel [`Context::flash_attention_forward`] runs for `dtype`, `shape`
-    /// and `tile` on this context, for tables: the path and the configuration, e.g.
+    /// A short name of the kernel [`Context::flash_attention_forward`] runs for `dtype`, `shape`,
+    /// mask `causal` and `tile` on this context, for tables: the path and the configuration, e.g.
     /// `sm_90a m192_n128_s2` or `sm_80 m64_n64_s2`.
-    pub fn forward_kernel_label(&self, dtype: DType, shape: &AttentionShape, tile: TileConfig) -> String {
-        match self.hopper_forward_for(dtype, shape, tile) {
+    pub fn forward_kernel_label(
+        &self,
+        dtype: DType,
+        shape: &AttentionShape,
+        causal: Causal,
+        tile: TileConfig,
+    ) -> String {
+        match self.hopper_forward_for(dtype, shape, causal, tile) {
             Some(kernel) => format!("{} {}", KernelPath::Sm90a, kernel.config_name()),
             None => format!("{} {tile}", KernelPath::Sm80),
         }
     }
 
     /// The kernel entry [`Context::flash_attention_forward`] launches for element type `dtype`,
-    /// `shape` and `tile` on this context: a Hopper kernel (`hopper_flash_fwd_…`) or the sm_80
-    /// kernel of the tile.
+    /// `shape`, mask `causal` and `tile` on this context: a Hopper kernel
+    /// (`hopper_flash_fwd_…`) or the sm_80 kernel of the tile.
     ///
     /// # Errors
     /// As [`TileConfig::validate_kernel`].
-    pub fn forward_kernel_entry(&self, dtype: DType, shape: &AttentionShape, tile: TileConfig) -> Result<&'static str> {
-        match self.hopper_forward_for(dtype, shape, tile) {
+    pub fn forward_kernel_entry(
+        &self,
+        dtype: DType,
+        shape: &AttentionShape,
+        causal: Causal,
+        tile: TileConfig,
+    ) -> Result<&'static str> {
+        match self.hopper_forward_for(dtype, shape, causal, tile) {
             Some(kernel) => Ok(kernel.entry),
             None => tile.validate_kernel(crate::kernels::FlashKernel::Forward, dtype, shape.head_dim, self.device()),
         }
@@ -473,9 +533,9 @@ impl Context {
     /// (causal either alignment), GQA and scale of [`Context::flash_attention_forward`]. A block
     /// has a producer warpgroup, which loads tiles with TMA, and consumer warpgroups of 64 query
     /// rows each (block_n = 128, a two-stage K/V ring): two (block_m = 128) at head_dim 128; at
-    /// 64 three (block_m = 192) on grids at least `WAVES_FOR_192_ROWS` = 4 waves deep, else two
-    /// taking ping-pong turns. On the sm_90a path [`Context::flash_attention_forward`] runs this
-    /// kernel for its default tile.
+    /// 64 three (block_m = 192) on grids at least one wave deep (two under a causal mask) whose
+    /// heads fill at least one block of 192 rows, else two taking ping-pong turns. On the sm_90a
+    /// path [`Context::flash_attention_forward`] runs this kernel for its default tile.
     ///
     /// # Errors
     /// [`Error::Shape`] for inconsistent shapes or `f32`; [`Error::HeadDimNotCompiled`] for a
@@ -489,7 +549,7 @@ impl Context {
         options: &AttentionOptions,
     ) -> Result<AttentionOutput<T>> {
         let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
-        HopperForward::for_problem(T::DTYPE, &shape, self.device().sm_count)?;
+        HopperForward::for_problem(T::DTYPE, &shape, options.causal != Causal::None, self.device().sm_count)?;
         let mut out = self.alloc_attention_output(&shape)?;
         self.flash_attention_forward_hopper_into(q, k, v, &mut out, options)?;
         Ok(out)
@@ -505,7 +565,8 @@ impl Context {
         options: &AttentionOptions,
     ) -> Result<()> {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
-        let kernel = HopperForward::for_problem(T::DTYPE, &shape, self.device().sm_count)?;
+        let kernel =
+            HopperForward::for_problem(T::DTYPE, &shape, options.causal != Causal::None, self.device().sm_count)?;
         self.launch_hopper_forward(kernel, &shape, q, k, v, out, options)
     }
 
@@ -705,12 +766,11 @@ impl Context {
     /// Copies tensor maps back to back into one device buffer, the Hopper kernels' first argument
     /// (they are read by TMA, from global memory).
     fn upload_tensor_maps(&self, maps: &[CUtensorMap]) -> Result<TensorMaps> {
-        let Backend::Cuda { stream, .. } = &self.backend else {
+        let Backend::Cuda { stream, tensor_maps, .. } = &self.backend else {
             return Err(Error::NotOnEmulator("tensor maps (TMA)"));
         };
         let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
-        let maps = stream.clone_htod(&words).during("copying tensor maps to the device")?;
-        Ok(TensorMaps { maps })
+        Ok(TensorMaps { maps: tensor_maps.get(stream, &words)? })
     }
 
     /// Encodes a tensor map of `tensor` with `cuTensorMapEncodeTiled`: `dims` and
@@ -792,6 +852,61 @@ mod tests {
     use super::*;
     use crate::kernels::{MODULE_ARCHS, PTX, module_of};
 
+    /// The rows of every block of a head, in block order, for `BLOCK_M`.
+    fn balanced_blocks<const BLOCK_M: usize>(seqlen_q: usize) -> Vec<(usize, usize)> {
+        let rows = BalancedRows::<BLOCK_M>::new(seqlen_q);
+        (0..rows.blocks).map(|b| rows.block(b)).collect()
+    }
+
+    #[test]
+    fn balanced_blocks_cover_each_row_once_and_differ_by_at_most_a_warpgroup() {
+        for seqlen_q in (1..=1000).chain([4096, 8192, 8193]) {
+            for (block_m, blocks) in [(128, balanced_blocks::<128>(seqlen_q)), (192, balanced_blocks::<192>(seqlen_q))]
+            {
+                assert_eq!(blocks.len(), seqlen_q.div_ceil(block_m), "{seqlen_q} rows, block_m {block_m}");
+                let mut next = 0;
+                for (i, &(start, rows)) in blocks.iter().enumerate() {
+                    assert_eq!(start, next, "{seqlen_q} rows, block_m {block_m}: block {i} starts at {start}");
+                    assert!((1..=block_m).contains(&rows), "{seqlen_q} rows, block_m {block_m}: {rows}");
+                    // Only the last block may be shorter than block_m − 64 (the rows run out).
+                    assert!(rows + 64 >= block_m || i + 1 == blocks.len(), "{seqlen_q} rows: block {i}: {rows}");
+                    next += rows;
+                }
+                assert_eq!(next, seqlen_q);
+            }
+        }
+        // The case the balance is for: 4096 rows in 20 blocks of 192 and 2 of 128, not 21 and 64.
+        let blocks = balanced_blocks::<192>(4096);
+        assert!(blocks[..20].iter().all(|b| b.1 == 192) && blocks[20..].iter().all(|b| b.1 == 128));
+    }
+
+    #[test]
+    fn the_longest_first_order_runs_every_block_once() {
+        for (seqlen_q, heads) in [(4096, 64), (200, 3), (1, 5), (1000, 7), (8192, 32)] {
+            let rows = BalancedRows::<192>::new(seqlen_q);
+            for section in [None, Some(1), Some(4), Some(16), Some(1000)] {
+                let mut seen = vec![false; rows.blocks * heads];
+                let order: Vec<_> = (0..rows.blocks * heads).map(|l| rows.longest_first(l, heads, section)).collect();
+                for &(q_block, head) in &order {
+                    assert!(q_block < rows.blocks && head < heads, "{seqlen_q} × {heads}, {section:?}");
+                    assert!(!std::mem::replace(&mut seen[head * rows.blocks + q_block], true));
+                }
+                // Longest first within a section: causal, the later query block (it sees more
+                // keys); otherwise the full blocks before the short ones.
+                let length = |&(q_block, _): &(usize, usize)| match section {
+                    Some(_) => q_block,
+                    None => usize::from(q_block < rows.full),
+                };
+                let section_of = |&(_, head): &(usize, usize)| section.map_or(0, |s| head / s.clamp(1, heads));
+                for pair in order.windows(2) {
+                    if section_of(&pair[0]) == section_of(&pair[1]) {
+                        assert!(length(&pair[0]) >= length(&pair[1]), "{seqlen_q} × {heads}, {section:?}: {pair:?}");
+                    }
+                }
+            }
+        }
+    }
+
     /// The `.maxntid` x value the build script wrote after `entry`'s parameter list, if any.
     fn max_threads(entry: &str) -> Option<usize> {
         let ptx = PTX[module_of(entry)];
@@ -817,10 +932,18 @@ mod tests {
     fn every_hopper_configuration_is_compiled_with_its_launch_bounds_and_fits() {
         let waves = |w: usize| w * H200_SMS;
         for dtype in [DType::F16, DType::Bf16] {
-            // Both head_dim-64 forwards: a shallow grid and a deep one.
-            let grids = [(64, waves(1)), (64, waves(HopperForward::WAVES_FOR_192_ROWS)), (128, waves(1))];
-            for (head_dim, blocks) in grids {
-                let forward = HopperForward::for_problem(dtype, &shape_of(head_dim, blocks), H200_SMS).unwrap();
+            // Both head_dim-64 forwards: grids just short of and at the depth for three consumers,
+            // with and without a mask.
+            let grids = [
+                (64, waves(1) - 1, false),
+                (64, waves(1), false),
+                (64, waves(2) - 1, true),
+                (64, waves(2), true),
+                (128, waves(1), false),
+            ];
+            for (head_dim, blocks, causal) in grids {
+                let shape = shape_of(head_dim, blocks);
+                let forward = HopperForward::for_problem(dtype, &shape, causal, H200_SMS).unwrap();
                 assert_eq!(MODULE_ARCHS[module_of(forward.entry)], "sm_90a", "{}", forward.entry);
                 // setmaxnreg needs the block size ptxas budgets registers for.
                 assert_eq!(
@@ -835,7 +958,7 @@ mod tests {
                 let (m, n, stages) = (forward.block_m, forward.block_n, forward.stages);
                 assert!(forward.entry.contains(&format!("_m{m}_n{n}_d{head_dim}_s{stages}")), "{}", forward.entry);
                 assert_eq!(forward.entry.ends_with("_pingpong"), forward.pingpong, "{}", forward.entry);
-                let deep = head_dim == 64 && blocks >= waves(HopperForward::WAVES_FOR_192_ROWS);
+                let deep = head_dim == 64 && blocks >= waves(HopperForward::waves_for_192_rows(causal));
                 assert_eq!(forward.block_m, if deep { 192 } else { 128 }, "{}", forward.entry);
 
                 let backward = HopperBackward::for_problem(dtype, head_dim).unwrap();
@@ -849,10 +972,13 @@ mod tests {
 
     #[test]
     fn hopper_configurations_refuse_f32_and_other_head_dims() {
-        assert!(matches!(HopperForward::for_problem(DType::F32, &shape_of(64, 1), H200_SMS), Err(Error::Shape(_))));
+        assert!(matches!(
+            HopperForward::for_problem(DType::F32, &shape_of(64, 1), false, H200_SMS),
+            Err(Error::Shape(_))
+        ));
         assert!(matches!(HopperBackward::for_problem(DType::F32, 128), Err(Error::Shape(_))));
         assert!(matches!(
-            HopperForward::for_problem(DType::F16, &shape_of(32, 1), H200_SMS),
+            HopperForward::for_problem(DType::F16, &shape_of(32, 1), false, H200_SMS),
             Err(Error::HeadDimNotCompiled { head_dim: 32, .. })
         ));
         assert!(matches!(

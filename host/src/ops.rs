@@ -249,7 +249,7 @@ impl Context {
         tile: TileConfig,
     ) -> Result<()> {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
-        if let Some(kernel) = self.hopper_forward_for(T::DTYPE, &shape, tile) {
+        if let Some(kernel) = self.hopper_forward_for(T::DTYPE, &shape, options.causal, tile) {
             return self.launch_hopper_forward(kernel, &shape, q, k, v, out, options);
         }
         self.flash_attention_forward_sm80_into(&shape, q, k, v, out, options, tile)

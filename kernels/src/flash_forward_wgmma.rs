@@ -22,11 +22,12 @@
 //!   while the tensor cores still work on P_{j−1}·V_{j−1}. The consumer warpgroups also overlap
 //!   each other, as the scheduler interleaves them, or, with `PINGPONG`, by taking turns at the
 //!   tensor cores (FA3 section 3.1).
-//! * **Short blocks stay short.** In a head's last query block, consumer warpgroups whose rows
-//!   all lie past seqlen_q only hand the K/V tiles back, and under a causal mask the grid starts
-//!   from each head's last query block, which sees the most keys, so that short blocks, not long
-//!   ones, end the grid (PERFORMANCE.md: +4–8 % non-causal and +6–12 % causal on 4 × 16 × 4096
-//!   at head_dim 64).
+//! * **A grid that ends evenly.** The blocks of a head differ by at most 64 rows, the longest
+//!   start first, and under a causal mask the heads go in L2-sized sections
+//!   ([`QueryBlock::hopper_forward`]); consumer warpgroups that own no rows of a short block only
+//!   hand the K/V tiles back. One thread prefetches the tensor maps while the block sets up.
+//!   (PERFORMANCE.md: together +6–15 % non-causal and +15–20 % causal on 4 × 16 × 4096 at
+//!   head_dim 64.)
 //!
 //! Each consumer warp's `wgmma` accumulator has the m16n8 layout of `mma.sync`
 //! ([`Accumulator`]), so level 5's [`RowSoftmax`] and [`pack_a`] apply unchanged.
@@ -36,8 +37,9 @@ use crate::gpu::{self, FragA, FragC, HalfFloat};
 use crate::hopper::{
     Accumulator, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, TensorMaps, WARPGROUP_THREADS, advance_descriptor,
     fence_mbarrier_init, fence_proxy_async, k_major_descriptor, mbarrier_arrive, mbarrier_arrive_expect_tx,
-    mbarrier_init, mbarrier_wait, mn_major_descriptor, named_barrier_arrive, named_barrier_sync, registers_decrease,
-    registers_increase, ring_slot, shared_address, tma_load_3d, warpgroup_id, wgmma_commit, wgmma_fence, wgmma_wait,
+    mbarrier_init, mbarrier_wait, mn_major_descriptor, named_barrier_arrive, named_barrier_sync, prefetch_tensor_map,
+    registers_decrease, registers_increase, ring_slot, shared_address, tma_load_3d, warpgroup_id, wgmma_commit,
+    wgmma_fence, wgmma_wait,
 };
 use crate::layout::{AttentionShape, HOPPER_SMEM_ALIGN, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS};
 use crate::tiles::{Mask, QueryBlock};
@@ -245,13 +247,15 @@ unsafe fn consume<
     // This warpgroup's 64 rows of Q start 64 rows into each column block of the Q tile.
     let q_rows_offset = index * WARPGROUP_ROWS * SWIZZLE_ROW_BYTES;
 
-    // In the last block of a head a warpgroup's rows may all lie past seqlen_q (at 4096 rows and
-    // block_m 192, two of the three): it has nothing to compute, and only hands each K/V slot
+    // In a block shorter than BLOCK_M (the last few of a head, see `QueryBlock::hopper_forward`)
+    // a warpgroup may own no rows of the block (at 4096 rows and block_m 192, the third
+    // warpgroup of the last two blocks): it has nothing to compute, and only hands each K/V slot
     // back (the empty barriers count every consumer thread), so that the block, and its SM,
     // finish sooner. It waits for each tile to arrive first, so that its arrival counts toward
     // that tile's phase and not an earlier one. (With ping-pong turns it would have to keep to
-    // the schedule; the kernels with turns have few such blocks.)
-    if !PINGPONG && block.q_start + index * WARPGROUP_ROWS >= mask.seqlen_q {
+    // the schedule; it computes rows that belong to the next block or to no block, and does not
+    // store them.)
+    if !PINGPONG && index * WARPGROUP_ROWS >= block.q_rows {
         for tile in 0..kv_tiles {
             let (stage, parity) = ring_slot(tile, STAGES);
             // SAFETY: initialised barriers, one arrival per thread and tile, as the others.
@@ -424,15 +428,16 @@ unsafe fn consume<
         o.pin();
     }
 
-    // Normalise and write O (two values per store) and the LSE of the rows that exist.
+    // Normalise and write O (two values per store) and the LSE of the block's rows.
     let (inv_sum, row_lse) = softmax.finish();
-    let end = mask.seqlen_q;
+    let end = block.q_start + block.q_rows;
     for (dt, frag) in o.iter().enumerate() {
         for h in 0..2 {
             let row = rows.row(2 * h);
             if row < end {
                 let value = T::pack(frag[2 * h] * inv_sum[h], frag[2 * h + 1] * inv_sum[h]);
-                // SAFETY: row < seqlen_q; the column pair is inside the head dimension.
+                // SAFETY: row < q_start + q_rows ≤ seqlen_q; the column pair is inside the head
+                // dimension.
                 unsafe { *(o_head.add(row * D + 8 * dt + 2 * rows.t) as *mut u32) = value };
             }
         }
@@ -441,7 +446,7 @@ unsafe fn consume<
         for h in 0..2 {
             let row = rows.row(2 * h);
             if row < end {
-                // SAFETY: row < seqlen_q.
+                // SAFETY: row < seqlen_q, as above.
                 unsafe { *lse_head.add(row) = row_lse[h] };
             }
         }
@@ -471,7 +476,7 @@ unsafe fn negate_rows<const BLOCK_M: usize, const D: usize>(rows: *mut u8) {
 }
 
 /// The kernel body (see the module docs). Grid: `(ceil(seqlen_q / BLOCK_M), num_heads_q, batch)`,
-/// the query blocks of a head counted from the last under a causal mask;
+/// mapped to query blocks by [`QueryBlock::hopper_forward`];
 /// block: [`crate::layout::hopper_forward_threads`]`(BLOCK_M)` threads (384 or 512); dynamic
 /// shared memory: [`crate::layout::hopper_forward_smem_bytes`]`(BLOCK_M, BLOCK_N, D, STAGES)`. `N_TILES` = BLOCK_N / 8,
 /// `P_STEPS` = BLOCK_N / 16 and `D_TILES` = D / 8 size the register arrays (array lengths must be
@@ -504,7 +509,15 @@ unsafe fn flash_forward_wgmma<
     [FragC; N_TILES]: Accumulator,
     [FragC; D_TILES]: Accumulator,
 {
-    let block = QueryBlock::current_in_order::<BLOCK_M>(&shape, mask.causal);
+    if gpu::thread_idx_x() == gpu::WARP_SIZE {
+        // The producer's first copies need the tensor maps: a warp that has nothing else to do
+        // yet asks for them while the barriers are set up.
+        for map in 0..3 {
+            // SAFETY: the host's three maps.
+            unsafe { prefetch_tensor_map(TensorMaps(maps).get(map)) };
+        }
+    }
+    let block = QueryBlock::hopper_forward::<BLOCK_M>(&shape, mask.causal);
     let smem = SharedTiles::<BLOCK_M, D, BLOCK_N, STAGES>::new();
     let consumer_threads = (BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS) as u32;
     let kv_tiles = mask.key_limit(block.q_start + block.q_rows - 1).div_ceil(BLOCK_N);

@@ -480,6 +480,18 @@ pub fn registers_increase<const COUNT: u32>() {
     unsafe { asm!("setmaxnreg.inc.sync.aligned.u32 {n};", n = const COUNT, options(nostack)) };
 }
 
+/// Asks for the tensor map at `tensor_map` to be brought into the cache TMA reads maps from
+/// (`prefetch.tensormap`), so that a block's first copy does not wait for it. Only a hint: the
+/// copies work without it.
+///
+/// # Safety
+/// `tensor_map` points to a `CUtensorMap` in global memory.
+#[inline(always)]
+pub unsafe fn prefetch_tensor_map(tensor_map: *const u8) {
+    // SAFETY: the caller's contract; a prefetch changes no memory.
+    unsafe { asm!("prefetch.tensormap [{map}];", map = in(reg64) tensor_map as u64, options(nostack)) };
+}
+
 /// Asks TMA for the box at (`x`, `y`, `z`) (elements; x innermost) of the 3-D
 /// tensor that `tensor_map` describes; otherwise as [`tma_load_2d`]. Attention tensors
 /// `[batch, heads, seqlen, head_dim]` are 3-D maps of (head_dim, seqlen, batch · heads), so that

@@ -519,7 +519,7 @@ fn tensor_core_rows<T: Element>(
         let d = shape.head_dim;
         let (forward_default, backward_default) =
             (TileConfig::default_for_dtype(dtype, d), TileConfig::default_backward_for_dtype(dtype, d));
-        if ctx.hopper_forward_for(dtype, &shape, forward_default).is_some() {
+        if ctx.hopper_forward_for(dtype, &shape, case.causal, forward_default).is_some() {
             tile = forward_default;
         }
         if ctx.hopper_backward_for(dtype, d, backward_default, DqAccumulation::Atomic).is_some() {
@@ -527,7 +527,7 @@ fn tensor_core_rows<T: Element>(
         }
     }
     let mode_name = if mode == DqAccumulation::Atomic { "atomic dQ" } else { "deterministic" };
-    let forward_kernel = ctx.forward_kernel_label(dtype, &shape, tile);
+    let forward_kernel = ctx.forward_kernel_label(dtype, &shape, case.causal, tile);
     let names = [
         format!("flash forward {dtype} ({forward_kernel})"),
         format!(
