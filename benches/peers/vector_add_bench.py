@@ -75,15 +75,16 @@ def main():
 
             for _ in range(2):
                 one_round()
-            times = []
+            # Rounds queued back to back, events read at the end (as attn_host::timing::time_gpu).
+            events = []
             for _ in range(10):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 one_round()
                 end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / sets)
-            ms = statistics.median(times)
+                events.append((start, end))
+            torch.cuda.synchronize()
+            ms = statistics.median(start.elapsed_time(end) / sets for start, end in events)
             expected = (lambda i: a[i]) if name.startswith("copy") else (lambda i: a[i] + b[i])
             for i in (0, sets - 1):
                 if not torch.equal(c[i], expected(i)):

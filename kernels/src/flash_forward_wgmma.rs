@@ -26,8 +26,9 @@
 //!   start first, and under a causal mask the heads go in L2-sized sections
 //!   ([`QueryBlock::hopper_forward`]); consumer warpgroups that own no rows of a short block only
 //!   hand the K/V tiles back. One thread prefetches the tensor maps while the block sets up.
-//!   (PERFORMANCE.md: together +6–15 % non-causal and +15–20 % causal on 4 × 16 × 4096 at
-//!   head_dim 64.)
+//!   (PERFORMANCE.md, sections "night" and "late", on 4 × 16 × 4096 at head_dim 64: +4–8 % for
+//!   the consumers without rows, then +2 % for the balanced, longest-first grid; causal, +6–12 %
+//!   for the longest-first order within a head, then +5 %.)
 //!
 //! Each consumer warp's `wgmma` accumulator has the m16n8 layout of `mma.sync`
 //! ([`Accumulator`]), so level 5's [`RowSoftmax`] and [`pack_a`] apply unchanged.
