@@ -92,8 +92,8 @@ impl QueryBlock {
 }
 
 /// Bytes of K and V that one section of heads of a causal Hopper forward grid may read
-/// ([`QueryBlock::hopper_forward`]): about a third of an H100's or H200's 50 MB L2, so that a
-/// section's K and V stay there while its blocks run. Measured on the H200 against one section of
+/// ([`QueryBlock::hopper_forward`]): about a quarter of the H200's 60 MB L2, so that a section's
+/// K and V stay there while its blocks run. Measured on the H200 against one section of
 /// all heads: +5 % on 2 × 16 × 8192 × 128 (128 MB of K and V), −2 % on 4 × 16 × 4096 × 64 (64 MB).
 pub const L2_SECTION_BYTES: usize = 16 << 20;
 
@@ -102,6 +102,7 @@ pub const L2_SECTION_BYTES: usize = 16 << 20;
 /// `BLOCK_M − 64` (the very last block may have fewer, down to 1).
 #[derive(Clone, Copy)]
 pub struct BalancedRows<const BLOCK_M: usize> {
+    /// Rows of the head.
     pub seqlen_q: usize,
     /// Blocks per head.
     pub blocks: usize,
@@ -116,8 +117,9 @@ impl<const BLOCK_M: usize> BalancedRows<BLOCK_M> {
     #[inline(always)]
     pub fn new(seqlen_q: usize) -> Self {
         let blocks = seqlen_q.div_ceil(BLOCK_M);
-        // Warpgroup-sized pieces the blocks hold beyond the rows (fewer than BLOCK_M / 64, so
-        // at most one per block once there are two blocks; a single block keeps them all).
+        // Warpgroup-sized pieces the blocks hold beyond the rows: fewer than BLOCK_M / 64, so at
+        // most one per block once there are two blocks or more (a single block is simply cut at
+        // seqlen_q).
         let missing = blocks * (BLOCK_M / Self::UNIT) - seqlen_q.div_ceil(Self::UNIT);
         Self { seqlen_q, blocks, full: blocks.saturating_sub(missing) }
     }
