@@ -595,7 +595,11 @@ fn load_tuned_tiles(ctx: &Context) -> Option<TunedTiles> {
             Some(tuned)
         }
         Ok(None) => {
-            println!("tiles: built-in (`--tune` measures this device's fastest)");
+            if ctx.has_hopper_kernels() && ctx.kernel_path() == KernelPath::Sm90a {
+                println!("tiles: built-in (the Hopper kernels' own; `--tune` measures the sm_80 tiles only)");
+            } else {
+                println!("tiles: built-in (`--tune` measures this device's fastest)");
+            }
             None
         }
         Err(e) => {
