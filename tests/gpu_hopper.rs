@@ -238,7 +238,7 @@ fn hopper_backward_matches_the_reference() {
         let shape =
             |batch, heads_q, heads_kv, seqlen_q, seqlen_k| gqa(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim);
         // Key blocks of 128 and query tiles of 64: whole, ragged on either side, a block that
-        // no query sees (bottom-right with seqlen_q < seqlen_k), GQA, negative scale.
+        // no query sees (bottom-right with seqlen_q < seqlen_k), GQA, negative scale, sections.
         let cases = [
             (shape(1, 1, 1, 1, 1), AttentionOptions::default()),
             (shape(2, 4, 2, 256, 256), AttentionOptions::default()),
@@ -248,6 +248,10 @@ fn hopper_backward_matches_the_reference() {
             (shape(1, 2, 2, 200, 130), AttentionOptions::causal(Causal::TopLeft)),
             (shape(1, 3, 3, 130, 300), AttentionOptions::with_scale(-0.3)),
             (shape(1, 8, 2, 300, 257), AttentionOptions::default()),
+            // A causal grid taken in several sections of heads: with 16 query heads per
+            // key/value head, a head's Q, dO and dQ come to 8 MiB (head_dim 64) or 16 MiB (128),
+            // so the 16 key/value heads make 2 or 4 sections of the backward's 64 MiB.
+            (shape(2, 128, 8, 1024, 256), AttentionOptions::causal(Causal::BottomRight)),
         ];
         for (i, (shape, options)) in cases.into_iter().enumerate() {
             let seed = 500 + (head_dim + i) as u64;

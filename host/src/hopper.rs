@@ -851,6 +851,7 @@ impl Context {
 mod tests {
     use super::*;
     use crate::kernels::{MODULE_ARCHS, PTX, module_of};
+    use attn_kernels::tiles::by_sections;
 
     /// The rows of every block of a head, in block order, for `BLOCK_M`.
     fn balanced_blocks<const BLOCK_M: usize>(seqlen_q: usize) -> Vec<(usize, usize)> {
@@ -901,6 +902,27 @@ mod tests {
                 for pair in order.windows(2) {
                     if section_of(&pair[0]) == section_of(&pair[1]) {
                         assert!(length(&pair[0]) >= length(&pair[1]), "{seqlen_q} × {heads}, {section:?}: {pair:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn sections_of_heads_cover_the_grid_once_longest_first() {
+        for (blocks, heads) in [(32, 64), (1, 1), (7, 5), (64, 12)] {
+            for section in [0, 1, 3, 8, 64, 1000] {
+                let order: Vec<_> = (0..blocks * heads).map(|l| by_sections(l, blocks, heads, section)).collect();
+                let mut seen = vec![false; blocks * heads];
+                for &(rank, head) in &order {
+                    assert!(rank < blocks && head < heads);
+                    assert!(!std::mem::replace(&mut seen[head * blocks + rank], true), "{blocks} × {heads}, {section}");
+                }
+                // Within a section the ranks never go back (rank 0, the longest, first).
+                let section_of = |head: usize| head / section.clamp(1, heads);
+                for pair in order.windows(2) {
+                    if section_of(pair[0].1) == section_of(pair[1].1) {
+                        assert!(pair[0].0 <= pair[1].0, "{blocks} × {heads}, {section}: {pair:?}");
                     }
                 }
             }

@@ -32,6 +32,10 @@
 //!
 //! Grouped-query attention: a block owns a key block of one key/value head and loops over the
 //! query tiles of every query head of its group, so dK and dV are complete when it ends.
+//!
+//! Under a causal mask the grid runs its longest blocks first, the first key blocks of every
+//! head of an L2-sized section of heads ([`KeyBlock::current`]; PERFORMANCE.md: +3–5 % at
+//! 4 × 16 × 4096 and 2 × 16 × 8192, +20 % on 1 × 12 × 4096, a grid of three waves).
 
 use crate::flash_forward_mma::pack_a;
 use crate::gpu::{self, FragC, HalfFloat, LOG2_E};
@@ -44,7 +48,7 @@ use crate::hopper::{
     wgmma_wait,
 };
 use crate::layout::{AttentionShape, HOPPER_SMEM_ALIGN, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS};
-use crate::tiles::Mask;
+use crate::tiles::{Mask, by_sections};
 
 /// Keys per block: 64 per consumer warpgroup.
 pub const BLOCK_N: usize = 128;
@@ -52,6 +56,11 @@ pub const BLOCK_N: usize = 128;
 pub const BLOCK_M: usize = 64;
 /// Consumer warpgroups.
 const CONSUMERS: usize = BLOCK_N / WARPGROUP_ROWS;
+/// Bytes of Q, dO (16-bit) and dQ's `f32` copy that one section of key/value heads of a causal
+/// grid reads ([`KeyBlock::current`]): about the H200's 60 MB L2. Measured on the H200 against
+/// 16 MiB: +0.5–1.5 % causal at 2 × 16 × 8192 × 128, +15 % at 1 × 12 × 4096 × 64 (whose 384
+/// blocks 16 MiB split into two sections), ±1 % at 4 × 16 × 4096 × 64.
+const SECTION_BYTES: usize = 64 << 20;
 /// Columns of one swizzled column block: 128 bytes of 16-bit values.
 const SWIZZLE_COLUMNS: usize = SWIZZLE_ROW_BYTES / 2;
 /// Register budgets after `setmaxnreg` (producer, consumers), of 168 each at launch (384
@@ -179,7 +188,20 @@ struct KeyBlock {
 impl KeyBlock {
     #[inline(always)]
     fn current(shape: &AttentionShape, mask: &Mask) -> Self {
-        let (block, kv_head, batch) = gpu::block_idx();
+        let (x, y, z) = gpu::block_idx();
+        // Under a causal mask the first key blocks are seen by the most query tiles: the grid
+        // launches them first (longest first, as the forward; see `QueryBlock::hopper_forward`),
+        // by sections of key/value heads whose Q, dO and f32 dQ add up to `SECTION_BYTES`.
+        let (block, kv_head, batch) = if mask.causal {
+            let blocks = shape.seqlen_k.div_ceil(BLOCK_N);
+            let heads = shape.num_heads_kv * shape.batch;
+            let linear = x + blocks * (y + shape.num_heads_kv * z);
+            let head_bytes = (2 + 2 + 4) * shape.seqlen_q * shape.head_dim * shape.group_size();
+            let (rank, head) = by_sections(linear, blocks, heads, SECTION_BYTES / head_bytes.max(1));
+            (rank, head % shape.num_heads_kv, head / shape.num_heads_kv)
+        } else {
+            (x, y, z)
+        };
         let k_start = block * BLOCK_N;
         Self {
             k_start,
@@ -549,7 +571,8 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
     }
 }
 
-/// The kernel body (see the module docs). Grid: `(ceil(seqlen_k / 128), num_heads_kv, batch)`;
+/// The kernel body (see the module docs). Grid: `(ceil(seqlen_k / 128), num_heads_kv, batch)`,
+/// mapped to key blocks by [`KeyBlock::current`];
 /// block: 384 threads; dynamic shared memory: [`crate::layout::hopper_backward_smem_bytes`]`(D,
 /// STAGES)`. `D_TILES` = D / 8 sizes the dK and dV accumulators.
 ///

@@ -97,6 +97,19 @@ impl QueryBlock {
 /// all heads: +5 % on 2 × 16 × 8192 × 128 (128 MB of K and V), −2 % on 4 × 16 × 4096 × 64 (64 MB).
 pub const L2_SECTION_BYTES: usize = 16 << 20;
 
+/// Block `linear` of a grid of `blocks` blocks per head over `heads` heads, taken in sections of
+/// `section` heads (at least one) and, within a section, rank by rank: rank 0 of every head of the
+/// section, then rank 1, and so on. Returns the rank and the head. A one-to-one map of
+/// `0 .. blocks · heads`; a kernel whose blocks are longer at lower ranks launches them longest
+/// first with it, section by section, so that a section's K and V stay in L2 while it runs.
+#[inline(always)]
+pub fn by_sections(linear: usize, blocks: usize, heads: usize, section: usize) -> (usize, usize) {
+    let section = section.clamp(1, heads);
+    let (index, within) = (linear / (section * blocks), linear % (section * blocks));
+    let heads_here = section.min(heads - index * section);
+    (within / heads_here, index * section + within % heads_here)
+}
+
 /// A head's `seqlen_q` rows split into `ceil(seqlen_q / BLOCK_M)` blocks whose sizes differ by
 /// at most one warpgroup's 64 rows: the first `full` blocks have `BLOCK_M` rows and the rest
 /// `BLOCK_M − 64` (the very last block may have fewer, down to 1).
@@ -133,10 +146,8 @@ impl<const BLOCK_M: usize> BalancedRows<BLOCK_M> {
     #[inline(always)]
     pub fn longest_first(self, linear: usize, heads: usize, causal_section: Option<usize>) -> (usize, usize) {
         if let Some(section) = causal_section {
-            let section = section.clamp(1, heads);
-            let (index, within) = (linear / (section * self.blocks), linear % (section * self.blocks));
-            let heads_here = section.min(heads - index * section);
-            (self.blocks - 1 - within / heads_here, index * section + within % heads_here)
+            let (rank, head) = by_sections(linear, self.blocks, heads, section);
+            (self.blocks - 1 - rank, head)
         } else if linear < self.full * heads {
             (linear % self.full, linear / self.full)
         } else {
