@@ -15,13 +15,13 @@
 //! Three kernels, as FlashAttention-2/3 and the Triton tutorial split it:
 //!
 //! 1. [`flash_bwd_preprocess_f32`]: D = rowsum(dO ∘ O), one float per query row.
-//! 2. `flash_bwd_f32_m*_n*_d*` and `flash_bwd_dkdv_f32_m*_n*_d*` ([`flash_backward_kv`]): one
+//! 2. `flash_bwd_f32_m*_n*_d*` and `flash_bwd_dkdv_f32_m*_n*_d*` (`flash_backward_kv`): one
 //!    block per `BLOCK_N` keys of one key/value head. The block keeps K_j, V_j in shared memory and
 //!    dK_j, dV_j in registers while it loops over every query head of its group (grouped-query
 //!    attention sums their contributions on chip) and over the query tiles that can see its keys.
 //!    The first variant also adds each tile's dQ contribution to device memory with atomic adds
 //!    (fast; the order of the additions, and so the last bits of dQ, vary from run to run).
-//! 3. `flash_bwd_dq_f32_m*_n*_d*` ([`flash_backward_q`]): the deterministic alternative for dQ, one
+//! 3. `flash_bwd_dq_f32_m*_n*_d*` (`flash_backward_q`): the deterministic alternative for dQ, one
 //!    block per `BLOCK_M` query rows looping over key tiles like the forward pass; no atomics, the
 //!    same bits on every run.
 //!
@@ -61,7 +61,7 @@ use crate::tiles::{
 };
 
 kernel! {
-/// D[row] = Σ_d dO[row, d] · O[row, d] for every query row (`rows = batch · heads · seqlen_q`).
+/// `D[row] = Σ_d dO[row, d] · O[row, d]` for every query row (`rows = batch · heads · seqlen_q`).
 ///
 /// Thread mapping: one warp per row (rows in a grid-stride loop), lanes stride over head_dim,
 /// a warp reduction adds their partial sums.

@@ -34,14 +34,14 @@
 //!
 //! ## Kernels
 //!
-//! * [`flash_backward_kv_mma`] (`flash_bwd_{f16,bf16}_…` and `flash_bwd_dkdv_{f16,bf16}_…`): one
+//! * `flash_backward_kv_mma` (`flash_bwd_{f16,bf16}_…` and `flash_bwd_dkdv_{f16,bf16}_…`): one
 //!   block per `BLOCK_N` keys of one key/value head, `BLOCK_N / 16` warps, warp `w` owning keys
 //!   `16w .. 16w + 16` and their rows of dK and dV in registers. It loops over the query tiles of
 //!   every query head of its group (grouped-query attention needs no atomics for dK and dV), the
 //!   Q/dO tiles streamed through a `STAGES`-slot `cp.async` ring as in the forward pass. With
 //!   atomic dQ, the warps then share dSᵀ through shared memory and add dQ = scale · dS·K into an
 //!   `f32` accumulator with `red.add`; a last kernel rounds it to 16 bits.
-//! * [`flash_backward_q_mma`] (`flash_bwd_dq_{f16,bf16}_…`): the deterministic dQ, one block per
+//! * `flash_backward_q_mma` (`flash_bwd_dq_{f16,bf16}_…`): the deterministic dQ, one block per
 //!   `BLOCK_M` queries, warp `w` owning queries `16w .. 16w + 16`, looping over key tiles like
 //!   the forward pass, 16 keys at a time: S, P, dP = dO·Vᵀ, dS, and dQ += dS·K with dS from
 //!   registers and K's fragments transposed in registers at head_dim 64 (read again with
@@ -69,7 +69,7 @@ use crate::layout::{AttentionShape, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_threads};
 use crate::tiles::{Mask, QueryBlock};
 
 kernel! {
-/// D[row] = Σ_d dO[row, d] · O[row, d] for every query row (`rows = batch · heads · seqlen_q`),
+/// `D[row] = Σ_d dO[row, d] · O[row, d]` for every query row (`rows = batch · heads · seqlen_q`),
 /// from 16-bit O and dO, in `f32`. One warp per row (a grid-stride loop over rows), each lane
 /// reading 8 elements (16 bytes) at a time; `head_dim` must be a multiple of 8.
 ///

@@ -14,7 +14,7 @@
 //! to LLVM as *convergent* (every lane of the warp must reach them together), so the optimiser will
 //! never move them into a branch that only some lanes take.
 //!
-//! Every hardware primitive lives in `backend`: on nvptx64 the module [`hw`] below (special
+//! Every hardware primitive lives in `backend`: on nvptx64 the module `hw` below (special
 //! registers, intrinsics, PTX), on the host the CPU emulator ([`crate::emu`]), which implements the
 //! same functions with threads, barriers and a checked shared memory. The functions of this file
 //! are the same on both, so a kernel is written once.
@@ -183,7 +183,7 @@ impl F32x4 {
         }
     }
 
-    /// Σ self[i]·other[i], as four fused multiply-adds onto `acc`.
+    /// Σ `self[i] · other[i]`, as four fused multiply-adds onto `acc`.
     #[inline(always)]
     pub fn dot_add(self, other: Self, acc: f32) -> f32 {
         let mut acc = acc;
@@ -612,7 +612,7 @@ impl SharedTile16 {
     }
 
     /// B fragments of two neighbouring n-tiles when the tile stores Bᵀ, one row per column of B
-    /// (K in S = Q·Kᵀ: B[k][n] = K[n][k]): n-tiles `n0..n0+8` and `n0+8..n0+16`, k-step
+    /// (K in S = Q·Kᵀ: `B[k][n] = K[n][k]`): n-tiles `n0..n0+8` and `n0+8..n0+16`, k-step
     /// `k0..k0+16`. Call from all lanes of a warp together.
     #[inline(always)]
     #[cfg_attr(not(target_arch = "nvptx64"), track_caller)]
@@ -623,7 +623,7 @@ impl SharedTile16 {
     }
 
     /// B fragments of two neighbouring n-tiles when the tile stores B itself, row-major k × n
-    /// (V in O = P·V: B[k][n] = V[k][n]): k-step `k0..k0+16`, n-tiles `n0..n0+8` and
+    /// (V in O = P·V: `B[k][n] = V[k][n]`): k-step `k0..k0+16`, n-tiles `n0..n0+8` and
     /// `n0+8..n0+16`, through `ldmatrix.trans`. Call from all lanes of a warp together.
     #[inline(always)]
     #[cfg_attr(not(target_arch = "nvptx64"), track_caller)]

@@ -80,7 +80,7 @@ pub unsafe fn naive_scores_f32(
 }
 
 kernel! {
-/// P[row, :] = softmax(S[row, :]) in place, and lse[row] = ln Σ_j exp(S[row, j]).
+/// `P[row, :] = softmax(S[row, :])` in place, and `lse[row] = ln Σ_j exp(S[row, j])`.
 ///
 /// Thread mapping: one warp per row (`rows_per_block` warps per block, rows in a grid-stride
 /// loop); lanes stride over the row. Three passes over the row: the maximum m (warp reduction),
@@ -228,7 +228,7 @@ pub unsafe fn naive_pt_x_f32(
 }
 
 kernel! {
-/// dS[row, j] = P[row, j] · (Σ_d dO[row, d] · V[j, d] − D[row]), written over P.
+/// `dS[row, j] = P[row, j] · (Σ_d dO[row, d] · V[j, d] − D[row])`, written over P.
 ///
 /// Thread mapping: as [`naive_scores_f32`], a block per query row, threads over its keys.
 ///
