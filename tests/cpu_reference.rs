@@ -1,19 +1,12 @@
 //! Tests that need no GPU: the CPU references, shape and tile validation.
 
+mod common;
+
 use attn_host::check::{random_normal, relative_l2_error};
 use attn_host::{AttentionShape, Causal, DeviceInfo, Error, FlashKernel, TileConfig, cpu};
 use proptest::prelude::*;
 
-fn shape(
-    batch: usize,
-    heads_q: usize,
-    heads_kv: usize,
-    seqlen_q: usize,
-    seqlen_k: usize,
-    head_dim: usize,
-) -> AttentionShape {
-    AttentionShape { batch, num_heads_q: heads_q, num_heads_kv: heads_kv, seqlen_q, seqlen_k, head_dim }
-}
+use common::gqa as shape;
 
 fn params(scale: f64, causal: Causal) -> cpu::Params {
     cpu::Params { scale, causal }
