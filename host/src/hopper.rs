@@ -129,18 +129,19 @@ impl HopperForward {
         if causal { 2 } else { 1 }
     }
 
-    /// The kernel for `dtype`, `shape` and mask on a GPU of `sm_count` SMs: the configuration
-    /// measured fastest on an H200 for the head dimension, and at head_dim 64 for the grid's
-    /// depth ([`Self::waves_for_192_rows`]) where a head has rows for at least one block of 192
+    /// The kernel for `dtype`, `shape` and mask `causal` on a GPU of `sm_count` SMs: the
+    /// configuration measured fastest on an H200 for the head dimension, and at head_dim 64 for
+    /// the grid's depth ([`Self::waves_for_192_rows`]) where a head has rows for at least one block of 192
     /// ([`BalancedRows`]; below that the third consumer would have no rows in any block).
     ///
     /// # Errors
     /// [`Error::Shape`] for `f32`, [`Error::HeadDimNotCompiled`] for other head dimensions.
-    pub(crate) fn for_problem(dtype: DType, shape: &AttentionShape, causal: bool, sm_count: usize) -> Result<Self> {
+    pub(crate) fn for_problem(dtype: DType, shape: &AttentionShape, causal: Causal, sm_count: usize) -> Result<Self> {
         let head_dim = shape.head_dim;
         let rows = BalancedRows::<192>::new(shape.seqlen_q);
         let blocks_192 = rows.blocks * shape.num_heads_q * shape.batch;
-        let rows_192 = head_dim == 64 && rows.full > 0 && blocks_192 >= Self::waves_for_192_rows(causal) * sm_count;
+        let waves = Self::waves_for_192_rows(causal != Causal::None);
+        let rows_192 = head_dim == 64 && rows.full > 0 && blocks_192 >= waves * sm_count;
         let (entry, block_m, pingpong) = match (dtype, head_dim, rows_192) {
             (DType::F16, 64, true) => (entry::HOPPER_FLASH_FWD_F16_M192_N128_D64_S2, 192, false),
             (DType::Bf16, 64, true) => (entry::HOPPER_FLASH_FWD_BF16_M192_N128_D64_S2, 192, false),
@@ -367,7 +368,6 @@ impl Context {
     ) -> Option<HopperForward> {
         let wanted =
             self.kernel_path == KernelPath::Sm90a && tile == TileConfig::default_for_dtype(dtype, shape.head_dim);
-        let causal = causal != Causal::None;
         wanted.then(|| HopperForward::for_problem(dtype, shape, causal, self.device().sm_count).ok()).flatten()
     }
 
@@ -549,7 +549,7 @@ impl Context {
         options: &AttentionOptions,
     ) -> Result<AttentionOutput<T>> {
         let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
-        HopperForward::for_problem(T::DTYPE, &shape, options.causal != Causal::None, self.device().sm_count)?;
+        HopperForward::for_problem(T::DTYPE, &shape, options.causal, self.device().sm_count)?;
         let mut out = self.alloc_attention_output(&shape)?;
         self.flash_attention_forward_hopper_into(q, k, v, &mut out, options)?;
         Ok(out)
@@ -565,8 +565,7 @@ impl Context {
         options: &AttentionOptions,
     ) -> Result<()> {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
-        let kernel =
-            HopperForward::for_problem(T::DTYPE, &shape, options.causal != Causal::None, self.device().sm_count)?;
+        let kernel = HopperForward::for_problem(T::DTYPE, &shape, options.causal, self.device().sm_count)?;
         self.launch_hopper_forward(kernel, &shape, q, k, v, out, options)
     }
 
@@ -965,7 +964,8 @@ mod tests {
             ];
             for (head_dim, blocks, causal) in grids {
                 let shape = shape_of(head_dim, blocks);
-                let forward = HopperForward::for_problem(dtype, &shape, causal, H200_SMS).unwrap();
+                let mask = if causal { Causal::TopLeft } else { Causal::None };
+                let forward = HopperForward::for_problem(dtype, &shape, mask, H200_SMS).unwrap();
                 assert_eq!(MODULE_ARCHS[module_of(forward.entry)], "sm_90a", "{}", forward.entry);
                 // setmaxnreg needs the block size ptxas budgets registers for.
                 assert_eq!(
@@ -995,12 +995,12 @@ mod tests {
     #[test]
     fn hopper_configurations_refuse_f32_and_other_head_dims() {
         assert!(matches!(
-            HopperForward::for_problem(DType::F32, &shape_of(64, 1), false, H200_SMS),
+            HopperForward::for_problem(DType::F32, &shape_of(64, 1), Causal::None, H200_SMS),
             Err(Error::Shape(_))
         ));
         assert!(matches!(HopperBackward::for_problem(DType::F32, 128), Err(Error::Shape(_))));
         assert!(matches!(
-            HopperForward::for_problem(DType::F16, &shape_of(32, 1), false, H200_SMS),
+            HopperForward::for_problem(DType::F16, &shape_of(32, 1), Causal::None, H200_SMS),
             Err(Error::HeadDimNotCompiled { head_dim: 32, .. })
         ));
         assert!(matches!(
