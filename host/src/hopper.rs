@@ -131,8 +131,9 @@ impl HopperForward {
 
     /// The kernel for `dtype`, `shape` and mask `causal` on a GPU of `sm_count` SMs: the
     /// configuration measured fastest on an H200 for the head dimension, and at head_dim 64 for
-    /// the grid's depth ([`Self::waves_for_192_rows`]) where a head has rows for at least one block of 192
-    /// ([`BalancedRows`]; below that the third consumer would have no rows in any block).
+    /// the grid's depth ([`Self::waves_for_192_rows`]) where a head has rows for at least one
+    /// block of 192 ([`BalancedRows`]; below that the third consumer would have no rows in any
+    /// block).
     ///
     /// # Errors
     /// [`Error::Shape`] for `f32`, [`Error::HeadDimNotCompiled`] for other head dimensions.
