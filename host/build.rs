@@ -96,6 +96,7 @@ fn main() {
     // `match` arms of `module_of`: the entries of every module but the first, which is the default.
     let mut module_arms = String::new();
     let modules = build_ptx(&kernels_dir, &out_dir, &tools);
+    check_launch_bounds(&modules);
     for (index, (_, ptx)) in modules.iter().enumerate().skip(1) {
         let names: Vec<String> = ptx_entries(ptx).iter().map(|name| format!("{name:?}")).collect();
         if !names.is_empty() {
@@ -317,38 +318,21 @@ fn build_ptx(kernels_dir: &Path, out_dir: &Path, tools: &LlvmTools) -> Vec<(&'st
             .arg(&optimized_bc)
             .arg("-o")
             .arg(&ptx_path));
-        modules.push((*group, with_occupancy_hints(fs::read_to_string(&ptx_path).unwrap())));
+        modules.push((*group, with_launch_bounds(fs::read_to_string(&ptx_path).unwrap())));
     }
     modules
 }
 
-/// Kernels that get CUDA's `__launch_bounds__(threads, min_blocks)` as PTX directives
-/// (`.maxntid threads, 1, 1` and `.minnctapersm min_blocks`): ptxas then keeps their registers low
-/// enough for `min_blocks` blocks per SM. Rust cannot attach these to a function, so they are
-/// written into the PTX here. Only where measured to help (`PERFORMANCE.md`): the d128 forward
-/// tiles with 32-key tiles need 171 registers on their own, 3 too many for 3 blocks of 128
-/// threads per SM (65536 / 384 = 170), and fit in 168 without spilling (+39% measured). Forcing
-/// the 64-key tile (251 registers) down to 168 spills and loses 25%: it is not hinted.
-///
-/// The Hopper forward kernels need theirs (the names here are prefixes of theirs; the others
-/// are whole names): they move registers between warpgroups with `setmaxnreg`, which works on
-/// the budget ptxas derives from the block's threads (384 for block_m = 128: 168 each; 512
-/// for block_m = 192: 128 each).
-const OCCUPANCY_HINTS: &[(&str, u32, u32)] = &[
-    ("hopper_flash_fwd_f16_m128", 384, 1),
-    ("hopper_flash_fwd_bf16_m128", 384, 1),
-    ("hopper_flash_fwd_f16_m192", 512, 1),
-    ("hopper_flash_bwd_f16_", 384, 1),
-    ("hopper_flash_bwd_bf16_", 384, 1),
-    ("hopper_flash_fwd_bf16_m192", 512, 1),
-    ("flash_fwd_f16_m64_n32_d128_s2", 128, 3),
-    ("flash_fwd_bf16_m64_n32_d128_s2", 128, 3),
-    ("flash_fwd_f16_m64_n32_d128_s3", 128, 3),
-    ("flash_fwd_bf16_m64_n32_d128_s3", 128, 3),
-];
+/// The device crate's table of compiled configurations: its `LAUNCH_BOUNDS` are written into the
+/// PTX here (its macros are for the device crate and unused in this one).
+#[path = "../kernels/src/configs.rs"]
+#[allow(unused_macros, dead_code)]
+mod configs;
 
-/// `ptx` with the directives of [`OCCUPANCY_HINTS`] after the parameter lists of their kernels.
-fn with_occupancy_hints(ptx: String) -> String {
+/// `ptx` with the directives of `configs::LAUNCH_BOUNDS` (`__launch_bounds__(threads,
+/// min_blocks)` as `.maxntid threads, 1, 1` and `.minnctapersm min_blocks`) after the parameter
+/// lists of their kernels.
+fn with_launch_bounds(ptx: String) -> String {
     let mut out = String::with_capacity(ptx.len() + 256);
     let mut pending: Option<(u32, u32)> = None;
     for line in ptx.lines() {
@@ -356,7 +340,7 @@ fn with_occupancy_hints(ptx: String) -> String {
         out.push('\n');
         if let Some(name) = line.trim_start().strip_prefix(".visible .entry ") {
             let name = name.split('(').next().unwrap_or_default().trim();
-            pending = OCCUPANCY_HINTS.iter().find(|(n, _, _)| name.starts_with(n)).map(|&(_, t, b)| (t, b));
+            pending = configs::LAUNCH_BOUNDS.iter().find(|(n, _, _)| name == *n).map(|&(_, t, b)| (t, b));
         } else if line.trim_start().starts_with(')')
             && let Some((threads, blocks)) = pending.take()
         {
@@ -364,6 +348,17 @@ fn with_occupancy_hints(ptx: String) -> String {
         }
     }
     out
+}
+
+/// Fails the build if a kernel named in `configs::LAUNCH_BOUNDS` is in none of the modules: a
+/// renamed or removed kernel must not silently lose its bounds.
+fn check_launch_bounds(modules: &[(&'static str, String)]) {
+    let entries: Vec<String> = modules.iter().flat_map(|(_, ptx)| ptx_entries(ptx)).collect();
+    for (name, _, _) in configs::LAUNCH_BOUNDS {
+        if !entries.iter().any(|entry| entry == name) {
+            fail(&format!("kernels/src/configs.rs names `{name}` in LAUNCH_BOUNDS, but no kernel has that name"));
+        }
+    }
 }
 
 /// Names of the `.entry` functions (kernels) in a PTX module, sorted.

@@ -17,7 +17,7 @@ use cudarc::driver::sys::{
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use attn_kernels::emu::Arg;
-use attn_kernels::tiles::BalancedRows;
+use attn_kernels::attention::schedule::BalancedRows;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::context::{Backend, KernelArg};
@@ -851,7 +851,7 @@ impl Context {
 mod tests {
     use super::*;
     use crate::kernels::{MODULE_ARCHS, PTX, module_of};
-    use attn_kernels::tiles::by_sections;
+    use attn_kernels::attention::schedule::by_sections;
 
     /// The rows of every block of a head, in block order, for `BLOCK_M`.
     fn balanced_blocks<const BLOCK_M: usize>(seqlen_q: usize) -> Vec<(usize, usize)> {

@@ -4,26 +4,34 @@
 //! load it by name from the PTX module that `host/build.rs` produces from this crate. Read the
 //! modules in this order; each one adds one idea to the last:
 //!
-//! | level | module | what it teaches |
+//! | level | file | what it teaches |
 //! |---|---|---|
-//! | 0 | [`gpu`] | the hardware as a handful of functions: thread and block indices, shared memory, barriers, warp shuffles, fast `exp2`/`log2`; tensor-core fragments (`mma.sync`, `ldmatrix`, `movmatrix`) and `cp.async` |
-//! | 1 | [`vector_add`] | one thread per element, a grid-stride loop, 16-byte loads, a guarded tail |
-//! | 2 | [`naive_attention`] | "standard" attention (FlashAttention paper, Algorithm 0): S = QKᵀ and P = softmax(S) make a round trip through HBM, N×N floats each |
-//! | — | [`layout`] | what host and device must agree on: block sizes, shared-memory layouts, the problem shape (compiled into both crates from this one file) |
-//! | 3 | [`flash_forward`] | FlashAttention-2 forward (Dao 2023, Algorithm 1): Q, K, V tiles in shared memory, online softmax, O and the logsumexp written once; causal masks that skip hidden tiles |
-//! | 4 | [`flash_backward`] | FlashAttention-2 backward (Algorithm 2): recomputing P from the saved logsumexp instead of storing it; dQ by atomics or by a deterministic second pass |
-//! | 5 | [`flash_forward_mma`] | the forward pass on tensor cores in `f16`/`bf16`: `mma.sync` fragments, `ldmatrix`, P kept in registers between the two products, a `cp.async` pipeline |
-//! | 6 | [`flash_backward_mma`] | the backward pass on tensor cores: transposed products that keep Pᵀ and dSᵀ in registers, dQ by atomics or deterministic |
-//! | 7 | `hopper` (nvptx64 only) | Hopper's asynchronous units (sm_90a): `wgmma` from shared-memory descriptors (plain and 128-byte swizzled), TMA copies completing on `mbarrier`s, named barriers, `setmaxnreg`, the proxy fences between them; probe kernels that check them |
-//! | 8 | `flash_forward_wgmma` (nvptx64 only) | the forward pass in FlashAttention-3's shape: a TMA producer warpgroup, two `wgmma` consumer warpgroups, the softmax overlapped with the products |
-//! | 9 | `flash_backward_wgmma` (nvptx64 only) | the backward pass on the same machinery: dK, dV in registers, dSᵀ staged in shared memory as dQ's MN-major operand, dQ by vector atomics |
+//! | 0 | [`hw`] (`hw/`) | the hardware as a handful of functions, by who runs them: thread, warp, block, tensor-core fragments (`mma.sync`, `ldmatrix`, `movmatrix`), and on Hopper warpgroup (`wgmma`) and TMA/`mbarrier` |
+//! | 1 | [`simt::vector_add`] | one thread per element, a grid-stride loop, 16-byte loads, a guarded tail |
+//! | 2 | [`simt::naive`] | "standard" attention (FlashAttention paper, Algorithm 0): S = QKᵀ and P = softmax(S) make a round trip through HBM, N×N floats each |
+//! | 3 | [`simt::forward`] | FlashAttention-2 forward (Dao 2023, Algorithm 1): Q, K, V tiles in shared memory, online softmax, O and the logsumexp written once; causal masks that skip hidden tiles |
+//! | 4 | [`simt::backward`] | FlashAttention-2 backward (Algorithm 2): recomputing P from the saved logsumexp instead of storing it; dQ by atomics or by a deterministic second pass |
+//! | 5 | [`sm80::forward`] | the forward pass on tensor cores in `f16`/`bf16`: `mma.sync` fragments, `ldmatrix`, P kept in registers between the two products, a `cp.async` pipeline |
+//! | 6 | [`sm80::backward`] | the backward pass on tensor cores: transposed products that keep Pᵀ and dSᵀ in registers, dQ by atomics or deterministic |
+//! | 7 | `sm90::probes` (nvptx64 only) | Hopper's asynchronous units (sm_90a): `wgmma` from shared-memory descriptors (plain and 128-byte swizzled), TMA copies completing on `mbarrier`s; probe kernels that check them |
+//! | 8 | `sm90::forward` (nvptx64 only) | the forward pass in FlashAttention-3's shape: a TMA producer warpgroup, `wgmma` consumer warpgroups, the softmax overlapped with the products |
+//! | 9 | `sm90::backward` (nvptx64 only) | the backward pass on the same machinery: dK, dV in registers, dSᵀ staged in shared memory as dQ's MN-major operand, dQ by TMA reduce-add |
 //!
-//! Kernels never touch `core::arch::nvptx` or `asm!` directly: they go through [`gpu`] (or, for
-//! Hopper's asynchronous units, through the wrappers at the top of `hopper`), so the
-//! hardware-facing surface is small, and on the host the same helpers run the kernels
-//! in the CPU emulator (`emu`, host builds only), which checks shared-memory bounds, races and
-//! barriers. Kernels are declared with the `kernel!` macro, which makes them GPU entry points
-//! on nvptx64 and emulator entries on the host.
+//! Beside the levels:
+//!
+//! | file | what |
+//! |---|---|
+//! | [`attention`] | what every tier shares, one home per concept: the mask and tile ranges, the block schedule, the online softmax, the m16n8 fragment map, the epilogue |
+//! | [`layout`] | what host and device must agree on: block sizes, shared-memory layouts, the problem shape (the host crate uses this module) |
+//! | [`configs`] | every compiled configuration: tile lists, register budgets, launch bounds (read by `host/build.rs` too) |
+//! | `pipeline` in [`sm90`] | the Hopper kernels' ring of shared-memory slots, their barriers, the producer/consumer roles |
+//!
+//! Kernels never touch `core::arch::nvptx` or `asm!` directly: they go through [`hw`], so the
+//! hardware-facing surface is small, and on the host the same functions run the kernels in the
+//! CPU emulator ([`hw::emu`], host builds only), which checks shared-memory bounds, races and
+//! barriers. Kernels are declared with the `kernel!` macro (entries of the PTX on nvptx64,
+//! emulator entries on the host), the attention kernels through `attention_kernel!`, which
+//! appends the problem arguments every tier shares.
 //!
 //! Tensors are row-major `[batch, heads, seqlen, head_dim]` arrays (PyTorch's
 //! `scaled_dot_product_attention` layout) of `f32`, or of 16-bit floats (`f16`/`bf16`, passed as
@@ -54,13 +62,14 @@
 
 /// Defines a kernel once for both targets. On nvptx64 it is an `extern "gpu-kernel"` function with
 /// an unmangled name: an entry of the PTX module that the host loads by name. On the host it is a
-/// plain `unsafe fn`, plus a constant `emu_<name>` ([`emu::HostKernel`]) through which the CPU
+/// plain `unsafe fn`, plus a constant `emu_<name>` ([`hw::emu::HostKernel`]) through which the CPU
 /// emulator calls it with the launch's arguments.
 macro_rules! kernel {
     ($(#[$attr:meta])* pub unsafe fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
         $(#[$attr])*
         #[cfg(target_arch = "nvptx64")]
         #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
         pub unsafe extern "gpu-kernel" fn $name($($arg: $ty),*) $body
 
         $(#[$attr])*
@@ -71,7 +80,7 @@ macro_rules! kernel {
         /// The CPU emulator's entry for the kernel of the same name.
         #[cfg(not(target_arch = "nvptx64"))]
         #[allow(non_upper_case_globals)]
-        pub const ${concat(emu_, $name)}: $crate::emu::HostKernel = $crate::emu::HostKernel {
+        pub const ${concat(emu_, $name)}: $crate::hw::emu::HostKernel = $crate::hw::emu::HostKernel {
             name: stringify!($name),
             run: |args| {
                 let expected = [$(stringify!($arg)),*].len();
@@ -82,7 +91,7 @@ macro_rules! kernel {
                 $(
                     let $arg = args
                         .next()
-                        .and_then(<$ty as $crate::emu::FromArg>::from_arg)
+                        .and_then(<$ty as $crate::hw::emu::FromArg>::from_arg)
                         .ok_or_else(|| format!("argument `{}` has the wrong type", stringify!($arg)))?;
                 )*
                 // SAFETY: the caller of `emu::launch` guarantees the pointers.
@@ -93,62 +102,91 @@ macro_rules! kernel {
     };
 }
 
-/// Calls `$instance!(block_m, block_n, head_dim)` for every compiled FlashAttention tile: the one
-/// list of tile shapes, shared by the forward and backward kernels (the host reads the resulting
-/// kernel names from the PTX).
-macro_rules! for_each_tile {
-    ($instance:ident) => {
-        for_each_tile!(@m $instance, [16 32 64], [16 32 64], [32 64 128]);
-    };
-    (@m $instance:ident, [$($block_m:literal)*], $block_n:tt, $head_dim:tt) => {
-        $( for_each_tile!(@mn $instance, $block_m, $block_n, $head_dim); )*
-    };
-    (@mn $instance:ident, $block_m:literal, [$($block_n:literal)*], $head_dim:tt) => {
-        $( for_each_tile!(@mnd $instance, $block_m, $block_n, $head_dim); )*
-    };
-    (@mnd $instance:ident, $block_m:literal, $block_n:literal, [$($head_dim:literal)*]) => {
-        $( $instance!($block_m, $block_n, $head_dim); )*
+/// Declares an attention kernel: `kernel!` with the problem arguments that every attention
+/// kernel of every tier takes appended after its own, in this order:
+///
+/// `batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim` (rebuilt into the body's
+/// [`layout::AttentionShape`]), `causal, causal_offset` (rebuilt into its
+/// [`attention::mask::Mask`]) and the scale (`f32`, named by the caller: the forward kernels take
+/// `scale · log₂e`, the others `scale`). They arrive as plain integers rather than as structs:
+/// rustc warns that structs passed by value to `extern "gpu-kernel"` functions may not match what
+/// the driver passes. This list is the one place to change when the problem gains an argument
+/// (a new kind of mask); the host's launchers push the same list (`ProblemArgs`).
+macro_rules! attention_kernel {
+    (
+        $(#[$attr:meta])*
+        fn $name:ident($($arg:ident: $ty:ty),* $(,)?)
+        |$shape:ident, $mask:ident, $scale:ident| $body:block
+    ) => {
+        kernel! {
+        $(#[$attr])*
+        pub unsafe fn $name(
+            $($arg: $ty,)*
+            batch: usize,
+            num_heads_q: usize,
+            num_heads_kv: usize,
+            seqlen_q: usize,
+            seqlen_k: usize,
+            head_dim: usize,
+            causal: usize,
+            causal_offset: isize,
+            $scale: f32,
+        ) {
+            let $shape = $crate::layout::AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
+            let $mask = $crate::attention::mask::Mask::from_args(seqlen_q, seqlen_k, causal, causal_offset);
+            $body
+        }
+        }
     };
 }
 
-/// Calls `$instance!(dtype, Format, block_m, block_n, head_dim, stages)` for every listed tile,
-/// first in `f16` (`gpu::F16`), then in `bf16` (`gpu::Bf16`): how the tensor-core kernels list
-/// their compiled instances (the host reads the resulting kernel names from the PTX).
-macro_rules! for_each_half_format {
-    ($instance:ident, [$(($block_m:literal, $block_n:literal, $head_dim:literal, $stages:literal)),* $(,)?]) => {
-        $( $instance!(f16, F16, $block_m, $block_n, $head_dim, $stages); )*
-        $( $instance!(bf16, Bf16, $block_m, $block_n, $head_dim, $stages); )*
+/// Calls `$instance!(a, b, c)` for every combination of one value from each of the three lists:
+/// how [`configs`] lists the `f32` tiles.
+macro_rules! cross_product {
+    ($instance:ident, [$($a:literal)*], $b:tt, $c:tt) => {
+        $( cross_product!(@a $instance, $a, $b, $c); )*
+    };
+    (@a $instance:ident, $a:literal, [$($b:literal)*], $c:tt) => {
+        $( cross_product!(@b $instance, $a, $b, $c); )*
+    };
+    (@b $instance:ident, $a:literal, $b:literal, [$($c:literal)*]) => {
+        $( $instance!($a, $b, $c); )*
     };
 }
 
-#[cfg(not(target_arch = "nvptx64"))]
-pub mod emu;
-pub mod gpu;
+/// Calls `$instance!(dtype, Format, config…)` for every listed configuration, first in `f16`
+/// (`hw::F16`), then in `bf16` (`hw::Bf16`): how [`configs`] lists the 16-bit tiers.
+macro_rules! each_half_format {
+    ($instance:ident, [$(($($config:tt)*)),* $(,)?]) => {
+        $( $instance!(f16, F16, $($config)*); )*
+        $( $instance!(bf16, Bf16, $($config)*); )*
+    };
+}
+
+#[macro_use]
+pub mod configs;
+
+pub mod attention;
+pub mod hw;
 pub mod layout;
-pub mod tiles;
+pub mod simt;
+pub mod sm80;
+#[cfg(target_arch = "nvptx64")]
+pub mod sm90;
 
-pub mod flash_backward;
-pub mod flash_backward_mma;
-#[cfg(target_arch = "nvptx64")]
-pub mod flash_backward_wgmma;
-pub mod flash_forward;
-pub mod flash_forward_mma;
-#[cfg(target_arch = "nvptx64")]
-pub mod flash_forward_wgmma;
-#[cfg(target_arch = "nvptx64")]
-pub mod hopper;
-pub mod naive_attention;
-pub mod vector_add;
+/// The CPU emulator (host builds only), as the host crate names it.
+#[cfg(not(target_arch = "nvptx64"))]
+pub use hw::emu;
 
 /// Every kernel and, on the host, its emulator entry `emu_<name>`, in one namespace (the host
 /// crate's build script names them from the PTX's entry list).
 pub mod kernels {
-    pub use crate::flash_backward::*;
-    pub use crate::flash_backward_mma::*;
-    pub use crate::flash_forward::*;
-    pub use crate::flash_forward_mma::*;
-    pub use crate::naive_attention::*;
-    pub use crate::vector_add::*;
+    pub use crate::simt::backward::*;
+    pub use crate::simt::forward::*;
+    pub use crate::simt::naive::*;
+    pub use crate::simt::vector_add::*;
+    pub use crate::sm80::backward::*;
+    pub use crate::sm80::forward::*;
 }
 
 /// A panic on the device cannot print: it stops the kernel with `trap`, which the host sees as a
@@ -158,5 +196,5 @@ pub mod kernels {
 #[cfg(target_arch = "nvptx64")]
 #[panic_handler]
 fn panic(_: &core::panic::PanicInfo) -> ! {
-    gpu::trap()
+    hw::trap()
 }

@@ -1,5 +1,7 @@
-//! Level 7 (sm_90a only): Hopper's asynchronous building blocks, as small documented wrappers over
-//! PTX, and three probe kernels that check them against the CPU.
+//! Level 0 for Hopper (sm_90a only), what a warpgroup does: `wgmma` and its shared-memory matrix
+//! descriptors, the accumulator registers ([`Accumulator`]), named barriers for parts of a block,
+//! `setmaxnreg`, and shared-memory accesses by address.
+//!
 //!
 //! Hopper adds three things that the `mma.sync` kernels of levels 5 and 6 do not use:
 //!
@@ -45,7 +47,7 @@
 
 use core::arch::asm;
 
-use crate::gpu::{self, FragA, FragC, HalfFloat};
+use super::{FragA, FragC, HalfFloat, thread_idx_x};
 
 /// Threads in a warpgroup: the unit that issues `wgmma`.
 pub const WARPGROUP_THREADS: usize = 128;
@@ -58,7 +60,7 @@ pub const CORE_MATRIX_ROW_BYTES: usize = 16;
 pub const CORE_MATRIX_BYTES: usize = 8 * CORE_MATRIX_ROW_BYTES;
 
 /// The shared-state-space (32-bit) address of a pointer into the block's shared memory.
-pub use crate::gpu::shared_address;
+pub use super::ptx::shared_address;
 
 /// A `wgmma` matrix descriptor for an operand in shared memory without swizzling (PTX ISA,
 /// "Matrix Descriptor Format"): bits 0–13 the start address, 16–29 the *leading dimension byte
@@ -119,27 +121,6 @@ pub fn k_major_descriptor(address: u32) -> u64 {
 #[inline(always)]
 pub fn mn_major_descriptor(address: u32, rows: usize) -> u64 {
     swizzled_descriptor(address, (rows * SWIZZLE_ROW_BYTES) as u32, SWIZZLE_ATOM_BYTES as u32)
-}
-
-/// The ring slot of the `use_index`-th tile that goes round a ring of `stages` slots, and the
-/// parity of that use of the slot (0, 1, 0, …): the phase of the slot's `mbarrier`s to wait for.
-#[inline(always)]
-pub fn ring_slot(use_index: usize, stages: usize) -> (usize, u32) {
-    (use_index % stages, ((use_index / stages) % 2) as u32)
-}
-
-/// The tensor maps (`CUtensorMap`, 128 bytes each) that the host put back to back in device
-/// memory for one launch, in the order the kernel documents.
-#[derive(Clone, Copy)]
-pub struct TensorMaps(pub *const u8);
-
-impl TensorMaps {
-    /// The `i`-th map.
-    #[inline(always)]
-    pub fn get(self, i: usize) -> *const u8 {
-        // SAFETY: address arithmetic only; the kernel's contract says how many maps there are.
-        unsafe { self.0.add(128 * i) }
-    }
 }
 
 /// Bytes of one row of a 128-byte swizzled tile, and of the swizzle span.
@@ -260,7 +241,7 @@ pub trait Accumulator {
     /// As [`Accumulator::mma`], with A from registers and B *MN-major* (`imm-trans-b` = 1,
     /// stored with N contiguous, as V's rows are): how P, computed in registers by the softmax,
     /// multiplies V. `a` is this thread's fragment of its warp's 16 rows of A, laid out as
-    /// `mma.sync`'s m16n8k16 A fragment (see [`crate::gpu::FragA`]).
+    /// `mma.sync`'s m16n8k16 A fragment (see [`super::FragA`]).
     ///
     /// # Safety
     /// As [`Accumulator::mma`], for the B descriptor; `a` must not change until the wait.
@@ -356,96 +337,6 @@ pub fn wgmma_wait<const PENDING: u32>() {
     unsafe { asm!("wgmma.wait_group.sync.aligned {n};", n = const PENDING, options(nostack)) };
 }
 
-/// Makes this thread's earlier ordinary stores to shared memory visible to the async proxy
-/// (`wgmma` operands, TMA stores): `fence.proxy.async.shared::cta`. Each writing thread calls it
-/// before the barrier that publishes the data.
-#[inline(always)]
-pub fn fence_proxy_async() {
-    // SAFETY: a fence, no operands.
-    unsafe { asm!("fence.proxy.async.shared::cta;", options(nostack)) };
-}
-
-/// Initialises the `mbarrier` at `barrier` (the shared-state-space address, see
-/// [`shared_address`], of 8 bytes of shared memory, 8-byte aligned) to expect `arrivals`
-/// arrivals per phase (`mbarrier.init`). One thread calls it. The `mbarrier` and TMA wrappers
-/// all take such 32-bit addresses, which is what the instructions want.
-///
-/// # Safety
-/// `barrier` is this block's shared memory, used by no one until a barrier after the init.
-#[inline(always)]
-pub unsafe fn mbarrier_init(barrier: u32, arrivals: u32) {
-    // SAFETY: the caller's contract.
-    unsafe {
-        asm!("mbarrier.init.shared::cta.b64 [{b}], {n};", b = in(reg32) barrier, n = in(reg32) arrivals, options(nostack))
-    };
-}
-
-/// Makes `mbarrier` initialisations visible to the async proxy (TMA), which will
-/// complete transactions on them: `fence.mbarrier_init.release.cluster`. The initialising thread
-/// calls it after [`mbarrier_init`].
-#[inline(always)]
-pub fn fence_mbarrier_init() {
-    // SAFETY: a fence, no operands.
-    unsafe { asm!("fence.mbarrier_init.release.cluster;", options(nostack)) };
-}
-
-/// Arrives on `barrier` and announces `bytes` more bytes of transactions for its current phase
-/// (`mbarrier.arrive.expect_tx`): the phase completes when every arrival happened and that many
-/// bytes were reported by the copies that name this barrier.
-///
-/// # Safety
-/// `barrier` was initialised with [`mbarrier_init`].
-#[inline(always)]
-pub unsafe fn mbarrier_arrive_expect_tx(barrier: u32, bytes: u32) {
-    // SAFETY: the caller's contract.
-    unsafe {
-        asm!(
-            "mbarrier.arrive.expect_tx.shared::cta.b64 _, [{b}], {n};",
-            b = in(reg32) barrier, n = in(reg32) bytes, options(nostack)
-        )
-    };
-}
-
-/// Waits until the phase of `barrier` with parity `phase` (0 for the first, 1 for the second,
-/// alternating) has completed (`mbarrier.try_wait.parity`, retried). Afterwards the data that
-/// phase's copies wrote is visible to this thread.
-///
-/// # Safety
-/// `barrier` was initialised with [`mbarrier_init`].
-#[inline(always)]
-pub unsafe fn mbarrier_wait(barrier: u32, phase: u32) {
-    let address = barrier;
-    loop {
-        let done: u32;
-        // SAFETY: the caller's contract. `try_wait` may time out and return false; the loop
-        // retries (a branch in Rust, so that no PTX label is repeated where this is inlined).
-        unsafe {
-            asm!(
-                "{{",
-                ".reg .pred p;",
-                "mbarrier.try_wait.parity.shared::cta.b64 p, [{b}], {phase};",
-                "selp.u32 {done}, 1, 0, p;",
-                "}}",
-                b = in(reg32) address, phase = in(reg32) phase, done = out(reg32) done, options(nostack)
-            )
-        };
-        if done != 0 {
-            return;
-        }
-    }
-}
-
-/// Arrives on `barrier` (`mbarrier.arrive`): one of the arrivals its phase expects. How
-/// consumers tell the producer that a ring slot is free again.
-///
-/// # Safety
-/// `barrier` was initialised with [`mbarrier_init`].
-#[inline(always)]
-pub unsafe fn mbarrier_arrive(barrier: u32) {
-    // SAFETY: the caller's contract.
-    unsafe { asm!("mbarrier.arrive.shared::cta.b64 _, [{b}];", b = in(reg32) barrier, options(nostack)) };
-}
-
 /// Waits until `threads` threads (a multiple of 32) have arrived at named barrier `id`
 /// (`bar.sync id, threads`): a barrier for part of the block, such as one warpgroup. Id 0 is
 /// the one `__syncthreads` uses.
@@ -478,119 +369,6 @@ pub fn registers_decrease<const COUNT: u32>() {
 pub fn registers_increase<const COUNT: u32>() {
     // SAFETY: as `registers_decrease`.
     unsafe { asm!("setmaxnreg.inc.sync.aligned.u32 {n};", n = const COUNT, options(nostack)) };
-}
-
-/// Asks for the tensor map at `tensor_map` to be brought into the cache TMA reads maps from
-/// (`prefetch.tensormap`), so that a block's first copy does not wait for it. Only a hint: the
-/// copies work without it.
-///
-/// # Safety
-/// `tensor_map` points to a `CUtensorMap` in global memory.
-#[inline(always)]
-pub unsafe fn prefetch_tensor_map(tensor_map: *const u8) {
-    // SAFETY: the caller's contract; a prefetch changes no memory.
-    unsafe { asm!("prefetch.tensormap [{map}];", map = in(reg64) tensor_map as u64, options(nostack)) };
-}
-
-/// Asks TMA for the box at (`x`, `y`, `z`) (elements; x innermost) of the 3-D
-/// tensor that `tensor_map` describes; otherwise as [`tma_load_2d`]. Attention tensors
-/// `[batch, heads, seqlen, head_dim]` are 3-D maps of (head_dim, seqlen, batch · heads), so that
-/// a box running past a head's last row reads zeros instead of the next head.
-///
-/// # Safety
-/// As [`tma_load_2d`].
-#[inline(always)]
-pub unsafe fn tma_load_3d(destination: u32, tensor_map: *const u8, x: i32, y: i32, z: i32, barrier: u32) {
-    // SAFETY: the caller's contract.
-    unsafe {
-        asm!(
-            "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [{dst}], [{map}, {{{x}, {y}, {z}}}], [{bar}];",
-            dst = in(reg32) destination,
-            map = in(reg64) tensor_map as u64,
-            x = in(reg32) x,
-            y = in(reg32) y,
-            z = in(reg32) z,
-            bar = in(reg32) barrier,
-            options(nostack)
-        )
-    };
-}
-
-/// Asks TMA to add the box at `source` (shared memory, laid out as [`tma_load_3d`]
-/// would have written it) to the box at (`x`, `y`, `z`) of the 3-D tensor that `tensor_map`
-/// describes, element by element in the map's type (`cp.reduce.async.bulk.tensor.3d…add`). The
-/// additions are atomic per element; elements outside the tensor are skipped. The copy is
-/// asynchronous, in a *bulk group* ([`bulk_commit_group`]): `source` may be overwritten only after
-/// [`bulk_wait_group_read`].
-///
-/// # Safety
-/// `tensor_map` points to a valid `CUtensorMap` in global memory whose box lies at `source`
-/// (1024-byte aligned shared memory with the 128-byte swizzle); the box's shared memory was
-/// written before a [`fence_proxy_async`] and a barrier that ordered it before this call. One
-/// thread issues it.
-#[inline(always)]
-pub unsafe fn tma_reduce_add_3d(tensor_map: *const u8, x: i32, y: i32, z: i32, source: u32) {
-    // SAFETY: the caller's contract.
-    unsafe {
-        asm!(
-            "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [{map}, {{{x}, {y}, {z}}}], [{src}];",
-            map = in(reg64) tensor_map as u64,
-            x = in(reg32) x,
-            y = in(reg32) y,
-            z = in(reg32) z,
-            src = in(reg32) source,
-            options(nostack)
-        )
-    };
-}
-
-/// Closes the bulk group of the bulk copies this thread issued since the last commit
-/// (`cp.async.bulk.commit_group`).
-#[inline(always)]
-pub fn bulk_commit_group() {
-    // SAFETY: bookkeeping of this thread's own bulk copies only.
-    unsafe { asm!("cp.async.bulk.commit_group;", options(nostack)) };
-}
-
-/// Waits until at most `PENDING` of this thread's committed bulk groups still read their shared
-/// memory sources (`cp.async.bulk.wait_group.read`): their sources may then be overwritten.
-#[inline(always)]
-pub fn bulk_wait_group_read<const PENDING: u32>() {
-    // SAFETY: waiting only.
-    unsafe { asm!("cp.async.bulk.wait_group.read {n};", n = const PENDING, options(nostack)) };
-}
-
-/// Waits until at most `PENDING` of this thread's committed bulk groups are incomplete
-/// (`cp.async.bulk.wait_group`): their writes to global memory are then done.
-#[inline(always)]
-pub fn bulk_wait_group<const PENDING: u32>() {
-    // SAFETY: waiting only.
-    unsafe { asm!("cp.async.bulk.wait_group {n};", n = const PENDING, options(nostack)) };
-}
-
-/// Asks TMA for the box at (`x`, `y`) (elements; x is the innermost dimension) of
-/// the 2-D tensor that `tensor_map` describes, written to `destination` (a shared-state-space
-/// address) in the box's row-major order; elements outside the tensor are filled with zeros. Completion is
-/// reported, in bytes, to `barrier` (`cp.async.bulk.tensor.2d…mbarrier::complete_tx::bytes`).
-///
-/// # Safety
-/// `tensor_map` points to a valid `CUtensorMap` in global memory (64-byte aligned) whose box fits
-/// at `destination` (128-byte aligned shared memory); `barrier` expects these bytes
-/// ([`mbarrier_arrive_expect_tx`]). One thread issues it.
-#[inline(always)]
-pub unsafe fn tma_load_2d(destination: u32, tensor_map: *const u8, x: i32, y: i32, barrier: u32) {
-    // SAFETY: the caller's contract.
-    unsafe {
-        asm!(
-            "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [{dst}], [{map}, {{{x}, {y}}}], [{bar}];",
-            dst = in(reg32) destination,
-            map = in(reg64) tensor_map as u64,
-            x = in(reg32) x,
-            y = in(reg32) y,
-            bar = in(reg32) barrier,
-            options(nostack)
-        )
-    };
 }
 
 /// Loads two `f32` from shared-state-space `address` (8-byte aligned): `ld.shared.v2.f32`.
@@ -655,219 +433,10 @@ pub fn opaque(x: u32) -> u32 {
 /// descriptors, instead of being computed per thread and moved over before every `wgmma`.
 #[inline(always)]
 pub fn warpgroup_id() -> usize {
-    let mut index = (gpu::thread_idx_x() / WARPGROUP_THREADS) as u32;
+    let mut index = (thread_idx_x() / WARPGROUP_THREADS) as u32;
     // SAFETY: every lane of the warp executes it (warpgroups are whole warps).
     unsafe {
         asm!("shfl.sync.idx.b32 {i}, {i}, 0, 0x1f, 0xffffffff;", i = inout(reg32) index, options(nostack, nomem, pure))
     };
     index as usize
-}
-
-// ---------------------------------------------------------------------------------------------
-// Probe kernels: each building block against the CPU (tests/gpu_hopper.rs)
-// ---------------------------------------------------------------------------------------------
-
-/// Byte offset of element (row, k) of a K-major operand stored as core matrices without
-/// swizzling: the core matrix of 8-row block `row / 8` and 8-column block `k / 8` starts at
-/// `(row / 8 · k_blocks + k / 8) · 128` bytes, so core matrices adjacent along K are 128 bytes
-/// apart (the leading dimension byte offset) and those adjacent along rows `k_blocks · 128`
-/// apart (the stride dimension byte offset); within one, row `row % 8` starts at 16-byte steps.
-#[inline(always)]
-pub fn core_matrix_offset(row: usize, k: usize, k_blocks: usize) -> usize {
-    ((row / 8) * k_blocks + k / 8) * CORE_MATRIX_BYTES + (row % 8) * CORE_MATRIX_ROW_BYTES + (k % 8) * 2
-}
-
-/// C (64 × 64, `f32`, row-major) = A (64 × K) · Bᵀ, with A and B (64 × K) row-major 16-bit
-/// floats (`f16`, or `bf16` when `bf16 != 0`), K a multiple of 16 from 16 to 128. One block of one
-/// warpgroup: A and B are copied to shared memory as core matrices by ordinary stores, then
-/// multiplied by K/16 `wgmma`s in one commit group. `leading_bytes` and `stride_bytes` are the
-/// descriptors' offsets (the test passes the layout's: 128 and K/8 · 128).
-///
-/// # Safety
-/// A and B hold 64 · K values, C 64 · 64; launched with one block of 128 threads and
-/// 2 · 64 · K · 2 bytes of dynamic shared memory.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn hopper_probe_wgmma(
-    a: *const u16,
-    b: *const u16,
-    c: *mut f32,
-    k: usize,
-    bf16: usize,
-    leading_bytes: usize,
-    stride_bytes: usize,
-) {
-    let t = gpu::thread_idx_x();
-    let k_blocks = k / 8;
-    let shared = gpu::dynamic_shared_memory() as *mut u8;
-    let b_shared = unsafe { shared.add(64 * k * 2) };
-    // Ordinary stores into the core-matrix layout (thread t copies column t of every row), then
-    // published to the async proxy.
-    let mut row = 0;
-    while row < 64 {
-        if t < k {
-            let offset = core_matrix_offset(row, t, k_blocks);
-            // SAFETY: row < 64 and t < k: in bounds by the launch contract.
-            unsafe {
-                *(shared.add(offset) as *mut u16) = *a.add(row * k + t);
-                *(b_shared.add(offset) as *mut u16) = *b.add(row * k + t);
-            }
-        }
-        row += 1;
-    }
-    fence_proxy_async();
-    gpu::sync_threads();
-
-    let mut d = [[0.0f32; 4]; 8];
-    let (a_address, b_address) = (shared_address(shared), shared_address(b_shared));
-    d.pin();
-    wgmma_fence();
-    let mut step = 0;
-    while step < k / 16 {
-        // Each step consumes two core matrices along K: 256 bytes further.
-        let offset = (step * 2 * CORE_MATRIX_BYTES) as u32;
-        let a_desc = matrix_descriptor(a_address + offset, leading_bytes as u32, stride_bytes as u32);
-        let b_desc = matrix_descriptor(b_address + offset, leading_bytes as u32, stride_bytes as u32);
-        // SAFETY: the whole warpgroup issues it on the tiles published above.
-        unsafe {
-            if bf16 != 0 {
-                d.mma::<gpu::Bf16>(a_desc, b_desc, step > 0);
-            } else {
-                d.mma::<gpu::F16>(a_desc, b_desc, step > 0);
-            }
-        }
-        step += 1;
-    }
-    wgmma_commit();
-    wgmma_wait::<0>();
-    d.pin();
-
-    store_accumulator(c, &d);
-}
-
-/// C (64 × 64, `f32`, row-major) = A (64 × K) · B (K × 64), A and B row-major 16-bit floats,
-/// K a multiple of 16 up to 128: A from registers (each warp loads its 16 rows as `mma.sync`
-/// A fragments), B from shared memory *MN-major* (B's rows, 64 values of N each, stored as core
-/// matrices of 8 K-rows × 8 N-values: the one at K-block `kb`, N-block `nb` at
-/// `(kb · 8 + nb) · 128` bytes). `leading_bytes` and `stride_bytes` are the descriptor's offsets
-/// ([`DescriptorOffsets::mn_major_n64`] on the host).
-///
-/// # Safety
-/// A holds 64 · K values, B K · 64, C 64 · 64; one block of 128 threads with K · 64 · 2 bytes of
-/// dynamic shared memory.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn hopper_probe_wgmma_register_a(
-    a: *const u16,
-    b: *const u16,
-    c: *mut f32,
-    k: usize,
-    bf16: usize,
-    leading_bytes: usize,
-    stride_bytes: usize,
-) {
-    let t = gpu::thread_idx_x();
-    let shared = gpu::dynamic_shared_memory() as *mut u8;
-    // B into MN-major core matrices: thread t copies column t (t < 64) of every row of B.
-    let mut row = 0;
-    while row < k {
-        if t < 64 {
-            // Rows are K, columns N: the same core-matrix placement as a K-major tile of 8 blocks.
-            let offset = core_matrix_offset(row, t, 8);
-            // SAFETY: row < k and t < 64: in bounds by the launch contract.
-            unsafe { *(shared.add(offset) as *mut u16) = *b.add(row * 64 + t) };
-        }
-        row += 1;
-    }
-    fence_proxy_async();
-    gpu::sync_threads();
-
-    let (warp, lane) = (gpu::warp_id(), gpu::lane_id());
-    let (g, q) = (lane / 4, lane % 4);
-    let a_row = |r: usize, col: usize| -> u32 {
-        // SAFETY: r < 64 and col + 1 < k: in bounds by the launch contract.
-        unsafe { (*a.add(r * k + col) as u32) | (*a.add(r * k + col + 1) as u32) << 16 }
-    };
-    let b_address = shared_address(shared);
-    let mut d = [[0.0f32; 4]; 8];
-    d.pin();
-    wgmma_fence();
-    let mut step = 0;
-    while step < k / 16 {
-        let (r, col) = (16 * warp + g, 16 * step + 2 * q);
-        let fragment = [a_row(r, col), a_row(r + 8, col), a_row(r, col + 8), a_row(r + 8, col + 8)];
-        // Each step consumes two K-blocks of B: 2 · 8 core matrices further.
-        let offset = (step * 2 * 8 * CORE_MATRIX_BYTES) as u32;
-        let b_desc = matrix_descriptor(b_address + offset, leading_bytes as u32, stride_bytes as u32);
-        // SAFETY: the whole warpgroup issues it on the tile published above.
-        unsafe {
-            if bf16 != 0 {
-                d.mma_register_a::<gpu::Bf16>(fragment, b_desc, step > 0);
-            } else {
-                d.mma_register_a::<gpu::F16>(fragment, b_desc, step > 0);
-            }
-        }
-        step += 1;
-    }
-    wgmma_commit();
-    wgmma_wait::<0>();
-    d.pin();
-    store_accumulator(c, &d);
-}
-
-/// Writes a warpgroup's 64 × 64 accumulator (the layout of [`Accumulator`]) to `c`,
-/// row-major.
-#[inline(always)]
-fn store_accumulator(c: *mut f32, d: &[FragC; 8]) {
-    let (warp, lane) = (gpu::warp_id(), gpu::lane_id());
-    let row = 16 * warp + lane / 4;
-    let mut j = 0;
-    while j < 8 {
-        let col = 8 * j + 2 * (lane % 4);
-        // SAFETY: row + 8 < 64 and col + 1 < 64; the callers' `c` holds 64 · 64 values.
-        unsafe {
-            *c.add(row * 64 + col) = d[j][0];
-            *c.add(row * 64 + col + 1) = d[j][1];
-            *c.add((row + 8) * 64 + col) = d[j][2];
-            *c.add((row + 8) * 64 + col + 1) = d[j][3];
-        }
-        j += 1;
-    }
-}
-
-/// Copies the 64 × 64 box of 16-bit values at (`x`, `y`) of the 2-D tensor described by
-/// `tensor_map` into shared memory with one TMA load completing on an `mbarrier`, then writes
-/// the box to `out` (64 × 64, row-major) with ordinary loads: zeros where the box leaves the
-/// tensor.
-///
-/// # Safety
-/// `tensor_map` points to a `CUtensorMap` in device memory with a 64 × 64 box of 2-byte
-/// elements; `out` holds 64 · 64 values; one block of 128 threads with 8192 + 128 bytes of
-/// dynamic shared memory.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn hopper_probe_tma(tensor_map: *const u8, out: *mut u16, x: isize, y: isize) {
-    const BOX_BYTES: usize = 64 * 64 * 2;
-    let t = gpu::thread_idx_x();
-    let shared = gpu::dynamic_shared_memory() as *mut u8;
-    // The box first (128-byte aligned: the start of dynamic shared memory), the barrier after it.
-    let barrier = shared_address(shared) + BOX_BYTES as u32;
-    if t == 0 {
-        // SAFETY: one thread initialises the barrier before anyone else touches it.
-        unsafe { mbarrier_init(barrier, 1) };
-        fence_mbarrier_init();
-    }
-    gpu::sync_threads();
-    if t == 0 {
-        // SAFETY: the barrier is initialised; the box fits at `shared`.
-        unsafe {
-            mbarrier_arrive_expect_tx(barrier, BOX_BYTES as u32);
-            tma_load_2d(shared_address(shared), tensor_map, x as i32, y as i32, barrier);
-        }
-    }
-    // SAFETY: initialised above; the first phase has parity 0.
-    unsafe { mbarrier_wait(barrier, 0) };
-    let mut i = t;
-    while i < 64 * 64 {
-        // SAFETY: in bounds by the launch contract.
-        unsafe { *out.add(i) = *(shared.add(2 * i) as *const u16) };
-        i += WARPGROUP_THREADS;
-    }
 }

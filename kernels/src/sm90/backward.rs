@@ -1,7 +1,7 @@
 //! Level 9 (sm_90a only): the FlashAttention backward pass on Hopper. The algorithm is
 //! FlashAttention-2's (Dao 2023, Algorithm 2: an outer loop over key blocks, an inner loop over
 //! query tiles, dQ added to device memory by every key block), with the structure of level 8
-//! ([`crate::flash_forward_wgmma`]) and of FlashAttention-3's backward (Shah et al. 2024,
+//! ([`crate::sm90::forward`]) and of FlashAttention-3's backward (Shah et al. 2024,
 //! section 3 and Appendix B):
 //!
 //! * a producer warpgroup loads this block's K and V once and then every query tile's Q and dO
@@ -27,28 +27,32 @@
 //!
 //! What made it fast (`PERFORMANCE.md`): the statistics in shared memory (read from device memory
 //! after every Sᵀ they stalled each tile), no register spills (the per-tile addresses are
-//! recomputed, see [`crate::hopper::opaque`]), TMA's reduction in place of 16
+//! recomputed, see [`crate::hw::opaque`]), TMA's reduction in place of 16
 //! atomics per thread and tile, and the causal limit applied by selects rather than branches.
 //!
 //! Grouped-query attention: a block owns a key block of one key/value head and loops over the
 //! query tiles of every query head of its group, so dK and dV are complete when it ends.
 //!
 //! Under a causal mask the grid runs its longest blocks first, the first key blocks of every
-//! head of an L2-sized section of heads ([`KeyBlock::current`]; PERFORMANCE.md: +3–5 % at
+//! head of an L2-sized section of heads ([`KeyBlock::hopper_backward`]; PERFORMANCE.md: +3–5 % at
 //! 4 × 16 × 4096 and 2 × 16 × 8192, +20 % on 1 × 12 × 4096, a grid of three waves).
 
-use crate::flash_forward_mma::pack_a;
-use crate::gpu::{self, FragC, HalfFloat, LOG2_E};
-use crate::hopper::{
-    Accumulator, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, TensorMaps, WARPGROUP_THREADS, advance_descriptor,
-    bulk_commit_group, bulk_wait_group, bulk_wait_group_read, fence_mbarrier_init, fence_proxy_async,
-    k_major_descriptor, load_shared_f32x2, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait,
-    mn_major_descriptor, named_barrier_sync, opaque, registers_decrease, registers_increase, ring_slot, shared_address,
-    store_shared_f32x2, store_shared_u32, tma_load_3d, tma_reduce_add_3d, warpgroup_id, wgmma_commit, wgmma_fence,
-    wgmma_wait,
+use crate::attention::epilogue::store_fragment_pairs;
+use crate::attention::fragment::{FragmentLane, pack_a};
+use crate::attention::mask::Mask;
+use crate::attention::schedule::KeyBlock;
+use crate::configs::SM90_BACKWARD_REGISTERS;
+use crate::hw::{
+    self, Accumulator, FragC, HalfFloat, LOG2_E, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, TensorMaps, WARPGROUP_THREADS,
+    advance_descriptor, bulk_commit_group, bulk_wait_group, bulk_wait_group_read, fence_mbarrier_init,
+    fence_proxy_async, k_major_descriptor, load_shared_f32x2, mbarrier_arrive, mbarrier_arrive_expect_tx,
+    mbarrier_init, mbarrier_wait, mn_major_descriptor, named_barrier_sync, opaque, store_shared_f32x2,
+    store_shared_u32, tma_reduce_add_3d, warpgroup_id, wgmma_commit, wgmma_fence, wgmma_wait,
 };
-use crate::layout::{AttentionShape, HOPPER_SMEM_ALIGN, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS};
-use crate::tiles::{Mask, by_sections};
+use crate::layout::{AttentionShape, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS};
+use crate::sm90::pipeline::{
+    AlignedShared, SWIZZLE_COLUMNS, load_swizzled_tile, ring_slot, swizzled_offset, take_role, wait_slot_free,
+};
 
 /// Keys per block: 64 per consumer warpgroup.
 pub const BLOCK_N: usize = 128;
@@ -56,16 +60,6 @@ pub const BLOCK_N: usize = 128;
 pub const BLOCK_M: usize = 64;
 /// Consumer warpgroups.
 const CONSUMERS: usize = BLOCK_N / WARPGROUP_ROWS;
-/// Bytes of Q, dO (16-bit) and dQ's `f32` copy that one section of key/value heads of a causal
-/// grid reads ([`KeyBlock::current`]): about the H200's 60 MB L2. Measured on the H200 against
-/// 16 MiB: +0.5–1.5 % causal at 2 × 16 × 8192 × 128, +15 % at 1 × 12 × 4096 × 64 (whose 384
-/// blocks 16 MiB split into two sections), ±1 % at 4 × 16 × 4096 × 64.
-const SECTION_BYTES: usize = 64 << 20;
-/// Columns of one swizzled column block: 128 bytes of 16-bit values.
-const SWIZZLE_COLUMNS: usize = SWIZZLE_ROW_BYTES / 2;
-/// Register budgets after `setmaxnreg` (producer, consumers), of 168 each at launch (384
-/// threads): 40 + 2 · 232 = 3 · 168.
-const REGISTERS: (u32, u32) = (40, 232);
 /// The named barrier of both consumers (0 is `__syncthreads`, 1 and 2 each consumer's own).
 const ALL_CONSUMERS: u32 = 3;
 /// Columns of one box of the `f32` dQ tile: 128 bytes, the widest box the 128-byte swizzle allows.
@@ -93,9 +87,7 @@ impl<const D: usize, const STAGES: usize> SharedTiles<D, STAGES> {
 
     #[inline(always)]
     fn new() -> Self {
-        let raw = shared_address(gpu::dynamic_shared_memory());
-        let align = HOPPER_SMEM_ALIGN as u32;
-        Self { base: raw.div_ceil(align) * align }
+        Self { base: AlignedShared::new().base }
     }
 
     #[inline(always)]
@@ -170,63 +162,6 @@ impl<const D: usize, const STAGES: usize> SharedTiles<D, STAGES> {
     }
 }
 
-/// What a block works on: its key block, its key/value head, and the query tiles it visits.
-#[derive(Clone, Copy)]
-struct KeyBlock {
-    /// First key of the block.
-    k_start: usize,
-    batch: usize,
-    kv_head: usize,
-    /// Query heads per key/value head.
-    group: usize,
-    /// The first query tile that sees a key of this block (causal masks skip the ones before),
-    /// and the number of query tiles.
-    first_tile: usize,
-    tiles: usize,
-}
-
-impl KeyBlock {
-    #[inline(always)]
-    fn current(shape: &AttentionShape, mask: &Mask) -> Self {
-        let (x, y, z) = gpu::block_idx();
-        // Under a causal mask the first key blocks are seen by the most query tiles: the grid
-        // launches them first (longest first, as the forward; see `QueryBlock::hopper_forward`),
-        // by sections of key/value heads whose Q, dO and f32 dQ add up to `SECTION_BYTES`.
-        let (block, kv_head, batch) = if mask.causal {
-            let blocks = shape.seqlen_k.div_ceil(BLOCK_N);
-            let heads = shape.num_heads_kv * shape.batch;
-            let linear = x + blocks * (y + shape.num_heads_kv * z);
-            let head_bytes = (2 + 2 + 4) * shape.seqlen_q * shape.head_dim * shape.group_size();
-            let (rank, head) = by_sections(linear, blocks, heads, SECTION_BYTES / head_bytes.max(1));
-            (rank, head % shape.num_heads_kv, head / shape.num_heads_kv)
-        } else {
-            (x, y, z)
-        };
-        let k_start = block * BLOCK_N;
-        Self {
-            k_start,
-            batch,
-            kv_head,
-            group: shape.group_size(),
-            first_tile: mask.first_query_seeing(k_start) / BLOCK_M,
-            tiles: shape.seqlen_q.div_ceil(BLOCK_M),
-        }
-    }
-
-    /// Query tiles visited per query head.
-    #[inline(always)]
-    fn tiles_per_head(&self) -> usize {
-        self.tiles - self.first_tile
-    }
-
-    /// The query head and tile of the `step`-th tile the block visits.
-    #[inline(always)]
-    fn step(&self, step: usize) -> (usize, usize) {
-        let per_head = self.tiles_per_head();
-        (self.kv_head * self.group + step / per_head, self.first_tile + step % per_head)
-    }
-}
-
 /// The producer's TMA work: K and V once, then Q and dO of every query tile the block
 /// visits, each into its ring slot once the consumers released the slot.
 ///
@@ -239,30 +174,23 @@ unsafe fn produce_tiles<const D: usize, const STAGES: usize>(
     shape: &AttentionShape,
     block: &KeyBlock,
 ) {
-    let load = |destination: u32, map: *const u8, rows: usize, first_row: usize, head: usize, barrier: u32| {
-        for column_block in 0..D / SWIZZLE_COLUMNS {
-            let x = (column_block * SWIZZLE_COLUMNS) as i32;
-            let box_destination = destination + (column_block * rows * SWIZZLE_ROW_BYTES) as u32;
-            // SAFETY: the barrier learnt the bytes first; each box fits its column block.
-            unsafe { tma_load_3d(box_destination, map, x, first_row as i32, head as i32, barrier) };
-        }
+    // SAFETY (every load): the barrier learnt the tile's bytes first; the tile fits its slot.
+    let load = |destination: u32, map: *const u8, rows: usize, first_row: usize, head: usize, barrier: u32| unsafe {
+        load_swizzled_tile::<D>(destination, map, rows, first_row, head as i32, barrier)
     };
     let kv_head = block.batch * shape.num_heads_kv + block.kv_head;
     // SAFETY: initialised barriers.
     unsafe { mbarrier_arrive_expect_tx(smem.kv_full(), 2 * SharedTiles::<D, STAGES>::KV_BYTES) };
     load(smem.k(), maps.get(1), BLOCK_N, block.k_start, kv_head, smem.kv_full());
     load(smem.v(), maps.get(2), BLOCK_N, block.k_start, kv_head, smem.kv_full());
-    for step in 0..block.group * block.tiles_per_head() {
+    for step in 0..block.steps() {
         let (stage, parity) = ring_slot(step, STAGES);
         let (q_head, tile) = block.step(step);
         let q_head = block.batch * shape.num_heads_q + q_head;
         let bytes = SharedTiles::<D, STAGES>::Q_BYTES;
-        // SAFETY: initialised barriers; the slot's previous tile is released by the phase
-        // before this one.
+        // SAFETY: initialised barriers.
         unsafe {
-            if step >= STAGES {
-                mbarrier_wait(smem.q_empty(stage), parity ^ 1);
-            }
+            wait_slot_free(smem.q_empty(stage), step, STAGES, parity);
             mbarrier_arrive_expect_tx(smem.q_full(stage), bytes);
             mbarrier_arrive_expect_tx(smem.do_full(stage), bytes);
         }
@@ -289,8 +217,8 @@ unsafe fn produce_statistics<const D: usize, const STAGES: usize>(
     lse: *const f32,
     delta: *const f32,
 ) {
-    let lane = gpu::lane_id();
-    for step in 0..block.group * block.tiles_per_head() {
+    let lane = hw::lane_id();
+    for step in 0..block.steps() {
         let (stage, parity) = ring_slot(step, STAGES);
         let (q_head, tile) = block.step(step);
         let row0 = (block.batch * shape.num_heads_q + q_head) * shape.seqlen_q;
@@ -307,23 +235,13 @@ unsafe fn produce_statistics<const D: usize, const STAGES: usize>(
         let offset = (8 * lane) as u32;
         // SAFETY: initialised barriers; the slot is free once its phase before this one completed.
         unsafe {
-            if step >= STAGES {
-                mbarrier_wait(smem.q_empty(stage), parity ^ 1);
-            }
+            wait_slot_free(smem.q_empty(stage), step, STAGES, parity);
             store_shared_f32x2(smem.lse(stage) + offset, [rows[0].0, rows[1].0]);
             store_shared_f32x2(smem.delta(stage) + offset, [rows[0].1, rows[1].1]);
             // Release semantics: the stores above are visible to whoever waits on the phase.
             mbarrier_arrive(smem.do_full(stage));
         }
     }
-}
-
-/// The offset of byte `byte` of row `row` in a tile of 128-byte rows with the 128-byte swizzle:
-/// the row's 16-byte chunk `byte / 16` moves to chunk `(byte / 16) ^ (row % 8)`.
-#[inline(always)]
-fn swizzled_offset(row: usize, byte: usize) -> u32 {
-    let chunk = (byte / 16) ^ (row % 8);
-    (row * SWIZZLE_ROW_BYTES + chunk * 16 + byte % 16) as u32
 }
 
 /// Issues `acc = A·Bᵀ` over the head dimension (not committed): A is this warpgroup's 64 rows of
@@ -365,7 +283,7 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
 {
     let index = warpgroup_id() - 1;
     // The thread that hands the warpgroup's dQ tiles to TMA.
-    let leader = gpu::thread_idx_x().is_multiple_of(WARPGROUP_THREADS);
+    let leader = hw::thread_idx_x().is_multiple_of(WARPGROUP_THREADS);
     let k_first = block.k_start + index * WARPGROUP_ROWS;
     let c = scale * LOG2_E;
 
@@ -374,17 +292,17 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
     // SAFETY: initialised barrier; its first (only) phase.
     unsafe { mbarrier_wait(smem.kv_full(), 0) };
 
-    let (smem0, thread0) = (smem.base, gpu::thread_idx_x() as u32);
-    for step in 0..block.group * block.tiles_per_head() {
+    let (smem0, thread0) = (smem.base, hw::thread_idx_x() as u32);
+    for step in 0..block.steps() {
         // Everything derived from these two is recomputed every tile ([`opaque`]): hoisted out of
         // the loop, the descriptors and shared-memory addresses held ~50 registers across it and
         // spilled 260 bytes at head_dim 128.
         let smem = SharedTiles::<D, STAGES> { base: opaque(smem0) };
         let thread = opaque(thread0) as usize;
-        let (warp, lane) = (thread / 32 % 4, thread % 32);
-        let (g, t) = (lane / 4, lane % 4);
+        let (warp, lane) = (thread / 32 % 4, FragmentLane::of(thread % 32));
+        let t = lane.t;
         // This warpgroup's keys, and the key of fragment entry e (rows g and g + 8 of the warp).
-        let key = |e: usize| k_first + 16 * warp + g + 8 * (e / 2);
+        let key = |e: usize| k_first + 16 * warp + lane.row(e);
         // Descriptors of this warpgroup's 64 rows of K and V (K-major, for Sᵀ and dPᵀ).
         let rows_offset = (index * WARPGROUP_ROWS * SWIZZLE_ROW_BYTES) as u32;
         let k_rows = k_major_descriptor(smem.k() + rows_offset);
@@ -420,7 +338,7 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         // query does not see get P = 0 (only tiles that cross some query's limit check), and so
         // do queries past seqlen_q (their LSE is +∞). Sixteen queries (two fragments) at a time,
         // packed into the A operands right away, so that the f32 values die early.
-        let all_visible = mask.key_limit(q_start) >= k_first + WARPGROUP_ROWS;
+        let all_visible = mask.all_visible(q_start, k_first, WARPGROUP_ROWS);
         // This thread's two queries of fragment j are tile columns 8j + 2t and 8j + 2t + 1;
         // their statistics are a pair in the slot, published by "dO full".
         // SAFETY: inside the slot's 64 values.
@@ -439,7 +357,7 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
                     // Entries h and h + 2: this query's column in key rows g and g + 8.
                     for r in 0..2 {
                         let e = h + 2 * r;
-                        let p = gpu::exp2(gpu::fma(s[j][e], c, -row_lse[h]));
+                        let p = hw::exp2(hw::fma(s[j][e], c, -row_lse[h]));
                         let p = if key(e) < limit { p } else { 0.0 };
                         s[j][e] = p;
                         dp[j][e] = p * (dp[j][e] - row_delta[h]);
@@ -519,7 +437,7 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         // 16 atomics per thread, whose queue filled up and stalled the warps.
         let staging = smem.dq_staging(index);
         for h in 0..2 {
-            let row = 16 * warp + g + 8 * h;
+            let row = 16 * warp + lane.half_row(h);
             for (j, frag) in dq.iter().enumerate() {
                 let column = 8 * j + 2 * t;
                 let offset = (column / DQ_BOX_COLUMNS) as u32 * DQ_BOX_BYTES
@@ -552,27 +470,18 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
     }
 
     // dK = scale · Σ dSᵀ·Q and dV, for the keys that exist.
-    let (warp, lane) = (gpu::warp_id() % 4, gpu::lane_id());
-    let (g, t) = (lane / 4, lane % 4);
-    let key = |e: usize| k_first + 16 * warp + g + 8 * (e / 2);
-    let kv_row0 = (block.batch * shape.num_heads_kv + block.kv_head) * shape.seqlen_k;
-    for (dt, (dk_frag, dv_frag)) in dk_acc.iter().zip(dv_acc.iter()).enumerate() {
-        for h in 0..2 {
-            let row = key(2 * h);
-            if row < shape.seqlen_k {
-                let offset = (kv_row0 + row) * D + 8 * dt + 2 * t;
-                // SAFETY: row < seqlen_k; the column pair is inside the head dimension.
-                unsafe {
-                    *(dk.add(offset) as *mut u32) = T::pack(dk_frag[2 * h] * scale, dk_frag[2 * h + 1] * scale);
-                    *(dv.add(offset) as *mut u32) = T::pack(dv_frag[2 * h], dv_frag[2 * h + 1]);
-                }
-            }
-        }
+    let warp_key = k_first + 16 * (hw::warp_id() % 4);
+    let lane = FragmentLane::current();
+    let kv_rows = (block.batch * shape.num_heads_kv + block.kv_head) * shape.seqlen_k * D;
+    // SAFETY: rows below seqlen_k of this key/value head exist.
+    unsafe {
+        store_fragment_pairs::<T, D, D_TILES>(&dk_acc, [scale; 2], dk.add(kv_rows), warp_key, shape.seqlen_k, lane);
+        store_fragment_pairs::<T, D, D_TILES>(&dv_acc, [1.0; 2], dv.add(kv_rows), warp_key, shape.seqlen_k, lane);
     }
 }
 
 /// The kernel body (see the module docs). Grid: `(ceil(seqlen_k / 128), num_heads_kv, batch)`,
-/// mapped to key blocks by [`KeyBlock::current`];
+/// mapped to key blocks by [`KeyBlock::hopper_backward`];
 /// block: 384 threads; dynamic shared memory: [`crate::layout::hopper_backward_smem_bytes`]`(D,
 /// STAGES)`. `D_TILES` = D / 8 sizes the dK and dV accumulators.
 ///
@@ -597,8 +506,8 @@ unsafe fn flash_backward_wgmma<T: HalfFloat, const D: usize, const STAGES: usize
     [FragC; D_TILES]: Accumulator,
 {
     let smem = SharedTiles::<D, STAGES>::new();
-    let block = KeyBlock::current(&shape, &mask);
-    if gpu::thread_idx_x() == 0 {
+    let block = KeyBlock::hopper_backward::<BLOCK_M, BLOCK_N>(&shape, &mask);
+    if hw::thread_idx_x() == 0 {
         // SAFETY: one thread initialises the barriers before the block barrier below.
         unsafe {
             mbarrier_init(smem.kv_full(), 1);
@@ -611,66 +520,44 @@ unsafe fn flash_backward_wgmma<T: HalfFloat, const D: usize, const STAGES: usize
         }
         fence_mbarrier_init();
     }
-    gpu::sync_threads();
-    if warpgroup_id() == 0 {
-        registers_decrease::<{ REGISTERS.0 }>();
+    hw::sync_threads();
+    if take_role::<{ SM90_BACKWARD_REGISTERS.0 }, { SM90_BACKWARD_REGISTERS.1 }>() {
         // SAFETY: the barriers are initialised; the maps and pointers are the host's.
-        match gpu::warp_id() {
-            0 if gpu::lane_id() == 0 => unsafe { produce_tiles(smem, TensorMaps(maps), &shape, &block) },
+        match hw::warp_id() {
+            0 if hw::lane_id() == 0 => unsafe { produce_tiles(smem, TensorMaps(maps), &shape, &block) },
             1 => unsafe { produce_statistics(smem, &shape, &block, lse, delta) },
             _ => {}
         }
     } else {
-        registers_increase::<{ REGISTERS.1 }>();
         // SAFETY: the launch contract.
         unsafe { consume::<T, D, STAGES, D_TILES>(smem, &block, &shape, mask, scale, TensorMaps(maps), (dk, dv)) };
     }
 }
 
-/// The `f16` and `bf16` entries of one head dimension:
-/// `hopper_flash_bwd_{f16,bf16}_m64_n128_d{D}_s{STAGES}`.
-macro_rules! flash_backward_wgmma_entries {
-    ($d:literal, $stages:literal) => {
-        flash_backward_wgmma_entry!(${concat(hopper_flash_bwd_f16_m64_n128_d, $d, _s, $stages)}, F16, $d, $stages);
-        flash_backward_wgmma_entry!(${concat(hopper_flash_bwd_bf16_m64_n128_d, $d, _s, $stages)}, Bf16, $d, $stages);
-    };
-}
-
-/// One kernel entry.
-macro_rules! flash_backward_wgmma_entry {
-    ($name:ident, $format:ident, $d:literal, $stages:literal) => {
+/// One entry, `hopper_flash_bwd_{f16,bf16}_m64_n128_d{D}_s{STAGES}`;
+/// `sm90_backward_configs!` (in [`crate::configs`]) lists the configurations.
+macro_rules! flash_backward_wgmma_instance {
+    ($dtype:ident, $format:ident, $d:literal, $stages:literal) => {
+        attention_kernel! {
         /// FlashAttention backward on Hopper (sm_90a); see the module docs.
         ///
         /// # Safety
         /// As `flash_backward_wgmma`.
-        #[unsafe(no_mangle)]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "gpu-kernel" fn $name(
+        fn ${concat(hopper_flash_bwd_, $dtype, _m64_n128_d, $d, _s, $stages)}(
             maps: *const u8,
             lse: *const f32,
             delta: *const f32,
             dk: *mut u16,
             dv: *mut u16,
-            batch: usize,
-            num_heads_q: usize,
-            num_heads_kv: usize,
-            seqlen_q: usize,
-            seqlen_k: usize,
-            head_dim: usize,
-            causal: usize,
-            causal_offset: isize,
-            scale: f32,
-        ) {
-            let shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
-            let mask = Mask { seqlen_q, seqlen_k, causal: causal != 0, offset: causal_offset };
+        ) |shape, mask, scale| {
             unsafe {
-                flash_backward_wgmma::<gpu::$format, $d, $stages, { $d / 8 }>(
+                flash_backward_wgmma::<hw::$format, $d, $stages, { $d / 8 }>(
                     maps, lse, delta, dk, dv, shape, mask, scale,
                 )
             }
         }
+        }
     };
 }
 
-flash_backward_wgmma_entries!(64, 2);
-flash_backward_wgmma_entries!(128, 2);
+sm90_backward_configs!(flash_backward_wgmma_instance);

@@ -11,7 +11,7 @@
 //! No shared memory: every element is read once and written once, so the kernel is bound by
 //! device-memory bandwidth (12 bytes moved per addition).
 
-use crate::gpu::{self, F32x4};
+use crate::hw::{self, F32x4};
 
 kernel! {
 /// `c[i] = a[i] + b[i]` for `i < n`.
@@ -21,17 +21,17 @@ kernel! {
 /// overlap `a` or `b`.
 pub unsafe fn vector_add_f32(a: *const f32, b: *const f32, c: *mut f32, n: usize) {
     let chunks = n / 4;
-    let mut chunk = gpu::global_thread_idx();
+    let mut chunk = hw::global_thread_idx();
     while chunk < chunks {
         // SAFETY: chunk < n / 4, so floats 4·chunk .. 4·chunk + 4 are in bounds.
         unsafe {
             let (x, y) = (F32x4::load(a.add(4 * chunk)), F32x4::load(b.add(4 * chunk)));
             F32x4([x.0[0] + y.0[0], x.0[1] + y.0[1], x.0[2] + y.0[2], x.0[3] + y.0[3]]).store(c.add(4 * chunk));
         }
-        chunk += gpu::grid_stride();
+        chunk += hw::grid_stride();
     }
     // The n % 4 floats that do not fill a chunk.
-    let i = 4 * chunks + gpu::global_thread_idx();
+    let i = 4 * chunks + hw::global_thread_idx();
     if i < n {
         // SAFETY: i < n.
         unsafe { *c.add(i) = *a.add(i) + *b.add(i) };

@@ -18,7 +18,7 @@
 //! Scores are multiplied by `scale · log₂e` as they are computed, so that the kernel can use the
 //! hardware's `exp2` throughout; `m` is kept in those base-2 units.
 //!
-//! ## Thread mapping (block of 128 threads = 16 row groups × 8 lanes; see [`crate::tiles`])
+//! ## Thread mapping (block of 128 threads = 16 row groups × 8 lanes; see [`crate::simt::tile`])
 //!
 //! Thread `t` is lane `t % 8` of row group `t / 8`; a warp holds 4 row groups. With
 //! `ROWS = BLOCK_M / 16`, `COLS = BLOCK_N / 8` and `DVEC = HEAD_DIM / 32`, a thread owns:
@@ -48,65 +48,15 @@
 //! unnormalised output of row `i`, columns `4·lane + 32·g … +4`; `alpha`: the rescaling factor
 //! `2^(m_old − m_new)` of a row.
 
-use crate::gpu::{self, F32x4, LN_2, SharedMemory};
+use crate::attention::epilogue::{store_row_values, store_rows};
+use crate::attention::mask::Mask;
+use crate::attention::schedule::QueryBlock;
+use crate::attention::softmax::OnlineSoftmax;
+use crate::hw::{self, F32x4, SharedMemory};
 use crate::layout::{
     AttentionShape, FLASH_THREAD_COLS as LANES, FLASH_THREAD_ROWS, FLASH_THREADS, flash_forward_strides,
 };
-use crate::tiles::{Mask, QueryBlock, a_bt, accumulate_ab, mask_tile, refill_tiles, store_rows, store_tile};
-
-/// Per-row state of the online softmax for the `ROWS` query rows of one thread.
-struct OnlineSoftmax<const ROWS: usize> {
-    /// Largest score seen so far (base-2 units), the same in every lane of the row group.
-    max: [f32; ROWS],
-    /// This lane's share of Σ 2^(s − max) over the columns it has seen.
-    partial_sum: [f32; ROWS],
-}
-
-impl<const ROWS: usize> OnlineSoftmax<ROWS> {
-    fn new() -> Self {
-        Self { max: [f32::NEG_INFINITY; ROWS], partial_sum: [0.0; ROWS] }
-    }
-
-    /// Folds one tile of scores in: replaces each score by its unnormalised probability
-    /// 2^(s − m_new) and returns, per row, the factor by which everything accumulated under the
-    /// old maximum must be rescaled. Called by all lanes of the warp together (it shuffles).
-    #[inline(always)]
-    fn update<const COLS: usize>(&mut self, s: &mut [[f32; COLS]; ROWS]) -> [f32; ROWS] {
-        let mut alpha = [0.0; ROWS];
-        for i in 0..ROWS {
-            let tile_max = gpu::group_max::<LANES>(s[i].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)));
-            let new_max = self.max[i].max(tile_max);
-            // A row that has only seen masked (−∞) scores has no maximum yet; measuring from 0
-            // instead keeps 2^(−∞ − (−∞)) = NaN out: its probabilities and alpha are all 0.
-            let base = if new_max == f32::NEG_INFINITY { 0.0 } else { new_max };
-            alpha[i] = gpu::exp2(self.max[i] - base);
-            let mut tile_sum = 0.0;
-            for x in s[i].iter_mut() {
-                *x = gpu::exp2(*x - base);
-                tile_sum += *x;
-            }
-            self.partial_sum[i] = self.partial_sum[i] * alpha[i] + tile_sum;
-            self.max[i] = new_max;
-        }
-        alpha
-    }
-
-    /// Ends the pass: per row, 1 / l (to normalise the output) and the natural logsumexp
-    /// LSE = ln Σ_j e^(scale·s_j) = (m + log₂ l) · ln 2. A row that saw no key gets 1/l = 0 (so
-    /// O = 0) and LSE = −∞. Called by all lanes of the warp together (it shuffles).
-    #[inline(always)]
-    fn finish(&self) -> ([f32; ROWS], [f32; ROWS]) {
-        let (mut inv_sum, mut lse) = ([0.0; ROWS], [f32::NEG_INFINITY; ROWS]);
-        for i in 0..ROWS {
-            let sum = gpu::group_sum::<LANES>(self.partial_sum[i]);
-            if sum > 0.0 {
-                inv_sum[i] = 1.0 / sum;
-                lse[i] = (self.max[i] + gpu::log2(sum)) * LN_2;
-            }
-        }
-        (inv_sum, lse)
-    }
-}
+use crate::simt::tile::{a_bt, accumulate_ab, mask_tile, refill_tiles, store_tile};
 
 /// The kernel body shared by every instance. `ROWS`, `COLS` and `DVEC` are the per-thread tile
 /// (see the module docs); they are derived from the block shape by the instance macro because
@@ -152,7 +102,7 @@ pub(crate) unsafe fn flash_forward<
         (q.add(q_offset), k.add(kv_offset), v.add(kv_offset), o.add(q_offset), lse.add(q_offset / HEAD_DIM))
     };
 
-    let (row_group, lane) = (gpu::thread_idx_x() / LANES, gpu::thread_idx_x() % LANES);
+    let (row_group, lane) = (hw::thread_idx_x() / LANES, hw::thread_idx_x() % LANES);
     let first_row = row_group * ROWS;
 
     let [q_stride, k_stride, v_stride, p_stride] = flash_forward_strides(BLOCK_N, HEAD_DIM);
@@ -168,11 +118,9 @@ pub(crate) unsafe fn flash_forward<
     let mut softmax = OnlineSoftmax::<ROWS>::new();
     let mut acc = [[F32x4::ZERO; DVEC]; ROWS];
 
-    // The last row of the block sees the most keys, the first row the fewest: keys past
-    // `kv_end` are hidden from every row (never loaded), keys before `all_see` from none.
-    let kv_end = mask.key_limit(q_start + q_rows - 1);
-    let all_see = mask.key_limit(q_start);
-    for kv_start in (0..kv_end).step_by(BLOCK_N) {
+    // Keys past `keys.end` are hidden from every row (never loaded).
+    let keys = mask.keys_for(q_start, q_rows);
+    for kv_start in (0..keys.end).step_by(BLOCK_N) {
         // Rows past the end of the sequence are zero-filled: their scores are masked to −∞
         // below, and a zero V row keeps 0 · (uninitialised shared memory, possibly NaN) out.
         // The first barrier inside also publishes Q on the first trip.
@@ -185,7 +133,7 @@ pub(crate) unsafe fn flash_forward<
         let mut s = a_bt::<HEAD_DIM, ROWS, COLS>(q_tile, k_tile, first_row, lane).map(|r| r.map(|x| x * scale_log2));
         // Only tiles that cross some row's key limit (the causal diagonal, the ragged end of
         // the keys) pay for the per-element mask.
-        let masked = kv_start + BLOCK_N > all_see;
+        let masked = keys.needs_mask(kv_start, BLOCK_N);
         if masked {
             mask_tile(&mut s, first_row, lane, f32::NEG_INFINITY, |r, c| mask.visible(q_start + r, kv_start + c));
         }
@@ -198,7 +146,7 @@ pub(crate) unsafe fn flash_forward<
         // P V: exchange them through shared memory. The 8 lanes of a row group are in one
         // warp, so a warp barrier is enough.
         store_tile(p_tile, &s, first_row, lane);
-        gpu::sync_warp();
+        hw::sync_warp();
         // On masked tiles a hidden key's V row must not reach the rows it is hidden from, even
         // as 0 · NaN: skip the zero probabilities there.
         if masked {
@@ -213,44 +161,28 @@ pub(crate) unsafe fn flash_forward<
     unsafe {
         store_rows::<HEAD_DIM, ROWS, DVEC>(&acc, inv_sum, o_head.add(q_start * HEAD_DIM), q_rows, first_row, lane)
     };
-    if lane == 0 {
-        for i in 0..ROWS {
-            if first_row + i < q_rows {
-                // SAFETY: the row is below q_rows.
-                unsafe { *lse_head.add(q_start + first_row + i) = row_lse[i] };
-            }
-        }
-    }
+    // SAFETY: rows q_start .. q_start + q_rows of LSE exist.
+    unsafe { store_row_values(row_lse, lse_head.add(q_start), q_rows, first_row, lane) };
 }
 
-/// One `extern "gpu-kernel"` entry per tile, named `flash_fwd_f32_m{block_m}_n{block_n}_d{head_dim}`:
+/// One entry per tile, named `flash_fwd_f32_m{block_m}_n{block_n}_d{head_dim}`:
 /// `${concat(…)}` (nightly `macro_metavar_expr_concat`) glues the numbers into the name, and
-/// `for_each_tile!` (in `lib.rs`, the one list of compiled tiles) calls this macro once per tile.
+/// `simt_tiles!` (in [`crate::configs`], the one list of compiled `f32` tiles) calls this macro
+/// once per tile.
 macro_rules! flash_forward_instance {
     ($block_m:literal, $block_n:literal, $head_dim:literal) => {
-        kernel! {
+        attention_kernel! {
         /// FlashAttention-2 forward, `f32`; see the module docs and `flash_forward`.
         ///
         /// # Safety
         /// As `flash_forward`.
-        pub unsafe fn ${concat(flash_fwd_f32_m, $block_m, _n, $block_n, _d, $head_dim)}(
+        fn ${concat(flash_fwd_f32_m, $block_m, _n, $block_n, _d, $head_dim)}(
             q: *const f32,
             k: *const f32,
             v: *const f32,
             o: *mut f32,
             lse: *mut f32,
-            batch: usize,
-            num_heads_q: usize,
-            num_heads_kv: usize,
-            seqlen_q: usize,
-            seqlen_k: usize,
-            head_dim: usize,
-            causal: usize,
-            causal_offset: isize,
-            scale_log2: f32,
-        ) {
-            let shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
-            let mask = Mask { seqlen_q, seqlen_k, causal: causal != 0, offset: causal_offset };
+        ) |shape, mask, scale_log2| {
             unsafe {
                 flash_forward::<
                     $block_m,
@@ -266,4 +198,4 @@ macro_rules! flash_forward_instance {
     };
 }
 
-for_each_tile!(flash_forward_instance);
+simt_tiles!(flash_forward_instance);

@@ -27,7 +27,7 @@
 //!
 //! ## Thread mapping of the K/V-outer kernel
 //!
-//! The 16 × 8 thread grid of [`crate::tiles`] with *key* rows as rows: a thread owns key rows
+//! The 16 × 8 thread grid of [`crate::simt::tile`] with *key* rows as rows: a thread owns key rows
 //! `row_group · KROWS + i` (`KROWS = BLOCK_N / 16`), query columns `lane + 8j` of Pᵀ and dSᵀ
 //! (`QCOLS = BLOCK_M / 8`) and head_dim columns `4·lane + 32·g` of dK and dV. For the atomic dQ it
 //! switches to query rows: `row_group · QROWS + i` (`QROWS = BLOCK_M / 16`).
@@ -44,21 +44,22 @@
 //!
 //! ## The deterministic dQ kernel
 //!
-//! Thread mapping as the forward pass ([`crate::flash_forward`]): query rows
+//! Thread mapping as the forward pass ([`crate::simt::forward`]): query rows
 //! `row_group · ROWS + i` (`ROWS = BLOCK_M / 16`), key columns `lane + 8j` of P, dP and dS
 //! (`COLS = BLOCK_N / 8`), head_dim columns `4·lane + 32·g` of dQ; each thread keeps its rows'
 //! LSE and D in registers. Shared memory (`layout::flash_backward_q_strides`): Q and dO
 //! (`BLOCK_M × HEAD_DIM`, loaded once), K and V (`BLOCK_N × HEAD_DIM`, every key tile) and dS
 //! (`BLOCK_M × BLOCK_N`, each row group its own rows, read back for dQ += dS K).
 
-use crate::gpu::{self, F32x4, LOG2_E, SharedMemory};
+use crate::attention::epilogue::store_rows;
+use crate::attention::mask::Mask;
+use crate::attention::schedule::{KeyBlock, QueryBlock};
+use crate::hw::{self, F32x4, LOG2_E, SharedMemory};
 use crate::layout::{
     AttentionShape, FLASH_THREAD_COLS as LANES, FLASH_THREAD_ROWS, FLASH_THREADS, flash_backward_kv_strides,
     flash_backward_q_strides,
 };
-use crate::tiles::{
-    Mask, QueryBlock, a_bt, accumulate_ab, mask_tile, refill_tiles, store_rows, store_tile, store_tile_transposed,
-};
+use crate::simt::tile::{a_bt, accumulate_ab, mask_tile, refill_tiles, store_tile, store_tile_transposed};
 
 kernel! {
 /// `D[row] = Σ_d dO[row, d] · O[row, d]` for every query row (`rows = batch · heads · seqlen_q`).
@@ -75,20 +76,20 @@ pub unsafe fn flash_bwd_preprocess_f32(
     rows: usize,
     head_dim: usize,
 ) {
-    let warps_per_block = gpu::block_dim_x() / gpu::WARP_SIZE;
-    let mut row = gpu::block_idx().0 * warps_per_block + gpu::warp_id();
+    let warps_per_block = hw::block_dim_x() / hw::WARP_SIZE;
+    let mut row = hw::block_idx().0 * warps_per_block + hw::warp_id();
     while row < rows {
         let mut sum = 0.0f32;
-        for d in (gpu::lane_id()..head_dim).step_by(gpu::WARP_SIZE) {
+        for d in (hw::lane_id()..head_dim).step_by(hw::WARP_SIZE) {
             // SAFETY: row < rows, d < head_dim.
-            unsafe { sum = gpu::fma(*o.add(row * head_dim + d), *d_o.add(row * head_dim + d), sum) };
+            unsafe { sum = hw::fma(*o.add(row * head_dim + d), *d_o.add(row * head_dim + d), sum) };
         }
-        let sum = gpu::group_sum::<32>(sum);
-        if gpu::lane_id() == 0 {
+        let sum = hw::group_sum::<32>(sum);
+        if hw::lane_id() == 0 {
             // SAFETY: row < rows.
             unsafe { *delta.add(row) = sum };
         }
-        row += gpu::grid_dim_x() * warps_per_block;
+        row += hw::grid_dim_x() * warps_per_block;
     }
 }
 }
@@ -119,7 +120,7 @@ fn probabilities<const ROWS: usize, const COLS: usize>(
     let mut p = s;
     for i in 0..ROWS {
         for j in 0..COLS {
-            p[i][j] = gpu::exp2(s[i][j] * scale_log2 - lse2(i, j));
+            p[i][j] = hw::exp2(s[i][j] * scale_log2 - lse2(i, j));
         }
     }
     p
@@ -166,13 +167,11 @@ pub(crate) unsafe fn flash_backward_kv<
         assert!(HEAD_DIM == 4 * LANES * DVEC);
     };
     let scale_log2 = scale * LOG2_E;
-    let (kv_block, kv_head, batch) = gpu::block_idx();
-    let kv_start = kv_block * BLOCK_N;
-    let kv_rows = BLOCK_N.min(shape.seqlen_k - kv_start);
-    // Offset of this key block in K, V, dK, dV (all of K's layout).
-    let kv_offset = ((batch * shape.num_heads_kv + kv_head) * shape.seqlen_k + kv_start) * HEAD_DIM;
+    let block = KeyBlock::current::<BLOCK_M, BLOCK_N>(&shape, &mask);
+    let (kv_start, kv_rows, kv_head, batch) = (block.k_start, block.k_rows, block.kv_head, block.batch);
+    let kv_offset = block.first_row_offset(&shape, HEAD_DIM);
 
-    let (row_group, lane) = (gpu::thread_idx_x() / LANES, gpu::thread_idx_x() % LANES);
+    let (row_group, lane) = (hw::thread_idx_x() / LANES, hw::thread_idx_x() % LANES);
     let (first_key, first_query) = (row_group * KROWS, row_group * QROWS);
 
     let [kv_stride, q_stride, pt_stride, ds_stride] = flash_backward_kv_strides(BLOCK_M, BLOCK_N, HEAD_DIM);
@@ -193,23 +192,21 @@ pub(crate) unsafe fn flash_backward_kv<
 
     let mut dk = [[F32x4::ZERO; DVEC]; KROWS];
     let mut dv = [[F32x4::ZERO; DVEC]; KROWS];
-    // Queries before `first_seeing` see none of this block's keys: their tiles are skipped.
-    let first_seeing = mask.first_query_seeing(kv_start);
-
-    for head in kv_head * shape.group_size()..(kv_head + 1) * shape.group_size() {
+    // Queries before `block.first_query` see none of this block's keys: their tiles are skipped.
+    for head in kv_head * block.group..(kv_head + 1) * block.group {
         let q_offset = shape.q_head_offset(batch, head);
         let row_offset = q_offset / HEAD_DIM; // first query row of this head, in LSE and D
-        for q_start in (first_seeing..shape.seqlen_q).step_by(BLOCK_M) {
+        for q_start in (block.first_query..shape.seqlen_q).step_by(BLOCK_M) {
             let q_rows = BLOCK_M.min(shape.seqlen_q - q_start);
             // Nobody may still be reading the previous tiles.
-            gpu::sync_threads();
+            hw::sync_threads();
             // SAFETY: rows q_start .. q_start + q_rows of this head exist.
             unsafe {
                 let rows = q_offset + q_start * HEAD_DIM;
                 q_tile.copy_rows_from::<FLASH_THREADS>(t.q.add(rows), BLOCK_M, HEAD_DIM, q_rows);
                 do_tile.copy_rows_from::<FLASH_THREADS>(t.d_o.add(rows), BLOCK_M, HEAD_DIM, q_rows);
             }
-            let mut c = gpu::thread_idx_x();
+            let mut c = hw::thread_idx_x();
             while c < BLOCK_M {
                 let (lse2, delta) = if c < q_rows {
                     // SAFETY: the query row exists.
@@ -221,33 +218,33 @@ pub(crate) unsafe fn flash_backward_kv<
                 stats.store(1, c, delta);
                 c += FLASH_THREADS;
             }
-            gpu::sync_threads();
+            hw::sync_threads();
 
             // Pᵀ for this thread's key rows and query columns.
             let st = a_bt::<HEAD_DIM, KROWS, QCOLS>(k_tile, q_tile, first_key, lane);
             let mut pt = probabilities(st, scale_log2, |_, j| stats.load(0, lane + LANES * j));
             // Tiles where some query cannot see some key (the causal diagonal, the ragged ends)
             // pay for the per-element mask.
-            if q_start + BLOCK_M > shape.seqlen_q || kv_start + BLOCK_N > mask.key_limit(q_start) {
+            if mask.tile_needs_mask(q_start, BLOCK_M, kv_start, BLOCK_N) {
                 mask_tile(&mut pt, first_key, lane, 0.0, |r, c| mask.visible(q_start + c, kv_start + r));
             }
             // dV += Pᵀ dO. A row group reads back only the key rows it wrote: a warp barrier.
             store_tile(pt_tile, &pt, first_key, lane);
-            gpu::sync_warp();
+            hw::sync_warp();
             accumulate_ab::<BLOCK_M, KROWS, DVEC, false>(&mut dv, pt_tile, do_tile, first_key, lane);
 
             // dSᵀ = Pᵀ ∘ (dPᵀ − D), dPᵀ = V dOᵀ; then dK += dSᵀ Q (scaled at the end).
             let dpt = a_bt::<HEAD_DIM, KROWS, QCOLS>(v_tile, do_tile, first_key, lane);
             let dst = softmax_grad(&pt, &dpt, |_, j| stats.load(1, lane + LANES * j));
-            gpu::sync_warp(); // the row group has finished reading Pᵀ
+            hw::sync_warp(); // the row group has finished reading Pᵀ
             store_tile(pt_tile, &dst, first_key, lane);
-            gpu::sync_warp();
+            hw::sync_warp();
             accumulate_ab::<BLOCK_M, KROWS, DVEC, false>(&mut dk, pt_tile, q_tile, first_key, lane);
 
             if ATOMIC_DQ {
                 // dQ_i += dS K · scale needs every key row of dS: publish it to the whole block.
                 store_tile_transposed(ds_tile, &dst, first_key, lane);
-                gpu::sync_threads();
+                hw::sync_threads();
                 let mut dq = [[F32x4::ZERO; DVEC]; QROWS];
                 accumulate_ab::<BLOCK_N, QROWS, DVEC, false>(&mut dq, ds_tile, k_tile, first_query, lane);
                 for i in 0..QROWS {
@@ -257,7 +254,7 @@ pub(crate) unsafe fn flash_backward_kv<
                             for (e, &value) in dq[i][g].0.iter().enumerate() {
                                 // SAFETY: the query row and column exist.
                                 unsafe {
-                                    gpu::atomic_add(
+                                    hw::atomic_add(
                                         t.dq.add(q_offset + (q_start + first_query + i) * HEAD_DIM + column + e),
                                         value * scale,
                                     )
@@ -309,7 +306,7 @@ pub(crate) unsafe fn flash_backward_q<
     let (q_start, q_rows) = (block.q_start, block.q_rows);
     let row_offset = block.q_offset / HEAD_DIM + q_start; // first query row of this block, in LSE and D
 
-    let (row_group, lane) = (gpu::thread_idx_x() / LANES, gpu::thread_idx_x() % LANES);
+    let (row_group, lane) = (hw::thread_idx_x() / LANES, hw::thread_idx_x() % LANES);
     let first_row = row_group * ROWS;
 
     let [qkv_stride, ds_stride] = flash_backward_q_strides(BLOCK_N, HEAD_DIM);
@@ -339,9 +336,8 @@ pub(crate) unsafe fn flash_backward_q<
     }
 
     let mut dq = [[F32x4::ZERO; DVEC]; ROWS];
-    let kv_end = mask.key_limit(q_start + q_rows - 1);
-    let all_see = mask.key_limit(q_start);
-    for kv_start in (0..kv_end).step_by(BLOCK_N) {
+    let keys = mask.keys_for(q_start, q_rows);
+    for kv_start in (0..keys.end).step_by(BLOCK_N) {
         // SAFETY: rows kv_start .. of this head exist; the first barrier inside also publishes Q
         // and dO on the first trip.
         unsafe {
@@ -357,13 +353,13 @@ pub(crate) unsafe fn flash_backward_q<
 
         let s = a_bt::<HEAD_DIM, ROWS, COLS>(q_tile, k_tile, first_row, lane);
         let mut p = probabilities(s, scale_log2, |i, _| lse2[i]);
-        if kv_start + BLOCK_N > all_see {
+        if keys.needs_mask(kv_start, BLOCK_N) {
             mask_tile(&mut p, first_row, lane, 0.0, |r, c| mask.visible(q_start + r, kv_start + c));
         }
         let dp = a_bt::<HEAD_DIM, ROWS, COLS>(do_tile, v_tile, first_row, lane);
         let ds = softmax_grad(&p, &dp, |i, _| delta[i]);
         store_tile(ds_tile, &ds, first_row, lane);
-        gpu::sync_warp();
+        hw::sync_warp();
         accumulate_ab::<BLOCK_N, ROWS, DVEC, false>(&mut dq, ds_tile, k_tile, first_row, lane);
     }
     // SAFETY: rows q_start .. q_start + q_rows of dQ exist.
@@ -380,7 +376,7 @@ pub(crate) unsafe fn flash_backward_q<
 }
 
 /// The three backward entries for one tile (see `flash_forward_instance!` for how the names are
-/// made and `for_each_tile!` for the list of tiles): `flash_bwd_f32_*` (dK, dV and atomic dQ),
+/// made and `simt_tiles!` for the list of tiles): `flash_bwd_f32_*` (dK, dV and atomic dQ),
 /// `flash_bwd_dkdv_f32_*` (dK, dV only) and `flash_bwd_dq_f32_*` (deterministic dQ). All take
 /// the same arguments.
 macro_rules! flash_backward_instance {
@@ -412,12 +408,12 @@ macro_rules! flash_backward_instance {
         >(t, shape, mask, scale));
     };
     (@entry $name:ident, |$t:ident, $shape:ident, $mask:ident, $scale:ident| $body:expr) => {
-        kernel! {
+        attention_kernel! {
         /// FlashAttention-2 backward, `f32`; see the module docs.
         ///
         /// # Safety
         /// As `flash_backward_kv` / `flash_backward_q`.
-        pub unsafe fn $name(
+        fn $name(
             q: *const f32,
             k: *const f32,
             v: *const f32,
@@ -427,24 +423,12 @@ macro_rules! flash_backward_instance {
             dq: *mut f32,
             dk: *mut f32,
             dv: *mut f32,
-            batch: usize,
-            num_heads_q: usize,
-            num_heads_kv: usize,
-            seqlen_q: usize,
-            seqlen_k: usize,
-            head_dim: usize,
-            causal: usize,
-            causal_offset: isize,
-            scale: f32,
-        ) {
+        ) |$shape, $mask, $scale| {
             let $t = BackwardTensors { q, k, v, d_o, lse, delta, dq, dk, dv };
-            let $shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
-            let $mask = Mask { seqlen_q, seqlen_k, causal: causal != 0, offset: causal_offset };
-            let $scale = scale;
             unsafe { $body }
         }
         }
     };
 }
 
-for_each_tile!(flash_backward_instance);
+simt_tiles!(flash_backward_instance);

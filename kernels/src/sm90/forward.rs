@@ -1,7 +1,7 @@
 //! Level 8 (sm_90a only): the FlashAttention forward pass on Hopper, organised as
 //! FlashAttention-3 organises it (Shah et al. 2024, "FlashAttention-3: Fast and Accurate Attention
 //! with Asynchrony and Low-precision", Algorithms 1 and 2). The arithmetic is level 5's
-//! ([`crate::flash_forward_mma`]: online softmax, P kept in registers between the two products);
+//! ([`crate::sm80::forward`]: online softmax, P kept in registers between the two products);
 //! what changes is who does what, and when:
 //!
 //! * **Warp specialisation.** Warpgroup 0, the *producer*, owns no rows: one of its threads asks
@@ -33,42 +33,33 @@
 //! Each consumer warp's `wgmma` accumulator has the m16n8 layout of `mma.sync`
 //! ([`Accumulator`]), so level 5's [`RowSoftmax`] and [`pack_a`] apply unchanged.
 
-use crate::flash_forward_mma::{RowSoftmax, pack_a};
-use crate::gpu::{self, FragA, FragC, HalfFloat};
-use crate::hopper::{
-    Accumulator, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, TensorMaps, WARPGROUP_THREADS, advance_descriptor,
-    fence_mbarrier_init, fence_proxy_async, k_major_descriptor, mbarrier_arrive, mbarrier_arrive_expect_tx,
-    mbarrier_init, mbarrier_wait, mn_major_descriptor, named_barrier_arrive, named_barrier_sync, prefetch_tensor_map,
-    registers_decrease, registers_increase, ring_slot, shared_address, tma_load_3d, warpgroup_id, wgmma_commit,
-    wgmma_fence, wgmma_wait,
+use crate::attention::epilogue::{store_fragment_lse, store_fragment_pairs};
+use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a, scale_rows};
+use crate::attention::mask::Mask;
+use crate::attention::schedule::QueryBlock;
+use crate::attention::softmax::RowSoftmax;
+use crate::configs::{SM90_FORWARD_REGISTERS_M128, SM90_FORWARD_REGISTERS_M192};
+use crate::hw::{
+    self, Accumulator, FragA, FragC, HalfFloat, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, TensorMaps, WARPGROUP_THREADS,
+    advance_descriptor, fence_mbarrier_init, fence_proxy_async, k_major_descriptor, mbarrier_arrive,
+    mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait, mn_major_descriptor, named_barrier_arrive,
+    named_barrier_sync, prefetch_tensor_map, warpgroup_id, wgmma_commit, wgmma_fence, wgmma_wait,
 };
-use crate::layout::{AttentionShape, HOPPER_SMEM_ALIGN, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS};
-use crate::tiles::{Mask, QueryBlock};
-
-/// Columns of one swizzled column block: 128 bytes of 16-bit values.
-const SWIZZLE_COLUMNS: usize = SWIZZLE_ROW_BYTES / 2;
-
-/// Per-thread register budgets after `setmaxnreg`, (producer, consumers), by block size. The
-/// launch gives every thread 65536 registers / threads, rounded down to a multiple of 8: 168 for
-/// 384 threads (two consumer warpgroups), 128 for 512 (three). The producer only issues copies;
-/// the consumers take the rest: 56 + 2 · 224 = 3 · 168, and 32 + 3 · 160 = 4 · 128. (With fewer
-/// than about 48 registers the producer's loop spills a little; the consumers matter more.)
-const REGISTERS_M128: (u32, u32) = (56, 224);
-const REGISTERS_M192: (u32, u32) = (32, 160);
+use crate::layout::{AttentionShape, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS};
+use crate::sm90::pipeline::{
+    AlignedShared, SWIZZLE_COLUMNS, load_swizzled_tile, ring_slot, take_role, wait_slot_free,
+};
 
 /// The first of the named barriers of the ping-pong schedule, one per consumer warpgroup (0 is
 /// `__syncthreads`; 1 to 3 are the consumer warpgroups' own).
 const PINGPONG_BARRIER: u32 = 4;
 
 /// The block's shared memory: the Q tile, `STAGES` slots of a K and a V tile, then the
-/// `mbarrier`s, from a base aligned to one swizzle atom. Addresses are shared-state-space
-/// addresses (32-bit), as `wgmma` descriptors, TMA and `mbarrier`s take them.
+/// `mbarrier`s, from a base aligned to one swizzle atom ([`AlignedShared`]).
 #[derive(Clone, Copy)]
 struct SharedTiles<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, const STAGES: usize> {
-    /// The dynamic shared memory as a generic pointer, and its shared-state-space address.
-    raw: *mut u8,
-    raw_address: u32,
-    /// The first tile's address: `raw_address` rounded up to `HOPPER_SMEM_ALIGN`.
+    memory: AlignedShared,
+    /// The first tile's address.
     base: u32,
 }
 
@@ -78,22 +69,16 @@ impl<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, const STAGES: u
     const Q_BYTES: u32 = (BLOCK_M * D * 2) as u32;
     const KV_BYTES: u32 = (BLOCK_N * D * 2) as u32;
 
-    /// The layout over this block's dynamic shared memory (the host adds `HOPPER_SMEM_ALIGN`
-    /// bytes of slack for the rounding).
     #[inline(always)]
     fn new() -> Self {
-        let raw = gpu::dynamic_shared_memory() as *mut u8;
-        let raw_address = shared_address(raw);
-        let align = HOPPER_SMEM_ALIGN as u32;
-        Self { raw, raw_address, base: raw_address.div_ceil(align) * align }
+        let memory = AlignedShared::new();
+        Self { memory, base: memory.base }
     }
 
-    /// A generic pointer to the byte at shared-state-space `address`, for ordinary loads and
-    /// stores.
+    /// A generic pointer to the byte at shared-state-space `address`.
     #[inline(always)]
     fn pointer(self, address: u32) -> *mut u8 {
-        // SAFETY: `address` lies in this block's dynamic shared memory.
-        unsafe { self.raw.add((address - self.raw_address) as usize) }
+        self.memory.pointer(address)
     }
 
     #[inline(always)]
@@ -159,54 +144,34 @@ unsafe fn produce<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, co
 ) {
     let q_head = (block.batch * shape.num_heads_q + block.head) as i32;
     let kv_head = (block.batch * shape.num_heads_kv + block.head / shape.group_size()) as i32;
-    // Loads a `rows × D` tile as D / 64 boxes, one per swizzled column block, completing on
-    // `barrier`, which learns the bytes first.
+    // Loads a `rows × D` tile, completing on `barrier`, which learns the bytes first.
     let load = |destination: u32, map: *const u8, rows: usize, first_row: usize, head: i32, barrier: u32| {
-        // SAFETY: the barrier is initialised; each box fits its column block of the tile.
+        // SAFETY: the barrier is initialised; the tile fits at `destination`.
         unsafe {
             mbarrier_arrive_expect_tx(barrier, (rows * D * 2) as u32);
-            for column_block in 0..D / SWIZZLE_COLUMNS {
-                let x = (column_block * SWIZZLE_COLUMNS) as i32;
-                let box_destination = destination + (column_block * rows * SWIZZLE_ROW_BYTES) as u32;
-                tma_load_3d(box_destination, map, x, first_row as i32, head, barrier);
-            }
+            load_swizzled_tile::<D>(destination, map, rows, first_row, head, barrier);
         }
     };
     load(smem.q(), maps.get(0), BLOCK_M, block.q_start, q_head, smem.q_full());
     for tile in 0..kv_tiles {
         let (stage, parity) = ring_slot(tile, STAGES);
         let first_key = tile * BLOCK_N;
-        // The slot's previous tile (tile − STAGES) is released by the phase before this one. K
-        // is released as soon as its scores are done, V only after P·V, a step later.
+        // K is released as soon as its scores are done, V only after P·V, a step later.
         // SAFETY: initialised barriers.
-        if tile >= STAGES {
-            unsafe { mbarrier_wait(smem.k_empty(stage), parity ^ 1) };
-        }
+        unsafe { wait_slot_free(smem.k_empty(stage), tile, STAGES, parity) };
         load(smem.k(stage), maps.get(1), BLOCK_N, first_key, kv_head, smem.k_full(stage));
-        if tile >= STAGES {
-            unsafe { mbarrier_wait(smem.v_empty(stage), parity ^ 1) };
-        }
+        unsafe { wait_slot_free(smem.v_empty(stage), tile, STAGES, parity) };
         load(smem.v(stage), maps.get(2), BLOCK_N, first_key, kv_head, smem.v_full(stage));
     }
 }
 
-/// One consumer warpgroup's rows: their first query row and the warp and lane coordinates of
-/// this thread in the m16n8 accumulator layout.
+/// One consumer warpgroup's rows: the first query row of this thread's warp, and the lane's
+/// place in the m16n8 accumulator layout.
 #[derive(Clone, Copy)]
 struct ConsumerRows {
     /// The first query row of this thread's warp, in the head.
     warp_row: usize,
-    /// Row within the warp's 16 (`lane / 4`, and 8 more) and column pair (`lane % 4`).
-    g: usize,
-    t: usize,
-}
-
-impl ConsumerRows {
-    /// The query row of fragment entry `e` (rows `g` and `g + 8`).
-    #[inline(always)]
-    fn row(self, e: usize) -> usize {
-        self.warp_row + self.g + 8 * (e / 2)
-    }
+    lane: FragmentLane,
 }
 
 /// The consumer warpgroup's loop: S = Q·Kᵀ, mask, online softmax and O += P·V over the block's
@@ -239,11 +204,9 @@ unsafe fn consume<
     [FragC; D_TILES]: Accumulator,
 {
     let index = warpgroup_id() - 1;
-    let lane = gpu::lane_id();
     let rows = ConsumerRows {
-        warp_row: block.q_start + index * WARPGROUP_ROWS + 16 * (gpu::warp_id() % 4),
-        g: lane / 4,
-        t: lane % 4,
+        warp_row: block.q_start + index * WARPGROUP_ROWS + 16 * (hw::warp_id() % 4),
+        lane: FragmentLane::current(),
     };
     // This warpgroup's 64 rows of Q start 64 rows into each column block of the Q tile.
     let q_rows_offset = index * WARPGROUP_ROWS * SWIZZLE_ROW_BYTES;
@@ -282,8 +245,8 @@ unsafe fn consume<
     }
     let c = scale_log2.abs().max(f32::MIN_POSITIVE);
 
-    // The key limit of the warpgroup's first row: tiles that end before it need no mask.
-    let all_see = mask.key_limit(block.q_start + index * WARPGROUP_ROWS);
+    // The keys of the warpgroup's rows: tiles that end before every row's limit need no mask.
+    let keys = mask.keys_for(block.q_start + index * WARPGROUP_ROWS, WARPGROUP_ROWS);
     // The descriptors of the first k-step of Q (this warpgroup's rows), and of K and V in
     // stage 0; every other operand is one of these, moved along ([`advance_descriptor`]).
     let q_descriptor = k_major_descriptor(smem.q() + q_rows_offset as u32);
@@ -320,14 +283,8 @@ unsafe fn consume<
     // Scores of keys the row must not see become −∞ (only in tiles that cross a row's limit).
     let apply_mask = |s: &mut [FragC; N_TILES], tile: usize| {
         let first_key = tile * BLOCK_N;
-        if first_key + BLOCK_N > all_see {
-            for (nt, frag) in s.iter_mut().enumerate() {
-                for (e, x) in frag.iter_mut().enumerate() {
-                    if !mask.visible(rows.row(e), first_key + 8 * nt + 2 * rows.t + e % 2) {
-                        *x = f32::NEG_INFINITY;
-                    }
-                }
-            }
+        if keys.needs_mask(first_key, BLOCK_N) {
+            mask_fragments::<N_TILES, false>(s, rows.lane, f32::NEG_INFINITY, (rows.warp_row, first_key), &mask);
         }
     };
     let pack =
@@ -406,12 +363,8 @@ unsafe fn consume<
         unsafe { mbarrier_arrive(smem.v_empty(previous)) };
         // Once the running maxima settle most tiles leave them unchanged (alpha = 1 exactly), and
         // the warp skips the rescale (as level 5 does); the vote keeps the branch warp-uniform.
-        if gpu::warp_any(alpha[0] != 1.0 || alpha[1] != 1.0) {
-            for frag in o.iter_mut() {
-                for (e, x) in frag.iter_mut().enumerate() {
-                    *x *= alpha[e / 2];
-                }
-            }
+        if hw::warp_any(alpha[0] != 1.0 || alpha[1] != 1.0) {
+            scale_rows(&mut o, alpha);
         }
         p = pack(&s);
     }
@@ -430,27 +383,12 @@ unsafe fn consume<
     }
 
     // Normalise and write O (two values per store) and the LSE of the block's rows.
-    let (inv_sum, row_lse) = softmax.finish();
+    let finished = softmax.finish();
     let end = block.q_start + block.q_rows;
-    for (dt, frag) in o.iter().enumerate() {
-        for h in 0..2 {
-            let row = rows.row(2 * h);
-            if row < end {
-                let value = T::pack(frag[2 * h] * inv_sum[h], frag[2 * h + 1] * inv_sum[h]);
-                // SAFETY: row < q_start + q_rows ≤ seqlen_q; the column pair is inside the head
-                // dimension.
-                unsafe { *(o_head.add(row * D + 8 * dt + 2 * rows.t) as *mut u32) = value };
-            }
-        }
-    }
-    if rows.t == 0 {
-        for h in 0..2 {
-            let row = rows.row(2 * h);
-            if row < end {
-                // SAFETY: row < seqlen_q, as above.
-                unsafe { *lse_head.add(row) = row_lse[h] };
-            }
-        }
+    // SAFETY: rows below q_start + q_rows ≤ seqlen_q of this head exist.
+    unsafe {
+        store_fragment_pairs::<T, D, D_TILES>(&o, finished.0, o_head, rows.warp_row, end, rows.lane);
+        store_fragment_lse(&[finished], lse_head, 0, rows.warp_row, end, rows.lane);
     }
 }
 
@@ -462,7 +400,7 @@ unsafe fn consume<
 #[inline(always)]
 unsafe fn negate_rows<const BLOCK_M: usize, const D: usize>(rows: *mut u8) {
     const CHUNKS: usize = WARPGROUP_ROWS * SWIZZLE_ROW_BYTES / 16;
-    let first = gpu::thread_idx_x() % WARPGROUP_THREADS;
+    let first = hw::thread_idx_x() % WARPGROUP_THREADS;
     for column_block in 0..D / SWIZZLE_COLUMNS {
         let mut chunk = first;
         while chunk < CHUNKS {
@@ -510,7 +448,7 @@ unsafe fn flash_forward_wgmma<
     [FragC; N_TILES]: Accumulator,
     [FragC; D_TILES]: Accumulator,
 {
-    if gpu::thread_idx_x() == gpu::WARP_SIZE {
+    if hw::thread_idx_x() == hw::WARP_SIZE {
         // The producer's first copies need the tensor maps: a warp that has nothing else to do
         // yet asks for them while the barriers are set up.
         for map in 0..3 {
@@ -521,9 +459,9 @@ unsafe fn flash_forward_wgmma<
     let block = QueryBlock::hopper_forward::<BLOCK_M>(&shape, mask.causal);
     let smem = SharedTiles::<BLOCK_M, D, BLOCK_N, STAGES>::new();
     let consumer_threads = (BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS) as u32;
-    let kv_tiles = mask.key_limit(block.q_start + block.q_rows - 1).div_ceil(BLOCK_N);
+    let kv_tiles = mask.keys_for(block.q_start, block.q_rows).tiles(BLOCK_N);
 
-    if gpu::thread_idx_x() == 0 {
+    if hw::thread_idx_x() == 0 {
         // SAFETY: one thread initialises the barriers before the block barrier below.
         unsafe {
             mbarrier_init(smem.q_full(), 1);
@@ -537,25 +475,20 @@ unsafe fn flash_forward_wgmma<
         }
         fence_mbarrier_init();
     }
-    gpu::sync_threads();
+    hw::sync_threads();
 
-    if warpgroup_id() == 0 {
-        // (The budgets must be immediates, so the choice is spelled out per block size.)
-        if BLOCK_M == 128 {
-            registers_decrease::<{ REGISTERS_M128.0 }>();
-        } else {
-            registers_decrease::<{ REGISTERS_M192.0 }>();
-        }
-        if gpu::thread_idx_x() == 0 {
+    // (The budgets must be immediates, so the choice is spelled out per block size.)
+    let producer = if BLOCK_M == 128 {
+        take_role::<{ SM90_FORWARD_REGISTERS_M128.0 }, { SM90_FORWARD_REGISTERS_M128.1 }>()
+    } else {
+        take_role::<{ SM90_FORWARD_REGISTERS_M192.0 }, { SM90_FORWARD_REGISTERS_M192.1 }>()
+    };
+    if producer {
+        if hw::thread_idx_x() == 0 {
             // SAFETY: the barriers are initialised; the maps are the host's.
             unsafe { produce(smem, TensorMaps(maps), &shape, &block, kv_tiles) };
         }
     } else {
-        if BLOCK_M == 128 {
-            registers_increase::<{ REGISTERS_M128.1 }>();
-        } else {
-            registers_increase::<{ REGISTERS_M192.1 }>();
-        }
         // SAFETY: the host sized the grid, so this head's rows exist (offsets in elements).
         let (o_head, lse_head) = unsafe { (o.add(block.q_offset), lse.add(block.q_offset / D)) };
         unsafe {
@@ -566,49 +499,23 @@ unsafe fn flash_forward_wgmma<
     }
 }
 
-/// The `f16` and `bf16` entries of one configuration:
-/// `hopper_flash_fwd_{f16,bf16}_m{BLOCK_M}_n{BLOCK_N}_d{D}_{variant}`.
-macro_rules! flash_forward_wgmma_entries {
-    ($block_m:literal, $d:literal, $block_n:literal, $stages:literal, $pingpong:literal, $variant:ident) => {
-        flash_forward_wgmma_entry!(
-            ${concat(hopper_flash_fwd_f16_m, $block_m, _n, $block_n, _d, $d, _, $variant)},
-            F16, $block_m, $d, $block_n, $stages, $pingpong
-        );
-        flash_forward_wgmma_entry!(
-            ${concat(hopper_flash_fwd_bf16_m, $block_m, _n, $block_n, _d, $d, _, $variant)},
-            Bf16, $block_m, $d, $block_n, $stages, $pingpong
-        );
-    };
-}
-
-/// One kernel entry.
-macro_rules! flash_forward_wgmma_entry {
-    ($name:ident, $format:ident, $block_m:literal, $d:literal, $block_n:literal, $stages:literal, $pingpong:literal) => {
+/// One entry, `hopper_flash_fwd_{f16,bf16}_m{BLOCK_M}_n{BLOCK_N}_d{D}_{variant}`;
+/// `sm90_forward_configs!` (in [`crate::configs`]) lists the configurations.
+macro_rules! flash_forward_wgmma_instance {
+    ($dtype:ident, $format:ident, $block_m:literal, $d:literal, $block_n:literal, $stages:literal, $pingpong:literal, $variant:ident) => {
+        attention_kernel! {
         /// FlashAttention forward on Hopper (sm_90a); see the module docs.
         ///
         /// # Safety
         /// As `flash_forward_wgmma`.
-        #[unsafe(no_mangle)]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "gpu-kernel" fn $name(
+        fn ${concat(hopper_flash_fwd_, $dtype, _m, $block_m, _n, $block_n, _d, $d, _, $variant)}(
             maps: *const u8,
             o: *mut u16,
             lse: *mut f32,
-            batch: usize,
-            num_heads_q: usize,
-            num_heads_kv: usize,
-            seqlen_q: usize,
-            seqlen_k: usize,
-            head_dim: usize,
-            causal: usize,
-            causal_offset: isize,
-            scale_log2: f32,
-        ) {
-            let shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
-            let mask = Mask { seqlen_q, seqlen_k, causal: causal != 0, offset: causal_offset };
+        ) |shape, mask, scale_log2| {
             unsafe {
                 flash_forward_wgmma::<
-                    gpu::$format,
+                    hw::$format,
                     $block_m,
                     $d,
                     $block_n,
@@ -620,15 +527,8 @@ macro_rules! flash_forward_wgmma_entry {
                 >(maps, o, lse, shape, mask, scale_log2)
             }
         }
+        }
     };
 }
 
-// The configurations measured fastest on an H200 (PERFORMANCE.md, issue #9). At head_dim 64 the
-// softmax costs as much as the products: three consumer warpgroups (block_m 192) keep the tensor
-// cores busier than two taking ping-pong turns (+12 % non-causal on 4 × 16 × 4096), but make
-// fewer, longer blocks, which lose where the grid is only a few waves deep; the host picks by
-// grid size. At head_dim 128 the products dominate, registers allow only two consumers, and the
-// turns only add waiting.
-flash_forward_wgmma_entries!(192, 64, 128, 2, false, s2);
-flash_forward_wgmma_entries!(128, 64, 128, 2, true, s2_pingpong);
-flash_forward_wgmma_entries!(128, 128, 128, 2, false, s2);
+sm90_forward_configs!(flash_forward_wgmma_instance);

@@ -3,11 +3,11 @@
 //! Only built for the host (not for nvptx64). [`launch`] runs a kernel over a grid of
 //! blocks: blocks run in parallel (rayon), and each block's threads run as real OS threads (scoped)
 //! that share the block's dynamic shared memory, so barriers and warp shuffles behave as on the GPU.
-//! The helpers of [`crate::gpu`] route here on the host.
+//! The helpers of [`crate::hw`] route here on the host.
 //!
 //! What it checks, which a GPU would not tell you:
 //!
-//! * every shared-memory access through [`crate::gpu::SharedTile`] stays inside the block's
+//! * every shared-memory access through [`crate::hw::SharedTile`] stays inside the block's
 //!   dynamic shared memory;
 //! * a read of shared memory that another thread wrote after the last barrier both have passed
 //!   (a block barrier, or a warp barrier when both threads are in one warp) is a *race*; a read
@@ -759,18 +759,18 @@ pub(crate) unsafe fn atomic_add(ptr: *mut f32, value: f32) {
 /// 64 threads with 256 bytes of shared memory (that is their `# Safety` contract).
 #[allow(clippy::missing_safety_doc)]
 pub mod selftest {
-    use crate::gpu::{self, SharedMemory};
+    use crate::hw::{self, SharedMemory};
 
     kernel! {
         /// Every thread writes its own shared-memory word, then reads its neighbour's, but the
         /// barrier between the two is missing: the emulator reports a race (or, if the neighbour
         /// has not written yet, an uninitialised read).
         pub unsafe fn missing_barrier(out: *mut f32) {
-            let t = gpu::thread_idx_x();
-            let tile = SharedMemory::new().tile(1, gpu::block_dim_x());
+            let t = hw::thread_idx_x();
+            let tile = SharedMemory::new().tile(1, hw::block_dim_x());
             tile.store(0, t, t as f32);
-            // gpu::sync_threads() belongs here.
-            let neighbour = tile.load(0, (t + 1) % gpu::block_dim_x());
+            // hw::sync_threads() belongs here.
+            let neighbour = tile.load(0, (t + 1) % hw::block_dim_x());
             unsafe { *out.add(t) = neighbour };
         }
     }
@@ -778,11 +778,11 @@ pub mod selftest {
     kernel! {
         /// The same with the barrier in place: the emulator must accept it.
         pub unsafe fn with_barrier(out: *mut f32) {
-            let t = gpu::thread_idx_x();
-            let tile = SharedMemory::new().tile(1, gpu::block_dim_x());
+            let t = hw::thread_idx_x();
+            let tile = SharedMemory::new().tile(1, hw::block_dim_x());
             tile.store(0, t, t as f32);
-            gpu::sync_threads();
-            let neighbour = tile.load(0, (t + 1) % gpu::block_dim_x());
+            hw::sync_threads();
+            let neighbour = tile.load(0, (t + 1) % hw::block_dim_x());
             unsafe { *out.add(t) = neighbour };
         }
     }
@@ -792,11 +792,11 @@ pub mod selftest {
         /// branches are the same code on purpose: what differs is where the barrier is.)
         #[allow(clippy::if_same_then_else)]
         pub unsafe fn divergent_barrier(out: *mut f32) {
-            let t = gpu::thread_idx_x();
-            if t < gpu::block_dim_x() / 2 {
-                gpu::sync_threads();
+            let t = hw::thread_idx_x();
+            if t < hw::block_dim_x() / 2 {
+                hw::sync_threads();
             } else {
-                gpu::sync_threads();
+                hw::sync_threads();
             }
             unsafe { *out.add(t) = 1.0 };
         }
@@ -805,11 +805,11 @@ pub mod selftest {
     kernel! {
         /// Thread 0 returns before the barrier the others wait at.
         pub unsafe fn early_return(out: *mut f32) {
-            let t = gpu::thread_idx_x();
+            let t = hw::thread_idx_x();
             if t == 0 {
                 return;
             }
-            gpu::sync_threads();
+            hw::sync_threads();
             unsafe { *out.add(t) = 1.0 };
         }
     }
@@ -817,10 +817,10 @@ pub mod selftest {
     kernel! {
         /// Reads one word past the end of the block's dynamic shared memory.
         pub unsafe fn out_of_bounds(out: *mut f32) {
-            let t = gpu::thread_idx_x();
-            let tile = SharedMemory::new().tile(1, gpu::block_dim_x());
+            let t = hw::thread_idx_x();
+            let tile = SharedMemory::new().tile(1, hw::block_dim_x());
             tile.store(0, t, 1.0);
-            gpu::sync_threads();
+            hw::sync_threads();
             unsafe { *out.add(t) = tile.load(0, t + 1) };
         }
     }

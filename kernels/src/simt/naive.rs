@@ -7,7 +7,7 @@
 //! 3. [`naive_pv_f32`]: O = P V.
 //!
 //! The backward pass (the same paper's Algorithm 3, with P recomputed by the two kernels above)
-//! adds D = rowsum(dO ∘ O) ([`crate::flash_backward::flash_bwd_preprocess_f32`]) and:
+//! adds D = rowsum(dO ∘ O) ([`crate::simt::backward::flash_bwd_preprocess_f32`]) and:
 //!
 //! 4. [`naive_pt_x_f32`]: dV = Pᵀ dO (and, later, dK = scale · dSᵀ Q);
 //! 5. [`naive_ds_f32`]: dS = P ∘ (dO Vᵀ − D), in place of P;
@@ -15,15 +15,14 @@
 //!
 //! The N×N buffer is written once and read twice: for long sequences those round trips, not the
 //! arithmetic, set the speed, and the buffer sets the memory footprint. FlashAttention
-//! ([`crate::flash_forward`]) removes both.
+//! ([`crate::simt::forward`]) removes both.
 //!
 //! Shapes and layouts are those of [`AttentionShape`]; any `head_dim ≥ 1` works here. The shape
 //! arrives as six integers rather than as the struct: rustc warns that structs passed by value to
 //! `extern "gpu-kernel"` functions may not match what the driver passes.
 
-use crate::gpu::{self, LN_2, LOG2_E};
+use crate::hw::{self, LN_2, LOG2_E};
 use crate::layout::AttentionShape;
-use crate::tiles::Mask;
 
 /// For global query row `row` (in `0..shape.query_rows()`): the offset of that row in Q (and O)
 /// and the offset of its key/value head in K (and V).
@@ -33,7 +32,7 @@ fn row_offsets(shape: &AttentionShape, row: usize) -> (usize, usize) {
     (row * shape.head_dim, shape.kv_head_offset(b, h))
 }
 
-kernel! {
+attention_kernel! {
 /// S[row, j] = scale · Σ_d Q[row, d] · K[j, d].
 ///
 /// Thread mapping: blocks take query rows in a grid-stride loop (`row = blockIdx.x`,
@@ -43,38 +42,23 @@ kernel! {
 ///
 /// # Safety
 /// Pointers hold the shapes given in the module docs; `s` holds `rows × seqlen_k` floats.
-pub unsafe fn naive_scores_f32(
-    q: *const f32,
-    k: *const f32,
-    s: *mut f32,
-    batch: usize,
-    num_heads_q: usize,
-    num_heads_kv: usize,
-    seqlen_q: usize,
-    seqlen_k: usize,
-    head_dim: usize,
-    causal: usize,
-    causal_offset: isize,
-    scale: f32,
-) {
-    let shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
-    let mask = Mask { seqlen_q, seqlen_k, causal: causal != 0, offset: causal_offset };
-    let mut row = gpu::block_idx().0;
+fn naive_scores_f32(q: *const f32, k: *const f32, s: *mut f32) |shape, mask, scale| {
+    let mut row = hw::block_idx().0;
     while row < shape.query_rows() {
         let (q_offset, kv_offset) = row_offsets(&shape, row);
-        let mut j = gpu::thread_idx_x();
+        let mut j = hw::thread_idx_x();
         while j < shape.seqlen_k {
             let mut dot = 0.0f32;
             for d in 0..shape.head_dim {
                 // SAFETY: d < head_dim, j < seqlen_k: inside this row of Q and this head of K.
-                unsafe { dot = gpu::fma(*q.add(q_offset + d), *k.add(kv_offset + j * shape.head_dim + d), dot) };
+                unsafe { dot = hw::fma(*q.add(q_offset + d), *k.add(kv_offset + j * shape.head_dim + d), dot) };
             }
             let visible = mask.visible(row % shape.seqlen_q, j);
             // SAFETY: row < rows, j < seqlen_k.
             unsafe { *s.add(row * shape.seqlen_k + j) = if visible { dot * scale } else { f32::NEG_INFINITY } };
-            j += gpu::block_dim_x();
+            j += hw::block_dim_x();
         }
-        row += gpu::grid_dim_x();
+        row += hw::grid_dim_x();
     }
 }
 }
@@ -91,41 +75,41 @@ kernel! {
 /// `s` holds `rows × seqlen_k` floats and `lse` holds `rows` floats, `rows = batch · heads ·
 /// seqlen_q`; the block has `32 · rows_per_block` threads.
 pub unsafe fn naive_softmax_f32(s: *mut f32, lse: *mut f32, rows: usize, seqlen_k: usize) {
-    let warps_per_block = gpu::block_dim_x() / gpu::WARP_SIZE;
-    let mut row = gpu::block_idx().0 * warps_per_block + gpu::warp_id();
+    let warps_per_block = hw::block_dim_x() / hw::WARP_SIZE;
+    let mut row = hw::block_idx().0 * warps_per_block + hw::warp_id();
     // Uniform per warp: all 32 lanes of a warp agree on `row`, so the warp reductions below are
     // reached by full warps.
     while row < rows {
         // SAFETY: row < rows; every index below is < seqlen_k.
         let s_row = unsafe { s.add(row * seqlen_k) };
-        let lanes = || (gpu::lane_id()..seqlen_k).step_by(gpu::WARP_SIZE);
+        let lanes = || (hw::lane_id()..seqlen_k).step_by(hw::WARP_SIZE);
 
         let mut max = f32::NEG_INFINITY;
         for j in lanes() {
             max = max.max(unsafe { *s_row.add(j) });
         }
-        let max = gpu::group_max::<32>(max);
+        let max = hw::group_max::<32>(max);
 
         let mut sum = 0.0f32;
         for j in lanes() {
-            sum += gpu::exp2((unsafe { *s_row.add(j) } - max) * LOG2_E);
+            sum += hw::exp2((unsafe { *s_row.add(j) } - max) * LOG2_E);
         }
-        let sum = gpu::group_sum::<32>(sum);
+        let sum = hw::group_sum::<32>(sum);
 
         // A row whose keys are all masked has max = −∞: it gets P = 0 and LSE = −∞, not
         // the NaN of exp(−∞ − (−∞)).
         let seen_any = max != f32::NEG_INFINITY;
         let inv_sum = 1.0 / sum;
         for j in lanes() {
-            let p = if seen_any { gpu::exp2((unsafe { *s_row.add(j) } - max) * LOG2_E) * inv_sum } else { 0.0 };
+            let p = if seen_any { hw::exp2((unsafe { *s_row.add(j) } - max) * LOG2_E) * inv_sum } else { 0.0 };
             unsafe { *s_row.add(j) = p };
         }
-        if gpu::lane_id() == 0 {
+        if hw::lane_id() == 0 {
             // ln Σ exp(s) = m + ln Σ exp(s − m)
-            let row_lse = if seen_any { max + gpu::log2(sum) * LN_2 } else { f32::NEG_INFINITY };
+            let row_lse = if seen_any { max + hw::log2(sum) * LN_2 } else { f32::NEG_INFINITY };
             unsafe { *lse.add(row) = row_lse };
         }
-        row += gpu::grid_dim_x() * warps_per_block;
+        row += hw::grid_dim_x() * warps_per_block;
     }
 }
 }
@@ -153,10 +137,10 @@ pub unsafe fn naive_pv_f32(
     scale: f32,
 ) {
     let shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
-    let mut row = gpu::block_idx().0;
+    let mut row = hw::block_idx().0;
     while row < shape.query_rows() {
         let (o_offset, kv_offset) = row_offsets(&shape, row);
-        let mut d = gpu::thread_idx_x();
+        let mut d = hw::thread_idx_x();
         while d < shape.head_dim {
             let mut acc = 0.0f32;
             for j in 0..shape.seqlen_k {
@@ -165,14 +149,14 @@ pub unsafe fn naive_pv_f32(
                 // A masked (zero) weight skips its V row, so a NaN or ∞ there cannot reach rows
                 // that do not see it (0 · NaN would be NaN).
                 if weight != 0.0 {
-                    unsafe { acc = gpu::fma(weight, *v.add(kv_offset + j * shape.head_dim + d), acc) };
+                    unsafe { acc = hw::fma(weight, *v.add(kv_offset + j * shape.head_dim + d), acc) };
                 }
             }
             // SAFETY: row < rows, d < head_dim.
             unsafe { *o.add(o_offset + d) = acc * scale };
-            d += gpu::block_dim_x();
+            d += hw::block_dim_x();
         }
-        row += gpu::grid_dim_x();
+        row += hw::grid_dim_x();
     }
 }
 }
@@ -202,11 +186,11 @@ pub unsafe fn naive_pt_x_f32(
 ) {
     let shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
     let kv_rows = batch * num_heads_kv * seqlen_k;
-    let mut kv_row = gpu::block_idx().0;
+    let mut kv_row = hw::block_idx().0;
     while kv_row < kv_rows {
         let (head_row, j) = (kv_row / seqlen_k, kv_row % seqlen_k); // head_row = b · num_heads_kv + kv_head
         let (b, kv_head) = (head_row / num_heads_kv, head_row % num_heads_kv);
-        let mut d = gpu::thread_idx_x();
+        let mut d = hw::thread_idx_x();
         while d < head_dim {
             let mut acc = 0.0f32;
             for h in kv_head * shape.group_size()..(kv_head + 1) * shape.group_size() {
@@ -214,15 +198,15 @@ pub unsafe fn naive_pt_x_f32(
                 for i in 0..seqlen_q {
                     // SAFETY: i < seqlen_q, j < seqlen_k, d < head_dim, h < num_heads_q.
                     unsafe {
-                        acc = gpu::fma(*p.add((q_head + i) * seqlen_k + j), *x.add((q_head + i) * head_dim + d), acc)
+                        acc = hw::fma(*p.add((q_head + i) * seqlen_k + j), *x.add((q_head + i) * head_dim + d), acc)
                     };
                 }
             }
             // SAFETY: kv_row < kv_rows, d < head_dim.
             unsafe { *out.add(kv_row * head_dim + d) = acc * scale };
-            d += gpu::block_dim_x();
+            d += hw::block_dim_x();
         }
-        kv_row += gpu::grid_dim_x();
+        kv_row += hw::grid_dim_x();
     }
 }
 }
@@ -248,24 +232,24 @@ pub unsafe fn naive_ds_f32(
     head_dim: usize,
 ) {
     let shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
-    let mut row = gpu::block_idx().0;
+    let mut row = hw::block_idx().0;
     while row < shape.query_rows() {
         let (do_offset, kv_offset) = row_offsets(&shape, row);
-        let mut j = gpu::thread_idx_x();
+        let mut j = hw::thread_idx_x();
         while j < seqlen_k {
             let mut dp = 0.0f32;
             for d in 0..head_dim {
                 // SAFETY: d < head_dim, j < seqlen_k.
-                unsafe { dp = gpu::fma(*d_o.add(do_offset + d), *v.add(kv_offset + j * head_dim + d), dp) };
+                unsafe { dp = hw::fma(*d_o.add(do_offset + d), *v.add(kv_offset + j * head_dim + d), dp) };
             }
             // SAFETY: row < rows, j < seqlen_k.
             unsafe {
                 let entry = p_ds.add(row * seqlen_k + j);
                 *entry *= dp - *delta.add(row);
             }
-            j += gpu::block_dim_x();
+            j += hw::block_dim_x();
         }
-        row += gpu::grid_dim_x();
+        row += hw::grid_dim_x();
     }
 }
 }

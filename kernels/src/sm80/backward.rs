@@ -1,6 +1,6 @@
 //! Level 6: FlashAttention-2 backward on tensor cores (Dao 2023, Algorithm 2), `f16` and `bf16`.
 //!
-//! The algorithm of [`crate::flash_backward`] with the five matrix products on the tensor cores.
+//! The algorithm of [`crate::simt::backward`] with the five matrix products on the tensor cores.
 //! With P recomputed from the saved logsumexp, per key block and query tile:
 //!
 //! | step | product | A operand | B operand |
@@ -50,7 +50,7 @@
 //!
 //! ## Legend
 //!
-//! `g = lane / 4`, `t = lane % 4` as in the fragment table of [`crate::gpu`]. In the K/V-outer
+//! `g = lane / 4`, `t = lane % 4` as in [`crate::attention::fragment`]. In the K/V-outer
 //! kernel a query *chunk* is 16 queries starting at `q0`, split in two halves of 8:
 //!
 //! * `st[half]`, `dpt[half]`, `pt[half]`, `ds_t[half]`: accumulator fragments of Sᵀ, dPᵀ, Pᵀ and
@@ -63,10 +63,12 @@
 //! S, dP and dS for the warp's 16 queries and keys `k0 + 8·half ..`; `k_frags[ks]` the chunk's K
 //! fragments; `acc[dt]` the warp's rows of dQ.
 
-use crate::flash_forward_mma::pack_a;
-use crate::gpu::{self, FragA, FragC, HalfFloat, LOG2_E, SharedMemory, SharedTile16};
+use crate::attention::epilogue::store_warp_rows;
+use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a};
+use crate::attention::mask::Mask;
+use crate::attention::schedule::{KeyBlock, QueryBlock};
+use crate::hw::{self, FragA, HalfFloat, LOG2_E, SharedMemory};
 use crate::layout::{AttentionShape, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_threads};
-use crate::tiles::{Mask, QueryBlock};
 
 kernel! {
 /// `D[row] = Σ_d dO[row, d] · O[row, d]` for every query row (`rows = batch · heads · seqlen_q`),
@@ -77,7 +79,7 @@ kernel! {
 /// `o` and `d_o` hold `rows × head_dim` 16-byte aligned elements, `delta` holds `rows`; blocks
 /// are whole warps.
 pub unsafe fn flash_bwd_preprocess_f16(o: *const u16, d_o: *const u16, delta: *mut f32, rows: usize, head_dim: usize) {
-    unsafe { row_deltas::<gpu::F16>(o, d_o, delta, rows, head_dim) }
+    unsafe { row_deltas::<hw::F16>(o, d_o, delta, rows, head_dim) }
 }
 }
 
@@ -87,33 +89,33 @@ kernel! {
 /// # Safety
 /// As [`flash_bwd_preprocess_f16`].
 pub unsafe fn flash_bwd_preprocess_bf16(o: *const u16, d_o: *const u16, delta: *mut f32, rows: usize, head_dim: usize) {
-    unsafe { row_deltas::<gpu::Bf16>(o, d_o, delta, rows, head_dim) }
+    unsafe { row_deltas::<hw::Bf16>(o, d_o, delta, rows, head_dim) }
 }
 }
 
 /// The body of the preprocessing kernels.
 #[inline(always)]
 unsafe fn row_deltas<T: HalfFloat>(o: *const u16, d_o: *const u16, delta: *mut f32, rows: usize, head_dim: usize) {
-    let warps_per_block = gpu::block_dim_x() / gpu::WARP_SIZE;
-    let mut row = gpu::block_idx().0 * warps_per_block + gpu::warp_id();
+    let warps_per_block = hw::block_dim_x() / hw::WARP_SIZE;
+    let mut row = hw::block_idx().0 * warps_per_block + hw::warp_id();
     while row < rows {
         let mut sum = 0.0f32;
-        for col in (8 * gpu::lane_id()..head_dim).step_by(8 * gpu::WARP_SIZE) {
+        for col in (8 * hw::lane_id()..head_dim).step_by(8 * hw::WARP_SIZE) {
             // SAFETY: row < rows and col + 8 ≤ head_dim.
             let (x, y) = unsafe {
                 let at = row * head_dim + col;
-                (gpu::load8_widened::<T>(o.add(at)), gpu::load8_widened::<T>(d_o.add(at)))
+                (hw::load8_widened::<T>(o.add(at)), hw::load8_widened::<T>(d_o.add(at)))
             };
             for i in 0..8 {
-                sum = gpu::fma(x[i], y[i], sum);
+                sum = hw::fma(x[i], y[i], sum);
             }
         }
-        let sum = gpu::group_sum::<32>(sum);
-        if gpu::lane_id() == 0 {
+        let sum = hw::group_sum::<32>(sum);
+        if hw::lane_id() == 0 {
             // SAFETY: row < rows.
             unsafe { *delta.add(row) = sum };
         }
-        row += gpu::grid_dim_x() * warps_per_block;
+        row += hw::grid_dim_x() * warps_per_block;
     }
 }
 
@@ -124,7 +126,7 @@ kernel! {
 /// # Safety
 /// `dq_accum` holds `n` floats, `dq` `n` elements, both 16-byte aligned.
 pub unsafe fn flash_bwd_convert_dq_f16(dq_accum: *const f32, dq: *mut u16, n: usize) {
-    unsafe { convert_dq::<gpu::F16>(dq_accum, dq, n) }
+    unsafe { convert_dq::<hw::F16>(dq_accum, dq, n) }
 }
 }
 
@@ -134,23 +136,23 @@ kernel! {
 /// # Safety
 /// As [`flash_bwd_convert_dq_f16`].
 pub unsafe fn flash_bwd_convert_dq_bf16(dq_accum: *const f32, dq: *mut u16, n: usize) {
-    unsafe { convert_dq::<gpu::Bf16>(dq_accum, dq, n) }
+    unsafe { convert_dq::<hw::Bf16>(dq_accum, dq, n) }
 }
 }
 
 /// The body of the dQ conversion kernels.
 #[inline(always)]
 unsafe fn convert_dq<T: HalfFloat>(dq_accum: *const f32, dq: *mut u16, n: usize) {
-    let mut chunk = gpu::global_thread_idx();
+    let mut chunk = hw::global_thread_idx();
     while chunk < n / 8 {
         // SAFETY: 8·chunk + 8 ≤ n.
         unsafe {
             let (lo, hi) =
-                (gpu::F32x4::load(dq_accum.add(8 * chunk)).0, gpu::F32x4::load(dq_accum.add(8 * chunk + 4)).0);
+                (hw::F32x4::load(dq_accum.add(8 * chunk)).0, hw::F32x4::load(dq_accum.add(8 * chunk + 4)).0);
             let packed = [T::pack(lo[0], lo[1]), T::pack(lo[2], lo[3]), T::pack(hi[0], hi[1]), T::pack(hi[2], hi[3])];
-            gpu::store16(dq.add(8 * chunk), packed);
+            hw::store16(dq.add(8 * chunk), packed);
         }
-        chunk += gpu::grid_stride();
+        chunk += hw::grid_stride();
     }
 }
 
@@ -172,47 +174,6 @@ pub(crate) struct BackwardTensors {
 /// beside the dK/dV accumulators, at 128 it would spill.
 const fn keeps_fragments(head_dim: usize) -> bool {
     head_dim <= 64
-}
-
-/// Copies a warp's 16 rows of `HEAD_DIM` accumulated values, times `scale`, rounded to 16 bits,
-/// to rows `row0 .. row0 + 16` of global memory at `dst` (row stride `HEAD_DIM`), skipping rows
-/// at or past `valid_rows`. The rows go through `staging` (rows `row0 .. row0 + 16` of a tile
-/// no other warp reads any more) so that global writes are whole 16-byte chunks.
-///
-/// # Safety
-/// `dst` holds `valid_rows` rows; all lanes of the warp call it together.
-#[inline(always)]
-pub(crate) unsafe fn store_warp_rows<T: HalfFloat, const HEAD_DIM: usize, const D_TILES: usize>(
-    acc: &[FragC; D_TILES],
-    scale: [f32; 2],
-    staging: SharedTile16,
-    row0: usize,
-    dst: *mut u16,
-    valid_rows: usize,
-) {
-    let lane = gpu::lane_id();
-    let (g, t) = (lane / 4, lane % 4);
-    gpu::sync_warp();
-    for (dt, frag) in acc.iter().enumerate() {
-        for r in 0..2 {
-            staging.store2(
-                row0 + g + 8 * r,
-                8 * dt + 2 * t,
-                T::pack(frag[2 * r] * scale[r], frag[2 * r + 1] * scale[r]),
-            );
-        }
-    }
-    gpu::sync_warp();
-    let chunks = HEAD_DIM / 8;
-    let mut chunk = lane;
-    while chunk < MMA_WARP_ROWS * chunks {
-        let (row, col) = (row0 + chunk / chunks, (chunk % chunks) * 8);
-        if row < valid_rows {
-            // SAFETY: row < valid_rows, col + 8 ≤ HEAD_DIM.
-            unsafe { gpu::store16(dst.add(row * HEAD_DIM + col), staging.load8(row, col)) };
-        }
-        chunk += gpu::WARP_SIZE;
-    }
 }
 
 /// The K/V-outer kernel body: dK and dV for `BLOCK_N` keys (and, with `ATOMIC_DQ`, their share
@@ -255,14 +216,12 @@ pub(crate) unsafe fn flash_backward_kv_mma<
     let threads = mma_threads(BLOCK_N);
     let scale_log2 = scale * LOG2_E;
     let keep_fragments = keeps_fragments(HEAD_DIM);
-    let (kv_block, kv_head, batch) = gpu::block_idx();
-    let kv_start = kv_block * BLOCK_N;
-    let kv_rows = BLOCK_N.min(shape.seqlen_k - kv_start);
+    let block = KeyBlock::current::<BLOCK_M, BLOCK_N>(&shape, &mask);
+    let (kv_start, kv_rows, batch) = (block.k_start, block.k_rows, block.batch);
     // First element of this key block in K, V, dK, dV.
-    let kv_offset = ((batch * shape.num_heads_kv + kv_head) * shape.seqlen_k + kv_start) * HEAD_DIM;
-    let lane = gpu::lane_id();
-    let (g, t) = (lane / 4, lane % 4);
-    let warp_key = gpu::warp_id() * MMA_WARP_ROWS; // the warp's first key in the block
+    let kv_offset = block.first_row_offset(&shape, HEAD_DIM);
+    let lane = FragmentLane::current();
+    let warp_key = hw::warp_id() * MMA_WARP_ROWS; // the warp's first key in the block
 
     let stride = HEAD_DIM + MMA_SMEM_PAD;
     let mut smem = SharedMemory::new();
@@ -280,13 +239,13 @@ pub(crate) unsafe fn flash_backward_kv_mma<
     };
 
     // The work list: every query tile, of every query head of the group, that sees some key of
-    // this block (queries before `first_seeing` see none of them under a causal mask).
-    let group = shape.group_size();
-    let first_tile = mask.first_query_seeing(kv_start) / BLOCK_M;
-    let tiles_per_head = shape.seqlen_q.div_ceil(BLOCK_M) - first_tile;
-    let steps = group * tiles_per_head;
+    // this block (under a causal mask the tiles before `block.first_tile` see none of them).
+    let steps = block.steps();
     // (query head, first query) of step `i`.
-    let step = |i: usize| (kv_head * group + i / tiles_per_head, (first_tile + i % tiles_per_head) * BLOCK_M);
+    let step = |i: usize| {
+        let (head, tile) = block.step(i);
+        (head, tile * BLOCK_M)
+    };
     // Starts the copies of step `i`'s Q, dO, LSE and D into its slot, as one cp.async group.
     let fetch = |i: usize| {
         if i < steps {
@@ -302,7 +261,7 @@ pub(crate) unsafe fn flash_backward_kv_mma<
                 stats_ring.copy_row_async(stats_row + 1, x.delta.add(rows), BLOCK_M, q_rows, threads);
             }
         }
-        gpu::cp_async_commit();
+        hw::cp_async_commit();
     };
 
     // K and V travel with step 0's group.
@@ -318,8 +277,8 @@ pub(crate) unsafe fn flash_backward_kv_mma<
     let mut dk_acc = [[0.0f32; 4]; D_TILES];
     let mut dv_acc = [[0.0f32; 4]; D_TILES];
     for i in 0..steps {
-        gpu::cp_async_wait(STAGES - 2);
-        gpu::sync_threads();
+        hw::cp_async_wait(STAGES - 2);
+        hw::sync_threads();
         fetch(i + STAGES - 1);
         let (head, q_start) = step(i);
         let (q_tile, do_tile, stats_row) = slot(i);
@@ -327,7 +286,7 @@ pub(crate) unsafe fn flash_backward_kv_mma<
         // Tiles where some query cannot see some key (the causal diagonal, the ragged ends) pay
         // for the per-element mask; it also zeroes padding queries and queries that see no key
         // (whose LSE is −∞, which would make P infinite).
-        let masked = q_start + BLOCK_M > shape.seqlen_q || kv_start + BLOCK_N > mask.key_limit(q_start);
+        let masked = mask.tile_needs_mask(q_start, BLOCK_M, kv_start, BLOCK_N);
         // The tile's queries, 16 at a time: a chunk's Q and dO fragments are read from shared
         // memory once, serve Sᵀ and dPᵀ as B operands, and, transposed in registers, dK and dV.
         for chunk in 0..BLOCK_M / 16 {
@@ -350,21 +309,16 @@ pub(crate) unsafe fn flash_backward_kv_mma<
             // Pᵀ = 2^(Sᵀ·scale·log₂e − LSE·log₂e) and dSᵀ = Pᵀ ∘ (dPᵀ − D); the columns are queries.
             let (mut pt, mut ds_t) = ([[0.0f32; 4]; 2], [[0.0f32; 4]; 2]);
             // Entry (half, e) is key `warp_key + g + 8·(e / 2)`, query `q0 + 8·half + 2t + e % 2`.
-            let query = |half: usize, e: usize| q0 + 8 * half + 2 * t + e % 2;
+            let query = |half: usize, e: usize| q0 + 8 * half + lane.col(e);
             for half in 0..2 {
                 for e in 0..4 {
                     let lse2 = stats_ring.load(stats_row, query(half, e)) * LOG2_E;
-                    pt[half][e] = gpu::exp2(gpu::fma(st[half][e], scale_log2, -lse2));
+                    pt[half][e] = hw::exp2(hw::fma(st[half][e], scale_log2, -lse2));
                 }
             }
             if masked {
-                for half in 0..2 {
-                    for e in 0..4 {
-                        if !mask.visible(q_start + query(half, e), kv_start + warp_key + g + 8 * (e / 2)) {
-                            pt[half][e] = 0.0;
-                        }
-                    }
-                }
+                // Rows are the warp's keys, columns the chunk's queries.
+                mask_fragments::<2, true>(&mut pt, lane, 0.0, (kv_start + warp_key, q_start + q0), &mask);
             }
             for half in 0..2 {
                 for e in 0..4 {
@@ -377,7 +331,7 @@ pub(crate) unsafe fn flash_backward_kv_mma<
             for step in 0..D_STEPS {
                 // dO and Q as B operands with the chunk's queries as the k index.
                 let (do_b, q_b) = if keep_fragments {
-                    (gpu::transpose_b(do_frags[step]), gpu::transpose_b(q_frags[step]))
+                    (hw::transpose_b(do_frags[step]), hw::transpose_b(q_frags[step]))
                 } else {
                     (do_tile.fragments_b_transposed(q0, 16 * step), q_tile.fragments_b_transposed(q0, 16 * step))
                 };
@@ -391,7 +345,7 @@ pub(crate) unsafe fn flash_backward_kv_mma<
                 for half in 0..2 {
                     for r in 0..2 {
                         let value = T::pack(ds_t[half][2 * r], ds_t[half][2 * r + 1]);
-                        ds_t_tile.store2(warp_key + g + 8 * r, q0 + 8 * half + 2 * t, value);
+                        ds_t_tile.store2(warp_key + lane.half_row(r), q0 + 8 * half + lane.pair_col(), value);
                     }
                 }
             }
@@ -400,11 +354,11 @@ pub(crate) unsafe fn flash_backward_kv_mma<
         if ATOMIC_DQ {
             // dQ += scale · dS·K: the warps share the BLOCK_M × HEAD_DIM product out in 16×16
             // pieces, each summed over all the block's keys.
-            gpu::sync_threads();
+            hw::sync_threads();
             let q_rows = BLOCK_M.min(shape.seqlen_q - q_start);
             let dq_rows = shape.q_head_offset(batch, head) + q_start * HEAD_DIM;
             let pieces = (BLOCK_M / 16) * (HEAD_DIM / 16);
-            let mut piece = gpu::warp_id();
+            let mut piece = hw::warp_id();
             while piece < pieces {
                 let (m0, n0) = (16 * (piece / (HEAD_DIM / 16)), 16 * (piece % (HEAD_DIM / 16)));
                 let mut dq = [[0.0f32; 4]; 2];
@@ -416,26 +370,27 @@ pub(crate) unsafe fn flash_backward_kv_mma<
                 }
                 for (half, frag) in dq.iter().enumerate() {
                     for e in 0..4 {
-                        let (row, col) = (m0 + g + 8 * (e / 2), n0 + 8 * half + 2 * t + e % 2);
+                        let (row, col) = (m0 + lane.row(e), n0 + 8 * half + lane.col(e));
                         if row < q_rows {
                             // SAFETY: the query row exists; col < HEAD_DIM.
-                            unsafe { gpu::atomic_add(dq_accum.add(dq_rows + row * HEAD_DIM + col), frag[e] * scale) };
+                            unsafe { hw::atomic_add(dq_accum.add(dq_rows + row * HEAD_DIM + col), frag[e] * scale) };
                         }
                     }
                 }
-                piece += threads / gpu::WARP_SIZE;
+                piece += threads / hw::WARP_SIZE;
             }
         }
     }
 
     // Every warp is done reading K and V (dQ reads all their rows): the warps can stage their
     // own rows of dK and dV there.
-    gpu::sync_threads();
+    hw::sync_threads();
     // SAFETY: rows kv_start .. kv_start + kv_rows of dK and dV exist.
     unsafe {
         let (dk_rows, dv_rows) = (dk.add(kv_offset), dv.add(kv_offset));
-        store_warp_rows::<T, HEAD_DIM, D_TILES>(&dk_acc, [scale; 2], k_tile, warp_key, dk_rows, kv_rows);
-        store_warp_rows::<T, HEAD_DIM, D_TILES>(&dv_acc, [1.0; 2], v_tile, warp_key, dv_rows, kv_rows);
+        store_warp_rows::<T, HEAD_DIM, D_TILES, 1>(&[dk_acc], [[scale; 2]], k_tile, warp_key, dk_rows, 0, kv_rows, lane);
+        hw::sync_warp();
+        store_warp_rows::<T, HEAD_DIM, D_TILES, 1>(&[dv_acc], [[1.0; 2]], v_tile, warp_key, dv_rows, 0, kv_rows, lane);
     }
 }
 
@@ -477,9 +432,8 @@ pub(crate) unsafe fn flash_backward_q_mma<
     let block = QueryBlock::current::<BLOCK_M>(&shape);
     let (q_start, q_rows) = (block.q_start, block.q_rows);
     let first_row = block.first_row_offset(HEAD_DIM);
-    let lane = gpu::lane_id();
-    let (g, t) = (lane / 4, lane % 4);
-    let warp_row = gpu::warp_id() * MMA_WARP_ROWS;
+    let lane = FragmentLane::current();
+    let warp_row = hw::warp_id() * MMA_WARP_ROWS;
 
     let stride = HEAD_DIM + MMA_SMEM_PAD;
     let mut smem = SharedMemory::new();
@@ -491,9 +445,10 @@ pub(crate) unsafe fn flash_backward_q_mma<
         (kv_ring.rows_from(2 * slot * BLOCK_N), kv_ring.rows_from((2 * slot + 1) * BLOCK_N))
     };
 
-    let kv_end = mask.key_limit(q_start + q_rows - 1);
-    let all_see = mask.key_limit(q_start);
-    let kv_tiles = kv_end.div_ceil(BLOCK_N);
+    let keys = mask.keys_for(q_start, q_rows);
+    let kv_tiles = keys.tiles(BLOCK_N);
+    // A block with padding rows (past seqlen_q) masks every tile: their LSE is 0 or −∞.
+    let padded = q_start + BLOCK_M > shape.seqlen_q;
     let (k_head, v_head) = (block.kv_offset, block.kv_offset);
     let fetch_kv = |tile: usize| {
         if tile < kv_tiles {
@@ -506,7 +461,7 @@ pub(crate) unsafe fn flash_backward_q_mma<
                 v_tile.copy_rows_async(x.v.add(v_head + kv_start * HEAD_DIM), BLOCK_N, HEAD_DIM, valid, threads);
             }
         }
-        gpu::cp_async_commit();
+        hw::cp_async_commit();
     };
 
     // SAFETY: rows q_start .. q_start + q_rows of this head exist.
@@ -520,29 +475,29 @@ pub(crate) unsafe fn flash_backward_q_mma<
     // This lane's two rows' LSE (base 2) and D; padding rows get 0 (they are masked).
     let (mut lse2, mut delta) = ([0.0f32; 2], [0.0f32; 2]);
     for r in 0..2 {
-        let row = warp_row + g + 8 * r;
+        let row = warp_row + lane.half_row(r);
         if row < q_rows {
             let at = first_row / HEAD_DIM + row;
             // SAFETY: the row exists.
             unsafe { (lse2[r], delta[r]) = (*x.lse.add(at) * LOG2_E, *x.delta.add(at)) };
         }
     }
-    gpu::cp_async_wait(STAGES - 2);
-    gpu::sync_threads();
+    hw::cp_async_wait(STAGES - 2);
+    hw::sync_threads();
     let q_frag: [FragA; D_STEPS] = core::array::from_fn(|ks| q_tile.fragment_a(warp_row, 16 * ks));
     let do_frag: [FragA; D_STEPS] = core::array::from_fn(|ks| do_tile.fragment_a(warp_row, 16 * ks));
 
     let mut acc = [[0.0f32; 4]; D_TILES];
     for tile in 0..kv_tiles {
-        gpu::cp_async_wait(STAGES - 2);
-        gpu::sync_threads();
+        hw::cp_async_wait(STAGES - 2);
+        hw::sync_threads();
         fetch_kv(tile + STAGES - 1);
         let (k_tile, v_tile) = kv_slot(tile);
         let kv_start = tile * BLOCK_N;
 
-        // Masked as in the forward pass, where a hidden or padding entry (whose LSE may be −∞
-        // or 0) gets P = 0.
-        let masked = q_start + BLOCK_M > shape.seqlen_q || kv_start + BLOCK_N > all_see;
+        // Masked as in the forward pass, and wherever the block has padding rows: a hidden or
+        // padding entry gets P = 0.
+        let masked = padded || keys.needs_mask(kv_start, BLOCK_N);
         // The tile's keys, 16 at a time: a chunk's K fragments serve S = Q·Kᵀ and, transposed
         // in registers, dQ += dS·K (as in the K/V-outer kernel).
         for chunk in 0..BLOCK_N / 16 {
@@ -564,18 +519,11 @@ pub(crate) unsafe fn flash_backward_q_mma<
             let mut p = [[0.0f32; 4]; 2];
             for half in 0..2 {
                 for e in 0..4 {
-                    p[half][e] = gpu::exp2(gpu::fma(s[half][e], scale_log2, -lse2[e / 2]));
+                    p[half][e] = hw::exp2(hw::fma(s[half][e], scale_log2, -lse2[e / 2]));
                 }
             }
             if masked {
-                for half in 0..2 {
-                    for e in 0..4 {
-                        let (row, key) = (warp_row + g + 8 * (e / 2), kv_start + k0 + 8 * half + 2 * t + e % 2);
-                        if !mask.visible(q_start + row, key) {
-                            p[half][e] = 0.0;
-                        }
-                    }
-                }
+                mask_fragments::<2, false>(&mut p, lane, 0.0, (q_start + warp_row, kv_start + k0), &mask);
             }
             let mut ds = [[0.0f32; 4]; 2];
             for half in 0..2 {
@@ -587,7 +535,7 @@ pub(crate) unsafe fn flash_backward_q_mma<
             let a = pack_a::<T>(ds[0], ds[1]);
             for step in 0..D_STEPS {
                 let k = if keep_fragments {
-                    gpu::transpose_b(k_frags[step])
+                    hw::transpose_b(k_frags[step])
                 } else {
                     k_tile.fragments_b_transposed(k0, 16 * step)
                 };
@@ -598,11 +546,13 @@ pub(crate) unsafe fn flash_backward_q_mma<
         }
     }
 
-    // The warp's own rows of the Q tile are free (only it read them): stage dQ there.
+    // The warp's own rows of the Q tile are free (only it read them): stage dQ there, once
+    // every lane is past its last read.
+    hw::sync_warp();
     // SAFETY: rows q_start .. q_start + q_rows of dQ exist.
     unsafe {
         let dst = dq.add(first_row);
-        store_warp_rows::<T, HEAD_DIM, D_TILES>(&acc, [scale; 2], q_tile, warp_row, dst, q_rows);
+        store_warp_rows::<T, HEAD_DIM, D_TILES, 1>(&[acc], [[scale; 2]], q_tile, warp_row, dst, 0, q_rows, lane);
     }
 }
 
@@ -618,7 +568,7 @@ macro_rules! flash_backward_mma_instance {
             ${concat(flash_bwd_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)},
             [dq_accum: *mut f32, dk: *mut u16, dv: *mut u16],
             |x, shape, mask, scale| flash_backward_kv_mma::<
-                gpu::$format, $m, $n, $d, $s, { $d / 16 }, { $m / 8 }, { $d / 8 }, true
+                hw::$format, $m, $n, $d, $s, { $d / 16 }, { $m / 8 }, { $d / 8 }, true
             >(x, dq_accum, dk, dv, shape, mask, scale)
         );
         flash_backward_mma_instance!(@entry
@@ -627,7 +577,7 @@ macro_rules! flash_backward_mma_instance {
             ${concat(flash_bwd_dkdv_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)},
             [dk: *mut u16, dv: *mut u16],
             |x, shape, mask, scale| flash_backward_kv_mma::<
-                gpu::$format, $m, $n, $d, $s, { $d / 16 }, { $m / 8 }, { $d / 8 }, false
+                hw::$format, $m, $n, $d, $s, { $d / 16 }, { $m / 8 }, { $d / 8 }, false
             >(x, core::ptr::null_mut(), dk, dv, shape, mask, scale)
         );
         flash_backward_mma_instance!(@entry
@@ -636,18 +586,18 @@ macro_rules! flash_backward_mma_instance {
             ${concat(flash_bwd_dq_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)},
             [dq: *mut u16],
             |x, shape, mask, scale| flash_backward_q_mma::<
-                gpu::$format, $m, $n, $d, $s, { $d / 16 }, { $n / 8 }, { $d / 8 }
+                hw::$format, $m, $n, $d, $s, { $d / 16 }, { $n / 8 }, { $d / 8 }
             >(x, dq, shape, mask, scale)
         );
     };
     (@entry $(#[$attr:meta])* $name:ident, [$($out:ident: $out_ty:ty),*],
         |$x:ident, $shape:ident, $mask:ident, $scale:ident| $body:expr) => {
-        kernel! {
+        attention_kernel! {
         $(#[$attr])*
         ///
         /// # Safety
         /// As the body it calls (`flash_backward_kv_mma` or `flash_backward_q_mma`).
-        pub unsafe fn $name(
+        fn $name(
             q: *const u16,
             k: *const u16,
             v: *const u16,
@@ -655,30 +605,12 @@ macro_rules! flash_backward_mma_instance {
             lse: *const f32,
             delta: *const f32,
             $($out: $out_ty,)*
-            batch: usize,
-            num_heads_q: usize,
-            num_heads_kv: usize,
-            seqlen_q: usize,
-            seqlen_k: usize,
-            head_dim: usize,
-            causal: usize,
-            causal_offset: isize,
-            scale: f32,
-        ) {
+        ) |$shape, $mask, $scale| {
             let $x = BackwardTensors { q, k, v, d_o, lse, delta };
-            let $shape = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
-            let $mask = Mask { seqlen_q, seqlen_k, causal: causal != 0, offset: causal_offset };
-            let $scale = scale;
             unsafe { $body }
         }
         }
     };
 }
 
-// The compiled backward tiles, `(block_m, block_n, head_dim, stages)`, each in `f16` and `bf16`
-// and for the three kernels. The K/V-outer kernels have `block_n / 16` warps, the dQ kernel
-// `block_m / 16`.
-for_each_half_format!(
-    flash_backward_mma_instance,
-    [(64, 64, 64, 2), (64, 128, 64, 2), (32, 128, 64, 2), (64, 64, 128, 2), (32, 64, 128, 2), (32, 128, 128, 2)]
-);
+sm80_backward_tiles!(flash_backward_mma_instance);

@@ -1,0 +1,165 @@
+//! The epilogue of every kernel: a block's results (O and LSE; dK and dV; dQ) from registers to
+//! device memory, written once per thread layout.
+//!
+//! | layout | rows of `HEAD_DIM` values | per-row values (LSE) |
+//! |---|---|---|
+//! | `f32` 16 × 8 thread grid (levels 3, 4) | [`store_rows`]: 16-byte stores of a thread's `4·lane + 32·g` columns | [`store_row_values`] |
+//! | m16n8 fragments, staged (levels 5, 6) | [`store_warp_rows`]: rounded to 16 bits through a warp's rows of shared memory, then whole 16-byte chunks | [`store_fragment_lse`] |
+//! | m16n8 fragments, direct (levels 8, 9) | [`store_fragment_pairs`]: one 4-byte store per pair | [`store_fragment_lse`] |
+//!
+//! Every store skips rows at or past the tile's valid rows, so a block's padding rows (the
+//! ragged end of a sequence) never touch device memory.
+
+use crate::attention::fragment::{FragmentLane, pack_row};
+use crate::hw::{self, F32x4, FragC, HalfFloat, SharedTile16};
+use crate::layout::MMA_WARP_ROWS;
+
+/// Writes `scale · acc` (this thread's rows and `head_dim` columns) to the row-major global
+/// tensor rows starting at `dst`, for the tile-local rows below `valid_rows` only.
+///
+/// # Safety
+/// `dst` points to at least `valid_rows` rows of `HEAD_DIM` floats, 16-byte aligned.
+#[inline(always)]
+pub unsafe fn store_rows<const HEAD_DIM: usize, const ROWS: usize, const DVEC: usize>(
+    acc: &[[F32x4; DVEC]; ROWS],
+    scale: [f32; ROWS],
+    dst: *mut f32,
+    valid_rows: usize,
+    first_row: usize,
+    lane: usize,
+) {
+    for i in 0..ROWS {
+        if first_row + i < valid_rows {
+            for g in 0..DVEC {
+                // SAFETY: the row is below valid_rows and the columns below HEAD_DIM.
+                unsafe { acc[i][g].scale(scale[i]).store(dst.add((first_row + i) * HEAD_DIM + 4 * lane + 32 * g)) };
+            }
+        }
+    }
+}
+
+/// Writes per-row values of the `f32` thread grid (this thread's rows `first_row + i`, the
+/// same in all 8 lanes of its row group) to `dst[first_row + i]`, from lane 0 only, for the
+/// tile-local rows below `valid_rows`.
+///
+/// # Safety
+/// `dst` points to at least `valid_rows` floats.
+#[inline(always)]
+pub unsafe fn store_row_values<const ROWS: usize>(
+    values: [f32; ROWS],
+    dst: *mut f32,
+    valid_rows: usize,
+    first_row: usize,
+    lane: usize,
+) {
+    if lane == 0 {
+        for i in 0..ROWS {
+            if first_row + i < valid_rows {
+                // SAFETY: the row is below valid_rows.
+                unsafe { *dst.add(first_row + i) = values[i] };
+            }
+        }
+    }
+}
+
+/// Writes a warp's `16 · M_TILES` rows of `HEAD_DIM` accumulated values (m-tile `r` is tile
+/// rows `row0 + 16r ..`), times `scale[r][h]` per row, rounded to 16 bits, to global memory:
+/// tile row `row` goes to row `dst_row0 + row` of `dst` (row stride `HEAD_DIM`), tile rows at or
+/// past `valid_rows` are skipped. The rows go through `staging` (the same rows of a tile that no
+/// other warp reads any more: the caller's barrier makes sure of it) so that global writes are
+/// whole 16-byte chunks.
+///
+/// # Safety
+/// `dst` holds rows `dst_row0 .. dst_row0 + valid_rows`; all lanes of the warp call it together,
+/// after a barrier past every read of those staging rows.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn store_warp_rows<T: HalfFloat, const HEAD_DIM: usize, const D_TILES: usize, const M_TILES: usize>(
+    acc: &[[FragC; D_TILES]; M_TILES],
+    scale: [[f32; 2]; M_TILES],
+    staging: SharedTile16,
+    row0: usize,
+    dst: *mut u16,
+    dst_row0: usize,
+    valid_rows: usize,
+    lane: FragmentLane,
+) {
+    for r in 0..M_TILES {
+        let s = scale[r];
+        for (dt, frag) in acc[r].iter().enumerate() {
+            for h in 0..2 {
+                let value = T::pack(frag[2 * h] * s[h], frag[2 * h + 1] * s[h]);
+                staging.store2(row0 + 16 * r + lane.g + 8 * h, 8 * dt + 2 * lane.t, value);
+            }
+        }
+    }
+    hw::sync_warp();
+    let chunks = HEAD_DIM / 8;
+    let mut chunk = hw::lane_id();
+    while chunk < MMA_WARP_ROWS * M_TILES * chunks {
+        let (row, col) = (row0 + chunk / chunks, (chunk % chunks) * 8);
+        if row < valid_rows {
+            // SAFETY: row < valid_rows, col + 8 ≤ HEAD_DIM.
+            unsafe { hw::store16(dst.add((dst_row0 + row) * HEAD_DIM + col), staging.load8(row, col)) };
+        }
+        chunk += hw::WARP_SIZE;
+    }
+}
+
+/// Writes a warp's 16 rows of accumulated values straight from its fragments, times
+/// `scale[h]` per row half, rounded to 16 bits: lane `(g, t)` stores the pair of columns
+/// `8dt + 2t` of rows `row0 + g` and `row0 + g + 8` of `dst` (row stride `HEAD_DIM`), rows at or
+/// past `valid_rows` skipped.
+///
+/// # Safety
+/// `dst` holds `valid_rows` rows of `HEAD_DIM` 16-bit values, 4-byte aligned.
+#[inline(always)]
+pub unsafe fn store_fragment_pairs<T: HalfFloat, const HEAD_DIM: usize, const D_TILES: usize>(
+    frags: &[FragC; D_TILES],
+    scale: [f32; 2],
+    dst: *mut u16,
+    row0: usize,
+    valid_rows: usize,
+    lane: FragmentLane,
+) {
+    for (dt, frag) in frags.iter().enumerate() {
+        for h in 0..2 {
+            let row = row0 + lane.half_row(h);
+            if row < valid_rows {
+                // SAFETY: row < valid_rows; the column pair is inside the row.
+                unsafe {
+                    *(dst.add(row * HEAD_DIM + 8 * dt + lane.pair_col()) as *mut u32) = pack_row::<T>(*frag, h, scale[h])
+                };
+            }
+        }
+    }
+}
+
+/// Writes the LSE of a warp's `16 · M_TILES` fragment rows: `finished[r]` is m-tile `r`'s
+/// `(1/l, LSE)` from [`crate::attention::softmax::RowSoftmax::finish`], whose half `h` is tile
+/// row `row0 + 16r + g + 8h` (the same in the 4 lanes of a row). Row `row` goes to
+/// `lse[dst_row0 + row]`, from the lanes with `t = 0`, tile rows at or past `valid_rows` skipped.
+///
+/// # Safety
+/// `lse` holds `dst_row0 + valid_rows` floats.
+#[inline(always)]
+pub unsafe fn store_fragment_lse<const M_TILES: usize>(
+    finished: &[([f32; 2], [f32; 2]); M_TILES],
+    lse: *mut f32,
+    dst_row0: usize,
+    row0: usize,
+    valid_rows: usize,
+    lane: FragmentLane,
+) {
+    if lane.t == 0 {
+        for r in 0..M_TILES {
+            for h in 0..2 {
+                let row = row0 + 16 * r + lane.g + 8 * h;
+                if row < valid_rows {
+                    // SAFETY: row < valid_rows.
+                    unsafe { *lse.add(dst_row0 + row) = finished[r].1[h] };
+                }
+            }
+        }
+    }
+}

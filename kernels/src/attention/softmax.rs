@@ -1,0 +1,140 @@
+//! The online softmax (Milakov & Gimelshein 2018; FlashAttention-2, section 3.1), written once
+//! per thread layout: per query row a running maximum `m` and a running sum `l` of
+//! exponentials under it. Folding in a tile of scores `s` raises the maximum to
+//! `m_new = max(m, max_j s_j)`, rescales what was accumulated by `alpha = 2^(m − m_new)` and adds
+//! the tile's `Σ_j 2^(s_j − m_new)`; at the end O = acc / l and LSE = (m + log₂ l) · ln 2. Scores
+//! are in base-2 units (multiplied by `scale · log₂e`), so the hardware's `exp2` does the work.
+//!
+//! * [`OnlineSoftmax`]: the `f32` kernels' 16 × 8 thread grid (levels 3): a thread holds `ROWS`
+//!   rows and every 8th column of them; a row's maximum is combined over its 8 lanes.
+//! * [`RowSoftmax`]: the m16n8 fragment layout (levels 5 and 8): a lane holds two rows (`g`,
+//!   `g + 8`) and two of every 8 columns; a row's maximum is combined over 4 lanes.
+//!
+//! A row that has seen only masked (−∞) scores keeps `m = −∞`; measuring from 0 instead keeps
+//! `2^(−∞ − (−∞)) = NaN` out, and such a row ends with O = 0 and LSE = −∞.
+
+use crate::hw::{self, FragC, LN_2};
+use crate::layout::FLASH_THREAD_COLS as LANES;
+
+/// Per-row state of the online softmax for the `ROWS` query rows of one thread.
+pub struct OnlineSoftmax<const ROWS: usize> {
+    /// Largest score seen so far (base-2 units), the same in every lane of the row group.
+    max: [f32; ROWS],
+    /// This lane's share of Σ 2^(s − max) over the columns it has seen.
+    partial_sum: [f32; ROWS],
+}
+
+impl<const ROWS: usize> OnlineSoftmax<ROWS> {
+    pub fn new() -> Self {
+        Self { max: [f32::NEG_INFINITY; ROWS], partial_sum: [0.0; ROWS] }
+    }
+
+    /// Folds one tile of scores in: replaces each score by its unnormalised probability
+    /// 2^(s − m_new) and returns, per row, the factor by which everything accumulated under the
+    /// old maximum must be rescaled. Called by all lanes of the warp together (it shuffles).
+    #[inline(always)]
+    pub fn update<const COLS: usize>(&mut self, s: &mut [[f32; COLS]; ROWS]) -> [f32; ROWS] {
+        let mut alpha = [0.0; ROWS];
+        for i in 0..ROWS {
+            let tile_max = hw::group_max::<LANES>(s[i].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)));
+            let new_max = self.max[i].max(tile_max);
+            // A row that has only seen masked (−∞) scores has no maximum yet; measuring from 0
+            // instead keeps 2^(−∞ − (−∞)) = NaN out: its probabilities and alpha are all 0.
+            let base = if new_max == f32::NEG_INFINITY { 0.0 } else { new_max };
+            alpha[i] = hw::exp2(self.max[i] - base);
+            let mut tile_sum = 0.0;
+            for x in s[i].iter_mut() {
+                *x = hw::exp2(*x - base);
+                tile_sum += *x;
+            }
+            self.partial_sum[i] = self.partial_sum[i] * alpha[i] + tile_sum;
+            self.max[i] = new_max;
+        }
+        alpha
+    }
+
+    /// Ends the pass: per row, 1 / l (to normalise the output) and the natural logsumexp
+    /// LSE = ln Σ_j e^(scale·s_j) = (m + log₂ l) · ln 2. A row that saw no key gets 1/l = 0 (so
+    /// O = 0) and LSE = −∞. Called by all lanes of the warp together (it shuffles).
+    #[inline(always)]
+    pub fn finish(&self) -> ([f32; ROWS], [f32; ROWS]) {
+        let (mut inv_sum, mut lse) = ([0.0; ROWS], [f32::NEG_INFINITY; ROWS]);
+        for i in 0..ROWS {
+            let sum = hw::group_sum::<LANES>(self.partial_sum[i]);
+            if sum > 0.0 {
+                inv_sum[i] = 1.0 / sum;
+                lse[i] = (self.max[i] + hw::log2(sum)) * LN_2;
+            }
+        }
+        (inv_sum, lse)
+    }
+}
+
+/// Online-softmax state of the two rows a lane holds (rows `g` and `g + 8` of its warp).
+pub struct RowSoftmax {
+    /// Largest score seen so far (base-2 units), the same in the 4 lanes of a row.
+    max: [f32; 2],
+    /// This lane's share of Σ 2^(s − max) (its 2 columns of every 8).
+    partial_sum: [f32; 2],
+}
+
+impl RowSoftmax {
+    #[inline(always)]
+    pub fn new() -> Self {
+        Self { max: [f32::NEG_INFINITY; 2], partial_sum: [0.0; 2] }
+    }
+
+    /// Replaces the raw scores `s` of one tile by their unnormalised probabilities
+    /// 2^(s·c − m_new), with `c` = scale·log₂e > 0, and returns, per row, the factor
+    /// `alpha = 2^(m_old − m_new)` that rescales what was accumulated before. Fragment entries
+    /// `0, 1` are row `g`, entries `2, 3` row `g + 8`. All lanes of the warp call it together (it
+    /// shuffles).
+    ///
+    /// Because `c > 0`, the largest scaled score is `c` times the largest raw one, so the scale
+    /// is applied once per row to the maximum and folded into one fused multiply-add per element
+    /// (`s·c − m`), instead of a multiplication per element before the maximum.
+    #[inline(always)]
+    pub fn update<const N_TILES: usize>(&mut self, s: &mut [FragC; N_TILES], c: f32) -> [f32; 2] {
+        let mut alpha = [0.0; 2];
+        for r in 0..2 {
+            // Four running maxima and sums instead of one: a single running value would chain
+            // 2 · N_TILES dependent instructions, each waiting for the latency of the one before.
+            let mut maxima = [f32::NEG_INFINITY; 4];
+            for (i, frag) in s.iter().enumerate() {
+                maxima[i % 4] = maxima[i % 4].max(frag[2 * r].max(frag[2 * r + 1]));
+            }
+            let tile_max = maxima[0].max(maxima[1]).max(maxima[2].max(maxima[3]));
+            let new_max = self.max[r].max(hw::group_max::<4>(tile_max) * c);
+            // A row that has seen only masked (−∞) scores measures from 0 instead, which keeps
+            // 2^(−∞ − (−∞)) = NaN out: its probabilities and alpha are all 0.
+            let base = if new_max == f32::NEG_INFINITY { 0.0 } else { new_max };
+            alpha[r] = hw::exp2(self.max[r] - base);
+            let mut sums = [0.0; 4];
+            for (i, frag) in s.iter_mut().enumerate() {
+                for x in &mut frag[2 * r..2 * r + 2] {
+                    *x = hw::exp2(hw::fma(*x, c, -base));
+                    sums[i % 4] += *x;
+                }
+            }
+            let tile_sum = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+            self.partial_sum[r] = self.partial_sum[r] * alpha[r] + tile_sum;
+            self.max[r] = new_max;
+        }
+        alpha
+    }
+
+    /// Per row: 1/l, to normalise O, and LSE = (m + log₂ l)·ln 2 (natural log). A row that saw no
+    /// key gets 1/l = 0 (O = 0) and LSE = −∞. All lanes of the warp call it together.
+    #[inline(always)]
+    pub fn finish(&self) -> ([f32; 2], [f32; 2]) {
+        let (mut inv_sum, mut lse) = ([0.0; 2], [f32::NEG_INFINITY; 2]);
+        for r in 0..2 {
+            let sum = hw::group_sum::<4>(self.partial_sum[r]);
+            if sum > 0.0 {
+                inv_sum[r] = 1.0 / sum;
+                lse[r] = (self.max[r] + hw::log2(sum)) * LN_2;
+            }
+        }
+        (inv_sum, lse)
+    }
+}

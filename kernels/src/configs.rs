@@ -1,0 +1,127 @@
+//! Every compiled kernel configuration, in one file: the tile lists of each tier, the register
+//! budgets of the Hopper kernels and the launch bounds that `host/build.rs` writes into the PTX.
+//!
+//! The kernel files instantiate their entries by calling the list macros below with an instance
+//! macro of their own; `host/build.rs` includes this file too (for [`LAUNCH_BOUNDS`]) and the
+//! host's registry is generated from the entry names that reach the PTX. To compile another tile
+//! or head_dim, add it to the list here (and, for the host to pick it by default, to its
+//! selection policy). Lists hold only what was measured to pay (PERFORMANCE.md says why each
+//! configuration is there and which ones were left out).
+//!
+//! Instance macros are called as `$instance!(block_m, block_n, head_dim)` for the `f32` tier and
+//! as `$instance!(dtype, Format, …)` for the 16-bit tiers, first for every configuration in `f16`
+//! (`hw::F16`), then in `bf16` (`hw::Bf16`).
+
+/// Calls `$instance!(block_m, block_n, head_dim)` for every compiled `f32` FlashAttention tile
+/// (levels 3 and 4): every `block_m` and `block_n` of 16, 32, 64 with every head_dim of 32, 64,
+/// 128.
+macro_rules! simt_tiles {
+    ($instance:ident) => {
+        cross_product!($instance, [16 32 64], [16 32 64], [32 64 128]);
+    };
+}
+
+/// Calls `$instance!(dtype, Format, block_m, block_n, head_dim, stages)` for every compiled
+/// tensor-core forward tile (level 5). Tiles that ptxas cannot fit in 255 registers without
+/// spilling are left out, fast or not: (128, 128) at head_dim 64 and (128, 64) at 128 measured
+/// 2–5 % faster than the tiles below but spill 72–152 bytes (PERFORMANCE.md).
+macro_rules! sm80_forward_tiles {
+    ($instance:ident) => {
+        each_half_format!(
+            $instance,
+            [
+                (64, 32, 64, 2),
+                (64, 64, 64, 2),
+                (64, 64, 64, 3),
+                (128, 64, 64, 2),
+                (64, 32, 128, 2),
+                (64, 32, 128, 3),
+                (64, 64, 128, 2),
+                (128, 32, 128, 2),
+            ]
+        );
+    };
+}
+
+/// Calls `$instance!(dtype, Format, block_m, block_n, head_dim, stages)` for every compiled
+/// tensor-core backward tile (level 6), each for its three kernels. The K/V-outer kernels have
+/// `block_n / 16` warps, the dQ kernel `block_m / 16`.
+macro_rules! sm80_backward_tiles {
+    ($instance:ident) => {
+        each_half_format!(
+            $instance,
+            [(64, 64, 64, 2), (64, 128, 64, 2), (32, 128, 64, 2), (64, 64, 128, 2), (32, 64, 128, 2), (32, 128, 128, 2)]
+        );
+    };
+}
+
+/// Calls `$instance!(dtype, Format, block_m, head_dim, block_n, stages, pingpong, variant)` for
+/// every compiled Hopper forward configuration (level 8), measured fastest on an H200. At
+/// head_dim 64 the softmax costs as much as the products: three consumer warpgroups (block_m
+/// 192) keep the tensor cores busier than two taking ping-pong turns, but make fewer, longer
+/// blocks, which lose where the grid is only a few waves deep; the host picks by grid size. At
+/// head_dim 128 the products dominate, registers allow only two consumers, and the turns only add
+/// waiting.
+#[allow(unused_macros)] // used on nvptx64 only
+macro_rules! sm90_forward_configs {
+    ($instance:ident) => {
+        each_half_format!(
+            $instance,
+            [(192, 64, 128, 2, false, s2), (128, 64, 128, 2, true, s2_pingpong), (128, 128, 128, 2, false, s2)]
+        );
+    };
+}
+
+/// Calls `$instance!(dtype, Format, head_dim, stages)` for every compiled Hopper backward
+/// configuration (level 9; 64 queries by 128 keys per tile).
+#[allow(unused_macros)] // used on nvptx64 only
+macro_rules! sm90_backward_configs {
+    ($instance:ident) => {
+        each_half_format!($instance, [(64, 2), (128, 2)]);
+    };
+}
+
+/// Per-thread register budgets of the Hopper forward after `setmaxnreg`, (producer, consumers),
+/// with two consumer warpgroups (block_m 128, 384 threads). The launch gives every thread
+/// 65536 registers / threads, rounded down to a multiple of 8: 168 for 384 threads. The producer
+/// only issues copies; the consumers take the rest: 56 + 2 · 224 = 3 · 168. (With fewer than
+/// about 48 registers the producer's loop spills a little; the consumers matter more.)
+pub const SM90_FORWARD_REGISTERS_M128: (u32, u32) = (56, 224);
+
+/// As [`SM90_FORWARD_REGISTERS_M128`] with three consumer warpgroups (block_m 192, 512
+/// threads, 128 registers each at launch): 32 + 3 · 160 = 4 · 128.
+pub const SM90_FORWARD_REGISTERS_M192: (u32, u32) = (32, 160);
+
+/// Register budgets of the Hopper backward (producer, consumers), of 168 each at launch (384
+/// threads): 40 + 2 · 232 = 3 · 168.
+pub const SM90_BACKWARD_REGISTERS: (u32, u32) = (40, 232);
+
+/// Kernels that get CUDA's `__launch_bounds__(threads, min_blocks)`, as PTX directives that
+/// `host/build.rs` writes after their parameter lists (`.maxntid threads, 1, 1` and
+/// `.minnctapersm min_blocks`): ptxas then keeps their registers low enough for `min_blocks`
+/// blocks per SM. Rust cannot attach these to a function. A name here that no kernel has fails
+/// the build.
+///
+/// * The Hopper kernels need theirs: they move registers between warpgroups with `setmaxnreg`,
+///   which works on the budget ptxas derives from the block's threads (see the register budgets
+///   above).
+/// * The head_dim-128 tensor-core forward tiles with 32-key tiles need 171 registers on their
+///   own, 3 too many for 3 blocks of 128 threads per SM (65536 / 384 = 170), and fit in 168
+///   without spilling (PERFORMANCE.md). Forcing the 64-key tile (251 registers) down to 168
+///   spills and loses: it is not bounded.
+pub const LAUNCH_BOUNDS: &[(&str, u32, u32)] = &[
+    ("hopper_flash_fwd_f16_m128_n128_d64_s2_pingpong", 384, 1),
+    ("hopper_flash_fwd_bf16_m128_n128_d64_s2_pingpong", 384, 1),
+    ("hopper_flash_fwd_f16_m128_n128_d128_s2", 384, 1),
+    ("hopper_flash_fwd_bf16_m128_n128_d128_s2", 384, 1),
+    ("hopper_flash_fwd_f16_m192_n128_d64_s2", 512, 1),
+    ("hopper_flash_fwd_bf16_m192_n128_d64_s2", 512, 1),
+    ("hopper_flash_bwd_f16_m64_n128_d64_s2", 384, 1),
+    ("hopper_flash_bwd_bf16_m64_n128_d64_s2", 384, 1),
+    ("hopper_flash_bwd_f16_m64_n128_d128_s2", 384, 1),
+    ("hopper_flash_bwd_bf16_m64_n128_d128_s2", 384, 1),
+    ("flash_fwd_f16_m64_n32_d128_s2", 128, 3),
+    ("flash_fwd_bf16_m64_n32_d128_s2", 128, 3),
+    ("flash_fwd_f16_m64_n32_d128_s3", 128, 3),
+    ("flash_fwd_bf16_m64_n32_d128_s3", 128, 3),
+];

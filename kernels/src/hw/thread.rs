@@ -1,0 +1,186 @@
+//! Level 0, what one thread does: its indices in the block and the grid, fast `exp2`/`log2`,
+//! fused multiply-add, `f32` atomics, and 16-byte loads and stores ([`F32x4`]).
+
+use core::simd::Simd;
+
+use super::backend;
+
+/// Index of this thread within its block along x (`threadIdx.x`).
+#[inline(always)]
+pub fn thread_idx_x() -> usize {
+    backend::thread_idx_x()
+}
+
+/// Index of this block within the grid along x, y and z (`blockIdx`).
+#[inline(always)]
+pub fn block_idx() -> (usize, usize, usize) {
+    backend::block_idx()
+}
+
+/// Threads per block along x (`blockDim.x`).
+#[inline(always)]
+pub fn block_dim_x() -> usize {
+    backend::block_dim_x()
+}
+
+/// Blocks in the grid along x (`gridDim.x`).
+#[inline(always)]
+pub fn grid_dim_x() -> usize {
+    backend::grid_dim_x()
+}
+
+/// This thread's index in a one-dimensional grid: `blockIdx.x · blockDim.x + threadIdx.x`.
+/// Computed in 64 bits, so grids of more than 2³¹ threads index correctly.
+#[inline(always)]
+pub fn global_thread_idx() -> usize {
+    block_idx().0 * block_dim_x() + thread_idx_x()
+}
+
+/// Number of threads in a one-dimensional grid: the step of a grid-stride loop.
+#[inline(always)]
+pub fn grid_stride() -> usize {
+    grid_dim_x() * block_dim_x()
+}
+
+/// Lanes in a warp.
+pub const WARP_SIZE: usize = 32;
+
+/// This thread's lane within its warp (0..32). Blocks in this crate are one-dimensional, so the
+/// lane is the low five bits of `threadIdx.x`.
+#[inline(always)]
+pub fn lane_id() -> usize {
+    thread_idx_x() % WARP_SIZE
+}
+
+/// This thread's warp within its block.
+#[inline(always)]
+pub fn warp_id() -> usize {
+    thread_idx_x() / WARP_SIZE
+}
+
+/// Stops the kernel; the host sees a launch failure at its next synchronisation.
+#[inline(always)]
+pub fn trap() -> ! {
+    backend::trap()
+}
+
+
+/// log₂(e). Softmax is computed with `exp2`, which the hardware has (`ex2.approx`), so scores are
+/// multiplied by this once instead of calling `exp` per element: e^x = 2^(x·log₂e).
+pub const LOG2_E: f32 = core::f32::consts::LOG2_E;
+
+/// ln(2): turns a base-2 logarithm back into a natural one, ln(x) = log₂(x)·ln 2.
+pub const LN_2: f32 = core::f32::consts::LN_2;
+
+/// 2^x with the hardware's `ex2.approx.ftz.f32` (relative error about 2⁻²²; exact 0 for x = −∞;
+/// results below 2⁻¹²⁶ flush to 0). The `.ftz` form is one instruction (`MUFU.EX2`); without it
+/// the compiler wraps the instruction in denormal handling, three more per exponential, which the
+/// softmax of attention (probabilities below 2⁻¹²⁶ are 0 to any sum that matters) does not need.
+#[inline(always)]
+pub fn exp2(x: f32) -> f32 {
+    backend::exp2(x)
+}
+
+/// log₂(x) with the hardware's `lg2.approx.f32` (absolute error about 2⁻²²; −∞ for x = 0).
+/// `core`'s `log2` has no NVPTX lowering (llc aborts), hence the intrinsic.
+#[inline(always)]
+pub fn log2(x: f32) -> f32 {
+    backend::log2(x)
+}
+
+/// a·b + c with a single rounding (`fma.rn.f32`).
+#[inline(always)]
+pub fn fma(a: f32, b: f32, c: f32) -> f32 {
+    backend::fma(a, b, c)
+}
+
+/// `*ptr += value` as one atomic read-modify-write in device memory (`red.add.f32`, which returns
+/// nothing and so is cheaper than `atom.add`). Additions from different threads land in whatever
+/// order the hardware serves them, so the rounding of the sum can differ from run to run.
+///
+/// # Safety
+/// `ptr` points to an `f32` in global memory.
+#[inline(always)]
+pub unsafe fn atomic_add(ptr: *mut f32, value: f32) {
+    // SAFETY: the caller's contract.
+    unsafe { backend::atomic_add(ptr, value) }
+}
+
+/// Four `f32` that load and store as one 16-byte access (`ld.v4.f32`), which moves a quarter of
+/// the instructions of four scalar accesses. The address must be 16-byte aligned.
+#[derive(Clone, Copy)]
+#[repr(C, align(16))]
+pub struct F32x4(pub [f32; 4]);
+
+impl F32x4 {
+    pub const ZERO: Self = Self([0.0; 4]);
+
+    /// Reads four consecutive floats; `ptr` must be 16-byte aligned.
+    ///
+    /// # Safety
+    /// `ptr..ptr+4` must be readable (global or shared memory).
+    #[inline(always)]
+    pub unsafe fn load(ptr: *const f32) -> Self {
+        // Read through a SIMD type: LLVM then emits one vector load. Copying `Self` as a plain
+        // 16-byte aggregate would be split into two 8-byte loads. (Host buffers need not be
+        // 16-byte aligned, so the emulator reads unaligned.)
+        #[cfg(target_arch = "nvptx64")]
+        let v = unsafe { (ptr as *const Simd<f32, 4>).read() };
+        #[cfg(not(target_arch = "nvptx64"))]
+        let v = unsafe { (ptr as *const Simd<f32, 4>).read_unaligned() };
+        Self(v.to_array())
+    }
+
+    /// Writes four consecutive floats; `ptr` must be 16-byte aligned.
+    ///
+    /// # Safety
+    /// `ptr..ptr+4` must be writable (global or shared memory).
+    #[inline(always)]
+    pub unsafe fn store(self, ptr: *mut f32) {
+        #[cfg(target_arch = "nvptx64")]
+        unsafe {
+            (ptr as *mut Simd<f32, 4>).write(Simd::from_array(self.0))
+        }
+        #[cfg(not(target_arch = "nvptx64"))]
+        unsafe {
+            (ptr as *mut Simd<f32, 4>).write_unaligned(Simd::from_array(self.0))
+        }
+    }
+
+    /// Σ `self[i] · other[i]`, as four fused multiply-adds onto `acc`.
+    #[inline(always)]
+    pub fn dot_add(self, other: Self, acc: f32) -> f32 {
+        let mut acc = acc;
+        for i in 0..4 {
+            acc = fma(self.0[i], other.0[i], acc);
+        }
+        acc
+    }
+
+    /// self + a·x, elementwise (fused multiply-add).
+    #[inline(always)]
+    pub fn add_scaled(self, a: f32, x: Self) -> Self {
+        let mut out = self;
+        for i in 0..4 {
+            out.0[i] = fma(a, x.0[i], out.0[i]);
+        }
+        out
+    }
+
+    /// self·a, elementwise.
+    #[inline(always)]
+    pub fn scale(self, a: f32) -> Self {
+        Self(self.0.map(|x| x * a))
+    }
+}
+
+
+/// Writes 16 bytes to global memory (`st.global.v4`); `dst` 16-byte aligned.
+///
+/// # Safety
+/// `dst..dst+16 bytes` is writable global memory.
+#[inline(always)]
+pub unsafe fn store16(dst: *mut u16, value: [u32; 4]) {
+    // SAFETY: the caller's contract.
+    unsafe { F32x4(value.map(f32::from_bits)).store(dst as *mut f32) }
+}
