@@ -23,7 +23,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use crate::context::{Backend, KernelArg};
 use crate::dtype::{DType, Element};
 use crate::error::{During, Error, Result};
-use crate::kernels::entry;
+use crate::kernels::{self, FlashKernel, HopperInstance, entry};
 use crate::layout::{hopper_backward_smem_bytes, hopper_forward_smem_bytes, hopper_forward_threads};
 use crate::ops::{AttentionOutput, DqAccumulation, Gradients, ProblemArgs, flash_config};
 use crate::problem::check_flash_grid;
@@ -115,9 +115,6 @@ pub(crate) struct HopperForward {
 }
 
 impl HopperForward {
-    /// The compiled head dimensions.
-    pub(crate) const HEAD_DIMS: [usize; 2] = [64, 128];
-
     /// Blocks per streaming multiprocessor from which the three-consumer forward (block_m 192)
     /// runs at head_dim 64, without a mask and under a causal one. Its blocks are fewer and
     /// longer than those of the two-consumer one (block_m 128, ping-pong turns). On the H200
@@ -143,22 +140,23 @@ impl HopperForward {
         let blocks_192 = rows.blocks * shape.num_heads_q * shape.batch;
         let waves = Self::waves_for_192_rows(causal != Causal::None);
         let rows_192 = head_dim == 64 && rows.full > 0 && blocks_192 >= waves * sm_count;
-        let (entry, block_m, pingpong) = match (dtype, head_dim, rows_192) {
-            (DType::F16, 64, true) => (entry::HOPPER_FLASH_FWD_F16_M192_N128_D64_S2, 192, false),
-            (DType::Bf16, 64, true) => (entry::HOPPER_FLASH_FWD_BF16_M192_N128_D64_S2, 192, false),
-            (DType::F16, 64, false) => (entry::HOPPER_FLASH_FWD_F16_M128_N128_D64_S2_PINGPONG, 128, true),
-            (DType::Bf16, 64, false) => (entry::HOPPER_FLASH_FWD_BF16_M128_N128_D64_S2_PINGPONG, 128, true),
-            (DType::F16, 128, _) => (entry::HOPPER_FLASH_FWD_F16_M128_N128_D128_S2, 128, false),
-            (DType::Bf16, 128, _) => (entry::HOPPER_FLASH_FWD_BF16_M128_N128_D128_S2, 128, false),
-            (DType::F32, _, _) => return Err(Error::Shape("the Hopper forward takes f16 or bf16 tensors".into())),
-            _ => {
-                return Err(Error::HeadDimNotCompiled {
-                    head_dim,
-                    allowed: format!("{:?} (the Hopper forward)", Self::HEAD_DIMS),
-                });
-            }
+        if dtype == DType::F32 {
+            return Err(Error::Shape("the Hopper forward takes f16 or bf16 tensors".into()));
+        }
+        // Three consumer warpgroups at head_dim 64 on deep enough grids, else two taking turns;
+        // two without turns at every other head_dim.
+        let (block_m, pingpong) = match (head_dim, rows_192) {
+            (64, true) => (192, false),
+            (64, false) => (128, true),
+            _ => (128, false),
         };
-        Ok(Self { entry, block_m, block_n: 128, stages: 2, pingpong })
+        let instance = kernels::hopper_instance(FlashKernel::Forward, dtype, (block_m, 128), head_dim, 2, pingpong)
+            .ok_or_else(|| Error::HeadDimNotCompiled {
+                head_dim,
+                allowed: format!("{:?} (the Hopper forward)", kernels::hopper_head_dims(FlashKernel::Forward)),
+            })?;
+        let HopperInstance { entry, block_m, block_n, stages, pingpong, .. } = *instance;
+        Ok(Self { entry, block_m, block_n, stages, pingpong })
     }
 
     /// The configuration as the entry names it: `m128_n128_s2`, with `_pingpong` when it applies.
@@ -189,20 +187,17 @@ impl HopperBackward {
     /// # Errors
     /// As [`HopperForward::for_problem`].
     pub(crate) fn for_problem(dtype: DType, head_dim: usize) -> Result<Self> {
-        let entry = match (dtype, head_dim) {
-            (DType::F16, 64) => entry::HOPPER_FLASH_BWD_F16_M64_N128_D64_S2,
-            (DType::Bf16, 64) => entry::HOPPER_FLASH_BWD_BF16_M64_N128_D64_S2,
-            (DType::F16, 128) => entry::HOPPER_FLASH_BWD_F16_M64_N128_D128_S2,
-            (DType::Bf16, 128) => entry::HOPPER_FLASH_BWD_BF16_M64_N128_D128_S2,
-            (DType::F32, _) => return Err(Error::Shape("the Hopper backward takes f16 or bf16 tensors".into())),
-            _ => {
-                return Err(Error::HeadDimNotCompiled {
-                    head_dim,
-                    allowed: format!("{:?} (the Hopper backward)", HopperForward::HEAD_DIMS),
-                });
-            }
-        };
-        Ok(Self { entry, stages: 2 })
+        if dtype == DType::F32 {
+            return Err(Error::Shape("the Hopper backward takes f16 or bf16 tensors".into()));
+        }
+        let tile = (Self::BLOCK_M, Self::BLOCK_N);
+        let instance = kernels::hopper_instance(FlashKernel::Backward, dtype, tile, head_dim, 2, false).ok_or_else(
+            || Error::HeadDimNotCompiled {
+                head_dim,
+                allowed: format!("{:?} (the Hopper backward)", kernels::hopper_head_dims(FlashKernel::Backward)),
+            },
+        )?;
+        Ok(Self { entry: instance.entry, stages: instance.stages })
     }
 }
 

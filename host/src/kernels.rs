@@ -114,13 +114,75 @@ pub fn flash_instance(
     })
 }
 
+/// One compiled Hopper (`sm_90a`) FlashAttention kernel, parsed from its name
+/// (`hopper_flash_fwd_f16_m192_n128_d64_s2`, `hopper_flash_fwd_f16_m128_n128_d64_s2_pingpong`,
+/// `hopper_flash_bwd_bf16_m64_n128_d128_s2`): producer and consumer warpgroups, tiles loaded by
+/// TMA into a ring of `stages` slots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HopperInstance {
+    /// Which kernel: [`FlashKernel::Forward`] or [`FlashKernel::Backward`] (dK, dV and atomic dQ).
+    pub kernel: FlashKernel,
+    /// Element type of Q, K, V, O and the gradients (`f16` or `bf16`).
+    pub dtype: DType,
+    /// Query rows per block (forward: 64 per consumer warpgroup) or per query tile (backward).
+    pub block_m: usize,
+    /// Keys per K/V tile (forward) or per block (backward).
+    pub block_n: usize,
+    /// Head dimension the instance is specialised for.
+    pub head_dim: usize,
+    /// Slots of the TMA ring.
+    pub stages: usize,
+    /// Whether the consumer warpgroups take turns to issue their products (FA3's ping-pong).
+    pub pingpong: bool,
+    /// `.entry` name in the PTX.
+    pub entry: &'static str,
+}
+
+impl HopperInstance {
+    /// The configuration as the entry names it: `m128_n128_s2`, with `_pingpong` when it applies.
+    pub fn config_name(&self) -> String {
+        let turns = if self.pingpong { "_pingpong" } else { "" };
+        format!("m{}_n{}_s{}{turns}", self.block_m, self.block_n, self.stages)
+    }
+}
+
+/// The compiled Hopper instance of `kernel` for this element type, tile, head dimension and
+/// turn-taking, if any.
+pub fn hopper_instance(
+    kernel: FlashKernel,
+    dtype: DType,
+    (block_m, block_n): (usize, usize),
+    head_dim: usize,
+    stages: usize,
+    pingpong: bool,
+) -> Option<&'static HopperInstance> {
+    HOPPER_INSTANCES.iter().find(|i| {
+        i.kernel == kernel
+            && i.dtype == dtype
+            && i.block_m == block_m
+            && i.block_n == block_n
+            && i.head_dim == head_dim
+            && i.stages == stages
+            && i.pingpong == pingpong
+    })
+}
+
+/// The head dimensions that have a compiled Hopper `kernel` (of any element type), ascending.
+pub fn hopper_head_dims(kernel: FlashKernel) -> Vec<usize> {
+    let mut dims: Vec<usize> = HOPPER_INSTANCES.iter().filter(|i| i.kernel == kernel).map(|i| i.head_dim).collect();
+    dims.sort_unstable();
+    dims.dedup();
+    dims
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn every_entry_is_in_the_ptx() {
-        for name in entry::ALL.iter().copied().chain(FLASH_INSTANCES.iter().map(|i| i.entry)) {
+        let flash = FLASH_INSTANCES.iter().map(|i| i.entry).chain(HOPPER_INSTANCES.iter().map(|i| i.entry));
+        for name in entry::ALL.iter().copied().chain(flash) {
             let module = PTX[module_of(name)];
             assert!(module.contains(&format!(".entry {name}(")), "{name} missing from its PTX module");
         }
@@ -133,6 +195,11 @@ mod tests {
             assert_eq!(MODULE_ARCHS[module], "sm_90a", "{name}");
             assert!(PTX[module].contains(&format!(".entry {name}(")), "{name} missing from the sm_90a module");
             assert!(!entry::ALL.contains(&name), "{name} is not launched by every-kernel (Hopper only)");
+        }
+        for i in HOPPER_INSTANCES {
+            assert_eq!(MODULE_ARCHS[module_of(i.entry)], "sm_90a", "{}", i.entry);
+            assert!(PTX[module_of(i.entry)].contains(&format!(".entry {}(", i.entry)), "{}", i.entry);
+            assert!(matches!(i.kernel, FlashKernel::Forward | FlashKernel::Backward), "{}", i.entry);
         }
         for (ptx, arch) in PTX.iter().zip(MODULE_ARCHS) {
             assert!(ptx.contains(&format!(".target {arch}")), "a module's PTX targets {arch}");
