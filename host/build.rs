@@ -132,7 +132,10 @@ fn main() {
 
 /// Families of FlashAttention kernels: the entry-name prefix and the `FlashKernel` variant of each.
 /// Their instances are named `{prefix}_{dtype}_m{block_m}_n{block_n}_d{head_dim}`, with a
-/// `_s{stages}` suffix for the tensor-core kernels (which have a copy pipeline).
+/// `_s{stages}` suffix for the tensor-core kernels (which have a copy pipeline). The Hopper
+/// kernels are named the same way behind a `hopper_` prefix (`hopper_flash_fwd_…`,
+/// `hopper_flash_bwd_…`), the forward ones with a `_pingpong` suffix when their consumer
+/// warpgroups take turns.
 const FLASH_FAMILIES: &[(&str, &str)] = &[
     ("flash_fwd", "Forward"),
     ("flash_bwd", "Backward"),
@@ -143,18 +146,25 @@ const FLASH_FAMILIES: &[(&str, &str)] = &[
 /// Element types in kernel names and their `DType` variants.
 const DTYPES: &[(&str, &str)] = &[("f32", "F32"), ("f16", "F16"), ("bf16", "Bf16")];
 
-/// Rust source for the kernel registry: a constant per plain kernel, and the table of
-/// FlashAttention instances parsed from their systematic names.
+/// Rust source for the kernel registry: a constant per plain kernel, and the tables of
+/// FlashAttention instances (sm_80 and Hopper) parsed from their systematic names.
 fn registry_source(entries: &[String]) -> String {
     let mut plain = String::new();
     let mut all = Vec::new();
     let mut flash = String::new();
+    let mut hopper = String::new();
     for name in entries {
         match flash_instance(name) {
-            Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages }) => writeln!(
+            Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages, hopper: false, .. }) => writeln!(
                 flash,
                 "    FlashInstance {{ kernel: FlashKernel::{variant}, dtype: DType::{dtype}, block_m: {block_m}, \
                  block_n: {block_n}, head_dim: {head_dim}, stages: {stages}, entry: {name:?} }},"
+            )
+            .unwrap(),
+            Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages, hopper: true, pingpong }) => writeln!(
+                hopper,
+                "    HopperInstance {{ kernel: FlashKernel::{variant}, dtype: DType::{dtype}, block_m: {block_m}, \
+                 block_n: {block_n}, head_dim: {head_dim}, stages: {stages}, pingpong: {pingpong}, entry: {name:?} }},"
             )
             .unwrap(),
             None => {
@@ -179,8 +189,10 @@ fn registry_source(entries: &[String]) -> String {
     format!(
         "/// `.entry` names of the kernels that have a single instance.\npub mod entry {{\n{plain}    \
          /// All of the above but the Hopper probes (which only compute capability 9.0 runs).\n    pub const ALL: &[&str] = &[{}];\n}}\n\n\
-         /// Every compiled FlashAttention instance.\n\
+         /// Every compiled FlashAttention instance of the sm_80 modules.\n\
          pub const FLASH_INSTANCES: &[FlashInstance] = &[\n{flash}];\n\n\
+         /// Every compiled Hopper (sm_90a) FlashAttention instance.\n\
+         pub const HOPPER_INSTANCES: &[HopperInstance] = &[\n{hopper}];\n\n\
          /// The CPU emulator's entry for a kernel of the PTX, by its `.entry` name.\n\
          pub fn emulated(name: &str) -> Option<&'static attn_kernels::emu::HostKernel> {{\n    match name {{\n{emulated}        _ => None,\n    }}\n}}\n",
         all.join(", ")
@@ -195,12 +207,24 @@ struct FlashName {
     block_n: usize,
     head_dim: usize,
     stages: usize,
+    /// A Hopper kernel (`hopper_` prefix).
+    hopper: bool,
+    /// A Hopper forward whose consumers take turns (`_pingpong` suffix).
+    pingpong: bool,
 }
 
-/// Parses `{family}_{dtype}_m{block_m}_n{block_n}_d{head_dim}[_s{stages}]`; `None` for other
-/// kernels.
+/// Parses `[hopper_]{family}_{dtype}_m{block_m}_n{block_n}_d{head_dim}[_s{stages}][_pingpong]`;
+/// `None` for other kernels.
 fn flash_instance(name: &str) -> Option<FlashName> {
-    let (prefix, dims) = name.rsplit_once("_m")?;
+    let (hopper, rest) = match name.strip_prefix("hopper_") {
+        Some(rest) => (true, rest),
+        None => (false, name),
+    };
+    let (pingpong, rest) = match rest.strip_suffix("_pingpong") {
+        Some(rest) if hopper => (true, rest),
+        _ => (false, rest),
+    };
+    let (prefix, dims) = rest.rsplit_once("_m")?;
     let (family, dtype) = prefix.rsplit_once('_')?;
     let (_, variant) = FLASH_FAMILIES.iter().find(|(p, _)| *p == family)?;
     let (_, dtype) = DTYPES.iter().find(|(d, _)| *d == dtype)?;
@@ -217,7 +241,7 @@ fn flash_instance(name: &str) -> Option<FlashName> {
         [m, n, d, s] => (m, n, d, s),
         _ => fail(&format!("unexpected kernel name {name}")),
     };
-    Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages })
+    Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages, hopper, pingpong })
 }
 
 /// The architecture of module group `group`.

@@ -1,9 +1,8 @@
-//! Element types of device tensors: `f32`, and the two 16-bit formats the tensor-core kernels
-//! take, IEEE half ([`half::f16`]) and bfloat16 ([`half::bf16`]).
+//! **Base layer.** Element types of device tensors: `f32`, and the two 16-bit formats the
+//! tensor-core kernels take, IEEE half ([`half::f16`]) and bfloat16 ([`half::bf16`]); and
+//! [`HostData`], values of one of them in host memory. Imports nothing of this crate.
 
 use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
-
-use crate::io::HostData;
 
 /// The element type of a tensor, as a value (for messages, tables and kernel lookup).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
@@ -50,6 +49,38 @@ impl std::str::FromStr for DType {
 
     fn from_str(s: &str) -> Result<Self, String> {
         Self::ALL.into_iter().find(|d| d.name() == s).ok_or_else(|| format!("`{s}` is not one of f32, f16, bf16"))
+    }
+}
+
+/// Values in host memory, in one of the three element types: the data of a file-level tensor
+/// ([`HostTensor`](crate::io::HostTensor)).
+#[derive(Clone, Debug, PartialEq)]
+pub enum HostData {
+    /// 32-bit floats.
+    F32(Vec<f32>),
+    /// IEEE half floats.
+    F16(Vec<half::f16>),
+    /// bfloat16.
+    Bf16(Vec<half::bf16>),
+}
+
+impl HostData {
+    /// The element type of the values.
+    pub(crate) fn dtype(&self) -> DType {
+        match self {
+            Self::F32(_) => DType::F32,
+            Self::F16(_) => DType::F16,
+            Self::Bf16(_) => DType::Bf16,
+        }
+    }
+
+    /// Number of values.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Self::F32(v) => v.len(),
+            Self::F16(v) => v.len(),
+            Self::Bf16(v) => v.len(),
+        }
     }
 }
 

@@ -1,4 +1,4 @@
-//! Tensors in files: NumPy's `.npy` and Hugging Face's `.safetensors`, read into and written from
+//! **Top layer.** Tensors in files: NumPy's `.npy` and Hugging Face's `.safetensors`, read into and written from
 //! [`HostTensor`]s (a name, a shape and the values in host memory), which move to and from
 //! [`DeviceTensor`]s. This is how tensors made by PyTorch, JAX or NumPy reach the kernels and how
 //! their results go back (the `attn` subcommand, `cli::attn`).
@@ -33,48 +33,10 @@ use half::{bf16, f16};
 use npyz::WriterBuilder;
 use safetensors::{Dtype as StDtype, SafeTensorError, SafeTensors, tensor::TensorView};
 
-use crate::context::Context;
+pub use crate::dtype::HostData;
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use crate::tensor::DeviceTensor;
-
-/// The values of a [`HostTensor`], in one of the three element types.
-#[derive(Clone, Debug, PartialEq)]
-pub enum HostData {
-    /// 32-bit floats.
-    F32(Vec<f32>),
-    /// IEEE half floats.
-    F16(Vec<f16>),
-    /// bfloat16.
-    Bf16(Vec<bf16>),
-}
-
-impl HostData {
-    fn dtype(&self) -> DType {
-        match self {
-            Self::F32(_) => DType::F32,
-            Self::F16(_) => DType::F16,
-            Self::Bf16(_) => DType::Bf16,
-        }
-    }
-
-    fn len(&self) -> usize {
-        match self {
-            Self::F32(v) => v.len(),
-            Self::F16(v) => v.len(),
-            Self::Bf16(v) => v.len(),
-        }
-    }
-
-    /// Little-endian bytes, as both file formats store them.
-    fn to_le_bytes(&self) -> Vec<u8> {
-        match self {
-            Self::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            Self::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            Self::Bf16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        }
-    }
-}
+use crate::runtime::{Context, DeviceTensor};
 
 /// A tensor in host memory: a name (the safetensors key, or the role it is read as), a shape
 /// (outermost first) and row-major values of one [`DType`]. The number of values always equals
@@ -207,6 +169,15 @@ impl HostTensor {
             DType::Bf16 => HostData::Bf16(self.to_vec()),
         };
         Self { name: self.name.clone(), shape: self.shape.clone(), data }
+    }
+}
+
+/// Little-endian bytes of `data`, as both file formats store them.
+fn le_bytes(data: &HostData) -> Vec<u8> {
+    match data {
+        HostData::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        HostData::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        HostData::Bf16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
     }
 }
 
@@ -399,7 +370,7 @@ pub fn write_safetensors(path: impl AsRef<Path>, tensors: &[HostTensor]) -> Resu
             return Err(file_error(path, Some(tensor.name()), "two tensors have this name"));
         }
     }
-    let bytes: Vec<Vec<u8>> = tensors.iter().map(|t| t.data().to_le_bytes()).collect();
+    let bytes: Vec<Vec<u8>> = tensors.iter().map(|t| le_bytes(t.data())).collect();
     let views = tensors
         .iter()
         .zip(&bytes)

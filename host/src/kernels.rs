@@ -1,12 +1,18 @@
-//! The registry of kernels in the embedded PTX.
+//! **Registry layer.** The registry of kernels in the embedded PTX, and what it says about tiles:
+//! which [`TileConfig`]s are compiled for a kernel, their threads and shared memory, and whether
+//! they fit a device ([`TileConfig::validate_kernel`]).
 //!
 //! `build.rs` compiles `kernels/` and generates, from the `.entry` names it finds in the PTX, one
-//! constant per kernel (in [`entry`]) and the table of FlashAttention instances
-//! ([`FLASH_INSTANCES`]). Host code names kernels only through these, so a kernel that is
-//! renamed or removed on the device side breaks the host build, not a launch at run time.
+//! constant per kernel (in [`entry`]) and the tables of FlashAttention instances
+//! ([`FLASH_INSTANCES`]; the Hopper ones: [`HOPPER_INSTANCES`]). Host code names kernels only
+//! through these, so a kernel that is renamed or removed on the device side breaks the host
+//! build, not a launch at run time.
 
+use crate::device::DeviceInfo;
 use crate::dtype::DType;
+use crate::error::{Error, Result};
 use crate::layout;
+use crate::problem::{DqAccumulation, TileConfig};
 
 include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 
@@ -114,13 +120,248 @@ pub fn flash_instance(
     })
 }
 
+/// One compiled Hopper (`sm_90a`) FlashAttention kernel, parsed from its name
+/// (`hopper_flash_fwd_f16_m192_n128_d64_s2`, `hopper_flash_fwd_f16_m128_n128_d64_s2_pingpong`,
+/// `hopper_flash_bwd_bf16_m64_n128_d128_s2`): producer and consumer warpgroups, tiles loaded by
+/// TMA into a ring of `stages` slots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HopperInstance {
+    /// Which kernel: [`FlashKernel::Forward`] or [`FlashKernel::Backward`] (dK, dV and atomic dQ).
+    pub kernel: FlashKernel,
+    /// Element type of Q, K, V, O and the gradients (`f16` or `bf16`).
+    pub dtype: DType,
+    /// Query rows per block (forward: 64 per consumer warpgroup) or per query tile (backward).
+    pub block_m: usize,
+    /// Keys per K/V tile (forward) or per block (backward).
+    pub block_n: usize,
+    /// Head dimension the instance is specialised for.
+    pub head_dim: usize,
+    /// Slots of the TMA ring.
+    pub stages: usize,
+    /// Whether the consumer warpgroups take turns to issue their products (FA3's ping-pong).
+    pub pingpong: bool,
+    /// `.entry` name in the PTX.
+    pub entry: &'static str,
+}
+
+impl HopperInstance {
+    /// The configuration as the entry names it: `m128_n128_s2`, with `_pingpong` when it applies.
+    pub fn config_name(&self) -> String {
+        let turns = if self.pingpong { "_pingpong" } else { "" };
+        format!("m{}_n{}_s{}{turns}", self.block_m, self.block_n, self.stages)
+    }
+}
+
+/// The compiled Hopper instance of `kernel` for this element type, tile, head dimension and
+/// turn-taking, if any.
+pub fn hopper_instance(
+    kernel: FlashKernel,
+    dtype: DType,
+    (block_m, block_n): (usize, usize),
+    head_dim: usize,
+    stages: usize,
+    pingpong: bool,
+) -> Option<&'static HopperInstance> {
+    HOPPER_INSTANCES.iter().find(|i| {
+        i.kernel == kernel
+            && i.dtype == dtype
+            && i.block_m == block_m
+            && i.block_n == block_n
+            && i.head_dim == head_dim
+            && i.stages == stages
+            && i.pingpong == pingpong
+    })
+}
+
+/// The head dimensions that have a compiled Hopper `kernel` (of any element type), ascending.
+pub fn hopper_head_dims(kernel: FlashKernel) -> Vec<usize> {
+    let mut dims: Vec<usize> = HOPPER_INSTANCES.iter().filter(|i| i.kernel == kernel).map(|i| i.head_dim).collect();
+    dims.sort_unstable();
+    dims.dedup();
+    dims
+}
+
+/// The tile methods that read the registry.
+impl TileConfig {
+    /// Warps per block of `kernel` with this tile at `dtype`.
+    pub fn warps(&self, kernel: FlashKernel, dtype: DType) -> usize {
+        kernel.threads(dtype, self.block_m, self.block_n) / 32
+    }
+
+    /// Dynamic shared memory per block of the `f32` forward kernel, in bytes, at this head_dim.
+    pub fn shared_memory_bytes(&self, head_dim: usize) -> usize {
+        self.shared_memory_bytes_for(FlashKernel::Forward, DType::F32, head_dim)
+    }
+
+    /// Dynamic shared memory per block of `kernel` at `dtype` and `head_dim`, in bytes.
+    pub fn shared_memory_bytes_for(&self, kernel: FlashKernel, dtype: DType, head_dim: usize) -> usize {
+        kernel.shared_memory_bytes(dtype, self.block_m, self.block_n, head_dim, self.stages)
+    }
+
+    /// Every compiled `f32` tile for `head_dim`, in (block_m, block_n) order. Every `f32` kernel
+    /// family is compiled for the same tiles.
+    pub fn compiled(head_dim: usize) -> Vec<Self> {
+        Self::compiled_for(FlashKernel::Forward, DType::F32, head_dim)
+    }
+
+    /// Every compiled tile of `kernel` at `dtype` and `head_dim`, in (block_m, block_n, stages)
+    /// order. The three backward families share their tiles.
+    pub fn compiled_for(kernel: FlashKernel, dtype: DType, head_dim: usize) -> Vec<Self> {
+        let mut tiles: Vec<Self> = FLASH_INSTANCES
+            .iter()
+            .filter(|i| i.kernel == kernel && i.dtype == dtype && i.head_dim == head_dim)
+            .map(|i| Self::new(i.block_m, i.block_n).with_stages(i.stages))
+            .collect();
+        tiles.sort_by_key(|t| (t.block_m, t.block_n, t.stages));
+        tiles
+    }
+
+    /// The head dimensions that have compiled kernels (of any element type).
+    pub fn compiled_head_dims() -> Vec<usize> {
+        compiled_values(|_| true, |i| i.head_dim)
+    }
+
+    /// The head dimensions that have compiled kernels for `dtype`.
+    pub fn compiled_head_dims_for(dtype: DType) -> Vec<usize> {
+        compiled_values(|i| i.dtype == dtype, |i| i.head_dim)
+    }
+
+    /// Checks that an `f32` forward kernel exists for this tile at `head_dim` and that its shared
+    /// memory fits on `device`; returns the kernel's entry name.
+    ///
+    /// # Errors
+    /// As [`TileConfig::validate_kernel`].
+    pub fn validate(&self, head_dim: usize, device: &DeviceInfo) -> Result<&'static str> {
+        self.validate_kernel(FlashKernel::Forward, DType::F32, head_dim, device)
+    }
+
+    /// [`TileConfig::validate`] for any `f32` kernel family (the backward kernels need more
+    /// shared memory than the forward one at the same tile).
+    pub fn validate_for(&self, kernel: FlashKernel, head_dim: usize, device: &DeviceInfo) -> Result<&'static str> {
+        self.validate_kernel(kernel, DType::F32, head_dim, device)
+    }
+
+    /// Checks that `kernel` is compiled for `dtype`, this tile and `head_dim`, and that its shared
+    /// memory fits on `device`; returns the kernel's entry name.
+    ///
+    /// # Errors
+    /// [`Error::HeadDimNotCompiled`], [`Error::TileNotCompiled`] (listing the compiled tiles) or
+    /// [`Error::SharedMemory`] (listing the tiles that fit).
+    pub fn validate_kernel(
+        &self,
+        kernel: FlashKernel,
+        dtype: DType,
+        head_dim: usize,
+        device: &DeviceInfo,
+    ) -> Result<&'static str> {
+        let entry = self.compiled_entry_for(kernel, dtype, head_dim)?;
+        let needed = self.shared_memory_bytes_for(kernel, dtype, head_dim);
+        if needed > device.max_shared_memory_per_block {
+            let fitting: Vec<String> = Self::compiled_for(kernel, dtype, head_dim)
+                .into_iter()
+                .filter(|t| t.shared_memory_bytes_for(kernel, dtype, head_dim) <= device.max_shared_memory_per_block)
+                .map(|t| t.describe())
+                .collect();
+            return Err(Error::SharedMemory {
+                kernel: kernel_name(kernel, dtype),
+                block_m: self.block_m,
+                block_n: self.block_n,
+                head_dim,
+                needed,
+                available: device.max_shared_memory_per_block,
+                device: device.name.clone(),
+                fitting: fitting.join(", "),
+            });
+        }
+        Ok(entry)
+    }
+
+    /// The entry name of the `f32` `kernel` compiled for this tile at `head_dim`, without
+    /// looking at a device (so it can be checked before one is opened).
+    ///
+    /// # Errors
+    /// As [`TileConfig::compiled_entry_for`].
+    pub fn compiled_entry(&self, kernel: FlashKernel, head_dim: usize) -> Result<&'static str> {
+        self.compiled_entry_for(kernel, DType::F32, head_dim)
+    }
+
+    /// The entry name of `kernel` compiled for `dtype`, this tile and `head_dim`.
+    ///
+    /// # Errors
+    /// [`Error::HeadDimNotCompiled`], or [`Error::TileNotCompiled`] listing the compiled values.
+    pub fn compiled_entry_for(&self, kernel: FlashKernel, dtype: DType, head_dim: usize) -> Result<&'static str> {
+        let head_dims = Self::compiled_head_dims_for(dtype);
+        if !head_dims.contains(&head_dim) {
+            let allowed = head_dims.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
+            return Err(Error::HeadDimNotCompiled { head_dim, allowed: format!("{allowed} (for {dtype})") });
+        }
+        flash_instance(kernel, dtype, self.block_m, self.block_n, head_dim, self.stages).map(|i| i.entry).ok_or_else(
+            || Error::TileNotCompiled {
+                kernel: kernel_name(kernel, dtype),
+                block_m: self.block_m,
+                block_n: self.block_n,
+                stages: self.stages,
+                head_dim,
+                allowed: if dtype == DType::F32 {
+                    format!("{} (stages 1)", compiled_summary())
+                } else {
+                    let tiles = Self::compiled_for(kernel, dtype, head_dim);
+                    let tiles: Vec<String> = tiles.iter().map(Self::describe).collect();
+                    let hint = if self.stages < 2 {
+                        "; tensor-core tiles have 2 or more stages: TileConfig::with_stages"
+                    } else {
+                        ""
+                    };
+                    format!("{} (block_m, block_n, stages){hint}", tiles.join(", "))
+                },
+            },
+        )
+    }
+}
+
+/// "forward" for `f32` (as before the tensor-core kernels), "f16 forward" otherwise.
+fn kernel_name(kernel: FlashKernel, dtype: DType) -> String {
+    if dtype == DType::F32 { kernel.to_string() } else { format!("{dtype} {kernel}") }
+}
+
+/// The distinct values of `value` over the compiled instances that pass `keep`, ascending.
+fn compiled_values(keep: impl Fn(&FlashInstance) -> bool, value: impl Fn(&FlashInstance) -> usize) -> Vec<usize> {
+    let mut values: Vec<usize> = FLASH_INSTANCES.iter().filter(|i| keep(i)).map(value).collect();
+    values.sort_unstable();
+    values.dedup();
+    values
+}
+
+/// "block_m ∈ {…}, block_n ∈ {…}, head_dim ∈ {…}" for the compiled `f32` instances.
+fn compiled_summary() -> String {
+    let values = |f: fn(&FlashInstance) -> usize| {
+        let v = compiled_values(|i| i.dtype == DType::F32, f);
+        v.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+    };
+    format!(
+        "block_m ∈ {{{}}}, block_n ∈ {{{}}}, head_dim ∈ {{{}}}",
+        values(|i| i.block_m),
+        values(|i| i.block_n),
+        values(|i| i.head_dim)
+    )
+}
+
+/// The kernels a backward pass launches, in order.
+pub(crate) fn backward_kernels(dq: DqAccumulation) -> &'static [FlashKernel] {
+    match dq {
+        DqAccumulation::Atomic => &[FlashKernel::Backward],
+        DqAccumulation::Deterministic => &[FlashKernel::BackwardDkDv, FlashKernel::BackwardDq],
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn every_entry_is_in_the_ptx() {
-        for name in entry::ALL.iter().copied().chain(FLASH_INSTANCES.iter().map(|i| i.entry)) {
+        let flash = FLASH_INSTANCES.iter().map(|i| i.entry).chain(HOPPER_INSTANCES.iter().map(|i| i.entry));
+        for name in entry::ALL.iter().copied().chain(flash) {
             let module = PTX[module_of(name)];
             assert!(module.contains(&format!(".entry {name}(")), "{name} missing from its PTX module");
         }
@@ -133,6 +374,11 @@ mod tests {
             assert_eq!(MODULE_ARCHS[module], "sm_90a", "{name}");
             assert!(PTX[module].contains(&format!(".entry {name}(")), "{name} missing from the sm_90a module");
             assert!(!entry::ALL.contains(&name), "{name} is not launched by every-kernel (Hopper only)");
+        }
+        for i in HOPPER_INSTANCES {
+            assert_eq!(MODULE_ARCHS[module_of(i.entry)], "sm_90a", "{}", i.entry);
+            assert!(PTX[module_of(i.entry)].contains(&format!(".entry {}(", i.entry)), "{}", i.entry);
+            assert!(matches!(i.kernel, FlashKernel::Forward | FlashKernel::Backward), "{}", i.entry);
         }
         for (ptx, arch) in PTX.iter().zip(MODULE_ARCHS) {
             assert!(ptx.contains(&format!(".target {arch}")), "a module's PTX targets {arch}");

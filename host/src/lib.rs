@@ -46,34 +46,53 @@
 
 #![warn(missing_docs)]
 
-pub mod check;
-pub mod cli;
-mod context;
-pub mod cpu;
+// The modules in layers, each importing only from the layers above it here (checked by
+// `tests/module_layers.rs`):
+//
+//   base      error, dtype, device, layout, problem      plain types; no device, no registry
+//   registry  kernels, select                            the embedded kernels; which one runs
+//   runtime   runtime (context, tensors, tensor maps,    a device and what lives on it
+//             timing)
+//   ops       ops (public API, naive, sm80, sm90,        the attention operations on a Context
+//             probes)
+//   top       io, cpu, check, tune, cli, vit             files, references, tools, apps
+
+// Base.
+mod device;
 pub mod dtype;
 mod error;
-mod hopper;
-pub mod io;
-pub mod kernels;
 /// Argument structs, block sizes and shared-memory layouts shared with the device crate (the
 /// same source file, `kernels/src/layout.rs`).
 #[path = "../../kernels/src/layout.rs"]
 pub mod layout;
-mod ops;
 mod problem;
-mod tensor;
-pub mod timing;
+
+// Registry.
+pub mod kernels;
+mod select;
+
+// Runtime.
+mod runtime;
+
+// Ops.
+mod ops;
+
+// Top.
+pub mod check;
+pub mod cli;
+pub mod cpu;
+pub mod io;
 pub mod tune;
 pub mod vit;
 
-pub use context::{Context, Device, DeviceInfo};
+pub use device::{Device, DeviceInfo};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 /// The 16-bit float types of the `half` crate, re-exported: tensors of [`struct@f16`] or [`struct@bf16`] run on
 /// the tensor-core kernels.
 pub use half::{bf16, f16};
-pub use hopper::{DescriptorOffsets, KernelPath, TensorMap};
 pub use kernels::FlashKernel;
-pub use ops::{AttentionOutput, DqAccumulation, Gradients};
-pub use problem::{AttentionOptions, AttentionShape, Causal, TileConfig};
-pub use tensor::DeviceTensor;
+pub use ops::{AttentionOutput, DescriptorOffsets, Gradients};
+pub use problem::{AttentionOptions, AttentionShape, Causal, DqAccumulation, TileConfig};
+pub use runtime::{Context, DeviceTensor, TensorMap, timing};
+pub use select::KernelPath;

@@ -1,12 +1,10 @@
-//! The problem (shapes, scale) and tile (block sizes) descriptions, validated on the host.
+//! **Base layer.** The problem (shapes, scale, mask, dQ mode) and tile (block sizes)
+//! descriptions, validated on the host. Which tiles are compiled and fit a device is the
+//! registry's ([`crate::kernels`]), which tile and kernel a problem gets the selection policy's
+//! ([`crate::select`]); both add their methods to [`TileConfig`] there.
 
-use crate::context::DeviceInfo;
-use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::kernels::{self, FLASH_INSTANCES, FlashKernel};
 pub use crate::layout::AttentionShape;
-#[allow(unused_imports)] // for docs
-use crate::ops::DqAccumulation;
 
 /// CUDA's limit on the y and z dimensions of a grid; the flash kernel puts heads on y and the
 /// batch on z.
@@ -175,6 +173,23 @@ impl AttentionOptions {
     }
 }
 
+/// How the FlashAttention backward pass accumulates dQ. Which is faster depends on the kernels:
+/// [`DqAccumulation::fastest_for`] gives the measured choice per element type
+/// ([`crate::select`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DqAccumulation {
+    /// The K/V-outer kernel adds each key tile's share of dQ to device memory with atomic adds
+    /// (for `f16`/`bf16` into an `f32` copy of dQ, rounded by a last small kernel): no second
+    /// pass over the tiles, the faster mode for `f32`, but the additions land in a different
+    /// order on every run, so the last bits of dQ can differ between runs (dK and dV never do).
+    #[default]
+    Atomic,
+    /// A second kernel, outer loop over query tiles, recomputes P and dS and sums dQ in a fixed
+    /// order: bit-identical results on every run, at the cost of recomputing the tiles.
+    Deterministic,
+}
+
 /// Tile sizes of the FlashAttention kernels: `block_m` query rows per block (the paper's Br),
 /// `block_n` key/value rows per shared-memory tile (Bc) and, for the tensor-core kernels
 /// (`f16`, `bf16`), `stages`: the slots of the `cp.async` ring that streams tiles in while earlier
@@ -215,212 +230,14 @@ impl TileConfig {
         Self { stages, ..self }
     }
 
-    /// The `f32` forward tile used when none is given, measured fastest on an H200 for each
-    /// head_dim (see `PERFORMANCE.md`).
-    pub fn default_for(head_dim: usize) -> Self {
-        Self::default_for_dtype(DType::F32, head_dim)
-    }
-
-    /// The `f32` backward tile used when none is given (see `PERFORMANCE.md`).
-    pub fn default_backward_for(head_dim: usize) -> Self {
-        Self::default_backward_for_dtype(DType::F32, head_dim)
-    }
-
-    /// The forward tile used when none is given, per element type and head_dim, measured fastest
-    /// on an H200 (see `PERFORMANCE.md`).
-    pub fn default_for_dtype(dtype: DType, head_dim: usize) -> Self {
-        match (dtype, head_dim) {
-            (DType::F32, 64) => Self::new(64, 64),
-            (DType::F32, _) => Self::new(64, 32),
-            (_, 64) => Self::new(128, 64).with_stages(2),
-            (_, _) => Self::new(128, 32).with_stages(2),
-        }
-    }
-
-    /// The backward tile used when none is given, per element type and head_dim, measured fastest
-    /// on an H200 with the dQ mode of [`DqAccumulation::fastest_for`] (see `PERFORMANCE.md`).
-    pub fn default_backward_for_dtype(dtype: DType, head_dim: usize) -> Self {
-        match (dtype, head_dim) {
-            (DType::F32, 128) => Self::new(64, 64),
-            (DType::F32, _) => Self::new(32, 64),
-            (_, 64) => Self::new(64, 128).with_stages(2),
-            (_, _) => Self::new(64, 64).with_stages(2),
-        }
-    }
-
-    /// Warps per block of `kernel` with this tile at `dtype`.
-    pub fn warps(&self, kernel: FlashKernel, dtype: DType) -> usize {
-        kernel.threads(dtype, self.block_m, self.block_n) / 32
-    }
-
-    /// Dynamic shared memory per block of the `f32` forward kernel, in bytes, at this head_dim.
-    pub fn shared_memory_bytes(&self, head_dim: usize) -> usize {
-        self.shared_memory_bytes_for(FlashKernel::Forward, DType::F32, head_dim)
-    }
-
-    /// Dynamic shared memory per block of `kernel` at `dtype` and `head_dim`, in bytes.
-    pub fn shared_memory_bytes_for(&self, kernel: FlashKernel, dtype: DType, head_dim: usize) -> usize {
-        kernel.shared_memory_bytes(dtype, self.block_m, self.block_n, head_dim, self.stages)
-    }
-
-    /// Every compiled `f32` tile for `head_dim`, in (block_m, block_n) order. Every `f32` kernel
-    /// family is compiled for the same tiles.
-    pub fn compiled(head_dim: usize) -> Vec<Self> {
-        Self::compiled_for(FlashKernel::Forward, DType::F32, head_dim)
-    }
-
-    /// Every compiled tile of `kernel` at `dtype` and `head_dim`, in (block_m, block_n, stages)
-    /// order. The three backward families share their tiles.
-    pub fn compiled_for(kernel: FlashKernel, dtype: DType, head_dim: usize) -> Vec<Self> {
-        let mut tiles: Vec<Self> = FLASH_INSTANCES
-            .iter()
-            .filter(|i| i.kernel == kernel && i.dtype == dtype && i.head_dim == head_dim)
-            .map(|i| Self::new(i.block_m, i.block_n).with_stages(i.stages))
-            .collect();
-        tiles.sort_by_key(|t| (t.block_m, t.block_n, t.stages));
-        tiles
-    }
-
-    /// The head dimensions that have compiled kernels (of any element type).
-    pub fn compiled_head_dims() -> Vec<usize> {
-        compiled_values(|_| true, |i| i.head_dim)
-    }
-
-    /// The head dimensions that have compiled kernels for `dtype`.
-    pub fn compiled_head_dims_for(dtype: DType) -> Vec<usize> {
-        compiled_values(|i| i.dtype == dtype, |i| i.head_dim)
-    }
-
-    /// Checks that an `f32` forward kernel exists for this tile at `head_dim` and that its shared
-    /// memory fits on `device`; returns the kernel's entry name.
-    ///
-    /// # Errors
-    /// As [`TileConfig::validate_kernel`].
-    pub fn validate(&self, head_dim: usize, device: &DeviceInfo) -> Result<&'static str> {
-        self.validate_kernel(FlashKernel::Forward, DType::F32, head_dim, device)
-    }
-
-    /// [`TileConfig::validate`] for any `f32` kernel family (the backward kernels need more
-    /// shared memory than the forward one at the same tile).
-    pub fn validate_for(&self, kernel: FlashKernel, head_dim: usize, device: &DeviceInfo) -> Result<&'static str> {
-        self.validate_kernel(kernel, DType::F32, head_dim, device)
-    }
-
-    /// Checks that `kernel` is compiled for `dtype`, this tile and `head_dim`, and that its shared
-    /// memory fits on `device`; returns the kernel's entry name.
-    ///
-    /// # Errors
-    /// [`Error::HeadDimNotCompiled`], [`Error::TileNotCompiled`] (listing the compiled tiles) or
-    /// [`Error::SharedMemory`] (listing the tiles that fit).
-    pub fn validate_kernel(
-        &self,
-        kernel: FlashKernel,
-        dtype: DType,
-        head_dim: usize,
-        device: &DeviceInfo,
-    ) -> Result<&'static str> {
-        let entry = self.compiled_entry_for(kernel, dtype, head_dim)?;
-        let needed = self.shared_memory_bytes_for(kernel, dtype, head_dim);
-        if needed > device.max_shared_memory_per_block {
-            let fitting: Vec<String> = Self::compiled_for(kernel, dtype, head_dim)
-                .into_iter()
-                .filter(|t| t.shared_memory_bytes_for(kernel, dtype, head_dim) <= device.max_shared_memory_per_block)
-                .map(|t| t.describe())
-                .collect();
-            return Err(Error::SharedMemory {
-                kernel: kernel_name(kernel, dtype),
-                block_m: self.block_m,
-                block_n: self.block_n,
-                head_dim,
-                needed,
-                available: device.max_shared_memory_per_block,
-                device: device.name.clone(),
-                fitting: fitting.join(", "),
-            });
-        }
-        Ok(entry)
-    }
-
-    /// The entry name of the `f32` `kernel` compiled for this tile at `head_dim`, without
-    /// looking at a device (so it can be checked before one is opened).
-    ///
-    /// # Errors
-    /// As [`TileConfig::compiled_entry_for`].
-    pub fn compiled_entry(&self, kernel: FlashKernel, head_dim: usize) -> Result<&'static str> {
-        self.compiled_entry_for(kernel, DType::F32, head_dim)
-    }
-
-    /// The entry name of `kernel` compiled for `dtype`, this tile and `head_dim`.
-    ///
-    /// # Errors
-    /// [`Error::HeadDimNotCompiled`], or [`Error::TileNotCompiled`] listing the compiled values.
-    pub fn compiled_entry_for(&self, kernel: FlashKernel, dtype: DType, head_dim: usize) -> Result<&'static str> {
-        let head_dims = Self::compiled_head_dims_for(dtype);
-        if !head_dims.contains(&head_dim) {
-            let allowed = head_dims.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
-            return Err(Error::HeadDimNotCompiled { head_dim, allowed: format!("{allowed} (for {dtype})") });
-        }
-        kernels::flash_instance(kernel, dtype, self.block_m, self.block_n, head_dim, self.stages)
-            .map(|i| i.entry)
-            .ok_or_else(|| Error::TileNotCompiled {
-                kernel: kernel_name(kernel, dtype),
-                block_m: self.block_m,
-                block_n: self.block_n,
-                stages: self.stages,
-                head_dim,
-                allowed: if dtype == DType::F32 {
-                    format!("{} (stages 1)", compiled_summary())
-                } else {
-                    let tiles = Self::compiled_for(kernel, dtype, head_dim);
-                    let tiles: Vec<String> = tiles.iter().map(Self::describe).collect();
-                    let hint = if self.stages < 2 {
-                        "; tensor-core tiles have 2 or more stages: TileConfig::with_stages"
-                    } else {
-                        ""
-                    };
-                    format!("{} (block_m, block_n, stages){hint}", tiles.join(", "))
-                },
-            })
-    }
-
     /// `(block_m, block_n)`, or `(block_m, block_n, stages)` for a pipelined tile.
-    fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         if self.stages > 1 {
             format!("({}, {}, {})", self.block_m, self.block_n, self.stages)
         } else {
             format!("({}, {})", self.block_m, self.block_n)
         }
     }
-}
-
-/// "forward" for `f32` (as before the tensor-core kernels), "f16 forward" otherwise.
-fn kernel_name(kernel: FlashKernel, dtype: DType) -> String {
-    if dtype == DType::F32 { kernel.to_string() } else { format!("{dtype} {kernel}") }
-}
-
-/// The distinct values of `value` over the compiled instances that pass `keep`, ascending.
-fn compiled_values(
-    keep: impl Fn(&kernels::FlashInstance) -> bool,
-    value: impl Fn(&kernels::FlashInstance) -> usize,
-) -> Vec<usize> {
-    let mut values: Vec<usize> = FLASH_INSTANCES.iter().filter(|i| keep(i)).map(value).collect();
-    values.sort_unstable();
-    values.dedup();
-    values
-}
-
-/// "block_m ∈ {…}, block_n ∈ {…}, head_dim ∈ {…}" for the compiled `f32` instances.
-fn compiled_summary() -> String {
-    let values = |f: fn(&kernels::FlashInstance) -> usize| {
-        let v = compiled_values(|i| i.dtype == DType::F32, f);
-        v.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
-    };
-    format!(
-        "block_m ∈ {{{}}}, block_n ∈ {{{}}}, head_dim ∈ {{{}}}",
-        values(|i| i.block_m),
-        values(|i| i.block_n),
-        values(|i| i.head_dim)
-    )
 }
 
 /// Checks the grid limits of the flash kernel (heads on grid y, batch on grid z).

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::check::random_normal;
 use crate::dtype::from_f32_slice;
-use crate::ops::backward_kernels;
+use crate::kernels::backward_kernels;
 use crate::timing::{tflops, time_gpu};
 use crate::{
     AttentionOptions, AttentionShape, Causal, Context, DType, DeviceInfo, DqAccumulation, Element, Error, FlashKernel,

@@ -519,10 +519,10 @@ fn tensor_core_rows<T: Element>(
         let d = shape.head_dim;
         let (forward_default, backward_default) =
             (TileConfig::default_for_dtype(dtype, d), TileConfig::default_backward_for_dtype(dtype, d));
-        if ctx.hopper_forward_for(dtype, &shape, case.causal, forward_default).is_some() {
+        if ctx.target().hopper_forward(dtype, &shape, case.causal, forward_default).is_some() {
             tile = forward_default;
         }
-        if ctx.hopper_backward_for(dtype, d, backward_default, DqAccumulation::Atomic).is_some() {
+        if ctx.target().hopper_backward(dtype, d, backward_default, DqAccumulation::Atomic).is_some() {
             (backward_tile, mode) = (backward_default, DqAccumulation::Atomic);
         }
     }

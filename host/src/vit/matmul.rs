@@ -9,8 +9,8 @@ use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::CudaStream;
 use rayon::prelude::*;
 
-use crate::context::Context;
 use crate::error::{During, Error, Result};
+use crate::runtime::Context;
 
 /// Where a [`Matmul`] computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,8 +1,8 @@
-//! Timing GPU work with CUDA events.
+//! **Runtime layer.** Timing GPU work with CUDA events.
 
 use cudarc::driver::sys::CUevent_flags;
 
-use crate::context::Context;
+use super::context::Context;
 use crate::error::{During, Result};
 
 /// Statistics of repeated GPU timings, in milliseconds.

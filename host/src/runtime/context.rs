@@ -1,87 +1,28 @@
-//! The context: a CUDA device with one stream and the embedded PTX module loaded once, or the CPU
-//! emulator running the same kernels' source on the host.
+//! **Runtime layer.** The context: a CUDA device with one stream and the embedded PTX module
+//! loaded once, or the CPU emulator running the same kernels' source on the host. It owns what
+//! needs the device: tensors' memory ([`Context::upload`]), kernel launches (`Context::launch`),
+//! the kernel path and the tensor-map cache. The attention operations on it are in
+//! [`crate::ops`].
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use attn_kernels::emu::{Arg, Launch};
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::sys::{
+    CUdevice_attribute, CUfunction_attribute, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill,
+    CUtensorMapInterleave, CUtensorMapL2promotion, CUtensorMapSwizzle,
+};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig};
 use cudarc::nvrtc::Ptx;
 
+use super::kernel_arg::KernelArg;
+use super::tensor::{DeviceTensor, HostBuffer, Storage, element_count};
+use super::tensor_map::{TensorMapCache, TensorMaps};
+use crate::device::{Device, DeviceInfo};
 use crate::dtype::{DType, Element};
 use crate::error::{During, Error, Result};
-use crate::hopper::KernelPath;
 use crate::kernels;
-use crate::tensor::{DeviceTensor, Storage};
-
-/// Where a [`Context`] runs kernels.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Device {
-    /// The CUDA device with this ordinal.
-    Gpu(usize),
-    /// The CPU emulator (`attn_kernels::emu`): the same kernel source run with one OS thread per
-    /// GPU thread, checking shared-memory bounds, races and barriers. Slow by design: for
-    /// testing, learning and debugging on machines without a GPU, not for timing.
-    CpuEmulated,
-}
-
-impl std::str::FromStr for Device {
-    type Err = String;
-
-    /// `0`, `1`, … for a GPU ordinal, or `cpu-emulated`.
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "cpu-emulated" => Ok(Self::CpuEmulated),
-            _ => s
-                .parse()
-                .map(Self::Gpu)
-                .map_err(|_| format!("`{s}` is neither a GPU ordinal (0, 1, …) nor `cpu-emulated`")),
-        }
-    }
-}
-
-impl std::fmt::Display for Device {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Gpu(ordinal) => write!(f, "GPU {ordinal}"),
-            Self::CpuEmulated => f.write_str("CPU emulator"),
-        }
-    }
-}
-
-/// Facts about the device that decide what can be launched on it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DeviceInfo {
-    /// Device ordinal, as in `CUDA_VISIBLE_DEVICES` order.
-    pub ordinal: usize,
-    /// Marketing name, e.g. "NVIDIA H200".
-    pub name: String,
-    /// Compute capability (major, minor), e.g. (9, 0) for Hopper.
-    pub compute_capability: (i32, i32),
-    /// Streaming multiprocessors.
-    pub sm_count: usize,
-    /// Largest dynamic shared memory one block may ask for, in bytes, once the kernel opts in
-    /// (`CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN`; 227 KiB on Hopper).
-    pub max_shared_memory_per_block: usize,
-    /// Device memory, in bytes.
-    pub total_memory: usize,
-}
-
-impl std::fmt::Display for DeviceInfo {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let (major, minor) = self.compute_capability;
-        write!(
-            f,
-            "{} (device {}, compute capability {major}.{minor}, {} SMs, {} KiB shared memory per block, {:.1} GiB)",
-            self.name,
-            self.ordinal,
-            self.sm_count,
-            self.max_shared_memory_per_block / 1024,
-            self.total_memory as f64 / (1u64 << 30) as f64
-        )
-    }
-}
+use crate::select::{KernelPath, Target};
 
 /// A CUDA device with the kernels of this crate loaded, and the stream every operation runs on;
 /// or the CPU emulator ([`Context::cpu_emulated`]).
@@ -108,8 +49,8 @@ pub(crate) enum Backend {
         stream: Arc<CudaStream>,
         modules: Vec<Option<Arc<CudaModule>>>,
         /// The Hopper kernels' tensor maps already in device memory, by content
-        /// ([`crate::hopper::TensorMapCache`]).
-        tensor_maps: crate::hopper::TensorMapCache,
+        /// ([`TensorMapCache`]).
+        tensor_maps: TensorMapCache,
     },
     Emulated,
 }
@@ -361,7 +302,7 @@ impl Context {
             arg.push(&mut builder)?;
         }
         // SAFETY: every caller passes the arguments in the order and types of the kernel's
-        // signature (see `ops.rs`), with buffers whose sizes it checked against the shape.
+        // signature (see `ops/`), with buffers whose sizes it checked against the shape.
         unsafe { builder.launch(config) }.during(format!("launching {entry}"))?;
         Ok(())
     }
@@ -378,6 +319,163 @@ impl Context {
         // SAFETY: as for the GPU launch: the arguments match the kernel's signature and every
         // pointer is a live host buffer of the size the shapes say.
         unsafe { attn_kernels::emu::launch(kernel, launch, &args) }.map_err(|e| Error::Emulated(Box::new(e)))
+    }
+
+    // The tensors: made here, so that the tensor module does not know the context.
+
+    /// Copies host data of the given shape to a new device tensor.
+    ///
+    /// # Errors
+    /// [`Error::Length`] when `values.len()` is not the product of `shape`; [`Error::Driver`]
+    /// when the allocation fails (e.g. out of device memory).
+    pub fn upload<T: Element>(&self, values: &[T], shape: &[usize]) -> Result<DeviceTensor<T>> {
+        let expected = element_count(shape)?;
+        if values.len() != expected {
+            return Err(Error::Length { expected, got: values.len() });
+        }
+        let storage = match self.cuda_stream() {
+            Some(stream) => Storage::Cuda(stream.clone_htod(values).during("allocating and filling a device tensor")?),
+            None => Storage::Host(HostBuffer::new(values.to_vec())),
+        };
+        Ok(DeviceTensor::from_storage(storage, shape, self.id()))
+    }
+
+    /// A new device tensor with every element set to `value`: zeros, or NaN to poison an output
+    /// so that any element a kernel fails to write shows up.
+    pub fn full<T: Element>(&self, shape: &[usize], value: T) -> Result<DeviceTensor<T>> {
+        let n = element_count(shape)?;
+        self.upload(&vec![value; n], shape)
+    }
+
+    /// A new device tensor whose contents are unspecified; for outputs a kernel overwrites whole.
+    pub(crate) fn alloc_output<T: Element>(&self, shape: &[usize]) -> Result<DeviceTensor<T>> {
+        let n = element_count(shape)?;
+        let storage = match self.cuda_stream() {
+            // SAFETY: the element types have no invalid bit patterns, and callers overwrite every
+            // element before it is read.
+            Some(stream) => {
+                Storage::Cuda(unsafe { stream.alloc::<T>(n) }.during(format!("allocating a {shape:?} tensor"))?)
+            }
+            // The emulator's "uninitialised" memory is NaN, so an unwritten element shows.
+            None => Storage::Host(HostBuffer::new(vec![T::from_f32(f32::NAN); n])),
+        };
+        Ok(DeviceTensor::from_storage(storage, shape, self.id()))
+    }
+
+    /// Sets every element of `tensor` to zero (queued on the stream on a GPU).
+    pub(crate) fn fill_zeros<T: Element>(&self, tensor: &mut DeviceTensor<T>) -> Result<()> {
+        match (tensor.storage_mut(), self.cuda_stream()) {
+            (Storage::Cuda(data), Some(stream)) => stream.memset_zeros(data).during("zeroing a tensor"),
+            (Storage::Host(data), _) => {
+                data.as_mut_slice().fill(T::default());
+                Ok(())
+            }
+            (Storage::Cuda(_), None) => Err(Error::Shape("a GPU tensor was given to the CPU emulator".into())),
+        }
+    }
+
+    // The kernel path.
+
+    /// Whether this context loaded the `sm_90a` kernels: a GPU of compute capability 9.0.
+    pub fn has_hopper_kernels(&self) -> bool {
+        match &self.backend {
+            Backend::Cuda { modules, .. } => modules.iter().all(Option::is_some),
+            Backend::Emulated => false,
+        }
+    }
+
+    /// `Ok` if this context loaded the sm_90a kernels.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] naming the device otherwise.
+    pub(crate) fn require_hopper_kernels(&self) -> Result<()> {
+        if self.has_hopper_kernels() {
+            Ok(())
+        } else {
+            Err(Error::Unsupported { what: "the sm_90a kernels (wgmma, TMA)", device: self.device().name.clone() })
+        }
+    }
+
+    /// The kernel path of this context (see [`KernelPath`]).
+    pub fn kernel_path(&self) -> KernelPath {
+        self.kernel_path
+    }
+
+    /// This context on kernel path `path`.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for [`KernelPath::Sm90a`] on a context without the sm_90a kernels
+    /// (another GPU, or the CPU emulator).
+    pub fn with_kernel_path(mut self, path: KernelPath) -> Result<Self> {
+        if path == KernelPath::Sm90a {
+            self.require_hopper_kernels()?;
+        }
+        self.kernel_path = path;
+        Ok(self)
+    }
+
+    /// What the selection policy reads about this context: its kernel path and device.
+    pub(crate) fn target(&self) -> Target<'_> {
+        Target { path: self.kernel_path, device: &self.info }
+    }
+
+    // Tensor maps (TMA).
+
+    /// Copies tensor maps back to back into one device buffer, the Hopper kernels' first argument
+    /// (they are read by TMA, from global memory).
+    pub(crate) fn upload_tensor_maps(&self, maps: &[CUtensorMap]) -> Result<TensorMaps> {
+        let Backend::Cuda { stream, tensor_maps, .. } = &self.backend else {
+            return Err(Error::NotOnEmulator("tensor maps (TMA)"));
+        };
+        let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
+        Ok(TensorMaps { maps: tensor_maps.get(stream, &words)? })
+    }
+
+    /// Encodes a tensor map of `tensor` with `cuTensorMapEncodeTiled`: `dims` and
+    /// `box_dims` innermost first, `strides` in bytes for every dimension but the innermost.
+    pub(crate) fn encode_tensor_map<T: Element>(
+        &self,
+        tensor: &DeviceTensor<T>,
+        dims: &[u64],
+        strides: &[u64],
+        box_dims: &[u32],
+        swizzle: CUtensorMapSwizzle,
+    ) -> Result<CUtensorMap> {
+        let Backend::Cuda { stream, .. } = &self.backend else {
+            return Err(Error::NotOnEmulator("tensor maps (TMA)"));
+        };
+        let data_type = match T::DTYPE {
+            DType::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+            DType::Bf16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            DType::F32 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+        };
+        let rank = dims.len();
+        debug_assert!(box_dims.len() == rank && strides.len() + 1 == rank);
+        let slice = tensor.cuda_slice().expect("a GPU tensor on a GPU context");
+        let (address, _guard) = cudarc::driver::DevicePtr::device_ptr(slice, stream);
+        let element_strides = vec![1u32; rank];
+        let mut map = CUtensorMap { opaque: [0; 16] };
+        // SAFETY: every pointer refers to a live local array of the length `rank` implies (the
+        // strides one shorter); the address is the tensor's device allocation.
+        unsafe {
+            cudarc::driver::sys::cuTensorMapEncodeTiled(
+                &mut map,
+                data_type,
+                rank as u32,
+                address as *mut std::ffi::c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                box_dims.as_ptr(),
+                element_strides.as_ptr(),
+                CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                swizzle,
+                CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+            .result()
+        }
+        .during("encoding a tensor map (cuTensorMapEncodeTiled)")?;
+        Ok(map)
     }
 }
 
@@ -400,51 +498,4 @@ fn pool_attribute(
     };
     result.during("accessing the memory pool's usage counters")?;
     Ok(data)
-}
-
-/// A value that can be passed to a kernel: a tensor (its address) or a scalar.
-pub(crate) trait KernelArg {
-    /// Pushes the value onto a CUDA launch.
-    fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) -> Result<()>;
-    /// The value as the emulator passes it.
-    fn emulated(&self) -> Result<Arg>;
-}
-
-macro_rules! scalar_kernel_arg {
-    ($($t:ty => $variant:ident),*) => {$(
-        impl KernelArg for $t {
-            fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) -> Result<()> {
-                builder.arg(self);
-                Ok(())
-            }
-
-            fn emulated(&self) -> Result<Arg> {
-                Ok(Arg::$variant(*self))
-            }
-        }
-    )*};
-}
-scalar_kernel_arg!(f32 => F32, usize => Usize, isize => Isize);
-
-impl<T: Element> KernelArg for DeviceTensor<T> {
-    fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) -> Result<()> {
-        match self.storage() {
-            Storage::Cuda(data) => {
-                builder.arg(data);
-                Ok(())
-            }
-            Storage::Host(_) => Err(Error::Shape("an emulator tensor was passed to a GPU kernel".into())),
-        }
-    }
-
-    fn emulated(&self) -> Result<Arg> {
-        match self.storage() {
-            // The emulated kernels take 16-bit tensors as raw bits.
-            Storage::Host(data) => Ok(match T::DTYPE {
-                DType::F32 => Arg::Ptr(data.as_ptr() as *mut f32),
-                DType::F16 | DType::Bf16 => Arg::Ptr16(data.as_ptr() as *mut u16),
-            }),
-            Storage::Cuda(_) => Err(Error::Shape("a GPU tensor was passed to an emulated kernel".into())),
-        }
-    }
 }

@@ -1,16 +1,16 @@
-//! Device tensors: a buffer of `f32`, `f16` or `bf16` in device memory (HBM) that knows its
-//! shape, or, on the CPU emulator, its stand-in in host memory.
+//! **Runtime layer.** Device tensors: a buffer of `f32`, `f16` or `bf16` in device memory (HBM) that knows its
+//! shape, or, on the CPU emulator, its stand-in in host memory. The [`Context`](crate::Context) makes them
+//! ([`Context::upload`](crate::Context::upload), `runtime/context.rs`); this module does not know the context.
 
 use std::ptr::NonNull;
 
 use cudarc::driver::CudaSlice;
 
-use crate::context::Context;
 use crate::dtype::Element;
 use crate::error::{During, Error, Result};
 
 /// A row-major tensor of `T` (`f32` by default; [`half::f16`] or [`half::bf16`] for the
-/// tensor-core kernels) on a [`Context`]'s device. Shapes are given outermost first, e.g.
+/// tensor-core kernels) on a [`Context`](crate::Context)'s device. Shapes are given outermost first, e.g.
 /// `[batch, heads, seqlen, head_dim]` for attention inputs (PyTorch's layout).
 ///
 /// The buffer is freed when the tensor is dropped. On a GPU, copies to and from the host go
@@ -18,7 +18,7 @@ use crate::error::{During, Error, Result};
 pub struct DeviceTensor<T: Element = f32> {
     storage: Storage<T>,
     shape: Vec<usize>,
-    /// The [`Context`] that made it (its id).
+    /// The [`Context`](crate::Context) that made it (its id).
     owner: u64,
 }
 
@@ -40,7 +40,7 @@ unsafe impl<T: Send> Send for HostBuffer<T> {}
 unsafe impl<T: Sync> Sync for HostBuffer<T> {}
 
 impl<T> HostBuffer<T> {
-    fn new(values: Vec<T>) -> Self {
+    pub(super) fn new(values: Vec<T>) -> Self {
         let len = values.len();
         let ptr = NonNull::new(Box::into_raw(values.into_boxed_slice()) as *mut T).expect("Box is never null");
         Self { ptr, len }
@@ -55,7 +55,7 @@ impl<T> HostBuffer<T> {
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
-    fn as_mut_slice(&mut self) -> &mut [T] {
+    pub(super) fn as_mut_slice(&mut self) -> &mut [T] {
         // SAFETY: as `as_slice`, and `&mut self` is exclusive.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
@@ -127,7 +127,7 @@ impl<T: Element> DeviceTensor<T> {
     }
 
     /// The device buffer, for use with other CUDA libraries (cuBLAS, NVRTC-compiled kernels) on
-    /// the context's stream ([`Context::cuda_stream`]); `None` on the emulator.
+    /// the context's stream ([`Context::cuda_stream`](crate::Context::cuda_stream)); `None` on the emulator.
     pub fn cuda_slice(&self) -> Option<&CudaSlice<T>> {
         match &self.storage {
             Storage::Cuda(slice) => Some(slice),
@@ -154,64 +154,17 @@ impl<T: Element> DeviceTensor<T> {
     pub(crate) fn owner(&self) -> u64 {
         self.owner
     }
+
+    /// A tensor of `storage` with `shape`, made by the context with id `owner`.
+    pub(super) fn from_storage(storage: Storage<T>, shape: &[usize], owner: u64) -> Self {
+        Self { storage, shape: shape.to_vec(), owner }
+    }
 }
 
-fn element_count(shape: &[usize]) -> Result<usize> {
+/// The product of `shape`, checked.
+pub(super) fn element_count(shape: &[usize]) -> Result<usize> {
     shape
         .iter()
         .try_fold(1usize, |n, &d| n.checked_mul(d))
         .ok_or_else(|| Error::Shape(format!("{shape:?} has more elements than fit in memory")))
-}
-
-impl Context {
-    /// Copies host data of the given shape to a new device tensor.
-    ///
-    /// # Errors
-    /// [`Error::Length`] when `values.len()` is not the product of `shape`; [`Error::Driver`]
-    /// when the allocation fails (e.g. out of device memory).
-    pub fn upload<T: Element>(&self, values: &[T], shape: &[usize]) -> Result<DeviceTensor<T>> {
-        let expected = element_count(shape)?;
-        if values.len() != expected {
-            return Err(Error::Length { expected, got: values.len() });
-        }
-        let storage = match self.cuda_stream() {
-            Some(stream) => Storage::Cuda(stream.clone_htod(values).during("allocating and filling a device tensor")?),
-            None => Storage::Host(HostBuffer::new(values.to_vec())),
-        };
-        Ok(DeviceTensor { storage, shape: shape.to_vec(), owner: self.id() })
-    }
-
-    /// A new device tensor with every element set to `value`: zeros, or NaN to poison an output
-    /// so that any element a kernel fails to write shows up.
-    pub fn full<T: Element>(&self, shape: &[usize], value: T) -> Result<DeviceTensor<T>> {
-        let n = element_count(shape)?;
-        self.upload(&vec![value; n], shape)
-    }
-
-    /// A new device tensor whose contents are unspecified; for outputs a kernel overwrites whole.
-    pub(crate) fn alloc_output<T: Element>(&self, shape: &[usize]) -> Result<DeviceTensor<T>> {
-        let n = element_count(shape)?;
-        let storage = match self.cuda_stream() {
-            // SAFETY: the element types have no invalid bit patterns, and callers overwrite every
-            // element before it is read.
-            Some(stream) => {
-                Storage::Cuda(unsafe { stream.alloc::<T>(n) }.during(format!("allocating a {shape:?} tensor"))?)
-            }
-            // The emulator's "uninitialised" memory is NaN, so an unwritten element shows.
-            None => Storage::Host(HostBuffer::new(vec![T::from_f32(f32::NAN); n])),
-        };
-        Ok(DeviceTensor { storage, shape: shape.to_vec(), owner: self.id() })
-    }
-
-    /// Sets every element of `tensor` to zero (queued on the stream on a GPU).
-    pub(crate) fn fill_zeros<T: Element>(&self, tensor: &mut DeviceTensor<T>) -> Result<()> {
-        match (tensor.storage_mut(), self.cuda_stream()) {
-            (Storage::Cuda(data), Some(stream)) => stream.memset_zeros(data).during("zeroing a tensor"),
-            (Storage::Host(data), _) => {
-                data.as_mut_slice().fill(T::default());
-                Ok(())
-            }
-            (Storage::Cuda(_), None) => Err(Error::Shape("a GPU tensor was given to the CPU emulator".into())),
-        }
-    }
 }

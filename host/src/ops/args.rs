@@ -1,0 +1,72 @@
+//! **Ops layer.** Kernel arguments and launch shapes shared by the operations: the problem as
+//! the kernels take it ([`ProblemArgs`]), one-dimensional grid-stride launches and the
+//! FlashAttention grids.
+
+use cudarc::driver::LaunchConfig;
+
+use crate::problem::{AttentionOptions, AttentionShape};
+use crate::runtime::{Context, KernelArg};
+
+/// Blocks for a grid-stride loop over `work` items at `per_block` items per block: enough to
+/// cover the work, but no more than 32 blocks per SM (beyond that extra blocks only queue).
+pub(super) fn grid_stride_blocks(ctx: &Context, work: usize, per_block: usize) -> u32 {
+    let wanted = work.div_ceil(per_block).max(1);
+    wanted.min(ctx.device().sm_count * 32) as u32
+}
+
+pub(super) fn one_dim(blocks: u32, threads: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads as u32, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// The problem as kernel arguments, in the kernels' order: the shape's six integers, then (with a
+/// mask) the mask flag and diagonal offset.
+pub(super) struct ProblemArgs {
+    shape: [usize; 6],
+    causal: usize,
+    causal_offset: isize,
+}
+
+impl ProblemArgs {
+    pub(super) fn new(shape: &AttentionShape, options: &AttentionOptions) -> Self {
+        let (causal, causal_offset) = options.causal.kernel_args(shape);
+        let s = shape;
+        Self {
+            shape: [s.batch, s.num_heads_q, s.num_heads_kv, s.seqlen_q, s.seqlen_k, s.head_dim],
+            causal,
+            causal_offset,
+        }
+    }
+
+    /// `head`, the six shape integers, then `tail`.
+    pub(super) fn with_shape<'a>(
+        &'a self,
+        head: &[&'a dyn KernelArg],
+        tail: &[&'a dyn KernelArg],
+    ) -> Vec<&'a dyn KernelArg> {
+        let mut args = head.to_vec();
+        args.extend(self.shape.iter().map(|a| a as &dyn KernelArg));
+        args.extend_from_slice(tail);
+        args
+    }
+
+    /// `head`, the shape, the mask flag and offset, then `tail`.
+    pub(super) fn with_mask<'a>(
+        &'a self,
+        head: &[&'a dyn KernelArg],
+        tail: &[&'a dyn KernelArg],
+    ) -> Vec<&'a dyn KernelArg> {
+        let mut args = self.with_shape(head, &[&self.causal, &self.causal_offset]);
+        args.extend_from_slice(tail);
+        args
+    }
+}
+
+/// A FlashAttention launch: a `(x, y, z)` grid of `threads`-thread blocks with `smem` bytes of
+/// dynamic shared memory.
+pub(super) fn flash_config((x, y, z): (usize, usize, usize), threads: usize, smem: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (x as u32, y as u32, z as u32),
+        block_dim: (threads as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    }
+}

@@ -1,0 +1,310 @@
+//! **Ops layer**: the public attention API on a [`Context`] and its dispatch. Each call checks
+//! its tensors, asks the selection policy ([`crate::select`]) which kernel runs and hands over to
+//! the tier that launches it:
+//!
+//! | module | what |
+//! |---|---|
+//! | `mod.rs` | [`AttentionOutput`], [`Gradients`]; FlashAttention's entry points and dispatch; shared checks and helpers |
+//! | `args` | the kernel arguments ([`ProblemArgs`](args::ProblemArgs)) and launch shapes |
+//! | `naive` | vector add and standard attention (levels 1, 2) |
+//! | `sm80` | FlashAttention on the sm_80 kernels: `f32` (levels 3, 4) and `mma.sync` (levels 5, 6) |
+//! | `sm90` | FlashAttention on the Hopper kernels (levels 8, 9) |
+//! | `probes` | the Hopper probes of `wgmma` and TMA (level 7) |
+//!
+//! Nothing below this layer imports it.
+
+mod args;
+mod naive;
+mod probes;
+mod sm80;
+mod sm90;
+
+pub use probes::DescriptorOffsets;
+
+use crate::dtype::{DType, Element};
+use crate::error::{Error, Result};
+use crate::kernels::{FlashKernel, backward_kernels, entry};
+use crate::layout::{ELEMENTWISE_THREADS, SOFTMAX_ROWS_PER_BLOCK, SOFTMAX_THREADS};
+use crate::problem::{AttentionOptions, AttentionShape, Causal, DqAccumulation, TileConfig};
+use crate::runtime::{Context, DeviceTensor};
+use crate::select::KernelPath;
+use args::{grid_stride_blocks, one_dim};
+
+/// The outputs of an attention forward pass: O in the inputs' element type, LSE always `f32`.
+#[derive(Debug)]
+pub struct AttentionOutput<T: Element = f32> {
+    /// O, `[batch, num_heads_q, seqlen_q, head_dim]`.
+    pub o: DeviceTensor<T>,
+    /// Natural-log logsumexp of each score row, LSE = ln Σ_j exp(scale · q·k_j) over the keys
+    /// the row sees (−∞ for a row that sees none), `[batch, num_heads_q, seqlen_q]`; what the
+    /// backward pass needs to recompute P.
+    pub lse: DeviceTensor,
+}
+
+/// The gradients of a loss with respect to the attention inputs, in the inputs' element type.
+#[derive(Debug)]
+pub struct Gradients<T: Element = f32> {
+    /// ∂loss/∂Q, Q's shape `[batch, num_heads_q, seqlen_q, head_dim]`.
+    pub dq: DeviceTensor<T>,
+    /// ∂loss/∂K, K's shape `[batch, num_heads_kv, seqlen_k, head_dim]` (summed over the query heads
+    /// of each group under grouped-query attention).
+    pub dk: DeviceTensor<T>,
+    /// ∂loss/∂V, V's shape.
+    pub dv: DeviceTensor<T>,
+}
+
+impl Context {
+    /// FlashAttention-2 forward pass (Dao 2023, Algorithm 1): O = softmax(Q Kᵀ · scale) V and the
+    /// logsumexp, without materialising the score matrix. Shapes and masks as
+    /// [`Context::attention_naive`]. `T` is `f32` (CUDA-core kernels) or [`half::f16`] /
+    /// [`half::bf16`] (tensor-core kernels, `f32` accumulation, LSE in `f32`); head_dim must have
+    /// compiled kernels for `T` and `tile` must be compiled for it and fit the device's shared
+    /// memory ([`TileConfig::validate_kernel`]; defaults: [`TileConfig::default_for_dtype`]).
+    ///
+    /// On the sm_90a path ([`Context::kernel_path`]) a 16-bit forward pass of head_dim 64 or 128
+    /// given the default tile runs the Hopper kernel instead
+    /// ([`Context::flash_attention_forward_hopper`]); [`Context::forward_kernel_entry`] names the
+    /// kernel a call runs.
+    ///
+    /// # Errors
+    /// [`Error::Shape`], [`Error::HeadDimNotCompiled`], [`Error::TileNotCompiled`],
+    /// [`Error::SharedMemory`], [`Error::Driver`].
+    pub fn flash_attention_forward<T: Element>(
+        &self,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        options: &AttentionOptions,
+        tile: TileConfig,
+    ) -> Result<AttentionOutput<T>> {
+        let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
+        // Validate before allocating, so a bad tile costs no device memory.
+        tile.validate_kernel(FlashKernel::Forward, T::DTYPE, shape.head_dim, self.device())?;
+        let mut out = self.alloc_attention_output(&shape)?;
+        self.flash_attention_forward_into(q, k, v, &mut out, options, tile)?;
+        Ok(out)
+    }
+
+    /// [`Context::flash_attention_forward`] into existing output tensors.
+    pub fn flash_attention_forward_into<T: Element>(
+        &self,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        out: &mut AttentionOutput<T>,
+        options: &AttentionOptions,
+        tile: TileConfig,
+    ) -> Result<()> {
+        let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
+        if let Some(kernel) = self.target().hopper_forward(T::DTYPE, &shape, options.causal, tile) {
+            return self.launch_hopper_forward(kernel, &shape, q, k, v, out, options);
+        }
+        self.flash_attention_forward_sm80_into(&shape, q, k, v, out, options, tile)
+    }
+
+    /// A short name of the kernel [`Context::flash_attention_forward`] runs for `dtype`, `shape`,
+    /// mask `causal` and `tile` on this context, for tables: the path and the configuration, e.g.
+    /// `sm_90a m192_n128_s2` or `sm_80 m64_n64_s2`.
+    pub fn forward_kernel_label(
+        &self,
+        dtype: DType,
+        shape: &AttentionShape,
+        causal: Causal,
+        tile: TileConfig,
+    ) -> String {
+        match self.target().hopper_forward(dtype, shape, causal, tile) {
+            Some(kernel) => format!("{} {}", KernelPath::Sm90a, kernel.config_name()),
+            None => format!("{} {tile}", KernelPath::Sm80),
+        }
+    }
+
+    /// The kernel entry [`Context::flash_attention_forward`] launches for element type `dtype`,
+    /// `shape`, mask `causal` and `tile` on this context: a Hopper kernel
+    /// (`hopper_flash_fwd_…`) or the sm_80 kernel of the tile.
+    ///
+    /// # Errors
+    /// As [`TileConfig::validate_kernel`].
+    pub fn forward_kernel_entry(
+        &self,
+        dtype: DType,
+        shape: &AttentionShape,
+        causal: Causal,
+        tile: TileConfig,
+    ) -> Result<&'static str> {
+        match self.target().hopper_forward(dtype, shape, causal, tile) {
+            Some(kernel) => Ok(kernel.entry),
+            None => tile.validate_kernel(FlashKernel::Forward, dtype, shape.head_dim, self.device()),
+        }
+    }
+
+    /// FlashAttention-2 backward pass (Dao 2023, Algorithm 2): dQ, dK, dV from Q, K, V, the
+    /// forward's O and LSE, and dO = ∂loss/∂O, recomputing attention tiles on chip instead of
+    /// reading a stored score matrix. Shapes: O and dO as Q, LSE `[batch, num_heads_q,
+    /// seqlen_q]`; element type, masks, scale and head_dim as
+    /// [`Context::flash_attention_forward`], which must have produced O and LSE with the same
+    /// options. `dq` selects how dQ is summed ([`DqAccumulation`]); defaults for `tile`:
+    /// [`TileConfig::default_backward_for_dtype`].
+    ///
+    /// Extra device memory, all O(seqlen): one `f32` per query row (D = rowsum(dO ∘ O)); with
+    /// 16-bit types and atomic dQ also an `f32` copy of dQ to accumulate into.
+    ///
+    /// On the sm_90a path ([`Context::kernel_path`]) a 16-bit backward pass with the default tile and [`DqAccumulation::Atomic`] runs the Hopper kernel instead
+    /// ([`Context::flash_attention_backward_hopper`]); [`Context::dq_accumulation_for`] gives the
+    /// mode that is fastest on this context.
+    ///
+    /// # Errors
+    /// As [`Context::flash_attention_forward`]; the backward kernels need more shared memory per
+    /// tile than the forward one.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_attention_backward<T: Element>(
+        &self,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        o: &DeviceTensor<T>,
+        lse: &DeviceTensor<f32>,
+        d_o: &DeviceTensor<T>,
+        options: &AttentionOptions,
+        tile: TileConfig,
+        dq: DqAccumulation,
+    ) -> Result<Gradients<T>> {
+        let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
+        for &kernel in backward_kernels(dq) {
+            tile.validate_kernel(kernel, T::DTYPE, shape.head_dim, self.device())?;
+        }
+        let mut grads = self.alloc_gradients(&shape)?;
+        self.flash_attention_backward_into(q, k, v, o, lse, d_o, &mut grads, options, tile, dq)?;
+        Ok(grads)
+    }
+
+    /// [`Context::flash_attention_backward`] into existing gradient tensors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_attention_backward_into<T: Element>(
+        &self,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        o: &DeviceTensor<T>,
+        lse: &DeviceTensor<f32>,
+        d_o: &DeviceTensor<T>,
+        grads: &mut Gradients<T>,
+        options: &AttentionOptions,
+        tile: TileConfig,
+        dq: DqAccumulation,
+    ) -> Result<()> {
+        let shape = self.check_backward(q, k, v, o, lse, d_o, grads)?;
+        if let Some(kernel) = self.target().hopper_backward(T::DTYPE, shape.head_dim, tile, dq) {
+            return self.launch_hopper_backward(kernel, &shape, q, k, v, o, lse, d_o, grads, options);
+        }
+        self.flash_attention_backward_sm80_into(&shape, q, k, v, o, lse, d_o, grads, options, tile, dq)
+    }
+
+    /// The faster dQ mode for `dtype` and `head_dim` on this context: [`DqAccumulation::Atomic`]
+    /// where the Hopper backward runs (it has no deterministic mode), otherwise
+    /// [`DqAccumulation::fastest_for`].
+    pub fn dq_accumulation_for(&self, dtype: DType, head_dim: usize) -> DqAccumulation {
+        self.target().dq_accumulation(dtype, head_dim)
+    }
+
+    /// A short name of the kernel [`Context::flash_attention_backward`] runs, for tables:
+    /// `sm_90a m64_n128_s2` or `sm_80 m64_n128_s2` (see [`Context::forward_kernel_label`]).
+    pub fn backward_kernel_label(&self, dtype: DType, head_dim: usize, tile: TileConfig, dq: DqAccumulation) -> String {
+        match self.target().hopper_backward(dtype, head_dim, tile, dq) {
+            Some(kernel) => format!("{} {}", KernelPath::Sm90a, kernel.config_name()),
+            None => format!("{} {tile}", KernelPath::Sm80),
+        }
+    }
+
+    /// Rounds the `f32` dQ accumulator of the atomic backward kernels to `dq`'s 16-bit type.
+    pub(crate) fn round_dq<T: Element>(&self, accum: &DeviceTensor<f32>, dq: &mut DeviceTensor<T>) -> Result<()> {
+        let n = accum.len();
+        let convert = one_dim(grid_stride_blocks(self, n / 8, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS);
+        let entry =
+            if T::DTYPE == DType::F16 { entry::FLASH_BWD_CONVERT_DQ_F16 } else { entry::FLASH_BWD_CONVERT_DQ_BF16 };
+        self.launch(entry, convert, &[accum, &*dq, &n])
+    }
+
+    /// D = rowsum(dO ∘ O), one `f32` per query row, in a new tensor.
+    pub(crate) fn row_deltas<T: Element>(
+        &self,
+        o: &DeviceTensor<T>,
+        d_o: &DeviceTensor<T>,
+        shape: &AttentionShape,
+    ) -> Result<DeviceTensor<f32>> {
+        let delta = self.alloc_output(&shape.lse_shape())?;
+        let rows = shape.query_rows();
+        let config = one_dim(grid_stride_blocks(self, rows, SOFTMAX_ROWS_PER_BLOCK), SOFTMAX_THREADS);
+        let entry = match T::DTYPE {
+            DType::F32 => entry::FLASH_BWD_PREPROCESS_F32,
+            DType::F16 => entry::FLASH_BWD_PREPROCESS_F16,
+            DType::Bf16 => entry::FLASH_BWD_PREPROCESS_BF16,
+        };
+        self.launch(entry, config, &[o, d_o, &delta, &rows, &shape.head_dim])?;
+        Ok(delta)
+    }
+
+    /// Uninitialised O and LSE tensors for `shape`, for a kernel to overwrite whole.
+    pub(crate) fn alloc_attention_output<T: Element>(&self, shape: &AttentionShape) -> Result<AttentionOutput<T>> {
+        Ok(AttentionOutput { o: self.alloc_output(&shape.q_shape())?, lse: self.alloc_output(&shape.lse_shape())? })
+    }
+
+    /// Uninitialised dQ, dK, dV tensors for `shape`.
+    pub(crate) fn alloc_gradients<T: Element>(&self, shape: &AttentionShape) -> Result<Gradients<T>> {
+        Ok(Gradients {
+            dq: self.alloc_output(&shape.q_shape())?,
+            dk: self.alloc_output(&shape.kv_shape())?,
+            dv: self.alloc_output(&shape.kv_shape())?,
+        })
+    }
+
+    /// Checks owners and shapes of attention inputs and outputs; returns the problem shape.
+    pub(crate) fn check_attention<T: Element>(
+        &self,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        o: &DeviceTensor<T>,
+        lse: &DeviceTensor<f32>,
+    ) -> Result<AttentionShape> {
+        for (name, t) in [("q", q), ("k", k), ("v", v), ("o", o)] {
+            self.check_owner(name, t)?;
+        }
+        self.check_owner("lse", lse)?;
+        let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
+        for (name, got, want) in [("o", o.shape(), &shape.q_shape()[..]), ("lse", lse.shape(), &shape.lse_shape()[..])]
+        {
+            if got != want {
+                return Err(Error::Shape(format!("`{name}` must have shape {want:?}; got {got:?}")));
+            }
+        }
+        Ok(shape)
+    }
+
+    /// [`Context::check_attention`] plus dO and the gradients.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn check_backward<T: Element>(
+        &self,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        o: &DeviceTensor<T>,
+        lse: &DeviceTensor<f32>,
+        d_o: &DeviceTensor<T>,
+        grads: &Gradients<T>,
+    ) -> Result<AttentionShape> {
+        let shape = self.check_attention(q, k, v, o, lse)?;
+        let (q_shape, kv_shape) = (shape.q_shape(), shape.kv_shape());
+        for (name, t, want) in [
+            ("d_o", d_o, q_shape),
+            ("dq", &grads.dq, q_shape),
+            ("dk", &grads.dk, kv_shape),
+            ("dv", &grads.dv, kv_shape),
+        ] {
+            self.check_owner(name, t)?;
+            if t.shape() != want {
+                return Err(Error::Shape(format!("`{name}` must have shape {want:?}; got {:?}", t.shape())));
+            }
+        }
+        Ok(shape)
+    }
+}

@@ -1,0 +1,222 @@
+//! **Ops layer.** FlashAttention on Hopper (compute capability 9.0, PTX for `sm_90a`; levels 8
+//! and 9): the forward and backward passes of `kernels/src/flash_{forward,backward}_wgmma.rs`,
+//! launched with the tensor maps from which TMA loads their tiles. Which configuration runs is
+//! the selection policy's ([`crate::select`]); the probes of the Hopper building blocks are in
+//! [`super::probes`].
+//!
+//! The `sm_90a` module is loaded only on compute capability 9.0 ([`Context::has_hopper_kernels`]);
+//! elsewhere these calls return [`Error::Unsupported`](crate::Error::Unsupported). The CPU
+//! emulator does not run them either.
+
+use cudarc::driver::sys::{CUtensorMap, CUtensorMapSwizzle};
+
+use super::args::{ProblemArgs, flash_config};
+use super::{AttentionOutput, Gradients};
+use crate::dtype::Element;
+use crate::error::Result;
+use crate::kernels::HopperInstance;
+use crate::layout::{hopper_backward_smem_bytes, hopper_forward_smem_bytes, hopper_forward_threads};
+use crate::problem::{AttentionOptions, AttentionShape, check_flash_grid};
+use crate::runtime::{Context, DeviceTensor, KernelArg};
+use crate::select::{HopperBackward, HopperForward};
+
+/// Bytes of one row of a 128-byte swizzled box: the inner box dimension of the Hopper kernels'
+/// tensor maps.
+const SWIZZLE_ROW_BYTES: usize = 128;
+
+impl Context {
+    /// FlashAttention forward on Hopper (`kernels/src/flash_forward_wgmma.rs`, the structure of
+    /// FlashAttention-3: Shah et al. 2024, Algorithms 1 and 2): O = softmax(Q Kᵀ · scale) V and
+    /// the logsumexp, for `f16`/`bf16` tensors of head_dim 64 or 128, with the shapes, masks
+    /// (causal either alignment), GQA and scale of [`Context::flash_attention_forward`]. A block
+    /// has a producer warpgroup, which loads tiles with TMA, and consumer warpgroups of 64 query
+    /// rows each (block_n = 128, a two-stage K/V ring): two (block_m = 128) at head_dim 128; at
+    /// 64 three (block_m = 192) on grids at least one wave deep (two under a causal mask) whose
+    /// heads fill at least one block of 192 rows, else two taking ping-pong turns. On the sm_90a
+    /// path [`Context::flash_attention_forward`] runs this kernel for its default tile.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for inconsistent shapes or `f32`; [`Error::HeadDimNotCompiled`] for a
+    /// head_dim other than 64 or 128; [`Error::InvalidScale`]; [`Error::Unsupported`] off Hopper;
+    /// [`Error::Driver`].
+    pub fn flash_attention_forward_hopper<T: Element>(
+        &self,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        options: &AttentionOptions,
+    ) -> Result<AttentionOutput<T>> {
+        let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
+        HopperForward::for_problem(T::DTYPE, &shape, options.causal, self.device().sm_count)?;
+        let mut out = self.alloc_attention_output(&shape)?;
+        self.flash_attention_forward_hopper_into(q, k, v, &mut out, options)?;
+        Ok(out)
+    }
+
+    /// [`Context::flash_attention_forward_hopper`] into existing output tensors.
+    pub fn flash_attention_forward_hopper_into<T: Element>(
+        &self,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        out: &mut AttentionOutput<T>,
+        options: &AttentionOptions,
+    ) -> Result<()> {
+        let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
+        let kernel = HopperForward::for_problem(T::DTYPE, &shape, options.causal, self.device().sm_count)?;
+        self.launch_hopper_forward(kernel, &shape, q, k, v, out, options)
+    }
+
+    /// Runs the Hopper forward `kernel` on tensors of `shape`, which [`Context::check_attention`]
+    /// returned for them: the rest of [`Context::flash_attention_forward_hopper_into`], and what
+    /// [`Context::flash_attention_forward_into`] runs when the selection policy
+    /// ([`Target::hopper_forward`]) picked `kernel` (so that neither checks the tensors twice).
+    ///
+    /// [`Target::hopper_forward`]: crate::select::Target::hopper_forward
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn launch_hopper_forward<T: Element>(
+        &self,
+        kernel: &HopperInstance,
+        shape: &AttentionShape,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        out: &mut AttentionOutput<T>,
+        options: &AttentionOptions,
+    ) -> Result<()> {
+        let shape = *shape;
+        self.require_hopper_kernels()?;
+        check_flash_grid(&shape)?;
+        let scale_log2 = options.checked_scale(shape.head_dim)? * std::f32::consts::LOG2_E;
+        let (s, n) = (&shape, kernel.block_n);
+        let maps = self.upload_tensor_maps(&[
+            self.attention_tensor_map(q, s.num_heads_q, s.seqlen_q, kernel.block_m, s)?,
+            self.attention_tensor_map(k, s.num_heads_kv, s.seqlen_k, n, s)?,
+            self.attention_tensor_map(v, s.num_heads_kv, s.seqlen_k, n, s)?,
+        ])?;
+        let config = flash_config(
+            (shape.seqlen_q.div_ceil(kernel.block_m), shape.num_heads_q, shape.batch),
+            hopper_forward_threads(kernel.block_m),
+            hopper_forward_smem_bytes(kernel.block_m, kernel.block_n, shape.head_dim, kernel.stages),
+        );
+        let args = ProblemArgs::new(&shape, options);
+        let head: [&dyn KernelArg; 3] = [&maps, &out.o, &out.lse];
+        self.launch(kernel.entry, config, &args.with_mask(&head, &[&scale_log2]))
+    }
+
+    /// FlashAttention backward on Hopper (`kernels/src/flash_backward_wgmma.rs`: FlashAttention-2's
+    /// Algorithm 2 with FlashAttention-3's structure): dQ, dK, dV for `f16`/`bf16` tensors of
+    /// head_dim 64 or 128, with the shapes, masks, GQA and scale of
+    /// [`Context::flash_attention_backward`]. A block owns 128 keys (two consumer warpgroups of
+    /// 64) and loops over query tiles of 64 rows that a producer warpgroup loads with TMA; dQ is
+    /// added to an `f32` copy by TMA's atomic reductions (as [`DqAccumulation::Atomic`]: the
+    /// last bits of dQ may differ between runs) and rounded at the end. On the sm_90a path
+    /// [`Context::flash_attention_backward`] runs this kernel for its default tile and atomic dQ.
+    ///
+    /// Extra device memory: D (one `f32` per query row) and the `f32` copy of dQ.
+    ///
+    /// [`DqAccumulation::Atomic`]: crate::DqAccumulation::Atomic
+    ///
+    /// # Errors
+    /// As [`Context::flash_attention_forward_hopper`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_attention_backward_hopper<T: Element>(
+        &self,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        o: &DeviceTensor<T>,
+        lse: &DeviceTensor<f32>,
+        d_o: &DeviceTensor<T>,
+        options: &AttentionOptions,
+    ) -> Result<Gradients<T>> {
+        let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
+        HopperBackward::for_problem(T::DTYPE, shape.head_dim)?;
+        let mut grads = self.alloc_gradients(&shape)?;
+        self.flash_attention_backward_hopper_into(q, k, v, o, lse, d_o, &mut grads, options)?;
+        Ok(grads)
+    }
+
+    /// [`Context::flash_attention_backward_hopper`] into existing gradient tensors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_attention_backward_hopper_into<T: Element>(
+        &self,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        o: &DeviceTensor<T>,
+        lse: &DeviceTensor<f32>,
+        d_o: &DeviceTensor<T>,
+        grads: &mut Gradients<T>,
+        options: &AttentionOptions,
+    ) -> Result<()> {
+        let shape = self.check_backward(q, k, v, o, lse, d_o, grads)?;
+        let kernel = HopperBackward::for_problem(T::DTYPE, shape.head_dim)?;
+        self.launch_hopper_backward(kernel, &shape, q, k, v, o, lse, d_o, grads, options)
+    }
+
+    /// Runs the Hopper backward `kernel` on tensors of `shape`, which [`Context::check_backward`]
+    /// returned for them: the rest of [`Context::flash_attention_backward_hopper_into`], and what
+    /// [`Context::flash_attention_backward_into`] runs when the selection policy
+    /// ([`Target::hopper_backward`](crate::select::Target::hopper_backward)) picked `kernel`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn launch_hopper_backward<T: Element>(
+        &self,
+        kernel: &HopperInstance,
+        shape: &AttentionShape,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        o: &DeviceTensor<T>,
+        lse: &DeviceTensor<f32>,
+        d_o: &DeviceTensor<T>,
+        grads: &mut Gradients<T>,
+        options: &AttentionOptions,
+    ) -> Result<()> {
+        let shape = *shape;
+        self.require_hopper_kernels()?;
+        check_flash_grid(&shape)?;
+        let scale = options.checked_scale(shape.head_dim)?;
+        let delta = self.row_deltas(o, d_o, &shape)?;
+        let (s, m, n) = (&shape, HopperBackward::BLOCK_M, HopperBackward::BLOCK_N);
+        let mut accum = self.alloc_output::<f32>(&shape.q_shape())?;
+        self.fill_zeros(&mut accum)?;
+        let maps = self.upload_tensor_maps(&[
+            self.attention_tensor_map(q, s.num_heads_q, s.seqlen_q, m, s)?,
+            self.attention_tensor_map(k, s.num_heads_kv, s.seqlen_k, n, s)?,
+            self.attention_tensor_map(v, s.num_heads_kv, s.seqlen_k, n, s)?,
+            self.attention_tensor_map(d_o, s.num_heads_q, s.seqlen_q, m, s)?,
+            // The kernel adds each block's share of dQ to this one with TMA.
+            self.attention_tensor_map(&accum, s.num_heads_q, s.seqlen_q, m, s)?,
+        ])?;
+        let config = flash_config(
+            (shape.seqlen_k.div_ceil(n), shape.num_heads_kv, shape.batch),
+            HopperBackward::THREADS,
+            hopper_backward_smem_bytes(shape.head_dim, kernel.stages),
+        );
+        let args = ProblemArgs::new(&shape, options);
+        let head: [&dyn KernelArg; 5] = [&maps, lse, &delta, &grads.dk, &grads.dv];
+        self.launch(kernel.entry, config, &args.with_mask(&head, &[&scale]))?;
+        self.round_dq(&accum, &mut grads.dq)
+    }
+
+    /// The tensor map of one `[batch, heads, seqlen, head_dim]` attention tensor for the Hopper
+    /// kernels: a 3-D map of (head_dim, seqlen, batch · heads), so that a box running past a
+    /// head's last row reads zeros (or, for a reduction, skips them) rather than touching the next
+    /// head, with boxes of 128 bytes of columns (the 128-byte swizzle's span: 64 16-bit or 32
+    /// `f32` values) by `box_rows`, laid out in shared memory with the 128-byte swizzle.
+    fn attention_tensor_map<T: Element>(
+        &self,
+        tensor: &DeviceTensor<T>,
+        heads: usize,
+        seqlen: usize,
+        box_rows: usize,
+        shape: &AttentionShape,
+    ) -> Result<CUtensorMap> {
+        let (d, bytes) = (shape.head_dim, std::mem::size_of::<T>());
+        let dims = [d as u64, seqlen as u64, (shape.batch * heads) as u64];
+        let strides = [(d * bytes) as u64, (seqlen * d * bytes) as u64];
+        let box_dims = [(SWIZZLE_ROW_BYTES / bytes) as u32, box_rows as u32, 1];
+        self.encode_tensor_map(tensor, &dims, &strides, &box_dims, CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B)
+    }
+}

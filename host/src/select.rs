@@ -1,0 +1,433 @@
+//! **Registry layer.** The selection policy: which kernel, tile and dQ mode a problem gets on a
+//! device. It reads the registry ([`crate::kernels`]) and plain facts (the [`KernelPath`], the
+//! [`DeviceInfo`]), not a context, so that the runtime and the operations above it ask here
+//! instead of deciding themselves:
+//!
+//! - the built-in tiles: [`TileConfig::default_for_dtype`], [`TileConfig::default_backward_for_dtype`];
+//! - the faster dQ mode: [`DqAccumulation::fastest_for`], [`Target::dq_accumulation`];
+//! - whether a Hopper kernel replaces the sm_80 one, and which: [`Target::hopper_forward`],
+//!   [`Target::hopper_backward`] ([`HopperForward::for_problem`], [`HopperBackward::for_problem`]).
+
+use attn_kernels::attention::schedule::BalancedRows;
+
+use crate::device::DeviceInfo;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::kernels::{self, FlashKernel, HopperInstance};
+use crate::problem::{AttentionShape, Causal, DqAccumulation, TileConfig};
+
+/// Which kernels run a context's 16-bit FlashAttention passes with the built-in tiles.
+///
+/// A GPU context takes [`KernelPath::Sm90a`] on compute capability 9.0 and [`KernelPath::Sm80`]
+/// elsewhere, unless the environment variable [`KernelPath::ENV`] names one (`sm80` or
+/// `sm90a`), or [`Context::with_kernel_path`] chooses. The test suite runs once per path that
+/// way. On the sm_90a path the 16-bit forward and backward passes with the built-in tiles (the
+/// backward with atomic dQ) run the Hopper kernels; everything else (the `f32` kernels, the
+/// naive kernels, explicit tiles, a deterministic dQ) runs the sm_80 kernels on both paths. The CPU emulator is
+/// always on sm_80.
+///
+/// [`Context::with_kernel_path`]: crate::Context::with_kernel_path
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelPath {
+    /// The `mma.sync` kernels, compiled for sm_80: every supported GPU.
+    Sm80,
+    /// The Hopper kernels (`wgmma`, TMA, warp specialisation), compiled for sm_90a: compute
+    /// capability 9.0 only.
+    Sm90a,
+}
+
+impl KernelPath {
+    /// The environment variable that sets every new GPU context's path: `sm80` or `sm90a`.
+    pub const ENV: &'static str = "RUST_ATTENTION_KERNELS";
+
+    /// The path's name, as the PTX target: `sm_80` or `sm_90a`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Sm80 => "sm_80",
+            Self::Sm90a => "sm_90a",
+        }
+    }
+
+    /// The path [`KernelPath::ENV`] asks for, if set.
+    ///
+    /// # Errors
+    /// [`Error::Argument`] for a value other than `sm80`/`sm_80`/`sm90a`/`sm_90a`.
+    pub fn from_env() -> Result<Option<Self>> {
+        match std::env::var(Self::ENV) {
+            Ok(value) => value.parse().map(Some).map_err(|e| Error::Argument(format!("{}: {e}", Self::ENV))),
+            Err(_) => Ok(None),
+        }
+    }
+}
+
+impl std::fmt::Display for KernelPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for KernelPath {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "sm80" | "sm_80" => Ok(Self::Sm80),
+            "sm90a" | "sm_90a" => Ok(Self::Sm90a),
+            _ => Err(Error::Argument(format!("unknown kernel path {s:?}; use sm80 or sm90a"))),
+        }
+    }
+}
+
+/// What the policy reads about a context ([`Context::target`](crate::Context::target)): its
+/// kernel path and its device.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Target<'a> {
+    /// Which kernels run the 16-bit passes with the built-in tiles.
+    pub(crate) path: KernelPath,
+    /// The device's facts (SM count, shared memory).
+    pub(crate) device: &'a DeviceInfo,
+}
+
+impl Target<'_> {
+    /// The Hopper kernel that [`Context::flash_attention_forward`] runs in place of the sm_80
+    /// `tile` for `shape` and mask `causal`: on the sm_90a path, for `f16`/`bf16` and head_dim 64
+    /// or 128, when `tile` is the built-in default ([`TileConfig::default_for_dtype`]). Any other
+    /// tile names the sm_80 kernel to run, so that tile sweeps measure what they ask for.
+    ///
+    /// [`Context::flash_attention_forward`]: crate::Context::flash_attention_forward
+    pub(crate) fn hopper_forward(
+        &self,
+        dtype: DType,
+        shape: &AttentionShape,
+        causal: Causal,
+        tile: TileConfig,
+    ) -> Option<&'static HopperInstance> {
+        let wanted = self.path == KernelPath::Sm90a && tile == TileConfig::default_for_dtype(dtype, shape.head_dim);
+        wanted.then(|| HopperForward::for_problem(dtype, shape, causal, self.device.sm_count).ok()).flatten()
+    }
+
+    /// The Hopper backward kernel that [`Context::flash_attention_backward`] runs in place of the
+    /// sm_80 ones: on the sm_90a path, for `f16`/`bf16` and the head dimensions it has, when
+    /// `tile` is the built-in default ([`TileConfig::default_backward_for_dtype`]) and dQ is
+    /// accumulated with atomics.
+    ///
+    /// [`Context::flash_attention_backward`]: crate::Context::flash_attention_backward
+    pub(crate) fn hopper_backward(
+        &self,
+        dtype: DType,
+        head_dim: usize,
+        tile: TileConfig,
+        dq: DqAccumulation,
+    ) -> Option<&'static HopperInstance> {
+        let wanted = self.path == KernelPath::Sm90a
+            && dq == DqAccumulation::Atomic
+            && tile == TileConfig::default_backward_for_dtype(dtype, head_dim);
+        wanted.then(|| HopperBackward::for_problem(dtype, head_dim).ok()).flatten()
+    }
+
+    /// [`Context::dq_accumulation_for`](crate::Context::dq_accumulation_for) on this target.
+    pub(crate) fn dq_accumulation(&self, dtype: DType, head_dim: usize) -> DqAccumulation {
+        let tile = TileConfig::default_backward_for_dtype(dtype, head_dim);
+        match self.hopper_backward(dtype, head_dim, tile, DqAccumulation::Atomic) {
+            Some(_) => DqAccumulation::Atomic,
+            None => DqAccumulation::fastest_for(dtype),
+        }
+    }
+}
+
+/// The built-in tiles.
+impl TileConfig {
+    /// The `f32` forward tile used when none is given, measured fastest on an H200 for each
+    /// head_dim (see `PERFORMANCE.md`).
+    pub fn default_for(head_dim: usize) -> Self {
+        Self::default_for_dtype(DType::F32, head_dim)
+    }
+
+    /// The `f32` backward tile used when none is given (see `PERFORMANCE.md`).
+    pub fn default_backward_for(head_dim: usize) -> Self {
+        Self::default_backward_for_dtype(DType::F32, head_dim)
+    }
+
+    /// The forward tile used when none is given, per element type and head_dim, measured fastest
+    /// on an H200 (see `PERFORMANCE.md`).
+    pub fn default_for_dtype(dtype: DType, head_dim: usize) -> Self {
+        match (dtype, head_dim) {
+            (DType::F32, 64) => Self::new(64, 64),
+            (DType::F32, _) => Self::new(64, 32),
+            (_, 64) => Self::new(128, 64).with_stages(2),
+            (_, _) => Self::new(128, 32).with_stages(2),
+        }
+    }
+
+    /// The backward tile used when none is given, per element type and head_dim, measured fastest
+    /// on an H200 with the dQ mode of [`DqAccumulation::fastest_for`] (see `PERFORMANCE.md`).
+    pub fn default_backward_for_dtype(dtype: DType, head_dim: usize) -> Self {
+        match (dtype, head_dim) {
+            (DType::F32, 128) => Self::new(64, 64),
+            (DType::F32, _) => Self::new(32, 64),
+            (_, 64) => Self::new(64, 128).with_stages(2),
+            (_, _) => Self::new(64, 64).with_stages(2),
+        }
+    }
+}
+
+impl DqAccumulation {
+    /// The faster mode on an H200 for `dtype` (see `PERFORMANCE.md`): [`DqAccumulation::Atomic`]
+    /// for `f32`; [`DqAccumulation::Deterministic`] for `f16` and `bf16`, whose second kernel
+    /// recomputes S and dP on the tensor cores more cheaply than the K/V-outer kernel can add a
+    /// 16-bit problem's dQ with `f32` atomics (at 4×16×4096×64: 4.2 ms against 5.2 ms).
+    pub fn fastest_for(dtype: DType) -> Self {
+        match dtype {
+            DType::F32 => Self::Atomic,
+            DType::F16 | DType::Bf16 => Self::Deterministic,
+        }
+    }
+}
+
+/// The Hopper forward's configurations (compiled instances: [`kernels::HOPPER_INSTANCES`]):
+/// 64 query rows per consumer warpgroup, 128 keys per K/V tile, a two-stage ring.
+pub(crate) struct HopperForward;
+
+impl HopperForward {
+    /// Blocks per streaming multiprocessor from which the three-consumer forward (block_m 192)
+    /// runs at head_dim 64, without a mask and under a causal one. Its blocks are fewer and
+    /// longer than those of the two-consumer one (block_m 128, ping-pong turns). On the H200
+    /// (`PERFORMANCE.md`, 2026-11-29 "late"), without a mask it was 1.5× as fast on a grid of
+    /// one wave (1 × 12 × 2048) and 1.25× on two (1 × 12 × 4096); causal, 1.2× on two waves and
+    /// 13 % slower on one, where causal blocks differ most in length and fewer blocks leave more
+    /// SMs idle at the end.
+    pub(crate) const fn waves_for_192_rows(causal: bool) -> usize {
+        if causal { 2 } else { 1 }
+    }
+
+    /// The kernel for `dtype`, `shape` and mask `causal` on a GPU of `sm_count` SMs: the
+    /// configuration measured fastest on an H200 for the head dimension, and at head_dim 64 for
+    /// the grid's depth ([`Self::waves_for_192_rows`]) where a head has rows for at least one
+    /// block of 192 ([`BalancedRows`]; below that the third consumer would have no rows in any
+    /// block).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for `f32`, [`Error::HeadDimNotCompiled`] for other head dimensions.
+    pub(crate) fn for_problem(
+        dtype: DType,
+        shape: &AttentionShape,
+        causal: Causal,
+        sm_count: usize,
+    ) -> Result<&'static HopperInstance> {
+        let head_dim = shape.head_dim;
+        let rows = BalancedRows::<192>::new(shape.seqlen_q);
+        let blocks_192 = rows.blocks * shape.num_heads_q * shape.batch;
+        let waves = Self::waves_for_192_rows(causal != Causal::None);
+        let rows_192 = head_dim == 64 && rows.full > 0 && blocks_192 >= waves * sm_count;
+        if dtype == DType::F32 {
+            return Err(Error::Shape("the Hopper forward takes f16 or bf16 tensors".into()));
+        }
+        // Three consumer warpgroups at head_dim 64 on deep enough grids, else two taking turns;
+        // two without turns at every other head_dim.
+        let (block_m, pingpong) = match (head_dim, rows_192) {
+            (64, true) => (192, false),
+            (64, false) => (128, true),
+            _ => (128, false),
+        };
+        kernels::hopper_instance(FlashKernel::Forward, dtype, (block_m, 128), head_dim, 2, pingpong).ok_or_else(|| {
+            Error::HeadDimNotCompiled {
+                head_dim,
+                allowed: format!("{:?} (the Hopper forward)", kernels::hopper_head_dims(FlashKernel::Forward)),
+            }
+        })
+    }
+}
+
+/// The Hopper backward's configurations: 128 keys per block, query tiles of 64, 384 threads.
+pub(crate) struct HopperBackward;
+
+impl HopperBackward {
+    /// Query rows per tile of the inner loop.
+    pub(crate) const BLOCK_M: usize = 64;
+    /// Keys per block.
+    pub(crate) const BLOCK_N: usize = 128;
+    /// Threads per block: a producer and two consumer warpgroups.
+    pub(crate) const THREADS: usize = 384;
+
+    /// The kernel for `dtype` and `head_dim`.
+    ///
+    /// # Errors
+    /// As [`HopperForward::for_problem`].
+    pub(crate) fn for_problem(dtype: DType, head_dim: usize) -> Result<&'static HopperInstance> {
+        if dtype == DType::F32 {
+            return Err(Error::Shape("the Hopper backward takes f16 or bf16 tensors".into()));
+        }
+        let tile = (Self::BLOCK_M, Self::BLOCK_N);
+        kernels::hopper_instance(FlashKernel::Backward, dtype, tile, head_dim, 2, false).ok_or_else(|| {
+            Error::HeadDimNotCompiled {
+                head_dim,
+                allowed: format!("{:?} (the Hopper backward)", kernels::hopper_head_dims(FlashKernel::Backward)),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::{MODULE_ARCHS, PTX, module_of};
+    use crate::layout::{hopper_backward_smem_bytes, hopper_forward_smem_bytes, hopper_forward_threads};
+    use attn_kernels::attention::schedule::by_sections;
+
+    /// The rows of every block of a head, in block order, for `BLOCK_M`.
+    fn balanced_blocks<const BLOCK_M: usize>(seqlen_q: usize) -> Vec<(usize, usize)> {
+        let rows = BalancedRows::<BLOCK_M>::new(seqlen_q);
+        (0..rows.blocks).map(|b| rows.block(b)).collect()
+    }
+
+    #[test]
+    fn balanced_blocks_cover_each_row_once_and_differ_by_at_most_a_warpgroup() {
+        for seqlen_q in (1..=1000).chain([4096, 8192, 8193]) {
+            for (block_m, blocks) in [(128, balanced_blocks::<128>(seqlen_q)), (192, balanced_blocks::<192>(seqlen_q))]
+            {
+                assert_eq!(blocks.len(), seqlen_q.div_ceil(block_m), "{seqlen_q} rows, block_m {block_m}");
+                let mut next = 0;
+                for (i, &(start, rows)) in blocks.iter().enumerate() {
+                    assert_eq!(start, next, "{seqlen_q} rows, block_m {block_m}: block {i} starts at {start}");
+                    assert!((1..=block_m).contains(&rows), "{seqlen_q} rows, block_m {block_m}: {rows}");
+                    // Only the last block may be shorter than block_m − 64 (the rows run out).
+                    assert!(rows + 64 >= block_m || i + 1 == blocks.len(), "{seqlen_q} rows: block {i}: {rows}");
+                    next += rows;
+                }
+                assert_eq!(next, seqlen_q);
+            }
+        }
+        // The case the balance is for: 4096 rows in 20 blocks of 192 and 2 of 128, not 21 and 64.
+        let blocks = balanced_blocks::<192>(4096);
+        assert!(blocks[..20].iter().all(|b| b.1 == 192) && blocks[20..].iter().all(|b| b.1 == 128));
+    }
+
+    #[test]
+    fn the_longest_first_order_runs_every_block_once() {
+        for (seqlen_q, heads) in [(4096, 64), (200, 3), (1, 5), (1000, 7), (8192, 32)] {
+            let rows = BalancedRows::<192>::new(seqlen_q);
+            for section in [None, Some(1), Some(4), Some(16), Some(1000)] {
+                let mut seen = vec![false; rows.blocks * heads];
+                let order: Vec<_> = (0..rows.blocks * heads).map(|l| rows.longest_first(l, heads, section)).collect();
+                for &(q_block, head) in &order {
+                    assert!(q_block < rows.blocks && head < heads, "{seqlen_q} × {heads}, {section:?}");
+                    assert!(!std::mem::replace(&mut seen[head * rows.blocks + q_block], true));
+                }
+                // Longest first within a section: causal, the later query block (it sees more
+                // keys); otherwise the full blocks before the short ones.
+                let length = |&(q_block, _): &(usize, usize)| match section {
+                    Some(_) => q_block,
+                    None => usize::from(q_block < rows.full),
+                };
+                let section_of = |&(_, head): &(usize, usize)| section.map_or(0, |s| head / s.clamp(1, heads));
+                for pair in order.windows(2) {
+                    if section_of(&pair[0]) == section_of(&pair[1]) {
+                        assert!(length(&pair[0]) >= length(&pair[1]), "{seqlen_q} × {heads}, {section:?}: {pair:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn sections_of_heads_cover_the_grid_once_longest_first() {
+        for (blocks, heads) in [(32, 64), (1, 1), (7, 5), (64, 12)] {
+            for section in [0, 1, 3, 8, 64, 1000] {
+                let order: Vec<_> = (0..blocks * heads).map(|l| by_sections(l, blocks, heads, section)).collect();
+                let mut seen = vec![false; blocks * heads];
+                for &(rank, head) in &order {
+                    assert!(rank < blocks && head < heads);
+                    assert!(!std::mem::replace(&mut seen[head * blocks + rank], true), "{blocks} × {heads}, {section}");
+                }
+                // Within a section the ranks never go back (rank 0, the longest, first).
+                let section_of = |head: usize| head / section.clamp(1, heads);
+                for pair in order.windows(2) {
+                    if section_of(pair[0].1) == section_of(pair[1].1) {
+                        assert!(pair[0].0 <= pair[1].0, "{blocks} × {heads}, {section}: {pair:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The `.maxntid` x value the build script wrote after `entry`'s parameter list, if any.
+    fn max_threads(entry: &str) -> Option<usize> {
+        let ptx = PTX[module_of(entry)];
+        let start = ptx.find(&format!(".entry {entry}("))?;
+        let body = &ptx[start..];
+        let header = &body[..body.find('{')?];
+        let line = header.lines().find_map(|l| l.trim().strip_prefix(".maxntid "))?;
+        line.split(',').next()?.trim().parse().ok()
+    }
+
+    /// A Hopper's shared memory per block (227 KiB).
+    const HOPPER_SHARED_MEMORY: usize = 227 * 1024;
+
+    /// A problem of `head_dim` whose grid is `blocks` blocks of 192 query rows deep.
+    fn shape_of(head_dim: usize, blocks: usize) -> AttentionShape {
+        AttentionShape { batch: blocks, num_heads_q: 1, num_heads_kv: 1, seqlen_q: 192, seqlen_k: 192, head_dim }
+    }
+
+    /// The H200's streaming multiprocessors.
+    const H200_SMS: usize = 132;
+
+    #[test]
+    fn every_hopper_configuration_is_compiled_with_its_launch_bounds_and_fits() {
+        let waves = |w: usize| w * H200_SMS;
+        for dtype in [DType::F16, DType::Bf16] {
+            // Both head_dim-64 forwards: grids just short of and at the depth for three consumers,
+            // with and without a mask.
+            let grids = [
+                (64, waves(1) - 1, false),
+                (64, waves(1), false),
+                (64, waves(2) - 1, true),
+                (64, waves(2), true),
+                (128, waves(1), false),
+            ];
+            for (head_dim, blocks, causal) in grids {
+                let shape = shape_of(head_dim, blocks);
+                let mask = if causal { Causal::TopLeft } else { Causal::None };
+                let forward = HopperForward::for_problem(dtype, &shape, mask, H200_SMS).unwrap();
+                assert_eq!(MODULE_ARCHS[module_of(forward.entry)], "sm_90a", "{}", forward.entry);
+                // setmaxnreg needs the block size ptxas budgets registers for.
+                assert_eq!(
+                    max_threads(forward.entry),
+                    Some(hopper_forward_threads(forward.block_m)),
+                    "{}",
+                    forward.entry
+                );
+                let smem = hopper_forward_smem_bytes(forward.block_m, forward.block_n, head_dim, forward.stages);
+                assert!(smem <= HOPPER_SHARED_MEMORY, "{}: {smem} bytes", forward.entry);
+                // The entry names the configuration the host launches it with.
+                let (m, n, stages) = (forward.block_m, forward.block_n, forward.stages);
+                assert!(forward.entry.contains(&format!("_m{m}_n{n}_d{head_dim}_s{stages}")), "{}", forward.entry);
+                assert_eq!(forward.entry.ends_with("_pingpong"), forward.pingpong, "{}", forward.entry);
+                let deep = head_dim == 64 && blocks >= waves(HopperForward::waves_for_192_rows(causal));
+                assert_eq!(forward.block_m, if deep { 192 } else { 128 }, "{}", forward.entry);
+
+                let backward = HopperBackward::for_problem(dtype, head_dim).unwrap();
+                assert_eq!(MODULE_ARCHS[module_of(backward.entry)], "sm_90a", "{}", backward.entry);
+                assert_eq!(max_threads(backward.entry), Some(HopperBackward::THREADS), "{}", backward.entry);
+                let smem = hopper_backward_smem_bytes(head_dim, backward.stages);
+                assert!(smem <= HOPPER_SHARED_MEMORY, "{}: {smem} bytes", backward.entry);
+            }
+        }
+    }
+
+    #[test]
+    fn hopper_configurations_refuse_f32_and_other_head_dims() {
+        assert!(matches!(
+            HopperForward::for_problem(DType::F32, &shape_of(64, 1), Causal::None, H200_SMS),
+            Err(Error::Shape(_))
+        ));
+        assert!(matches!(HopperBackward::for_problem(DType::F32, 128), Err(Error::Shape(_))));
+        assert!(matches!(
+            HopperForward::for_problem(DType::F16, &shape_of(32, 1), Causal::None, H200_SMS),
+            Err(Error::HeadDimNotCompiled { head_dim: 32, .. })
+        ));
+        assert!(matches!(
+            HopperBackward::for_problem(DType::Bf16, 256),
+            Err(Error::HeadDimNotCompiled { head_dim: 256, .. })
+        ));
+    }
+}
