@@ -299,6 +299,7 @@ pub fn flash_attention(
     Ok(Reference { o, lse })
 }
 
+// ANCHOR: flash_block
 /// One block of query rows (the first is query `first_row`) against all key/value tiles; see
 /// [`flash_attention`].
 #[allow(clippy::too_many_arguments)]
@@ -357,3 +358,4 @@ fn flash_block(
         }
     }
 }
+// ANCHOR_END: flash_block

@@ -60,6 +60,7 @@
 // mapping's names reads like the algorithm, where iterator chains would hide it.
 #![allow(clippy::needless_range_loop)]
 
+// ANCHOR: kernel_macro
 /// Defines a kernel once for both targets. On nvptx64 it is an `extern "gpu-kernel"` function with
 /// an unmangled name: an entry of the PTX module that the host loads by name. On the host it is a
 /// plain `unsafe fn`, plus a constant `emu_<name>` ([`hw::emu::HostKernel`]) through which the CPU
@@ -101,6 +102,7 @@ macro_rules! kernel {
         };
     };
 }
+// ANCHOR_END: kernel_macro
 
 /// Declares an attention kernel: `kernel!` with the problem arguments that every attention
 /// kernel of every tier takes appended after its own, in this order:

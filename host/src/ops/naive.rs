@@ -20,6 +20,7 @@ impl Context {
         Ok(c)
     }
 
+    // ANCHOR: vector_add_launch
     /// C = A + B into an existing tensor of the same shape.
     pub fn vector_add_into(&self, a: &DeviceTensor, b: &DeviceTensor, c: &mut DeviceTensor) -> Result<()> {
         for (name, t) in [("a", a), ("b", b), ("c", &*c)] {
@@ -38,6 +39,7 @@ impl Context {
         let config = one_dim(grid_stride_blocks(self, n.div_ceil(4), ELEMENTWISE_THREADS), ELEMENTWISE_THREADS);
         self.launch(entry::VECTOR_ADD_F32, config, &[a, b, c, &n])
     }
+    // ANCHOR_END: vector_add_launch
 
     /// Standard attention, O = softmax(Q Kᵀ · scale) V, with the `[batch, num_heads_q, seqlen_q,
     /// seqlen_k]` score matrix materialised in device memory (FlashAttention paper, Algorithm 0).
@@ -64,6 +66,7 @@ impl Context {
         Ok(out)
     }
 
+    // ANCHOR: naive_launch
     /// [`Context::attention_naive`] into existing output tensors.
     pub fn attention_naive_into(
         &self,
@@ -103,6 +106,7 @@ impl Context {
         self.launch(entry::NAIVE_SOFTMAX_F32, softmax, &[&scores, lse, &rows, &shape.seqlen_k])?;
         Ok(scores)
     }
+    // ANCHOR_END: naive_launch
 
     /// The backward pass of standard attention (FlashAttention paper, Algorithm 3): P is
     /// recomputed into a `[batch, num_heads_q, seqlen_q, seqlen_k]` buffer in device memory, then

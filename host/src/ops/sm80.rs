@@ -13,6 +13,7 @@ use crate::problem::{AttentionOptions, AttentionShape, DqAccumulation, TileConfi
 use crate::runtime::{Context, DeviceTensor, KernelArg};
 
 impl Context {
+    // ANCHOR: flash_forward_launch
     /// [`Context::flash_attention_forward_into`] on the sm_80 kernel of `tile`, whatever the
     /// kernel path: what the tile sweep measures. `shape` is what
     /// [`Context::check_attention`] returned for these tensors.
@@ -44,6 +45,7 @@ impl Context {
         let head: [&dyn KernelArg; 5] = [q, k, v, &out.o, &out.lse];
         self.launch(entry, config, &args.with_mask(&head, &[&scale_log2]))
     }
+    // ANCHOR_END: flash_forward_launch
 
     /// The sm_80 kernels of `tile` and `dq`, on either kernel path: what
     /// [`Context::flash_attention_backward_into`] runs when no Hopper kernel replaces them, and

@@ -105,6 +105,7 @@ pub fn pack_row<T: HalfFloat>(frag: FragC, h: usize, scale: f32) -> Half2 {
     T::pack(frag[2 * h] * scale, frag[2 * h + 1] * scale)
 }
 
+// ANCHOR: pack_a
 /// The A fragment of a 16 × 16 operand whose two 16 × 8 halves are the accumulators `first`
 /// (columns 0..8) and `second` (columns 8..16), rounded to 16 bits: a0 = row g of `first`,
 /// a1 = row g + 8 of it, a2 and a3 the same of `second`. This is why P = softmax(S) can feed
@@ -118,3 +119,4 @@ pub fn pack_a<T: HalfFloat>(first: FragC, second: FragC) -> FragA {
         T::pack(second[2], second[3]),
     ]
 }
+// ANCHOR_END: pack_a

@@ -15,6 +15,7 @@
 //! A new kind of mask is a change here (its `key_limit` and `first_query_seeing` answers), in
 //! the kernel-argument list of [`crate::attention_kernel`], and on the host.
 
+// ANCHOR: mask
 /// Which keys each query may attend to (causal masking), and the sequence bounds.
 ///
 /// Key `j` is visible to query `i` iff `j < key_limit(i)`:
@@ -96,6 +97,7 @@ impl Mask {
         self.key_limit(q_start) >= k_start + keys
     }
 }
+// ANCHOR_END: mask
 
 /// The keys a block of query rows visits ([`Mask::keys_for`]): `0 .. end`, of which
 /// `0 .. all_see` are seen by every row of the block.

@@ -16,6 +16,7 @@
 use crate::hw::{self, FragC, LN_2};
 use crate::layout::FLASH_THREAD_COLS as LANES;
 
+// ANCHOR: online_softmax
 /// Per-row state of the online softmax for the `ROWS` query rows of one thread.
 pub struct OnlineSoftmax<const ROWS: usize> {
     /// Largest score seen so far (base-2 units), the same in every lane of the row group.
@@ -69,6 +70,7 @@ impl<const ROWS: usize> OnlineSoftmax<ROWS> {
         (inv_sum, lse)
     }
 }
+// ANCHOR_END: online_softmax
 
 /// Online-softmax state of the two rows a lane holds (rows `g` and `g + 8` of its warp).
 pub struct RowSoftmax {

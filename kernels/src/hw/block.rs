@@ -134,6 +134,7 @@ impl SharedTile {
     }
 }
 
+// ANCHOR: shared_memory
 /// Hands out consecutive tiles of the block's dynamic shared memory. The host computes the same
 /// total from `layout`, so the carve-up here and the launch's byte count agree.
 pub struct SharedMemory {
@@ -168,6 +169,7 @@ impl SharedMemory {
         tile
     }
 }
+// ANCHOR_END: shared_memory
 
 impl Default for SharedMemory {
     fn default() -> Self {

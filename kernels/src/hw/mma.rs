@@ -6,6 +6,7 @@ use super::backend;
 use super::{F32x4, lane_id, thread_idx_x};
 
 //
+// ANCHOR: fragment_layout
 // A tensor core multiplies small matrices held *collectively* by the 32 lanes of a warp: each
 // lane holds a few registers of each operand, in a layout fixed by the PTX ISA ("Matrix
 // fragments for mma.m16n8k16"). With `g = lane / 4` (the lane's group) and `t = lane % 4` (its
@@ -36,6 +37,7 @@ pub type FragA = [Half2; 4];
 pub type FragB = [Half2; 2];
 /// A lane's share of a 16×8 `f32` accumulator.
 pub type FragC = [f32; 4];
+// ANCHOR_END: fragment_layout
 
 /// The 16-bit float formats the tensor cores multiply, as a type parameter of the kernels:
 /// [`F16`] (IEEE half) and [`Bf16`] (bfloat16). Tensors hold their raw bits as `u16`.

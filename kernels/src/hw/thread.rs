@@ -5,6 +5,7 @@ use core::simd::Simd;
 
 use super::backend;
 
+// ANCHOR: indices
 /// Index of this thread within its block along x (`threadIdx.x`).
 #[inline(always)]
 pub fn thread_idx_x() -> usize {
@@ -41,6 +42,7 @@ pub fn global_thread_idx() -> usize {
 pub fn grid_stride() -> usize {
     grid_dim_x() * block_dim_x()
 }
+// ANCHOR_END: indices
 
 /// Lanes in a warp.
 pub const WARP_SIZE: usize = 32;

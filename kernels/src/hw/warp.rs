@@ -28,6 +28,7 @@ pub fn warp_any(predicate: bool) -> bool {
     backend::warp_any(predicate)
 }
 
+// ANCHOR: group_reductions
 /// Maximum of `x` over each aligned group of `LANES` consecutive lanes (LANES = 1, 2, 4, …, 32);
 /// every lane of a group receives its group's result. All 32 lanes must call it together.
 #[inline(always)]
@@ -54,3 +55,4 @@ pub fn group_sum<const LANES: usize>(x: f32) -> f32 {
     }
     x
 }
+// ANCHOR_END: group_reductions

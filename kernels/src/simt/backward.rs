@@ -108,6 +108,7 @@ pub(crate) struct BackwardTensors {
     dv: *mut f32,
 }
 
+// ANCHOR: recompute_p
 /// Unnormalised → normalised probabilities of a tile: `p = 2^(s·scale_log2 − lse2)`, with `lse2`
 /// the row's (or column's) LSE in base 2. Rows that see no key have LSE = −∞ and so p = +∞ here;
 /// the mask, which hides every key from such rows, replaces those entries with 0.
@@ -135,6 +136,7 @@ fn softmax_grad<const ROWS: usize, const COLS: usize>(
 ) -> [[f32; COLS]; ROWS] {
     core::array::from_fn(|i| core::array::from_fn(|j| p[i][j] * (dp[i][j] - delta(i, j))))
 }
+// ANCHOR_END: recompute_p
 
 /// The K/V-outer kernel body; see the module docs. With `ATOMIC_DQ` it also accumulates dQ into
 /// `t.dq` (which the host zeroes first) with atomic adds.

@@ -118,6 +118,7 @@ pub(crate) unsafe fn flash_forward<
     let mut softmax = OnlineSoftmax::<ROWS>::new();
     let mut acc = [[F32x4::ZERO; DVEC]; ROWS];
 
+    // ANCHOR: main_loop
     // Keys past `keys.end` are hidden from every row (never loaded).
     let keys = mask.keys_for(q_start, q_rows);
     for kv_start in (0..keys.end).step_by(BLOCK_N) {
@@ -155,6 +156,7 @@ pub(crate) unsafe fn flash_forward<
             accumulate_ab::<BLOCK_N, ROWS, DVEC, false>(&mut acc, p_tile, v_tile, first_row, lane);
         }
     }
+    // ANCHOR_END: main_loop
 
     let (inv_sum, row_lse) = softmax.finish();
     // SAFETY: rows q_start .. q_start + q_rows of O exist.

@@ -63,6 +63,7 @@ fn naive_scores_f32(q: *const f32, k: *const f32, s: *mut f32) |shape, mask, sca
 }
 }
 
+// ANCHOR: naive_softmax
 kernel! {
 /// `P[row, :] = softmax(S[row, :])` in place, and `lse[row] = ln Σ_j exp(S[row, j])`.
 ///
@@ -113,6 +114,7 @@ pub unsafe fn naive_softmax_f32(s: *mut f32, lse: *mut f32, rows: usize, seqlen_
     }
 }
 }
+// ANCHOR_END: naive_softmax
 
 kernel! {
 /// O[row, d] = scale · Σ_j P[row, j] · V[j, d]: the forward's O = P V (scale 1) and the

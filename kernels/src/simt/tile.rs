@@ -42,6 +42,7 @@ pub unsafe fn refill_tiles<const ROWS: usize, const COLS: usize>(
     hw::sync_threads();
 }
 
+// ANCHOR: a_bt
 /// This thread's entries of A Bᵀ: `out[i][j] = Σ_d A[first_row + i][d] · B[lane + 8j][d]` over
 /// `d < K`. A and B are row-major tiles with strides that are multiples of 4; the loop reads 16
 /// bytes of each per step and does 4 multiply-adds per pair.
@@ -64,6 +65,7 @@ pub fn a_bt<const K: usize, const ROWS: usize, const COLS: usize>(
     }
     out
 }
+// ANCHOR_END: a_bt
 
 /// `acc[i][g] += Σ_c A[first_row + i][c] · B[c][4·lane + 32·g … +4]` over `c < K` (K a multiple
 /// of 4): this thread's share of an A B product whose rows are its rows and whose columns are its

@@ -13,6 +13,7 @@
 
 use crate::hw::{self, F32x4};
 
+// ANCHOR: vector_add
 kernel! {
 /// `c[i] = a[i] + b[i]` for `i < n`.
 ///
@@ -38,3 +39,4 @@ pub unsafe fn vector_add_f32(a: *const f32, b: *const f32, c: *mut f32, n: usize
     }
 }
 }
+// ANCHOR_END: vector_add

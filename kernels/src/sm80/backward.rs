@@ -291,6 +291,7 @@ pub(crate) unsafe fn flash_backward_kv_mma<
         // memory once, serve Sᵀ and dPᵀ as B operands, and, transposed in registers, dK and dV.
         for chunk in 0..BLOCK_M / 16 {
             let q0 = 16 * chunk;
+            // ANCHOR: transposed_scores
             // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for the warp's 16 keys and these 16 queries.
             let (mut st, mut dpt) = ([[0.0f32; 4]; 2], [[0.0f32; 4]; 2]);
             let mut q_frags = [[[0u32; 2]; 2]; D_STEPS];
@@ -325,6 +326,7 @@ pub(crate) unsafe fn flash_backward_kv_mma<
                     ds_t[half][e] = pt[half][e] * (dpt[half][e] - stats_ring.load(stats_row + 1, query(half, e)));
                 }
             }
+            // ANCHOR_END: transposed_scores
             // dV += Pᵀ·dO and dK += dSᵀ·Q (scaled at the end): A operands from registers, B
             // operands the chunk's fragments read the other way round.
             let (p, ds) = (pack_a::<T>(pt[0], pt[1]), pack_a::<T>(ds_t[0], ds_t[1]));

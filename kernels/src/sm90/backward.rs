@@ -430,6 +430,7 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         wgmma_wait::<0>();
         dq.pin();
 
+        // ANCHOR: dq_reduce
         // The block's share of dQ goes to device memory through TMA: each thread
         // writes its fragments to the staging tile (two boxes of 32 `f32` columns, swizzled as
         // TMA expects), and one thread asks for the tile to be added to dQ, element by element
@@ -458,6 +459,7 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
             }
             bulk_commit_group();
         }
+        // ANCHOR_END: dq_reduce
         dv_acc.pin();
         dk_acc.pin();
         // Q and dO of this slot are no longer read (dV and dK finished with the first wait).

@@ -129,6 +129,7 @@ impl<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, const STAGES: u
     }
 }
 
+// ANCHOR: produce
 /// The producer: one thread loads the Q tile, then every K/V tile of the block, each into its
 /// ring slot once the consumers have released the slot's previous tile.
 ///
@@ -164,6 +165,7 @@ unsafe fn produce<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, co
         load(smem.v(stage), maps.get(2), BLOCK_N, first_key, kv_head, smem.v_full(stage));
     }
 }
+// ANCHOR_END: produce
 
 /// One consumer warpgroup's rows: the first query row of this thread's warp, and the lane's
 /// place in the m16n8 accumulator layout.

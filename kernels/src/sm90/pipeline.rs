@@ -24,6 +24,7 @@ use crate::layout::HOPPER_SMEM_ALIGN;
 /// Columns of one swizzled column block: 128 bytes of 16-bit values.
 pub const SWIZZLE_COLUMNS: usize = SWIZZLE_ROW_BYTES / 2;
 
+// ANCHOR: ring
 /// The ring slot of the `use_index`-th tile that goes round a ring of `stages` slots, and the
 /// parity of that use of the slot (0, 1, 0, …): the phase of the slot's `mbarrier`s to wait for.
 #[inline(always)]
@@ -44,6 +45,7 @@ pub unsafe fn wait_slot_free(empty: u32, use_index: usize, stages: usize, parity
         unsafe { mbarrier_wait(empty, parity ^ 1) };
     }
 }
+// ANCHOR_END: ring
 
 /// Asks TMA for a `rows × D` tile (16-bit, rows `first_row ..` of head `head` of the tensor
 /// that `map` describes, a 3-D map with 64-column boxes) as `D / 64` boxes, one per swizzled

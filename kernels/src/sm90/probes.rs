@@ -34,6 +34,7 @@ pub fn core_matrix_offset(row: usize, k: usize, k_blocks: usize) -> usize {
     ((row / 8) * k_blocks + k / 8) * CORE_MATRIX_BYTES + (row % 8) * CORE_MATRIX_ROW_BYTES + (k % 8) * 2
 }
 
+// ANCHOR: probe_wgmma
 /// C (64 × 64, `f32`, row-major) = A (64 × K) · Bᵀ, with A and B (64 × K) row-major 16-bit
 /// floats (`f16`, or `bf16` when `bf16 != 0`), K a multiple of 16 from 16 to 128. One block of one
 /// warpgroup: A and B are copied to shared memory as core matrices by ordinary stores, then
@@ -100,6 +101,7 @@ pub unsafe extern "gpu-kernel" fn hopper_probe_wgmma(
 
     store_accumulator(c, &d);
 }
+// ANCHOR_END: probe_wgmma
 
 /// C (64 × 64, `f32`, row-major) = A (64 × K) · B (K × 64), A and B row-major 16-bit floats,
 /// K a multiple of 16 up to 128: A from registers (each warp loads its 16 rows as `mma.sync`
