@@ -68,6 +68,7 @@ use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a};
 use crate::attention::mask::Mask;
 use crate::attention::schedule::{KeyBlock, QueryBlock};
 use crate::hw::{self, FragA, HalfFloat, LOG2_E, SharedMemory};
+use crate::sm80::pipeline::KvRing;
 use crate::layout::{AttentionShape, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_threads};
 
 kernel! {
@@ -441,30 +442,15 @@ pub(crate) unsafe fn flash_backward_q_mma<
     let mut smem = SharedMemory::new();
     let q_tile = smem.tile16(BLOCK_M, stride);
     let do_tile = smem.tile16(BLOCK_M, stride);
-    let kv_ring = smem.tile16(2 * STAGES * BLOCK_N, stride); // as in the forward pass
-    let kv_slot = |tile: usize| {
-        let slot = tile % STAGES;
-        (kv_ring.rows_from(2 * slot * BLOCK_N), kv_ring.rows_from((2 * slot + 1) * BLOCK_N))
-    };
+    let kv_ring = smem.tile16(2 * STAGES * BLOCK_N, stride); // a K/V ring, as in the forward pass
 
     let keys = mask.keys_for(q_start, q_rows);
     let kv_tiles = keys.tiles(BLOCK_N);
     // A block with padding rows (past seqlen_q) masks every tile: their LSE is 0 or −∞.
     let padded = q_start + BLOCK_M > shape.seqlen_q;
-    let (k_head, v_head) = (block.kv_offset, block.kv_offset);
-    let fetch_kv = |tile: usize| {
-        if tile < kv_tiles {
-            let kv_start = tile * BLOCK_N;
-            let valid = BLOCK_N.min(shape.seqlen_k - kv_start);
-            let (k_tile, v_tile) = kv_slot(tile);
-            // SAFETY: rows kv_start .. kv_start + valid of this head exist.
-            unsafe {
-                k_tile.copy_rows_async(x.k.add(k_head + kv_start * HEAD_DIM), BLOCK_N, HEAD_DIM, valid, threads);
-                v_tile.copy_rows_async(x.v.add(v_head + kv_start * HEAD_DIM), BLOCK_N, HEAD_DIM, valid, threads);
-            }
-        }
-        hw::cp_async_commit();
-    };
+    // SAFETY: the host sized the grid, so this head exists.
+    let kv_heads = unsafe { (x.k.add(block.kv_offset), x.v.add(block.kv_offset)) };
+    let ring = KvRing::<BLOCK_N, HEAD_DIM, STAGES>::new(kv_ring, kv_heads, shape.seqlen_k, kv_tiles, threads);
 
     // SAFETY: rows q_start .. q_start + q_rows of this head exist.
     unsafe {
@@ -472,7 +458,7 @@ pub(crate) unsafe fn flash_backward_q_mma<
         do_tile.copy_rows_async(x.d_o.add(first_row), BLOCK_M, HEAD_DIM, q_rows, threads);
     }
     for tile in 0..STAGES - 1 {
-        fetch_kv(tile);
+        ring.fetch(tile);
     }
     // This lane's two rows' LSE (base 2) and D; padding rows get 0 (they are masked).
     let (mut lse2, mut delta) = ([0.0f32; 2], [0.0f32; 2]);
@@ -493,8 +479,8 @@ pub(crate) unsafe fn flash_backward_q_mma<
     for tile in 0..kv_tiles {
         hw::cp_async_wait(STAGES - 2);
         hw::sync_threads();
-        fetch_kv(tile + STAGES - 1);
-        let (k_tile, v_tile) = kv_slot(tile);
+        ring.fetch(tile + STAGES - 1);
+        let (k_tile, v_tile) = ring.slot(tile);
         let kv_start = tile * BLOCK_N;
 
         // Masked as in the forward pass, and wherever the block has padding rows: a hidden or

@@ -39,12 +39,9 @@
 //!
 //! ## The pipeline
 //!
-//! K/V tiles go round a ring of `STAGES` slots. Each thread's copies of one tile form one
-//! `cp.async` group; at the top of iteration `j` a thread waits until its copies of tile `j` have
-//! landed, and a block barrier makes everyone's copies visible — and guarantees that every warp
-//! has finished iteration `j − 1`, so that its slot can be refilled with tile `j + STAGES − 1`
-//! right away. The copies thus fetch up to `STAGES − 1` tiles ahead while the warps
-//! compute, with one barrier per tile.
+//! K/V tiles go round a ring of `STAGES` slots ([`crate::sm80::pipeline::KvRing`], shared with the
+//! level-6 dQ kernel): the copies fetch up to `STAGES − 1` tiles ahead while the warps compute,
+//! with one barrier per tile.
 
 use crate::attention::epilogue::{store_fragment_lse, store_warp_rows};
 use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a, scale_rows};
@@ -52,6 +49,7 @@ use crate::attention::mask::Mask;
 use crate::attention::schedule::QueryBlock;
 use crate::attention::softmax::RowSoftmax;
 use crate::hw::{self, FragA, HalfFloat, SharedMemory};
+use crate::sm80::pipeline::KvRing;
 use crate::layout::{
     AttentionShape, MMA_FORWARD_WARPS, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_forward_threads, q_shares_ring,
 };
@@ -113,9 +111,7 @@ pub(crate) unsafe fn flash_forward_mma<
 
     let stride = HEAD_DIM + MMA_SMEM_PAD;
     let mut smem = SharedMemory::new();
-    // The ring: slot `i` holds a K tile at rows `2i·BLOCK_N` and a V tile at `(2i + 1)·BLOCK_N`.
-    // (Computed from the slot number rather than kept in an array: an array of tiles indexed by
-    // a loop variable would live in local memory.)
+    // The K/V ring's rows ([`KvRing`]).
     let kv_ring = smem.tile16(2 * STAGES * BLOCK_N, stride);
     // When Q is read once, into registers, before the loop, it can borrow the ring's last slot:
     // that slot is first filled in the loop's first iteration, after a barrier that every warp
@@ -126,35 +122,16 @@ pub(crate) unsafe fn flash_forward_mma<
     } else {
         smem.tile16(BLOCK_M, stride)
     };
-    let kv_slot = |tile: usize| {
-        let slot = tile % STAGES;
-        (kv_ring.rows_from(2 * slot * BLOCK_N), kv_ring.rows_from((2 * slot + 1) * BLOCK_N))
-    };
-
     // Keys past `keys.end` are hidden from every row (never loaded).
     let keys = mask.keys_for(q_start, q_rows);
     let kv_tiles = keys.tiles(BLOCK_N);
-    // Starts the copies of K/V tile `tile` into its slot, as one cp.async group (empty past the
-    // last tile, so that every iteration commits exactly one group).
-    let fetch_kv = |tile: usize| {
-        if tile < kv_tiles {
-            let kv_start = tile * BLOCK_N;
-            let valid = BLOCK_N.min(shape.seqlen_k - kv_start);
-            let (k_tile, v_tile) = kv_slot(tile);
-            // SAFETY: rows kv_start .. kv_start + valid of this head exist.
-            unsafe {
-                k_tile.copy_rows_async(k_head.add(kv_start * HEAD_DIM), BLOCK_N, HEAD_DIM, valid, threads);
-                v_tile.copy_rows_async(v_head.add(kv_start * HEAD_DIM), BLOCK_N, HEAD_DIM, valid, threads);
-            }
-        }
-        hw::cp_async_commit();
-    };
+    let ring = KvRing::<BLOCK_N, HEAD_DIM, STAGES>::new(kv_ring, (k_head, v_head), shape.seqlen_k, kv_tiles, threads);
 
     // Prologue: Q travels in the first group, with K/V tile 0; tiles 1 .. STAGES − 1 follow.
     // SAFETY: rows q_start .. q_start + q_rows of this head exist.
     unsafe { q_tile.copy_rows_async(q_head.add(q_start * HEAD_DIM), BLOCK_M, HEAD_DIM, q_rows, threads) };
     for tile in 0..STAGES - 1 {
-        fetch_kv(tile);
+        ring.fetch(tile);
     }
     hw::cp_async_wait(STAGES - 2);
     hw::sync_threads();
@@ -176,8 +153,8 @@ pub(crate) unsafe fn flash_forward_mma<
         // Tile `tile` has landed for everyone, and everyone is done with tile − 1's slot.
         hw::cp_async_wait(STAGES - 2);
         hw::sync_threads();
-        fetch_kv(tile + STAGES - 1);
-        let (k_tile, v_tile) = kv_slot(tile);
+        ring.fetch(tile + STAGES - 1);
+        let (k_tile, v_tile) = ring.slot(tile);
         let kv_start = tile * BLOCK_N;
 
         // S = Q·Kᵀ for the warp's rows and the tile's BLOCK_N keys; each K fragment read from

@@ -1,0 +1,66 @@
+//! The `cp.async` ring of K/V tiles that the tensor-core Q-outer kernels share (the level-5
+//! forward and the level-6 deterministic dQ): `STAGES` slots of a K and a V tile, filled by the
+//! whole block while it computes on an earlier slot.
+//!
+//! Each thread's copies of one tile form one `cp.async` group; at the top of iteration `j` a
+//! thread waits until its copies of tile `j` have landed, and a block barrier makes everyone's
+//! copies visible — and guarantees that every warp has finished iteration `j − 1`, so that its
+//! slot can be refilled with tile `j + STAGES − 1` right away. The copies thus fetch up to
+//! `STAGES − 1` tiles ahead, with one barrier per tile.
+
+use crate::hw::{self, SharedTile16};
+
+/// The ring: slot `i` holds a K tile at rows `2i·BLOCK_N` and a V tile at `(2i + 1)·BLOCK_N` of
+/// one shared-memory tile of `2 · STAGES · BLOCK_N` rows. Slots are computed from the slot
+/// number rather than kept in an array: an array of tiles indexed by a loop variable would live
+/// in local memory.
+#[derive(Clone, Copy)]
+pub struct KvRing<const BLOCK_N: usize, const HEAD_DIM: usize, const STAGES: usize> {
+    /// The ring's rows in shared memory.
+    pub tile: SharedTile16,
+    /// This head's K and V in global memory (16-bit elements, rows of `HEAD_DIM`).
+    k_head: *const u16,
+    v_head: *const u16,
+    seqlen_k: usize,
+    /// Key tiles the block visits.
+    tiles: usize,
+    /// Threads of the block (all of them copy).
+    threads: usize,
+}
+
+impl<const BLOCK_N: usize, const HEAD_DIM: usize, const STAGES: usize> KvRing<BLOCK_N, HEAD_DIM, STAGES> {
+    #[inline(always)]
+    pub fn new(
+        tile: SharedTile16,
+        (k_head, v_head): (*const u16, *const u16),
+        seqlen_k: usize,
+        tiles: usize,
+        threads: usize,
+    ) -> Self {
+        Self { tile, k_head, v_head, seqlen_k, tiles, threads }
+    }
+
+    /// The K and V tiles of the slot that holds key tile `tile`.
+    #[inline(always)]
+    pub fn slot(self, tile: usize) -> (SharedTile16, SharedTile16) {
+        let slot = tile % STAGES;
+        (self.tile.rows_from(2 * slot * BLOCK_N), self.tile.rows_from((2 * slot + 1) * BLOCK_N))
+    }
+
+    /// Starts the copies of key tile `tile` into its slot, as one `cp.async` group (empty past
+    /// the last tile, so that every iteration commits exactly one group). Every thread calls it.
+    #[inline(always)]
+    pub fn fetch(self, tile: usize) {
+        if tile < self.tiles {
+            let kv_start = tile * BLOCK_N;
+            let valid = BLOCK_N.min(self.seqlen_k - kv_start);
+            let (k_tile, v_tile) = self.slot(tile);
+            // SAFETY: rows kv_start .. kv_start + valid of this head exist (the caller's heads).
+            unsafe {
+                k_tile.copy_rows_async(self.k_head.add(kv_start * HEAD_DIM), BLOCK_N, HEAD_DIM, valid, self.threads);
+                v_tile.copy_rows_async(self.v_head.add(kv_start * HEAD_DIM), BLOCK_N, HEAD_DIM, valid, self.threads);
+            }
+        }
+        hw::cp_async_commit();
+    }
+}
