@@ -1,6 +1,6 @@
 //! `cargo bench --bench hopper`: the FlashAttention forward and backward passes on both kernel
 //! paths (sm_80: `mma.sync`, built-in tiles, the faster dQ mode; sm_90a: `wgmma` + TMA,
-//! `kernels/src/flash_{forward,backward}_wgmma.rs`) on the same inputs, for the shapes of issue #9:
+//! `kernels/src/sm90/{forward,backward}.rs`) on the same inputs, for the shapes of issue #9:
 //! 4 × 16 × 4096 × 64 and 2 × 16 × 8192 × 128, non-causal and causal (top-left), f16 and bf16.
 //! TFLOP/s in the field's convention (forward 4·B·H·N²·D, backward 2.5 times that, causal half),
 //! median of 20 repeats after 5 warm-ups, timed with CUDA events. Writes the table to

@@ -1,5 +1,5 @@
 //! `cargo bench --bench vector_add`: the bandwidth of our Rust vector add (16-byte loads, a
-//! grid-stride loop; `kernels/src/vector_add.rs`) for N = 2^16 … 2^28 floats, beside
+//! grid-stride loop; `kernels/src/simt/vector_add.rs`) for N = 2^16 … 2^28 floats, beside
 //!
 //! * the device-to-device copy of the driver (`cuMemcpyDtoDAsync`) in the same run: the practical
 //!   ceiling of a kernel that streams memory;

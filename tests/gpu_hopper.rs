@@ -1,4 +1,4 @@
-//! The Hopper building blocks (`kernels/src/hopper.rs`, PTX for `sm_90a`) on a GPU of compute
+//! The Hopper building blocks (`kernels/src/hw/warpgroup.rs`, `hw/tma.rs` and `sm90/probes.rs`, PTX for `sm_90a`) on a GPU of compute
 //! capability 9.0: `wgmma` reading both operands from shared memory through matrix descriptors
 //! (f16 and bf16, one to eight k-steps) against the product in f64, and a TMA load of a 2-D box
 //! completing on an `mbarrier`, inside and across the tensor's edges, against the tensor itself

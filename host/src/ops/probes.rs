@@ -1,5 +1,5 @@
 //! **Ops layer.** Probes of the device crate's Hopper building blocks (level 7,
-//! `kernels/src/hopper.rs`): `wgmma` from shared-memory descriptors ([`DescriptorOffsets`]), with
+//! `kernels/src/sm90/probes.rs`): `wgmma` from shared-memory descriptors ([`DescriptorOffsets`]), with
 //! A from registers, and TMA loads completing on an `mbarrier` ([`Context::tensor_map_2d`]).
 //! Like the Hopper passes ([`super::sm90`]) they need the `sm_90a` module.
 

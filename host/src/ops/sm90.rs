@@ -25,7 +25,7 @@ use crate::select::{HopperBackward, HopperForward};
 const SWIZZLE_ROW_BYTES: usize = 128;
 
 impl Context {
-    /// FlashAttention forward on Hopper (`kernels/src/flash_forward_wgmma.rs`, the structure of
+    /// FlashAttention forward on Hopper (`kernels/src/sm90/forward.rs`, the structure of
     /// FlashAttention-3: Shah et al. 2024, Algorithms 1 and 2): O = softmax(Q Kᵀ · scale) V and
     /// the logsumexp, for `f16`/`bf16` tensors of head_dim 64 or 128, with the shapes, masks
     /// (causal either alignment), GQA and scale of [`Context::flash_attention_forward`]. A block
@@ -104,7 +104,7 @@ impl Context {
         self.launch(kernel.entry, config, &args.with_mask(&head, &[&scale_log2]))
     }
 
-    /// FlashAttention backward on Hopper (`kernels/src/flash_backward_wgmma.rs`: FlashAttention-2's
+    /// FlashAttention backward on Hopper (`kernels/src/sm90/backward.rs`: FlashAttention-2's
     /// Algorithm 2 with FlashAttention-3's structure): dQ, dK, dV for `f16`/`bf16` tensors of
     /// head_dim 64 or 128, with the shapes, masks, GQA and scale of
     /// [`Context::flash_attention_backward`]. A block owns 128 keys (two consumer warpgroups of
