@@ -111,11 +111,10 @@ fn ex05_tile_loop() {
             )
         } else if causal == 1 && first_bad_row(&o, &lse, &no_causal).is_none() {
             "this is the result without the causal mask: a key with !mask.visible(query, key) gets s = −∞".to_string()
-        } else if i < SEQLEN_K.min(8) && causal == 0 {
-            "check the scores: s_j = (q · k_j) · scale_log2, with k_j the tile's row j".to_string()
         } else {
-            "when the maximum rises in a later tile, rescale both l and acc by alpha = 2^(m_old − m_new) \
-             before adding the tile's p_j and p_j · v_j"
+            "check the scores, s_j = (q · k_j) · scale_log2 with k_j the tile's row j, and the rescaling: when \
+             the maximum rises in a later tile, both l and acc are multiplied by alpha = 2^(m_old − m_new) before \
+             the tile's p_j and p_j · v_j are added"
                 .to_string()
         };
         panic!("{found}: {hint} (guide: Level 3; exercise 3 for the online softmax)");
