@@ -54,11 +54,7 @@ impl OnlineSoftmax {
     /// Given: 1 / l (to normalise the output) and the natural logsumexp
     /// LSE = ln Σ_j e^(scale·q·k_j) = (m + log₂ l) · ln 2; a row that saw nothing gets 0 and −∞.
     pub fn finish(&self) -> (f32, f32) {
-        if self.sum > 0.0 {
-            (1.0 / self.sum, (self.max + hw::log2(self.sum)) * LN_2)
-        } else {
-            (0.0, f32::NEG_INFINITY)
-        }
+        if self.sum > 0.0 { (1.0 / self.sum, (self.max + hw::log2(self.sum)) * LN_2) } else { (0.0, f32::NEG_INFINITY) }
     }
 }
 

@@ -24,7 +24,10 @@ fn ex01_vector_add() {
                 continue;
             }
             if !c[i].is_nan() {
-                panic!("n = {n}: c[{i}] = {}, expected a[{i}] + b[{i}] = {want}: is it a + b of the same index i?", c[i]);
+                panic!(
+                    "n = {n}: c[{i}] = {}, expected a[{i}] + b[{i}] = {want}: is it a + b of the same index i?",
+                    c[i]
+                );
             }
             let hint = if i == 0 {
                 "nothing was written: start with `let mut i = hw::global_thread_idx();` and store \

@@ -58,7 +58,9 @@ fn ex02_softmax_row() {
         let sum: f64 = got.iter().map(|&x| x as f64).sum();
         let want_sum = if fully_masked { 0.0 } else { 1.0 };
         if (sum - want_sum).abs() > 1e-5 {
-            panic!("row {r} ({what}): softmax sums to {sum:.2}, expected {want_sum:.2} — did you normalise by the sum?");
+            panic!(
+                "row {r} ({what}): softmax sums to {sum:.2}, expected {want_sum:.2} — did you normalise by the sum?"
+            );
         }
         for j in 0..COLS {
             if scores[j] == f32::NEG_INFINITY && got[j] != 0.0 {

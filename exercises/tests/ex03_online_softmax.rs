@@ -60,7 +60,8 @@ fn ex03_online_softmax_update() {
         if close(o[r], want_o) && close(lse[r], want_lse) {
             continue;
         }
-        let found = format!("row {r} ({what}): o = {}, LSE = {}, expected o = {want_o:.5}, LSE = {want_lse:.5}", o[r], lse[r]);
+        let found =
+            format!("row {r} ({what}): o = {}, LSE = {}, expected o = {want_o:.5}, LSE = {want_lse:.5}", o[r], lse[r]);
         let hint = if o[r].is_nan() || lse[r].is_nan() {
             if r == 3 {
                 "a NaN in a row whose first tile is all −∞: m_new is still −∞ there, and 2^(−∞ − (−∞)) \

@@ -52,7 +52,9 @@ fn ex04_causal_mask() {
             ];
             launch(&emu_mask_matrix, (1, 1, 1), 32, 0, &args);
             let case = format!("{name}, seqlen_q = {seqlen_q}, seqlen_k = {seqlen_k}, offset {offset}");
-            let shown = || format!("your mask ({rows} rows, the last {PADDING} padding):\n{}", picture(&visible, rows, seqlen_k));
+            let shown = || {
+                format!("your mask ({rows} rows, the last {PADDING} padding):\n{}", picture(&visible, rows, seqlen_k))
+            };
             for i in 0..rows {
                 let want = expected_limit(i, seqlen_q, seqlen_k, causal, offset);
                 if limits[i] != want as f32 {

@@ -13,7 +13,13 @@ const SEQLEN_K: usize = 21;
 
 /// O and the natural LSE of every head in f64: query `i` sees key `j` iff `sees(i, j)`; keys
 /// past seqlen_k count (as zero keys with zero values) if `pad_keys_to` is larger.
-fn reference(q: &[f32], k: &[f32], v: &[f32], sees: impl Fn(usize, usize) -> bool, pad_keys_to: usize) -> (Vec<f64>, Vec<f64>) {
+fn reference(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    sees: impl Fn(usize, usize) -> bool,
+    pad_keys_to: usize,
+) -> (Vec<f64>, Vec<f64>) {
     let d = HEAD_DIM;
     let (mut o, mut lse) = (vec![0.0; HEADS * SEQLEN_Q * d], vec![f64::NEG_INFINITY; HEADS * SEQLEN_Q]);
     let scale = 1.0 / (d as f64).sqrt();
@@ -53,7 +59,11 @@ fn reference(q: &[f32], k: &[f32], v: &[f32], sees: impl Fn(usize, usize) -> boo
 fn first_bad_row(o: &[f32], lse: &[f32], want: &(Vec<f64>, Vec<f64>)) -> Option<usize> {
     (0..HEADS * SEQLEN_Q).find(|&r| {
         let (w_lse, g_lse) = (want.1[r], lse[r] as f64);
-        let lse_ok = if w_lse == f64::NEG_INFINITY { g_lse == w_lse } else { (g_lse - w_lse).abs() <= 1e-5 * (1.0 + w_lse.abs()) };
+        let lse_ok = if w_lse == f64::NEG_INFINITY {
+            g_lse == w_lse
+        } else {
+            (g_lse - w_lse).abs() <= 1e-5 * (1.0 + w_lse.abs())
+        };
         let o_ok = (0..HEAD_DIM).all(|c| (o[r * HEAD_DIM + c] as f64 - want.0[r * HEAD_DIM + c]).abs() <= 1e-5);
         !(lse_ok && o_ok)
     })
@@ -61,8 +71,11 @@ fn first_bad_row(o: &[f32], lse: &[f32], want: &(Vec<f64>, Vec<f64>)) -> Option<
 
 #[test]
 fn ex05_tile_loop() {
-    let (mut q, mut k, mut v) =
-        (random(HEADS * SEQLEN_Q * HEAD_DIM, 30), random(HEADS * SEQLEN_K * HEAD_DIM, 31), random(HEADS * SEQLEN_K * HEAD_DIM, 32));
+    let (mut q, mut k, mut v) = (
+        random(HEADS * SEQLEN_Q * HEAD_DIM, 30),
+        random(HEADS * SEQLEN_K * HEAD_DIM, 31),
+        random(HEADS * SEQLEN_K * HEAD_DIM, 32),
+    );
     let scale_log2 = std::f32::consts::LOG2_E / (HEAD_DIM as f32).sqrt();
     for (name, causal, offset) in [
         ("not causal", 0, 0isize),
@@ -96,7 +109,8 @@ fn ex05_tile_loop() {
             want.1[r]
         );
         // Tell the usual bugs apart by the reference they match instead.
-        let unmasked_tail = reference(&q, &k, &v, |i, j| j < 24 && (causal == 0 || j as isize <= i as isize + offset), 24);
+        let unmasked_tail =
+            reference(&q, &k, &v, |i, j| j < 24 && (causal == 0 || j as isize <= i as isize + offset), 24);
         let no_causal = reference(&q, &k, &v, |_, j| j < SEQLEN_K, 0);
         let hint = if row.iter().all(|&x| x == 0.0) && lse[r] == f32::NEG_INFINITY && want.1[r].is_finite() {
             "O is all 0 and LSE = −inf: nothing was accumulated — write the tile loop's body".to_string()
