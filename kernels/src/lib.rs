@@ -24,7 +24,7 @@
 //! | [`attention`] | what every tier shares, one home per concept: the mask and tile ranges, the block schedule, the online softmax, the m16n8 fragment map, the epilogue |
 //! | [`layout`] | what host and device must agree on: block sizes, shared-memory layouts, the problem shape (the host crate uses this module) |
 //! | [`configs`] | every compiled configuration: tile lists, register budgets, launch bounds (read by `host/build.rs` too) |
-//! | `pipeline` in [`sm90`] | the Hopper kernels' ring of shared-memory slots, their barriers, the producer/consumer roles |
+//! | `sm90::pipeline` (nvptx64 only), [`sm80::pipeline`] | the shared-memory rings the tiers stream K/V (and Q/dO) through: on Hopper with their barriers and producer/consumer roles |
 //!
 //! Kernels never touch `core::arch::nvptx` or `asm!` directly: they go through [`hw`], so the
 //! hardware-facing surface is small, and on the host the same functions run the kernels in the

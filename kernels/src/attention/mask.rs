@@ -13,7 +13,7 @@
 //! | partial (the causal diagonal, the ragged end of the keys, padding query rows) | mask element by element | [`KeyRange::needs_mask`], [`Mask::tile_needs_mask`], [`Mask::visible`] |
 //!
 //! A new kind of mask is a change here (its `key_limit` and `first_query_seeing` answers), in
-//! the kernel-argument list of [`crate::attention_kernel`], and on the host.
+//! the kernel-argument list of `attention_kernel!` (`lib.rs`), and on the host.
 
 // ANCHOR: mask
 /// Which keys each query may attend to (causal masking), and the sequence bounds.

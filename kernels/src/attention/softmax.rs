@@ -140,3 +140,15 @@ impl RowSoftmax {
         (inv_sum, lse)
     }
 }
+
+impl<const ROWS: usize> Default for OnlineSoftmax<ROWS> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Default for RowSoftmax {
+    fn default() -> Self {
+        Self::new()
+    }
+}

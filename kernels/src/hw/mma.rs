@@ -221,7 +221,7 @@ impl SharedTile16 {
     /// (rows contiguous, `src` 16-byte aligned, `cols` a multiple of 8) into rows `0..rows` of this
     /// tile, 16 bytes per `cp.async`; rows `valid_rows..rows` are zero-filled without reading
     /// global memory. The copies run in the background: they belong to the calling thread's
-    /// current *group*, which [`cp_async_commit`] closes and [`cp_async_wait`] waits for. Call
+    /// current *group*, which [`super::cp_async_commit`] closes and [`super::cp_async_wait`] waits for. Call
     /// from every thread of a block of `threads` threads (a constant in every caller, so the loop
     /// unrolls).
     ///

@@ -6,7 +6,7 @@
 //! | [`warp`] | 32 threads that issue together | the warp barrier, shuffles, votes, reductions over groups of lanes |
 //! | [`block`] | the threads of one multiprocessor's block | the block barrier, dynamic shared memory and `f32` tiles carved from it ([`SharedTile`]), cooperative copies, `cp.async` commit groups |
 //! | [`mma`] | a warp, on the tensor cores | `mma.sync` m16n8k16 fragments ([`FragA`], [`FragB`], [`FragC`]), 16-bit tiles read with `ldmatrix` ([`SharedTile16`]), `movmatrix`, the formats [`F16`] and [`Bf16`] |
-//! | `warpgroup` (sm_90a) | 4 warps | `wgmma` and its matrix descriptors, the accumulator ([`Accumulator`]), named barriers, `setmaxnreg` |
+//! | `warpgroup` (sm_90a) | 4 warps | `wgmma` and its matrix descriptors, the accumulator (`Accumulator`), named barriers, `setmaxnreg` |
 //! | `tma` (sm_90a) | one thread, for the block | TMA loads and reductions, `mbarrier`s, bulk groups, proxy fences |
 //!
 //! Every function here is the same on both targets, so a kernel is written once. The primitives

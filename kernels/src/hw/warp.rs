@@ -5,7 +5,7 @@ use super::{WARP_SIZE, backend};
 
 /// Waits until every lane of this warp has reached this point, and orders their shared-memory
 /// accesses (`bar.warp.sync`). Enough when the threads that write and read a piece of shared
-/// memory are all in one warp; cheaper than [`sync_threads`].
+/// memory are all in one warp; cheaper than [`super::sync_threads`].
 #[inline(always)]
 #[cfg_attr(not(target_arch = "nvptx64"), track_caller)]
 pub fn sync_warp() {

@@ -93,7 +93,9 @@ pub struct AlignedShared {
 }
 
 impl AlignedShared {
+    /// The block's dynamic shared memory (every thread computes the same base).
     #[inline(always)]
+    #[allow(clippy::new_without_default)] // reads the block's shared memory: not a plain value
     pub fn new() -> Self {
         let raw = hw::dynamic_shared_memory() as *mut u8;
         let raw_address = shared_address(raw);
