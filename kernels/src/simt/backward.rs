@@ -59,7 +59,7 @@ use crate::layout::{
     AttentionShape, FLASH_THREAD_COLS as LANES, FLASH_THREAD_ROWS, FLASH_THREADS, flash_backward_kv_strides,
     flash_backward_q_strides,
 };
-use crate::simt::tile::{a_bt, accumulate_ab, mask_tile, refill_tiles, store_tile, store_tile_transposed};
+use crate::simt::tile::{a_bt, fits_thread_grid, accumulate_ab, mask_tile, refill_tiles, store_tile, store_tile_transposed};
 
 kernel! {
 /// `D[row] = Σ_d dO[row, d] · O[row, d]` for every query row (`rows = batch · heads · seqlen_q`).
@@ -163,10 +163,10 @@ pub(crate) unsafe fn flash_backward_kv<
     mask: Mask,
     scale: f32,
 ) {
+    // Key rows as the grid's rows for dK and dV, query rows for the atomic dQ.
     const {
-        assert!(BLOCK_N == FLASH_THREAD_ROWS * KROWS && BLOCK_N.is_multiple_of(4));
-        assert!(BLOCK_M == LANES * QCOLS && BLOCK_M == FLASH_THREAD_ROWS * QROWS);
-        assert!(HEAD_DIM == 4 * LANES * DVEC);
+        assert!(fits_thread_grid((BLOCK_N, KROWS), (BLOCK_M, QCOLS), (HEAD_DIM, DVEC)));
+        assert!(BLOCK_M == FLASH_THREAD_ROWS * QROWS);
     };
     let scale_log2 = scale * LOG2_E;
     let block = KeyBlock::current::<BLOCK_M, BLOCK_N>(&shape, &mask);
@@ -298,11 +298,7 @@ pub(crate) unsafe fn flash_backward_q<
     mask: Mask,
     scale: f32,
 ) {
-    const {
-        assert!(BLOCK_M == FLASH_THREAD_ROWS * ROWS);
-        assert!(BLOCK_N == LANES * COLS && BLOCK_N.is_multiple_of(4));
-        assert!(HEAD_DIM == 4 * LANES * DVEC);
-    };
+    const { assert!(fits_thread_grid((BLOCK_M, ROWS), (BLOCK_N, COLS), (HEAD_DIM, DVEC))) };
     let scale_log2 = scale * LOG2_E;
     let block = QueryBlock::current::<BLOCK_M>(&shape);
     let (q_start, q_rows) = (block.q_start, block.q_rows);

@@ -56,7 +56,7 @@ use crate::hw::{self, F32x4, SharedMemory};
 use crate::layout::{
     AttentionShape, FLASH_THREAD_COLS as LANES, FLASH_THREAD_ROWS, FLASH_THREADS, flash_forward_strides,
 };
-use crate::simt::tile::{a_bt, accumulate_ab, mask_tile, refill_tiles, store_tile};
+use crate::simt::tile::{a_bt, fits_thread_grid, accumulate_ab, mask_tile, refill_tiles, store_tile};
 
 /// The kernel body shared by every instance. `ROWS`, `COLS` and `DVEC` are the per-thread tile
 /// (see the module docs); they are derived from the block shape by the instance macro because
@@ -88,11 +88,7 @@ pub(crate) unsafe fn flash_forward<
     mask: Mask,
     scale_log2: f32,
 ) {
-    const {
-        assert!(BLOCK_M == FLASH_THREAD_ROWS * ROWS);
-        assert!(BLOCK_N == LANES * COLS && BLOCK_N.is_multiple_of(4));
-        assert!(HEAD_DIM == 4 * LANES * DVEC);
-    };
+    const { assert!(fits_thread_grid((BLOCK_M, ROWS), (BLOCK_N, COLS), (HEAD_DIM, DVEC))) };
     let block = QueryBlock::current::<BLOCK_M>(&shape);
     let (q_start, q_rows) = (block.q_start, block.q_rows);
     // This block's head in each tensor. O has Q's layout; LSE has one float per query row.

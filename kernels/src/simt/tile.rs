@@ -16,7 +16,22 @@
 //! The forward pass uses query rows as its rows; the K/V-outer backward kernel uses key rows.
 
 use crate::hw::{self, F32x4, SharedTile};
-use crate::layout::{FLASH_THREAD_COLS as LANES, FLASH_THREADS};
+use crate::layout::{FLASH_THREAD_COLS as LANES, FLASH_THREAD_ROWS, FLASH_THREADS};
+
+/// Whether a kernel's tile fits the thread grid: `block_rows` rows as `rows` per thread over the
+/// 16 row groups, `block_cols` product columns as `cols` per lane over the 8 lanes (a multiple
+/// of 4: the products read 16 bytes at a time), and `head_dim` as `dvec` 4-float vectors per
+/// lane. The kernels assert it at compile time for every instance.
+pub const fn fits_thread_grid(
+    (block_rows, rows): (usize, usize),
+    (block_cols, cols): (usize, usize),
+    (head_dim, dvec): (usize, usize),
+) -> bool {
+    block_rows == FLASH_THREAD_ROWS * rows
+        && block_cols == LANES * cols
+        && block_cols.is_multiple_of(4)
+        && head_dim == 4 * LANES * dvec
+}
 
 /// Replaces the contents of two `ROWS × COLS` tiles with rows from global memory (rows past
 /// `valid_rows` zero-filled), between the two block barriers every tile loop needs: the first

@@ -477,10 +477,7 @@ pub(crate) unsafe fn flash_backward_q_mma<
 
     let mut acc = [[0.0f32; 4]; D_TILES];
     for tile in 0..kv_tiles {
-        hw::cp_async_wait(STAGES - 2);
-        hw::sync_threads();
-        ring.fetch(tile + STAGES - 1);
-        let (k_tile, v_tile) = ring.slot(tile);
+        let (k_tile, v_tile) = ring.advance(tile);
         let kv_start = tile * BLOCK_N;
 
         // Masked as in the forward pass, and wherever the block has padding rows: a hidden or

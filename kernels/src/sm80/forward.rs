@@ -150,11 +150,7 @@ pub(crate) unsafe fn flash_forward_mma<
     let mut softmax: [RowSoftmax; WARP_TILES] = core::array::from_fn(|_| RowSoftmax::new());
     let mut acc = [[[0.0f32; 4]; D_TILES]; WARP_TILES];
     for tile in 0..kv_tiles {
-        // Tile `tile` has landed for everyone, and everyone is done with tile − 1's slot.
-        hw::cp_async_wait(STAGES - 2);
-        hw::sync_threads();
-        ring.fetch(tile + STAGES - 1);
-        let (k_tile, v_tile) = ring.slot(tile);
+        let (k_tile, v_tile) = ring.advance(tile);
         let kv_start = tile * BLOCK_N;
 
         // S = Q·Kᵀ for the warp's rows and the tile's BLOCK_N keys; each K fragment read from

@@ -63,4 +63,16 @@ impl<const BLOCK_N: usize, const HEAD_DIM: usize, const STAGES: usize> KvRing<BL
         }
         hw::cp_async_commit();
     }
+
+    /// The top of iteration `tile` of the key loop: waits until tile `tile` has landed for
+    /// every thread (and every warp is done with tile `tile − 1`'s slot), starts the copies of
+    /// tile `tile + STAGES − 1` into that slot, and returns tile `tile`'s K and V. Every thread
+    /// calls it.
+    #[inline(always)]
+    pub fn advance(self, tile: usize) -> (SharedTile16, SharedTile16) {
+        hw::cp_async_wait(STAGES - 2);
+        hw::sync_threads();
+        self.fetch(tile + STAGES - 1);
+        self.slot(tile)
+    }
 }
