@@ -8,7 +8,7 @@
 
 mod common;
 
-use attn_host::check::{lse_error, random_normal, relative_l2_error};
+use attn_host::check::{Tolerance, lse_error, random_normal, relative_l2_error};
 use attn_host::cli::{Cli, Command, attn};
 use attn_host::io::{self, HostTensor};
 use attn_host::{AttentionShape, Causal, DType, Error, cpu};
@@ -148,13 +148,10 @@ impl Case {
 }
 
 /// Relative L2 tolerances (O, LSE, gradients) against the float64 reference on the rounded
-/// inputs: those of the kernels' own tests (README, Numerics).
+/// inputs: those of the kernels' own tests (`attn_host::check::Tolerance`).
 fn tolerances(dtype: DType) -> (f64, f64, f64) {
-    match dtype {
-        DType::F32 => (1e-5, 1e-5, 1e-4),
-        DType::F16 => (3e-3, 1e-4, 1e-2),
-        DType::Bf16 => (1e-2, 1e-4, 2e-2),
-    }
+    let tolerance = Tolerance::of(dtype);
+    (tolerance.o, tolerance.lse, tolerance.grad)
 }
 
 fn gqa(
