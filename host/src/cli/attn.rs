@@ -97,8 +97,9 @@ pub struct Args {
     /// file per tensor. Nothing is written without it.
     #[arg(long, value_name = "PATH")]
     pub out: Option<PathBuf>,
-    /// Also run the CPU reference (f64, every head: slow for long sequences) and print each
-    /// output's relative L2 error against it.
+    /// Also run the CPU reference (f64, every head: slow for long sequences), print each
+    /// output's relative L2 error against it and judge each row PASS or FAIL by the test suite's
+    /// tolerances for the type (`check::Tolerance`); a FAIL makes the job fail.
     #[arg(long)]
     pub check: bool,
     /// A CUDA device ordinal (0, 1, …), `cpu-emulated` (the kernels on the CPU emulator: slow,
