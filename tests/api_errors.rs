@@ -99,7 +99,8 @@ fn kernel_paths_parse_and_the_emulator_refuses_sm90a() {
     let ctx = ctx.with_kernel_path(KernelPath::Sm80).unwrap();
     let err = ctx.with_kernel_path(KernelPath::Sm90a).err().expect("sm_90a on the emulator");
     assert!(matches!(err, Error::Unsupported { .. }), "{err}");
-    // Off sm_90a the forward runs the sm_80 kernel of the tile it is given.
+    // Off sm_90a the forward runs the sm_80 kernel of the tile it is given; on the emulator from
+    // its Rust source, which the label says (no sm_80 PTX runs there).
     let ctx = Context::cpu_emulated();
     let tile = TileConfig::default_for_dtype(attn_host::DType::F16, 64);
     let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 2, seqlen_q: 64, seqlen_k: 64, head_dim: 64 };
@@ -109,6 +110,7 @@ fn kernel_paths_parse_and_the_emulator_refuses_sm90a() {
             .starts_with("flash_fwd_f16")
     );
     assert!(
-        ctx.forward_kernel_label(attn_host::DType::F16, &shape, attn_host::Causal::None, tile).starts_with("sm_80 ")
+        ctx.forward_kernel_label(attn_host::DType::F16, &shape, attn_host::Causal::None, tile)
+            == format!("emulated {tile}")
     );
 }

@@ -8,7 +8,7 @@
 
 mod common;
 
-use attn_host::check::{lse_error, random_normal, relative_l2_error};
+use attn_host::check::{Tolerance, lse_error, random_normal, relative_l2_error};
 use attn_host::cli::{Cli, Command, attn};
 use attn_host::io::{self, HostTensor};
 use attn_host::{AttentionShape, Causal, DType, Error, cpu};
@@ -148,13 +148,10 @@ impl Case {
 }
 
 /// Relative L2 tolerances (O, LSE, gradients) against the float64 reference on the rounded
-/// inputs: those of the kernels' own tests (README, Numerics).
+/// inputs: those of the kernels' own tests (`attn_host::check::Tolerance`).
 fn tolerances(dtype: DType) -> (f64, f64, f64) {
-    match dtype {
-        DType::F32 => (1e-5, 1e-5, 1e-4),
-        DType::F16 => (3e-3, 1e-4, 1e-2),
-        DType::Bf16 => (1e-2, 1e-4, 2e-2),
-    }
+    let tolerance = Tolerance::of(dtype);
+    (tolerance.o, tolerance.lse, tolerance.grad)
 }
 
 fn gqa(
@@ -340,4 +337,57 @@ fn attn_errors_name_the_file_and_the_tensor() {
     assert!(parse(&["--k", "k.npy", "--v", "v.npy"]).is_err());
     assert!(parse(&["--input", "a.safetensors", "--device", "tpu"]).is_err());
     assert!(parse(&["--input", "a.safetensors", "--device", "cpu-emulated"]).is_ok());
+}
+
+/// `--random SHAPE` draws Q, K, V and dO as `check::random_normal` with seeds SEED … SEED+3 (the
+/// seeds `Case::new` uses), so the outputs can be checked against the reference on the same
+/// inputs: on the CPU path with GQA and cross lengths, and a forward only on the emulator.
+#[test]
+fn attn_random_inputs() {
+    let dir = TempDir::new("attn_random");
+    let case = Case::new(gqa(1, 4, 2, 20, 27, 16), Causal::None, None, 5);
+    let out = dir.join("out.safetensors");
+    let out_flag = out.display().to_string();
+    run_attn(&strings(&[
+        "--random",
+        "1x4x2x20x27x16",
+        "--seed",
+        "5",
+        "--device",
+        "cpu",
+        "--check",
+        "--out",
+        &out_flag,
+    ]))
+    .unwrap();
+    case.check_outputs(&out, DType::F32, true, "--random on the CPU");
+
+    let case = Case::new(gqa(1, 2, 2, 24, 24, 32), Causal::TopLeft, None, 0);
+    let out = dir.join("emulated");
+    let out_flag = out.display().to_string();
+    let args = ["--random", "1x2x24x32", "--forward-only", "--causal", "top-left", "--device", "cpu-emulated"];
+    run_attn(&strings(&[args.as_slice(), &["--check", "--out", &out_flag]].concat())).unwrap();
+    case.check_outputs(&out, DType::F32, false, "--random on the emulator");
+
+    // Shapes that are not problems are refused while parsing, saying why; --seed and
+    // --forward-only without --random are refused before any file is read.
+    let parse = |args: &[&str]| {
+        Cli::try_parse_from(["rust-attention", "attn"].iter().chain(args)).map(|_| ()).map_err(|e| e.to_string())
+    };
+    for (shape, why) in [
+        ("2x8x128", "has 3 dimensions"),
+        ("2x8xax64", "`a` is not a whole number"),
+        ("0x8x128x64", "at least 1"),
+        ("1x3x2x8x8x64", "not a multiple"),
+        ("99999999999x99999999999x1x1", "more than 2^32 elements"),
+    ] {
+        let message = parse(&["--random", shape]).unwrap_err();
+        assert!(message.contains(why), "{shape}: {message}");
+    }
+    assert!(parse(&["--random", "1x2x8x64", "--q", "q.npy"]).is_err());
+    for flag in [&["--seed", "3"][..], &["--forward-only"]] {
+        let error = run_attn(&strings(&[&["--input", "a.safetensors"][..], flag].concat())).unwrap_err();
+        assert!(matches!(error, Error::Argument(_)) && error.to_string().contains("--random"), "{error}");
+    }
+    assert!(parse(&["--random", "2X8×16x64", "--seed", "3", "--dtype", "bf16"]).is_ok());
 }

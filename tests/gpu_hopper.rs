@@ -25,6 +25,7 @@ fn hopper(test: &str) -> Option<&'static Context> {
     if ctx.has_hopper_kernels() {
         return Some(ctx);
     }
+    common::tally(test, Some("no Hopper GPU (compute capability 9.0)"));
     eprintln!("{test}: skipped: {} is not compute capability 9.0 (no sm_90a kernels)", ctx.device().name);
     None
 }

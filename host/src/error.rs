@@ -118,6 +118,11 @@ pub enum Error {
     /// cuBLAS could not be loaded or a cuBLAS call failed; the message says which step.
     #[error("cuBLAS: {0}")]
     Cublas(String),
+
+    /// Rows of the main job or of `attn --check` whose errors against the `f64` reference exceed
+    /// the test suite's tolerances (`check::Tolerance`), or whose kernel failed to run.
+    #[error("{failed} of {rows} rows FAIL: {what}")]
+    CheckFailed { failed: usize, rows: usize, what: &'static str },
 }
 
 impl Error {

@@ -5,15 +5,16 @@ pub mod attention;
 pub mod files;
 pub mod tensor_cores;
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 use std::io::Write;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Mutex, Once, OnceLock};
 
 use attn_host::{AttentionShape, Context, Error};
 use proptest::test_runner::Config;
 
 /// The GPU context for this test binary, created once. Without a GPU it prints a visible skip
-/// line and returns `None`, unless `REQUIRE_GPU=1` is set, in which case the test fails.
+/// line and returns `None`, unless `REQUIRE_GPU=1` is set, in which case the test fails. Either
+/// way the test is counted for the line the binary prints when it exits ([`tally`]).
 pub fn gpu(test: &str) -> Option<&'static Context> {
     static CONTEXT: OnceLock<Result<Context, String>> = OnceLock::new();
     let context = CONTEXT.get_or_init(|| match Context::new(0) {
@@ -22,11 +23,15 @@ pub fn gpu(test: &str) -> Option<&'static Context> {
         Err(e) => panic!("a CUDA device is present but could not be used: {e}"),
     });
     match context {
-        Ok(ctx) => Some(ctx),
+        Ok(ctx) => {
+            tally(test, None);
+            Some(ctx)
+        }
         Err(reason) if std::env::var("REQUIRE_GPU").is_ok_and(|v| v == "1") => {
             panic!("{test}: REQUIRE_GPU=1 but no CUDA device: {reason}")
         }
         Err(reason) => {
+            tally(test, Some("no CUDA device; REQUIRE_GPU=1 makes this fail"));
             // Once per test, straight to stderr: the test harness captures `println!`, and a
             // skip must be visible in a normal `cargo test` run.
             static REPORTED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
@@ -38,6 +43,63 @@ pub fn gpu(test: &str) -> Option<&'static Context> {
             None
         }
     }
+}
+
+/// Counts `test` as run (`skipped: None`) or as skipped for the given reason, for the line
+/// `gpu tests: R run, S skipped (…)` that the test binary prints on stderr as it exits, after the
+/// harness's own `test result` line (whose "passed" includes the skipped tests). A test counts
+/// once, and a skip wins over a run (a test that found a GPU but not the one it needs).
+///
+/// The line comes from a C `atexit` handler, registered by the first GPU test: the harness runs a
+/// binary's tests on parallel threads and no test knows it is the last, a static's destructor
+/// never runs, and `atexit` handlers run when `main` returns or calls `exit`, which the harness
+/// does whether the tests passed or failed. (A binary whose GPU tests were all filtered out
+/// prints no line; a test binary killed by a signal prints none either.)
+pub fn tally(test: &str, skipped: Option<&'static str>) {
+    static AT_EXIT: Once = Once::new();
+    AT_EXIT.call_once(|| {
+        // SAFETY: `atexit` is the C library's, called with a function that takes no arguments,
+        // never unwinds (it only formats and writes) and may run on any thread.
+        let _ = unsafe { atexit(print_tally) };
+    });
+    let mut guard = TALLY.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let tally = guard.get_or_insert_default();
+    match skipped {
+        Some(reason) => {
+            tally.run.remove(test);
+            tally.skipped.insert(test.to_string());
+            tally.reasons.insert(reason);
+        }
+        None if !tally.skipped.contains(test) => {
+            tally.run.insert(test.to_string());
+        }
+        None => {}
+    }
+}
+
+/// The GPU tests of this binary that ran and that skipped, and why they skipped.
+#[derive(Default)]
+struct Tally {
+    run: HashSet<String>,
+    skipped: HashSet<String>,
+    reasons: BTreeSet<&'static str>,
+}
+
+static TALLY: Mutex<Option<Tally>> = Mutex::new(None);
+
+unsafe extern "C" {
+    fn atexit(callback: extern "C" fn()) -> std::ffi::c_int;
+}
+
+/// Prints `gpu tests: R run, S skipped (reason)` on stderr (see [`tally`]).
+extern "C" fn print_tally() {
+    // `try_lock`: every test has finished by now, but a handler must not wait on anything.
+    let Ok(guard) = TALLY.try_lock() else { return };
+    let Some(tally) = guard.as_ref() else { return };
+    let reasons = tally.reasons.iter().copied().collect::<Vec<_>>().join("; ");
+    let why = if tally.skipped.is_empty() { String::new() } else { format!(" ({reasons})") };
+    let line = format!("gpu tests: {} run, {} skipped{why}\n", tally.run.len(), tally.skipped.len());
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }
 
 /// proptest settings for GPU tests: enough cases to cover the shape space, no regression files

@@ -6,12 +6,14 @@
 //! rust-attention attn --q q.npy --k k.npy --v v.npy [--do do.npy] [--causal top-left|bottom-right]
 //!     [--scale X] [--kernel flash|naive] [--dtype f32|f16|bf16] [--out DIR|FILE.safetensors] [--check]
 //! rust-attention attn --input qkv.safetensors ...   # tensors q, k, v (and do) from one file
+//! rust-attention attn --random 2x8x128x64 [--seed N] [--forward-only] ...   # seeded random inputs
 //! ```
 //!
 //! * Inputs: Q `[batch, num_heads_q, seqlen_q, head_dim]`, K and V `[batch, num_heads_kv,
 //!   seqlen_k, head_dim]` (grouped-query attention when `num_heads_kv` divides `num_heads_q`),
 //!   dO Q's shape; `.npy` or `.safetensors` files as [`crate::io`] reads them (bf16 in `.npy` as
-//!   `NAME.bf16.npy`).
+//!   `NAME.bf16.npy`). Or `--random SHAPE`: Q, K, V and dO drawn from the standard normal
+//!   distribution (seeded: `--seed`), so that one kernel runs at one shape without any file.
 //! * `--dtype`: the element type the kernels run in; default: the inputs' own (they must then
 //!   agree). Inputs of another type are rounded to it first (f32 files run in f16, say), and
 //!   `--check` compares against the reference on those rounded inputs. `f32` runs the CUDA-core
@@ -27,6 +29,9 @@
 //!   for small inputs), or `cpu` (the CPU reference, the plain formula in `f64`, its results
 //!   rounded to the run's type). With a CUDA ordinal and no GPU on the machine, the job says so
 //!   and runs the CPU reference, as the main job does.
+//! * `--check`: each row's errors against the test suite's tolerances ([`crate::check::Tolerance`]
+//!   of the run's type); a row beyond them is marked FAIL and the job fails (after writing the
+//!   outputs), its last line saying how many rows failed.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -34,37 +39,48 @@ use std::time::Instant;
 use clap::ValueEnum;
 use comfy_table::{Table, presets::ASCII_MARKDOWN};
 
-use super::{CausalArg, DeviceArg};
-use crate::check::{lse_error, relative_l2_error};
+use super::{CausalArg, DeviceArg, Verdicts};
+use crate::check::{Checked, Measured, Output, Tolerance, gradient_error, lse_error, random_normal, relative_l2_error};
 use crate::dtype::{DType, Element};
 use crate::io::{self, HostTensor};
 use crate::timing::{tflops, time_gpu};
-use crate::{
-    AttentionOptions, AttentionShape, Context, DqAccumulation, Error, FlashKernel, KernelPath, Result, TileConfig, cpu,
-};
+use crate::{AttentionOptions, AttentionShape, Context, Error, FlashKernel, KernelPath, Result, TileConfig, cpu};
 
 /// The `attn` subcommand's flags.
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Q, [batch, num_heads_q, seqlen_q, head_dim]: a .npy file, or a .safetensors file holding a
-    /// tensor named `q` (or give all inputs in one file with --input).
-    #[arg(long, value_name = "FILE", required_unless_present = "input", conflicts_with = "input")]
+    /// tensor named `q` (or give all inputs in one file with --input, or --random).
+    #[arg(long, value_name = "FILE", required_unless_present_any = ["input", "random"], conflicts_with_all = ["input", "random"])]
     pub q: Option<PathBuf>,
     /// K, [batch, num_heads_kv, seqlen_k, head_dim] (num_heads_kv dividing num_heads_q: GQA); a .npy
     /// file, or a .safetensors file holding `k`.
-    #[arg(long, value_name = "FILE", required_unless_present = "input", conflicts_with = "input")]
+    #[arg(long, value_name = "FILE", required_unless_present_any = ["input", "random"], conflicts_with_all = ["input", "random"])]
     pub k: Option<PathBuf>,
     /// V, K's shape; a .npy file, or a .safetensors file holding `v`.
-    #[arg(long, value_name = "FILE", required_unless_present = "input", conflicts_with = "input")]
+    #[arg(long, value_name = "FILE", required_unless_present_any = ["input", "random"], conflicts_with_all = ["input", "random"])]
     pub v: Option<PathBuf>,
     /// dO = ∂loss/∂O, Q's shape; a .npy file, or a .safetensors file holding `do`. Given, the
     /// backward pass runs too.
-    #[arg(long = "do", value_name = "FILE", conflicts_with = "input")]
+    #[arg(long = "do", value_name = "FILE", conflicts_with_all = ["input", "random"])]
     pub d_o: Option<PathBuf>,
     /// One .safetensors file holding tensors q, k, v and, for the backward pass, do (in place of
     /// --q, --k, --v, --do).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with = "random")]
     pub input: Option<PathBuf>,
+    /// Random inputs instead of files: Q, K, V and dO drawn from the standard normal distribution
+    /// (rounded to --dtype, default f32), of shape BxHxSxD (batch, heads, seqlen, head_dim; e.g.
+    /// 2x8x128x64) or BxHqxHkvxSqxSkxD (grouped-query or cross attention, e.g. 1x8x2x100x300x64).
+    /// The backward pass runs too, unless --forward-only.
+    #[arg(long, value_name = "SHAPE")]
+    pub random: Option<RandomShape>,
+    /// The seed of --random's inputs: Q is drawn with SEED, K with SEED+1, V with SEED+2, dO with
+    /// SEED+3 (`check::random_normal`); default 0.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// With --random: no dO, the forward pass only.
+    #[arg(long)]
+    pub forward_only: bool,
     /// Causal mask.
     #[arg(long, value_enum, default_value_t = CausalArg::None)]
     pub causal: CausalArg,
@@ -81,8 +97,9 @@ pub struct Args {
     /// file per tensor. Nothing is written without it.
     #[arg(long, value_name = "PATH")]
     pub out: Option<PathBuf>,
-    /// Also run the CPU reference (f64, every head: slow for long sequences) and print each
-    /// output's relative L2 error against it.
+    /// Also run the CPU reference (f64, every head: slow for long sequences), print each
+    /// output's relative L2 error against it and judge each row PASS or FAIL by the test suite's
+    /// tolerances for the type (`check::Tolerance`); a FAIL makes the job fail.
     #[arg(long)]
     pub check: bool,
     /// A CUDA device ordinal (0, 1, …), `cpu-emulated` (the kernels on the CPU emulator: slow,
@@ -112,19 +129,49 @@ pub enum KernelChoice {
     Naive,
 }
 
-/// An input tensor and the file it came from.
+/// `--random`'s shape: `BxHxSxD` or `BxHqxHkvxSqxSkxD`, checked as a problem shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RandomShape(pub AttentionShape);
+
+/// The most elements `--random` draws for one tensor (2^32: 16 GiB in `f32`).
+const RANDOM_MAX_ELEMENTS: usize = 1 << 32;
+
+impl std::str::FromStr for RandomShape {
+    type Err = String;
+
+    /// `2x8x128x64` = [batch 2, 8 heads, 128 tokens, head_dim 64]; `1x8x2x100x300x64` = batch 1,
+    /// 8 query heads, 2 key/value heads, 100 queries, 300 keys, head_dim 64.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let expected = "expected BxHxSxD (batch, heads, seqlen, head_dim; e.g. 2x8x128x64) or BxHqxHkvxSqxSkxD";
+        let dims = s
+            .split(['x', 'X', '×'])
+            .map(|d| d.trim().parse::<usize>().map_err(|_| format!("`{s}`: `{d}` is not a whole number; {expected}")))
+            .collect::<std::result::Result<Vec<usize>, String>>()?;
+        let (q, kv) = match dims[..] {
+            [b, h, n, d] => ([b, h, n, d], [b, h, n, d]),
+            [b, hq, hkv, nq, nk, d] => ([b, hq, nq, d], [b, hkv, nk, d]),
+            _ => return Err(format!("`{s}` has {} dimensions; {expected}", dims.len())),
+        };
+        let shape = AttentionShape::from_qkv(&q, &kv, &kv).map_err(|e| format!("`{s}`: {e}"))?;
+        for (name, dims) in [("q", q), ("k", kv)] {
+            let n = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+            if n.is_none_or(|n| n > RANDOM_MAX_ELEMENTS) {
+                return Err(format!("`{s}`: {name} {dims:?} has more than 2^32 elements, too many to draw"));
+            }
+        }
+        Ok(Self(shape))
+    }
+}
+
+/// An input tensor and where it came from (a file, or `--random`).
 struct Input {
     tensor: HostTensor,
-    path: PathBuf,
+    source: String,
 }
 
 impl Input {
     fn error(&self, reason: String) -> Error {
-        Error::TensorFile {
-            path: self.path.display().to_string(),
-            tensor: Some(self.tensor.name().to_string()),
-            reason,
-        }
+        Error::TensorFile { path: self.source.clone(), tensor: Some(self.tensor.name().to_string()), reason }
     }
 }
 
@@ -138,13 +185,34 @@ struct Inputs {
 
 impl Inputs {
     fn read(args: &Args) -> Result<Self> {
+        // (Checked here, not by clap's `requires`, which does not fire when the flag it requires
+        // conflicts with one that is present, as --random does with the file flags.)
+        if args.random.is_none() && (args.seed.is_some() || args.forward_only) {
+            let flag = if args.seed.is_some() { "--seed" } else { "--forward-only" };
+            return Err(Error::Argument(format!("{flag} goes with --random (the inputs of files are what they are)")));
+        }
+        if let Some(RandomShape(shape)) = args.random {
+            let seed = args.seed.unwrap_or(0);
+            let draw = |i: u64, name: &str, dims: [usize; 4]| -> Result<Input> {
+                let values = random_normal(dims.iter().product(), seed.wrapping_add(i));
+                let source = format!("--random, seed {}", seed.wrapping_add(i));
+                Ok(Input { tensor: HostTensor::new(name, &dims, values)?, source })
+            };
+            let (q_shape, kv_shape) = (shape.q_shape(), shape.kv_shape());
+            return Ok(Self {
+                q: draw(0, "q", q_shape)?,
+                k: draw(1, "k", kv_shape)?,
+                v: draw(2, "v", kv_shape)?,
+                d_o: if args.forward_only { None } else { Some(draw(3, "do", q_shape)?) },
+            });
+        }
         if let Some(path) = &args.input {
             let mut tensors = io::read_safetensors(path)?;
             let mut take = |name: &str| {
                 tensors
                     .iter()
                     .position(|t| t.name() == name)
-                    .map(|i| Input { tensor: tensors.remove(i), path: path.clone() })
+                    .map(|i| Input { tensor: tensors.remove(i), source: path.display().to_string() })
             };
             let (q, k, v, d_o) = (take("q"), take("k"), take("v"), take("do"));
             let missing = |name: &str| Error::TensorFile {
@@ -160,9 +228,11 @@ impl Inputs {
             });
         }
         let read = |path: &Option<PathBuf>, name: &str| -> Result<Option<Input>> {
-            path.as_ref().map(|p| Ok(Input { tensor: io::read_tensor(p, name)?, path: p.clone() })).transpose()
+            path.as_ref()
+                .map(|p| Ok(Input { tensor: io::read_tensor(p, name)?, source: p.display().to_string() }))
+                .transpose()
         };
-        let required = |name: &str| Error::Argument(format!("--{name} is required (or --input)"));
+        let required = |name: &str| Error::Argument(format!("--{name} is required (or --input, or --random)"));
         Ok(Self {
             q: read(&args.q, "q")?.ok_or_else(|| required("q"))?,
             k: read(&args.k, "k")?.ok_or_else(|| required("k"))?,
@@ -298,8 +368,9 @@ pub fn run(args: &Args) -> Result<()> {
         }
     };
 
-    let errors = if args.check { Some(check(&rounded, &shape, &options, &rows)?) } else { None };
-    print_table(&rows, errors.as_deref());
+    let errors = if args.check { Some(check(&rounded, &shape, &options, dtype, &rows)?) } else { None };
+    let mut verdicts = Verdicts::default();
+    print_table(&rows, errors.as_deref(), dtype, &mut verdicts);
     match &ctx {
         Some(ctx) if !ctx.is_emulated() => println!(
             "time: median of {repeats} runs after {warmup} warm-up runs (CUDA events); TFLOP/s counts the forward as \
@@ -318,13 +389,13 @@ pub fn run(args: &Args) -> Result<()> {
         }
         None => println!("no --out: the outputs were not written"),
     }
-    Ok(())
+    if args.check { verdicts.finish() } else { Ok(()) }
 }
 
 fn print_problem(inputs: &Inputs, shape: &AttentionShape, dtype: DType, args: &Args) {
     let files: Vec<String> = inputs
         .all()
-        .map(|i| format!("{} {:?} {} ({})", i.tensor.name(), i.tensor.shape(), i.tensor.dtype(), i.path.display()))
+        .map(|i| format!("{} {:?} {} ({})", i.tensor.name(), i.tensor.shape(), i.tensor.dtype(), i.source))
         .collect();
     println!("inputs: {}", files.join(", "));
     let s = shape;
@@ -382,7 +453,7 @@ fn flash_rows<T: Element>(
         let backward = time_gpu(ctx, warmup, repeats, || {
             ctx.flash_attention_backward_into(q, k, v, o, lse, d_o, &mut grads, options, tile, mode)
         })?;
-        let mode_name = if mode == DqAccumulation::Atomic { "atomic dQ" } else { "deterministic" };
+        let mode_name = super::dq_mode_name(ctx, dtype, d, tile, mode);
         rows.push(Row {
             label: format!("flash backward {dtype}, {mode_name} ({})", ctx.backward_kernel_label(dtype, d, tile, mode)),
             ms: backward.median_ms,
@@ -476,13 +547,15 @@ fn cpu_rows(
 }
 
 /// "O …, LSE …" and "dQ …, dK …, dV …": each row's outputs against the CPU reference computed on
-/// the same (rounded) inputs, as relative L2 errors.
+/// the same (rounded) inputs, as relative L2 errors, judged by `dtype`'s tolerances.
 fn check(
     rounded: &[HostTensor],
     shape: &AttentionShape,
     options: &AttentionOptions,
+    dtype: DType,
     rows: &[Row],
-) -> Result<Vec<String>> {
+) -> Result<Vec<Checked>> {
+    let tolerance = Tolerance::of(dtype);
     let values: Vec<Vec<f32>> = rounded.iter().map(HostTensor::to_f32).collect();
     let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal };
     let forward = cpu::attention(&values[0], &values[1], &values[2], shape, params)?;
@@ -493,38 +566,40 @@ fn check(
     Ok(rows
         .iter()
         .map(|row| {
-            let errors: Vec<String> = row
-                .outputs
-                .iter()
-                .map(|t| {
-                    let got = t.to_f32();
-                    let (label, error) = match (t.name(), &backward) {
-                        ("o", _) => ("O", relative_l2_error(&got, &forward.o)),
-                        ("lse", _) => ("LSE", lse_error(&got, &forward.lse)),
-                        ("dq", Some(b)) => ("dQ", relative_l2_error(&got, &b.dq)),
-                        ("dk", Some(b)) => ("dK", relative_l2_error(&got, &b.dk)),
-                        ("dv", Some(b)) => ("dV", relative_l2_error(&got, &b.dv)),
-                        (name, _) => (name, f64::NAN),
-                    };
-                    format!("{label} {error:.1e}")
-                })
-                .collect();
-            errors.join(", ")
+            Checked(
+                row.outputs
+                    .iter()
+                    .map(|t| {
+                        let got = t.to_f32();
+                        // Every output a row makes has its reference (dQ, dK, dV only with dO).
+                        let (output, error) = match (t.name(), &backward) {
+                            ("lse", _) => (Output::Lse, lse_error(&got, &forward.lse)),
+                            ("dq", Some(b)) => (Output::Dq, gradient_error(&got, &b.dq)),
+                            ("dk", Some(b)) => (Output::Dk, gradient_error(&got, &b.dk)),
+                            ("dv", Some(b)) => (Output::Dv, gradient_error(&got, &b.dv)),
+                            ("o", _) => (Output::O, relative_l2_error(&got, &forward.o)),
+                            _ => (Output::O, f64::NAN),
+                        };
+                        Measured::new(output, error, tolerance)
+                    })
+                    .collect(),
+            )
         })
         .collect())
 }
 
-fn print_table(rows: &[Row], errors: Option<&[String]>) {
+/// The table; with `--check`, each row's errors and its verdict.
+fn print_table(rows: &[Row], errors: Option<&[Checked]>, dtype: DType, verdicts: &mut Verdicts) {
     let mut table = Table::new();
     let mut header = vec!["kernel", "time (ms)", "TFLOP/s"];
     if errors.is_some() {
-        header.push("rel L2 error vs CPU (f64)");
+        header.extend(["rel L2 error vs CPU (f64)", "check"]);
     }
     table.load_style(ASCII_MARKDOWN).set_header(header);
     for (i, row) in rows.iter().enumerate() {
         let mut cells = vec![row.label.clone(), format!("{:.3}", row.ms), format!("{:.2}", tflops(row.flops, row.ms))];
-        if let Some(errors) = errors {
-            cells.push(errors[i].clone());
+        if let Some(checked) = errors.and_then(|errors| errors.get(i)) {
+            cells.extend([checked.to_string(), verdicts.judge(dtype, checked)]);
         }
         table.add_row(cells);
     }

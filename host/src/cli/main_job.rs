@@ -7,14 +7,20 @@
 //! images), a long sequence (1 × 12 heads × 4096 tokens × 64), where the naive kernels' N×N
 //! matrix costs 805 MB and most of the time, and the same long sequence with a causal mask. Any
 //! shape flag switches to one case of that shape.
+//!
+//! Every row is judged against the test suite's tolerances (`check::Tolerance`): a row beyond them
+//! is marked FAIL and the job exits non-zero, its last line saying how many rows failed.
 
 use std::time::Instant;
 
 use clap::ValueEnum;
 use comfy_table::{Table, presets::ASCII_MARKDOWN};
 
-use super::{CausalArg, DeviceArg};
-use crate::check::{lse_error, random_normal, relative_l2_error};
+use super::{CausalArg, DeviceArg, Verdicts};
+use crate::check::{
+    CPU_TILED_TOLERANCE, Checked, Measured, Output, Tolerance, gradient_error, lse_error, random_normal,
+    relative_l2_error,
+};
 use crate::dtype::{DType, Element, from_f32_slice, to_f32_vec};
 use crate::timing::{tflops, time_gpu};
 use crate::tune::{Pass, TunedTiles};
@@ -221,7 +227,7 @@ pub(super) fn run(mut args: Args) -> Result<()> {
             return Err(Error::Argument("--tune measures a GPU; --device cpu has none".into()));
         }
         DeviceArg::Cpu => {
-            println!("device: CPU (--device cpu): the CPU reference only, no kernels");
+            println!("device: CPU (--device cpu): the CPU reference only, no kernels; {EMULATOR_HINT}");
             return run_cpu_only(&args, &cases);
         }
     };
@@ -232,7 +238,7 @@ pub(super) fn run(mut args: Args) -> Result<()> {
         }
         Err(e) if args.tune => return Err(e),
         Err(e @ (Error::NoDriver | Error::NoDevice { .. })) => {
-            println!("no CUDA device ({e}); running the CPU reference instead");
+            println!("no CUDA device ({e}): running the CPU reference only, none of the kernels; {EMULATOR_HINT}");
             return run_cpu_only(&args, &cases);
         }
         Err(e) => return Err(e),
@@ -274,9 +280,11 @@ pub(super) fn run(mut args: Args) -> Result<()> {
         "extra memory",
         "heads checked",
         "rel L2 error vs CPU (f64)",
+        "check",
     ]);
+    let mut verdicts = Verdicts::default();
     for case in &cases {
-        run_case(&ctx, args, case, (warmup, repeats), &mut table)?;
+        run_case(&ctx, args, case, (warmup, repeats), &mut table, &mut verdicts)?;
     }
     println!("{table}");
     let timing = if ctx.is_emulated() {
@@ -288,8 +296,12 @@ pub(super) fn run(mut args: Args) -> Result<()> {
         "{timing}; TFLOP/s counts the forward as 4·B·Hq·Sq·Sk·D (half with a causal mask) and the \
          backward as 2.5× that; extra memory: device memory beyond the inputs and outputs"
     );
-    Ok(())
+    verdicts.finish()
 }
+
+/// What the lines of a run without kernels add.
+const EMULATOR_HINT: &str =
+    "to run the kernels' own code on the CPU emulator: cargo run --release -- --device cpu-emulated";
 
 /// The inputs of a case on the host and on the device (`f32`).
 struct Inputs {
@@ -342,23 +354,27 @@ impl CheckedPart {
         }
     }
 
-    /// "O …, LSE …": the relative L2 errors of a forward pass's outputs (whole tensors, in
-    /// `f32`) on the checked part, against `reference`.
-    fn forward_errors(&self, o: &[f32], lse: &[f32], reference: &cpu::Reference) -> String {
+    /// O's and the LSE's relative L2 errors of a forward pass's outputs (whole tensors, in
+    /// `f32`) on the checked part, against `reference`, judged by `tolerance`.
+    fn forward_errors(&self, o: &[f32], lse: &[f32], reference: &cpu::Reference, tolerance: Tolerance) -> Checked {
         let o_err = relative_l2_error(self.slice(o, true), &reference.o);
-        let lse_err = lse_error(&lse[..self.shape.query_rows()], &reference.lse);
-        format!("O {o_err:.1e}, LSE {lse_err:.1e}")
+        let lse_err = lse_error(lse.get(..self.shape.query_rows()).unwrap_or(lse), &reference.lse);
+        Checked(vec![Measured::new(Output::O, o_err, tolerance), Measured::new(Output::Lse, lse_err, tolerance)])
     }
 
-    /// "dQ …, dK …, dV …": the relative L2 errors of a backward pass's gradients (whole tensors,
-    /// in `f32`) on the checked part, against `reference`.
-    fn backward_errors(&self, dq: &[f32], dk: &[f32], dv: &[f32], reference: &cpu::GradientReference) -> String {
-        format!(
-            "dQ {:.1e}, dK {:.1e}, dV {:.1e}",
-            relative_l2_error(self.slice(dq, true), &reference.dq),
-            relative_l2_error(self.slice(dk, false), &reference.dk),
-            relative_l2_error(self.slice(dv, false), &reference.dv)
-        )
+    /// dQ's, dK's and dV's errors ([`gradient_error`]) of a backward pass's gradients (whole
+    /// tensors, in `f32`) on the checked part, against `reference`, judged by `tolerance`.
+    fn backward_errors(
+        &self,
+        [dq, dk, dv]: [&[f32]; 3],
+        reference: &cpu::GradientReference,
+        tolerance: Tolerance,
+    ) -> Checked {
+        Checked(vec![
+            Measured::new(Output::Dq, gradient_error(self.slice(dq, true), &reference.dq), tolerance),
+            Measured::new(Output::Dk, gradient_error(self.slice(dk, false), &reference.dk), tolerance),
+            Measured::new(Output::Dv, gradient_error(self.slice(dv, false), &reference.dv), tolerance),
+        ])
     }
 
     /// "checked/all" query heads, for the table.
@@ -373,7 +389,7 @@ impl CheckedPart {
         } else {
             self.shape.batch * self.shape.num_heads_kv * self.shape.seqlen_k
         };
-        &values[..rows * self.shape.head_dim]
+        values.get(..rows * self.shape.head_dim).unwrap_or(values)
     }
 }
 
@@ -383,6 +399,7 @@ fn run_case(
     case: &Case,
     (warmup, repeats): (usize, usize),
     table: &mut Table,
+    verdicts: &mut Verdicts,
 ) -> Result<()> {
     let shape = case.shape;
     let options = AttentionOptions { scale: args.scale, causal: case.causal };
@@ -400,7 +417,7 @@ fn run_case(
     let flops = options.forward_flops(&shape);
     let score_bytes = shape.naive_workspace_bytes();
     let row_bytes = shape.lse_bytes(); // one f32 per query row (LSE, or D in the backward)
-    let mut add_row = |kernel: &str, backward: bool, extra: usize, result: Result<(f64, String)>| {
+    let mut add_row = |kernel: &str, backward: bool, extra: usize, result: Result<(f64, Checked)>| {
         let row = match result {
             Ok((ms, errors)) => {
                 let tf = tflops(if backward { 2.5 * flops } else { flops }, ms);
@@ -410,7 +427,8 @@ fn run_case(
                     format!("{tf:.2}"),
                     format_bytes(extra),
                     checked.clone(),
-                    errors,
+                    errors.to_string(),
+                    verdicts.judge(DType::F32, &errors),
                 ]
             }
             // A kernel that cannot run (e.g. naive out of memory at long sequences) gets a row
@@ -422,15 +440,18 @@ fn run_case(
                 format_bytes(extra),
                 String::new(),
                 String::new(),
+                verdicts.error(&e),
             ],
         };
         table.add_row(std::iter::once(label.clone()).chain(row));
     };
-    let forward_errors = |o: &DeviceTensor, lse: &DeviceTensor| -> Result<String> {
-        Ok(part.forward_errors(&o.to_host()?, &lse.to_host()?, &forward_ref))
+    let tolerance = Tolerance::F32;
+    let forward_errors = |o: &DeviceTensor, lse: &DeviceTensor| -> Result<Checked> {
+        Ok(part.forward_errors(&o.to_host()?, &lse.to_host()?, &forward_ref, tolerance))
     };
-    let backward_errors = |g: &crate::Gradients| -> Result<String> {
-        Ok(part.backward_errors(&g.dq.to_host()?, &g.dk.to_host()?, &g.dv.to_host()?, &backward_ref))
+    let backward_errors = |g: &crate::Gradients| -> Result<Checked> {
+        let (dq, dk, dv) = (g.dq.to_host()?, g.dk.to_host()?, g.dv.to_host()?);
+        Ok(part.backward_errors([&dq, &dk, &dv], &backward_ref, tolerance))
     };
     let time = |work: &mut dyn FnMut() -> Result<()>| median_ms(ctx, (warmup, repeats), work);
 
@@ -487,8 +508,8 @@ fn run_case(
     for &dtype in &args.dtype {
         let rows = match dtype {
             DType::F32 => continue,
-            DType::F16 => tensor_core_rows::<crate::f16>(ctx, args, case, &inputs, (warmup, repeats)),
-            DType::Bf16 => tensor_core_rows::<crate::bf16>(ctx, args, case, &inputs, (warmup, repeats)),
+            DType::F16 => tensor_core_rows::<crate::f16>(ctx, args, case, &inputs, (warmup, repeats), verdicts),
+            DType::Bf16 => tensor_core_rows::<crate::bf16>(ctx, args, case, &inputs, (warmup, repeats), verdicts),
         };
         for row in rows {
             table.add_row(std::iter::once(label.clone()).chain(row));
@@ -499,15 +520,16 @@ fn run_case(
 
 /// The flash rows of one 16-bit type: the inputs rounded to `T`, the forward and the backward
 /// (in the faster dQ mode for the type) on the tensor cores, checked against the float64
-/// reference computed on the rounded inputs. A type without kernels for the case's head_dim gets
-/// a row that says so.
+/// reference computed on the rounded inputs, and judged by the type's tolerances. A type without
+/// kernels for the case's head_dim gets a row that says so.
 fn tensor_core_rows<T: Element>(
     ctx: &Context,
     args: &Args,
     case: &Case,
     inputs: &Inputs,
     (warmup, repeats): (usize, usize),
-) -> Vec<[String; 6]> {
+    verdicts: &mut Verdicts,
+) -> Vec<[String; 7]> {
     let (shape, dtype) = (case.shape, T::DTYPE);
     let options = AttentionOptions { scale: args.scale, causal: case.causal };
     let tile_for = |pass| args.tile(dtype, shape.head_dim, case.causal, pass);
@@ -526,7 +548,7 @@ fn tensor_core_rows<T: Element>(
             (backward_tile, mode) = (backward_default, DqAccumulation::Atomic);
         }
     }
-    let mode_name = if mode == DqAccumulation::Atomic { "atomic dQ" } else { "deterministic" };
+    let mode_name = super::dq_mode_name(ctx, dtype, shape.head_dim, backward_tile, mode);
     let forward_kernel = ctx.forward_kernel_label(dtype, &shape, case.causal, tile);
     let names = [
         format!("flash forward {dtype} ({forward_kernel})"),
@@ -540,7 +562,8 @@ fn tensor_core_rows<T: Element>(
     // reference must see.
     let rounded: [Vec<f32>; 4] = inputs.host.each_ref().map(|x| to_f32_vec(&from_f32_slice::<T>(x)));
     let part = CheckedPart::new(&rounded, &shape);
-    let result = (|| -> Result<[(f64, String); 2]> {
+    let tolerance = Tolerance::of(dtype);
+    let result = (|| -> Result<[(f64, Checked); 2]> {
         let shapes = [shape.q_shape(), shape.kv_shape(), shape.kv_shape(), shape.q_shape()];
         let device: Vec<DeviceTensor<T>> =
             (0..4).map(|i| ctx.upload(&from_f32_slice::<T>(&rounded[i]), &shapes[i])).collect::<Result<_>>()?;
@@ -552,13 +575,13 @@ fn tensor_core_rows<T: Element>(
         let widened = |t: &DeviceTensor<T>| t.to_host().map(|x| to_f32_vec(&x));
 
         let mut out = ctx.flash_attention_forward(q, k, v, &options, tile)?;
-        let forward_errors = part.forward_errors(&widened(&out.o)?, &out.lse.to_host()?, &forward_ref);
+        let forward_errors = part.forward_errors(&widened(&out.o)?, &out.lse.to_host()?, &forward_ref, tolerance);
         let forward_ms = time(&mut || ctx.flash_attention_forward_into(q, k, v, &mut out, &options, tile))?;
 
         let (o, lse) = (&out.o, &out.lse);
         let mut grads = ctx.flash_attention_backward(q, k, v, o, lse, d_o, &options, backward_tile, mode)?;
         let (dq, dk, dv) = (widened(&grads.dq)?, widened(&grads.dk)?, widened(&grads.dv)?);
-        let backward_errors = part.backward_errors(&dq, &dk, &dv, &backward_ref);
+        let backward_errors = part.backward_errors([&dq, &dk, &dv], &backward_ref, tolerance);
         let backward_ms = time(&mut || {
             ctx.flash_attention_backward_into(q, k, v, o, lse, d_o, &mut grads, &options, backward_tile, mode)
         })?;
@@ -577,11 +600,22 @@ fn tensor_core_rows<T: Element>(
             .map(|(i, (name, (ms, errors)))| {
                 let tf = tflops(if i == 1 { 2.5 * flops } else { flops }, ms);
                 let extra = if i == 1 { row_bytes + dq_copy_bytes } else { row_bytes };
-                [name, format!("{ms:.3}"), format!("{tf:.2}"), format_bytes(extra), checked.clone(), errors]
+                let verdict = verdicts.judge(dtype, &errors);
+                [
+                    name,
+                    format!("{ms:.3}"),
+                    format!("{tf:.2}"),
+                    format_bytes(extra),
+                    checked.clone(),
+                    errors.to_string(),
+                    verdict,
+                ]
             })
             .collect(),
         Err(e) => {
-            vec![[names[0].clone(), format!("failed: {e}"), String::new(), String::new(), String::new(), String::new()]]
+            let verdict = verdicts.error(&e);
+            let empty = String::new;
+            vec![[names[0].clone(), format!("failed: {e}"), empty(), empty(), empty(), empty(), verdict]]
         }
     }
 }
@@ -614,25 +648,34 @@ fn median_ms(ctx: &Context, (warmup, repeats): (usize, usize), work: &mut dyn Fn
     time_gpu(ctx, warmup, repeats, work).map(|t| t.median_ms)
 }
 
-/// Errors are not `Clone` (the driver error inside is not); a failed naive forward is reported
-/// in its rows by message.
+/// Errors are not `Clone`; a failed naive forward is reported in its backward row by message,
+/// a driver error keeping its code (so that running out of memory still reads as such).
 fn clone_error(e: &Error) -> Error {
-    Error::Shape(format!("the naive forward failed: {e}"))
+    match e {
+        Error::Driver { during, source } => {
+            Error::Driver { during: format!("{during} (the naive forward)"), source: *source }
+        }
+        _ => Error::Shape(format!("the naive forward failed: {e}")),
+    }
 }
 
 /// Forward flops above which a case is too slow for the CPU-only fallback (a few seconds).
 const CPU_ONLY_MAX_FLOPS: f64 = 2e9;
 
 /// Without a GPU: the plain CPU formula against the tiled CPU FlashAttention, on the requested
-/// cases where they are small enough, otherwise on a small case.
+/// cases where they are small enough, otherwise on a small case; the tiled rows judged as
+/// `tests/cpu_reference.rs` judges them (every element of O and LSE within
+/// [`CPU_TILED_TOLERANCE`] · (1 + |plain|)).
 fn run_cpu_only(args: &Args, cases: &[Case]) -> Result<()> {
     let mut table = Table::new();
     table.load_style(ASCII_MARKDOWN).set_header([
         "case [B, Hq, Hkv, Sq, Sk, D]",
         "kernel (CPU, f64)",
         "time (ms)",
-        "max |ΔO| vs plain",
+        "max |Δ|/(1 + |plain|) vs plain",
+        "check",
     ]);
+    let (mut rows, mut failed) = (0, 0);
     for case in cases {
         let shape = if case.shape.forward_flops() <= CPU_ONLY_MAX_FLOPS {
             case.shape
@@ -656,7 +699,17 @@ fn run_cpu_only(args: &Args, cases: &[Case]) -> Result<()> {
         let start = Instant::now();
         let tiled = cpu::flash_attention(&q, &k, &v, &shape, params, tile)?;
         let tiled_ms = start.elapsed().as_secs_f64() * 1e3;
-        let diff = plain.o.iter().zip(&tiled.o).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        // Relative to 1 + |plain|, NaN-propagating (a NaN fails); equal values (−∞ LSEs) differ by 0.
+        let worst = |plain: &[f64], tiled: &[f64]| {
+            plain.iter().zip(tiled).fold(0.0f64, |m, (&a, &b)| {
+                let d = if a == b { 0.0 } else { (a - b).abs() / (1.0 + a.abs()) };
+                if d.is_nan() || m.is_nan() { f64::NAN } else { m.max(d) }
+            })
+        };
+        let (o_diff, lse_diff) = (worst(&plain.o, &tiled.o), worst(&plain.lse, &tiled.lse));
+        let passes = o_diff <= CPU_TILED_TOLERANCE && lse_diff <= CPU_TILED_TOLERANCE;
+        rows += 1;
+        failed += usize::from(!passes);
         let label = format!(
             "{} [{}, {}, {}, {}, {}, {}]",
             case.name,
@@ -667,15 +720,27 @@ fn run_cpu_only(args: &Args, cases: &[Case]) -> Result<()> {
             shape.seqlen_k,
             shape.head_dim
         );
-        table.add_row([label.clone(), "plain formula".into(), format!("{plain_ms:.1}"), "-".into()]);
+        table.add_row([label.clone(), "plain formula".into(), format!("{plain_ms:.1}"), "-".into(), "-".into()]);
         table.add_row([
             label,
             format!("tiled flash (m{}, n{})", tile.block_m, tile.block_n),
             format!("{tiled_ms:.1}"),
-            format!("{diff:.2e}"),
+            format!("O {o_diff:.1e}, LSE {lse_diff:.1e}"),
+            (if passes { "PASS" } else { "**FAIL**" }).into(),
         ]);
     }
     println!("{table}");
+    println!(
+        "check: the tiled rows within {CPU_TILED_TOLERANCE:.0e} · (1 + |plain|) per element, as tests/cpu_reference.rs"
+    );
+    if failed > 0 {
+        return Err(Error::CheckFailed {
+            failed,
+            rows,
+            what: "the tiled CPU FlashAttention differs from the plain formula",
+        });
+    }
+    println!("check: all {rows} tiled rows PASS; {EMULATOR_HINT}");
     Ok(())
 }
 

@@ -6,7 +6,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use crate::{Causal, Context, Device, KernelPath, Result};
+use crate::check::{Checked, Tolerance};
+use crate::{Causal, Context, DType, Device, DqAccumulation, Error, KernelPath, Result, TileConfig};
 
 pub mod attn;
 pub mod main_job;
@@ -120,4 +121,128 @@ pub(crate) fn with_kernels(ctx: Context, path: Option<KernelPath>) -> Result<Con
         }
     }
     Ok(ctx)
+}
+
+/// How a backward row names its dQ mode: `deterministic`, `atomic dQ`, or, where
+/// [`DqAccumulation::Atomic`] runs the Hopper backward, `TMA reduce-add dQ` (level 9 adds each
+/// tile's dQ to device memory with `cp.reduce.async.bulk.tensor`, not with atomics).
+pub(crate) fn dq_mode_name(
+    ctx: &Context,
+    dtype: DType,
+    head_dim: usize,
+    tile: TileConfig,
+    mode: DqAccumulation,
+) -> &'static str {
+    match mode {
+        DqAccumulation::Deterministic => "deterministic",
+        DqAccumulation::Atomic
+            if !ctx.is_emulated() && ctx.target().hopper_backward(dtype, head_dim, tile, mode).is_some() =>
+        {
+            "TMA reduce-add dQ"
+        }
+        DqAccumulation::Atomic => "atomic dQ",
+    }
+}
+
+/// The verdicts of a table's rows against the test suite's tolerances ([`Tolerance`]): each row
+/// gets a check cell, and [`Verdicts::finish`] prints the tolerances and the count, and fails
+/// the job when a row failed.
+#[derive(Debug, Default)]
+pub(crate) struct Verdicts {
+    rows: usize,
+    failed: usize,
+    not_run: usize,
+    dtypes: Vec<DType>,
+}
+
+impl Verdicts {
+    /// The check cell of a row whose outputs in `dtype` were measured: `PASS` or `**FAIL**`.
+    pub(crate) fn judge(&mut self, dtype: DType, checked: &Checked) -> String {
+        self.rows += 1;
+        if !self.dtypes.contains(&dtype) {
+            self.dtypes.push(dtype);
+        }
+        if checked.passes() {
+            "PASS".into()
+        } else {
+            self.failed += 1;
+            "**FAIL**".into()
+        }
+    }
+
+    /// The check cell of a row whose kernel returned `error`: `not run` when it cannot run here
+    /// (too little device memory; no kernels for the head_dim or tile), which says nothing about
+    /// its results; `**FAIL**` for any other error.
+    pub(crate) fn error(&mut self, error: &Error) -> String {
+        let cannot_run = error.is_out_of_memory()
+            || matches!(
+                error,
+                Error::HeadDimNotCompiled { .. } | Error::TileNotCompiled { .. } | Error::SharedMemory { .. }
+            );
+        if cannot_run {
+            self.not_run += 1;
+            "not run".into()
+        } else {
+            self.rows += 1;
+            self.failed += 1;
+            "**FAIL**".into()
+        }
+    }
+
+    /// Prints the tolerances the rows were judged by and the count of rows that passed (the last
+    /// line of a job that passed).
+    ///
+    /// # Errors
+    /// [`Error::CheckFailed`] when a row failed: its message, the last line of the job, says how
+    /// many.
+    pub(crate) fn finish(self) -> Result<()> {
+        let tolerances: Vec<String> =
+            self.dtypes.iter().map(|&dtype| format!("{dtype} {}", Tolerance::of(dtype).describe())).collect();
+        if !tolerances.is_empty() {
+            println!(
+                "check: relative L2 error vs the f64 reference within the test suite's tolerances \
+                 (attn_host::check::Tolerance): {}",
+                tolerances.join("; ")
+            );
+        }
+        let not_run = match self.not_run {
+            0 => String::new(),
+            n => format!(" ({n} not run)"),
+        };
+        if self.failed > 0 {
+            return Err(Error::CheckFailed {
+                failed: self.failed,
+                rows: self.rows,
+                what: "errors beyond the test suite's tolerances, or a kernel that failed (the rows marked FAIL)",
+            });
+        }
+        println!("check: all {} rows PASS{not_run}", self.rows);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::check::{Measured, Output};
+
+    #[test]
+    fn verdicts_count_failed_rows_and_fail_the_job() {
+        let pass = Checked(vec![Measured::new(Output::O, 1e-6, Tolerance::F32)]);
+        let fail = Checked(vec![Measured::new(Output::O, 5.4e-1, Tolerance::F32)]);
+        let mut verdicts = Verdicts::default();
+        assert_eq!(verdicts.judge(DType::F32, &pass), "PASS");
+        assert_eq!(verdicts.judge(DType::F16, &fail), "**FAIL**");
+        // A kernel that cannot run here is no verdict; one that errs otherwise fails.
+        let no_kernels = Error::HeadDimNotCompiled { head_dim: 48, allowed: "64".into() };
+        assert_eq!(verdicts.error(&no_kernels), "not run");
+        assert_eq!(verdicts.error(&Error::Shape("broken".into())), "**FAIL**");
+        match verdicts.finish() {
+            Err(Error::CheckFailed { failed: 2, rows: 3, .. }) => {}
+            other => panic!("{other:?}"),
+        }
+        let mut verdicts = Verdicts::default();
+        verdicts.judge(DType::F32, &pass);
+        assert!(verdicts.finish().is_ok());
+    }
 }

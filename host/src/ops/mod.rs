@@ -104,7 +104,8 @@ impl Context {
 
     /// A short name of the kernel [`Context::flash_attention_forward`] runs for `dtype`, `shape`,
     /// mask `causal` and `tile` on this context, for tables: the path and the configuration, e.g.
-    /// `sm_90a m192_n128_s2` or `sm_80 m64_n64_s2`.
+    /// `sm_90a m192_n128_s2` or `sm_80 m64_n64_s2`; on the CPU emulator, which runs the tile's
+    /// kernel from its Rust source and no PTX, `emulated m64_n64_s2`.
     pub fn forward_kernel_label(
         &self,
         dtype: DType,
@@ -112,6 +113,9 @@ impl Context {
         causal: Causal,
         tile: TileConfig,
     ) -> String {
+        if self.is_emulated() {
+            return format!("emulated {tile}");
+        }
         match self.target().hopper_forward(dtype, shape, causal, tile) {
             Some(kernel) => format!("{} {}", KernelPath::Sm90a, kernel.config_name()),
             None => format!("{} {tile}", KernelPath::Sm80),
@@ -207,8 +211,12 @@ impl Context {
     }
 
     /// A short name of the kernel [`Context::flash_attention_backward`] runs, for tables:
-    /// `sm_90a m64_n128_s2` or `sm_80 m64_n128_s2` (see [`Context::forward_kernel_label`]).
+    /// `sm_90a m64_n128_s2`, `sm_80 m64_n128_s2` or `emulated m64_n128_s2` (see
+    /// [`Context::forward_kernel_label`]).
     pub fn backward_kernel_label(&self, dtype: DType, head_dim: usize, tile: TileConfig, dq: DqAccumulation) -> String {
+        if self.is_emulated() {
+            return format!("emulated {tile}");
+        }
         match self.target().hopper_backward(dtype, head_dim, tile, dq) {
             Some(kernel) => format!("{} {}", KernelPath::Sm90a, kernel.config_name()),
             None => format!("{} {tile}", KernelPath::Sm80),
