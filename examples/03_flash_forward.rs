@@ -13,7 +13,7 @@ mod common;
 
 use std::process::ExitCode;
 
-use attn_host::check::{lse_error, relative_l2_error};
+use attn_host::check::{Tolerance, lse_error, relative_l2_error};
 use attn_host::{Context, Result, TileConfig, cpu};
 use clap::Parser;
 use common::{CausalArg, Check};
@@ -52,8 +52,8 @@ pub fn run(ctx: &Context, args: &Args) -> Result<Vec<Check>> {
     let reference = cpu::attention(&q, &k, &v, &shape, common::params(&options, &shape))?;
     println!("flash forward (f32, tile {tile}), {}", common::describe(&shape, &options));
     Ok(vec![
-        Check::new("O", relative_l2_error(&out.o.to_host()?, &reference.o), 1e-5),
-        Check::new("LSE", lse_error(&out.lse.to_host()?, &reference.lse), 1e-5),
+        Check::new("O", relative_l2_error(&out.o.to_host()?, &reference.o), Tolerance::F32.o),
+        Check::new("LSE", lse_error(&out.lse.to_host()?, &reference.lse), Tolerance::F32.lse),
     ])
 }
 

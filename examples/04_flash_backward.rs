@@ -13,7 +13,7 @@ mod common;
 
 use std::process::ExitCode;
 
-use attn_host::check::relative_l2_error;
+use attn_host::check::{Tolerance, relative_l2_error};
 use attn_host::{Context, DqAccumulation, Result, TileConfig, cpu};
 use clap::Parser;
 use common::{CausalArg, Check};
@@ -52,9 +52,9 @@ pub fn run(ctx: &Context, args: &Args) -> Result<Vec<Check>> {
     let reference = cpu::attention_backward(&q, &k, &v, &d_o, &shape, common::params(&options, &shape))?;
     println!("flash backward (f32, tile {tile}, dQ {dq_mode:?}), {}", common::describe(&shape, &options));
     Ok(vec![
-        Check::new("dQ", relative_l2_error(&grads.dq.to_host()?, &reference.dq), 1e-4),
-        Check::new("dK", relative_l2_error(&grads.dk.to_host()?, &reference.dk), 1e-4),
-        Check::new("dV", relative_l2_error(&grads.dv.to_host()?, &reference.dv), 1e-4),
+        Check::new("dQ", relative_l2_error(&grads.dq.to_host()?, &reference.dq), Tolerance::F32.grad),
+        Check::new("dK", relative_l2_error(&grads.dk.to_host()?, &reference.dk), Tolerance::F32.grad),
+        Check::new("dV", relative_l2_error(&grads.dv.to_host()?, &reference.dv), Tolerance::F32.grad),
     ])
 }
 

@@ -14,7 +14,7 @@ mod common;
 
 use std::process::ExitCode;
 
-use attn_host::check::{lse_error, relative_l2_error};
+use attn_host::check::{Tolerance, lse_error, relative_l2_error};
 use attn_host::{Context, DType, Result, TileConfig, cpu, f16};
 use clap::Parser;
 use common::{CausalArg, Check};
@@ -47,8 +47,8 @@ pub fn run(ctx: &Context, args: &Args) -> Result<Vec<Check>> {
     let kernel = ctx.forward_kernel_label(DType::F16, &shape, options.causal, tile);
     println!("tensor-core forward (f16, {kernel}), {}", common::describe(&shape, &options));
     Ok(vec![
-        Check::new("O", relative_l2_error(&common::host(&out.o)?, &reference.o), 3e-3),
-        Check::new("LSE", lse_error(&out.lse.to_host()?, &reference.lse), 1e-4),
+        Check::new("O", relative_l2_error(&common::host(&out.o)?, &reference.o), Tolerance::F16.o),
+        Check::new("LSE", lse_error(&out.lse.to_host()?, &reference.lse), Tolerance::F16.lse),
     ])
 }
 

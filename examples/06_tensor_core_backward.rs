@@ -13,7 +13,7 @@ mod common;
 
 use std::process::ExitCode;
 
-use attn_host::check::relative_l2_error;
+use attn_host::check::{Tolerance, relative_l2_error};
 use attn_host::{Context, DType, Result, TileConfig, cpu, f16};
 use clap::Parser;
 use common::{CausalArg, Check};
@@ -50,9 +50,9 @@ pub fn run(ctx: &Context, args: &Args) -> Result<Vec<Check>> {
     let kernel = ctx.backward_kernel_label(DType::F16, args.head_dim, tile, dq_mode);
     println!("tensor-core backward (f16, {kernel}, dQ {dq_mode:?}), {}", common::describe(&shape, &options));
     Ok(vec![
-        Check::new("dQ", relative_l2_error(&common::host(&grads.dq)?, &reference.dq), 1e-2),
-        Check::new("dK", relative_l2_error(&common::host(&grads.dk)?, &reference.dk), 1e-2),
-        Check::new("dV", relative_l2_error(&common::host(&grads.dv)?, &reference.dv), 1e-2),
+        Check::new("dQ", relative_l2_error(&common::host(&grads.dq)?, &reference.dq), Tolerance::F16.grad),
+        Check::new("dK", relative_l2_error(&common::host(&grads.dk)?, &reference.dk), Tolerance::F16.grad),
+        Check::new("dV", relative_l2_error(&common::host(&grads.dv)?, &reference.dv), Tolerance::F16.grad),
     ])
 }
 

@@ -106,14 +106,18 @@ pub fn shape(seqlen_q: usize, seqlen_k: usize, head_dim: usize) -> AttentionShap
     AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 2, seqlen_q, seqlen_k, head_dim }
 }
 
-/// Fresh random Q, K, V and dO (standard normal), rounded to `T`: the values on the host (as
+/// Fresh random Q, K, V and dO (standard normal, seeded by the clock or `EXAMPLE_SEED`), rounded to `T`: the values on the host (as
 /// `f32`, exactly what the device holds, for the reference) and on the device.
 pub fn inputs<T: Element>(
     ctx: &Context,
     shape: &AttentionShape,
 ) -> attn_host::Result<([Vec<f32>; 4], [DeviceTensor<T>; 4])> {
     let shapes = [shape.q_shape(), shape.kv_shape(), shape.kv_shape(), shape.q_shape()];
-    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    // Fresh inputs each run (from the clock), unless EXAMPLE_SEED repeats a run: the seed is printed.
+    let seed = std::env::var("EXAMPLE_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    });
+    println!("inputs: seed {seed} (EXAMPLE_SEED={seed} repeats them)");
     let host: [Vec<f32>; 4] = std::array::from_fn(|i| {
         to_f32_vec(&from_f32_slice::<T>(&random_normal(shapes[i].iter().product(), seed * 4 + i as u64)))
     });
