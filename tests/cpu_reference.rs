@@ -149,7 +149,7 @@ fn shape_errors_name_the_problem() {
         (&ok, &[2, 3, 10, 64], &[2, 3, 10, 64], "not a multiple"),
     ];
     for (q, k, v, expected) in cases {
-        match AttentionShape::from_qkv(q, k, v) {
+        match AttentionShape::from_qkv(q, k, v).map_err(Error::from) {
             Err(Error::Shape(message)) => assert!(message.contains(expected), "{message:?} lacks {expected:?}"),
             other => panic!("q {q:?} k {k:?} v {v:?}: expected a shape error, got {other:?}"),
         }

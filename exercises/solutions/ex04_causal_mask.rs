@@ -17,8 +17,9 @@
 //! The test prints the mask as a picture when it fails (`#` visible, `.` hidden).
 //!
 //! Run: `cargo test --release --manifest-path exercises/Cargo.toml ex04`. Before you write it,
-//! the test fails with `causal (top-left), seqlen_q = 5, seqlen_k = 8, offset 0: query 0 has
-//! key_limit 8, expected 1 …`.
+//! the test fails with `not causal, seqlen_q = 5, seqlen_k = 8, offset 0: query 5 has key_limit
+//! 8, expected 0: query 5 is a padding row …`, and once padding rows are right, on the first
+//! causal row.
 
 use attn_kernels::hw;
 

@@ -24,7 +24,8 @@
 //! are then 0).
 //!
 //! Run: `cargo test --release --manifest-path exercises/Cargo.toml ex03`. Before you write it,
-//! the test fails with `row 0: LSE = −inf, expected …: the running sum is still 0 …`.
+//! the test fails with `row 0 (random scores): o = -0, LSE = -inf, expected …: the running sum is
+//! still 0 after every tile …`.
 
 use attn_kernels::hw::{self, LN_2};
 

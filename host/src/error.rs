@@ -125,6 +125,14 @@ pub enum Error {
     CheckFailed { failed: usize, rows: usize, what: &'static str },
 }
 
+/// The device crate's shape check ([`crate::AttentionShape::from_qkv`]) as an [`Error::Shape`],
+/// so that `?` works in functions that return this crate's [`Result`].
+impl From<crate::layout::ShapeError> for Error {
+    fn from(error: crate::layout::ShapeError) -> Self {
+        Self::Shape(error.to_string())
+    }
+}
+
 impl Error {
     /// Whether this is the driver running out of device memory (an allocation that did not fit):
     /// the caller can free memory or try a smaller problem; nothing else went wrong.

@@ -61,10 +61,9 @@
 mod device;
 pub mod dtype;
 mod error;
-/// Argument structs, block sizes and shared-memory layouts shared with the device crate (the
-/// same source file, `kernels/src/layout.rs`).
-#[path = "../../kernels/src/layout.rs"]
-pub mod layout;
+/// Argument structs, block sizes and shared-memory layouts shared with the device crate: its
+/// module `layout` (`kernels/src/layout.rs`), re-exported.
+pub use attn_kernels::layout;
 mod problem;
 
 // Registry.

@@ -1,9 +1,9 @@
 //! What the device code and the host must agree on: kernel-argument structs, block sizes and
 //! shared-memory layouts.
 //!
-//! This file has no dependencies and no `unsafe`: the host crate compiles the very same file
-//! (`#[path]` include), so an argument layout, a block size or a tile layout is written down
-//! exactly once.
+//! This file has no dependencies and no `unsafe`: the host crate uses this module as
+//! `attn_host::layout` (the device crate is its dependency), so an argument layout, a block size
+//! or a tile layout is written down exactly once.
 
 /// The shape of one attention problem. Kernels receive it as six integer arguments, in field
 /// order, and rebuild the struct on the device (rustc warns that structs passed by value to
@@ -32,6 +32,70 @@ pub struct AttentionShape {
 }
 
 impl AttentionShape {
+    /// Derives and validates the problem shape from the shapes of Q `[batch, num_heads_q,
+    /// seqlen_q, head_dim]`, K and V (both `[batch, num_heads_kv, seqlen_k, head_dim]`).
+    ///
+    /// # Errors
+    /// A [`ShapeError`] when a tensor is not 4-dimensional, a dimension is 0, K and V differ, the
+    /// batch or head_dim of Q and K differ, or `num_heads_kv` does not divide `num_heads_q` (the
+    /// host turns it into its `Error::Shape`, whose message says which).
+    pub fn from_qkv(q: &[usize], k: &[usize], v: &[usize]) -> Result<Self, ShapeError> {
+        let four = |tensor: Tensor, shape: &[usize]| -> Result<[usize; 4], ShapeError> {
+            let shape: [usize; 4] = shape.try_into().map_err(|_| ShapeError::Rank { tensor, rank: shape.len() })?;
+            if shape.contains(&0) {
+                return Err(ShapeError::EmptyDimension { tensor, shape });
+            }
+            Ok(shape)
+        };
+        let (q, k, v) = (four(Tensor::Q, q)?, four(Tensor::K, k)?, four(Tensor::V, v)?);
+        if k != v {
+            return Err(ShapeError::KvDiffer { k, v });
+        }
+        if q[0] != k[0] || q[3] != k[3] {
+            return Err(ShapeError::QkDisagree { q, k });
+        }
+        if !q[1].is_multiple_of(k[1]) {
+            return Err(ShapeError::Grouping { num_heads_q: q[1], num_heads_kv: k[1] });
+        }
+        Ok(Self { batch: q[0], num_heads_q: q[1], num_heads_kv: k[1], seqlen_q: q[2], seqlen_k: k[2], head_dim: q[3] })
+    }
+
+    /// Shape of Q and O.
+    pub const fn q_shape(&self) -> [usize; 4] {
+        [self.batch, self.num_heads_q, self.seqlen_q, self.head_dim]
+    }
+
+    /// Shape of K and V.
+    pub const fn kv_shape(&self) -> [usize; 4] {
+        [self.batch, self.num_heads_kv, self.seqlen_k, self.head_dim]
+    }
+
+    /// Shape of the logsumexp: one `f32` per query row, `[batch, num_heads_q, seqlen_q]`.
+    pub const fn lse_shape(&self) -> [usize; 3] {
+        [self.batch, self.num_heads_q, self.seqlen_q]
+    }
+
+    /// Floating-point operations of one forward pass, in the field's convention:
+    /// 4 · batch · heads · seqlen_q · seqlen_k · head_dim (two matrix products, 2 flops per
+    /// multiply-add; the softmax is not counted).
+    pub fn forward_flops(&self) -> f64 {
+        4.0 * (self.batch * self.num_heads_q) as f64
+            * self.seqlen_q as f64
+            * self.seqlen_k as f64
+            * self.head_dim as f64
+    }
+
+    /// Bytes of device memory the naive kernels need beyond inputs, O and LSE: the
+    /// `[batch, num_heads_q, seqlen_q, seqlen_k]` score/probability matrix.
+    pub const fn naive_workspace_bytes(&self) -> usize {
+        self.query_rows() * self.seqlen_k * core::mem::size_of::<f32>()
+    }
+
+    /// Bytes of the logsumexp output, the only thing FlashAttention keeps besides O.
+    pub const fn lse_bytes(&self) -> usize {
+        self.query_rows() * core::mem::size_of::<f32>()
+    }
+
     /// Query rows over all batches and heads: `batch · num_heads_q · seqlen_q`.
     pub const fn query_rows(&self) -> usize {
         self.batch * self.num_heads_q * self.seqlen_q
@@ -51,6 +115,62 @@ impl AttentionShape {
     /// of batch `b` reads.
     pub const fn kv_head_offset(&self, b: usize, h: usize) -> usize {
         (b * self.num_heads_kv + h / self.group_size()) * self.seqlen_k * self.head_dim
+    }
+}
+
+/// One of the three input tensors, as [`ShapeError`] names them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tensor {
+    Q,
+    K,
+    V,
+}
+
+impl core::fmt::Display for Tensor {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(match self {
+            Self::Q => "q",
+            Self::K => "k",
+            Self::V => "v",
+        })
+    }
+}
+
+/// Why the shapes of Q, K and V are not one attention problem ([`AttentionShape::from_qkv`]).
+/// Its `Display` is the message the host's `Error::Shape` carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShapeError {
+    /// The tensor has `rank` dimensions, not 4.
+    Rank { tensor: Tensor, rank: usize },
+    /// A dimension of the tensor is 0.
+    EmptyDimension { tensor: Tensor, shape: [usize; 4] },
+    /// K and V have different shapes.
+    KvDiffer { k: [usize; 4], v: [usize; 4] },
+    /// Q and K disagree on batch (dim 0) or head_dim (dim 3).
+    QkDisagree { q: [usize; 4], k: [usize; 4] },
+    /// `num_heads_kv` does not divide `num_heads_q`.
+    Grouping { num_heads_q: usize, num_heads_kv: usize },
+}
+
+impl core::fmt::Display for ShapeError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match *self {
+            Self::Rank { tensor, rank } => {
+                write!(f, "`{tensor}` has {rank} dimensions; expected 4 dimensions [batch, num_heads, seqlen, head_dim]")
+            }
+            Self::EmptyDimension { tensor, shape } => {
+                write!(f, "`{tensor}` has shape {shape:?}; every dimension must be at least 1")
+            }
+            Self::KvDiffer { k, v } => write!(f, "`k` {k:?} and `v` {v:?} must have the same shape"),
+            Self::QkDisagree { q, k } => {
+                write!(f, "`q` {q:?} and `k` {k:?} must agree on batch (dim 0) and head_dim (dim 3)")
+            }
+            Self::Grouping { num_heads_q, num_heads_kv } => write!(
+                f,
+                "num_heads_q = {num_heads_q} is not a multiple of num_heads_kv = {num_heads_kv} (grouped-query \
+                 attention needs every key/value head to serve the same number of query heads)"
+            ),
+        }
     }
 }
 

@@ -265,7 +265,7 @@ impl Inputs {
                 self.q.tensor.shape()
             )));
         }
-        AttentionShape::from_qkv(self.q.tensor.shape(), self.k.tensor.shape(), self.v.tensor.shape())
+        Ok(AttentionShape::from_qkv(self.q.tensor.shape(), self.k.tensor.shape(), self.v.tensor.shape())?)
     }
 
     /// The inputs' common type, for a run without --dtype.
