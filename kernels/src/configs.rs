@@ -23,8 +23,8 @@ macro_rules! simt_tiles {
 
 /// Calls `$instance!(dtype, Format, block_m, block_n, head_dim, stages)` for every compiled
 /// tensor-core forward tile (level 5). Tiles that ptxas cannot fit in 255 registers without
-/// spilling are left out, fast or not: (128, 128) at head_dim 64 and (128, 64) at 128 measured
-/// 2–5 % faster than the tiles below but spill 72–152 bytes (PERFORMANCE.md).
+/// spilling are left out, fast or not: (128, 128) at head_dim 64 and (128, 64) at 128 were a
+/// little faster than the tiles below but spill (PERFORMANCE.md).
 macro_rules! sm80_forward_tiles {
     ($instance:ident) => {
         each_half_format!(

@@ -14,8 +14,7 @@
 //! block's warps never exchange data: each computes its own rows of S = Q·Kᵀ, their softmax and
 //! their rows of O. With two m-tiles (`BLOCK_M` = 128), every K and V fragment a warp reads from
 //! shared memory feeds two `mma` instead of one, and the warp has two independent softmax chains
-//! to interleave: FlashAttention-2's layout, and the step that took the D=128 forward from 264
-//! to 311 TFLOP/s (`PERFORMANCE.md`). Within a warp, lane `l` holds rows `g = l / 4` and `g + 8`
+//! to interleave: FlashAttention-2's layout (PERFORMANCE.md has what it gained). Within a warp, lane `l` holds rows `g = l / 4` and `g + 8`
 //! of each m-tile (see [`crate::attention::fragment`]), so a row's max and sum are reduced over the
 //! 4 lanes `4g .. 4g + 4` with two shuffles.
 //!

@@ -34,8 +34,8 @@
 //! query tiles of every query head of its group, so dK and dV are complete when it ends.
 //!
 //! Under a causal mask the grid runs its longest blocks first, the first key blocks of every
-//! head of an L2-sized section of heads ([`KeyBlock::hopper_backward`]; PERFORMANCE.md: +3–5 % at
-//! 4 × 16 × 4096 and 2 × 16 × 8192, +20 % on 1 × 12 × 4096, a grid of three waves).
+//! head of an L2-sized section of heads ([`KeyBlock::hopper_backward`]; PERFORMANCE.md has the
+//! gain).
 
 use crate::attention::epilogue::store_fragment_pairs;
 use crate::attention::fragment::{FragmentLane, pack_a};
@@ -318,7 +318,7 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         let (q_tile, do_tile) = (smem.q(stage), smem.d_o(stage));
 
         // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warpgroup's 64 keys and the tile's 64 queries. (Two
-        // groups, with Pᵀ's exponentials overlapping dPᵀ, measured 7–10 % slower.)
+        // groups, with Pᵀ's exponentials overlapping dPᵀ, were slower: PERFORMANCE.md.)
         let mut s = [[0.0f32; 4]; 8];
         let mut dp = [[0.0f32; 4]; 8];
         s.pin();

@@ -26,9 +26,7 @@
 //!   start first, and under a causal mask the heads go in L2-sized sections
 //!   ([`QueryBlock::hopper_forward`]); consumer warpgroups that own no rows of a short block only
 //!   hand the K/V tiles back. One thread prefetches the tensor maps while the block sets up.
-//!   (PERFORMANCE.md, sections "night" and "late", on 4 × 16 × 4096 at head_dim 64: +4–8 % for
-//!   the consumers without rows, then +2 % for the balanced, longest-first grid; causal, +6–12 %
-//!   for the longest-first order within a head, then +5 %.)
+//!   (PERFORMANCE.md, sections "night" and "late", has what each of these gained.)
 //!
 //! Each consumer warp's `wgmma` accumulator has the m16n8 layout of `mma.sync`
 //! ([`Accumulator`]), so level 5's [`RowSoftmax`] and [`pack_a`] apply unchanged.
@@ -294,9 +292,9 @@ unsafe fn consume<
 
     // Ping-pong (FA3 section 3.1), when `PINGPONG`: the consumer warpgroups take turns, round
     // robin, to issue their products, through one named barrier each, so that one warpgroup's
-    // softmax runs while another's products occupy the tensor cores. (Measured on the H200: +5 %
-    // with two consumers at head_dim 64, −2 % at 128, −2 % with three consumers.) Warpgroup 0 has the first turn; each turn
-    // ends by handing the next to the following warpgroup (the last turn of the last warpgroup
+    // softmax runs while another's products occupy the tensor cores. (It pays with two consumers
+    // at head_dim 64 only: PERFORMANCE.md.) Warpgroup 0 has the first turn; each turn ends by
+    // handing the next to the following warpgroup (the last turn of the last warpgroup
     // is not handed on, so that every wait has exactly one arrival). A barrier's count is the
     // waiting warpgroup and the arriving one.
     let (consumers, turns) = (BLOCK_M / WARPGROUP_ROWS, kv_tiles + 1);
