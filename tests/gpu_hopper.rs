@@ -307,6 +307,9 @@ fn the_kernel_path_picks_the_forward_kernel() {
     for causal in [Causal::None, Causal::TopLeft] {
         assert!(sm90a.forward_kernel_label(DType::F16, &deep_grid(64), causal, default).ends_with("m192_n128_s2"));
     }
+    // Up to 256 keys, one consumer per block, two blocks per SM (ViT's 197 tokens).
+    let short = AttentionShape { seqlen_q: 197, seqlen_k: 197, ..small };
+    assert!(sm90a.forward_kernel_label(DType::F16, &short, none, default).ends_with("m64_n128_s2"));
     // An explicit tile runs the sm_80 kernel it names on either path; f32 never leaves sm_80.
     let explicit = TileConfig::new(64, 64).with_stages(2);
     let entry = sm90a.forward_kernel_entry(DType::F16, &small, none, explicit).unwrap();

@@ -196,6 +196,11 @@ impl HopperForward {
     /// one wave (1 × 12 × 2048) and 1.25× on two (1 × 12 × 4096); causal, 1.2× on two waves and
     /// 13 % slower on one, where causal blocks differ most in length and fewer blocks leave more
     /// SMs idle at the end.
+    /// Keys up to which the head_dim-64 forward runs one consumer warpgroup per block (block_m
+    /// 64, two blocks per SM): at most two 128-key tiles per block, where a block's serial
+    /// prologue and epilogue weigh most (PERFORMANCE.md, "groundwork for issue 20").
+    pub(crate) const SHORT_KEYS: usize = 256;
+
     pub(crate) const fn waves_for_192_rows(causal: bool) -> usize {
         if causal { 2 } else { 1 }
     }
@@ -223,10 +228,13 @@ impl HopperForward {
             return Err(Error::Shape("the Hopper forward takes f16 or bf16 tensors".into()));
         }
         // Three consumer warpgroups at head_dim 64 on deep enough grids, else two taking turns;
-        // two without turns at every other head_dim.
-        let (block_m, pingpong) = match (head_dim, rows_192) {
-            (64, true) => (192, false),
-            (64, false) => (128, true),
+        // one for short sequences at head_dim 64 (two blocks per SM); two without turns at every
+        // other head_dim.
+        let short = shape.seqlen_k <= Self::SHORT_KEYS;
+        let (block_m, pingpong) = match (head_dim, short, rows_192) {
+            (64, true, _) => (64, false),
+            (64, false, true) => (192, false),
+            (64, false, false) => (128, true),
             _ => (128, false),
         };
         kernels::hopper_instance(FlashKernel::Forward, dtype, (block_m, 128), head_dim, 2, pingpong).ok_or_else(|| {
@@ -365,7 +373,7 @@ mod tests {
 
     /// A problem of `head_dim` whose grid is `blocks` blocks of 192 query rows deep.
     fn shape_of(head_dim: usize, blocks: usize) -> AttentionShape {
-        AttentionShape { batch: blocks, num_heads_q: 1, num_heads_kv: 1, seqlen_q: 192, seqlen_k: 192, head_dim }
+        AttentionShape { batch: blocks, num_heads_q: 1, num_heads_kv: 1, seqlen_q: 192, seqlen_k: 512, head_dim }
     }
 
     /// The H200's streaming multiprocessors.
@@ -404,6 +412,15 @@ mod tests {
                 assert_eq!(forward.entry.ends_with("_pingpong"), forward.pingpong, "{}", forward.entry);
                 let deep = head_dim == 64 && blocks >= waves(HopperForward::waves_for_192_rows(causal));
                 assert_eq!(forward.block_m, if deep { 192 } else { 128 }, "{}", forward.entry);
+                // Short keys at head_dim 64: one consumer, sized for two blocks per SM.
+                let short = AttentionShape { seqlen_k: HopperForward::SHORT_KEYS, ..shape };
+                let short_forward = HopperForward::for_problem(dtype, &short, mask, H200_SMS).unwrap();
+                if head_dim == 64 {
+                    assert_eq!(short_forward.block_m, 64, "{}", short_forward.entry);
+                    assert_eq!(max_threads(short_forward.entry), Some(hopper_forward_threads(64)));
+                    let smem = hopper_forward_smem_bytes(64, short_forward.block_n, head_dim, short_forward.stages);
+                    assert!(2 * smem <= HOPPER_SHARED_MEMORY, "{}: two blocks of {smem} bytes", short_forward.entry);
+                }
 
                 let backward = HopperBackward::for_problem(dtype, head_dim).unwrap();
                 assert_eq!(MODULE_ARCHS[module_of(backward.entry)], "sm_90a", "{}", backward.entry);

@@ -67,7 +67,12 @@ macro_rules! sm90_forward_configs {
     ($instance:ident) => {
         each_half_format!(
             $instance,
-            [(192, 64, 128, 2, false, s2), (128, 64, 128, 2, true, s2_pingpong), (128, 128, 128, 2, false, s2)]
+            [
+                (192, 64, 128, 2, false, s2),
+                (128, 64, 128, 2, true, s2_pingpong),
+                (64, 64, 128, 2, false, s2),
+                (128, 128, 128, 2, false, s2)
+            ]
         );
     };
 }
@@ -92,6 +97,12 @@ pub const SM90_FORWARD_REGISTERS_M128: (u32, u32) = (56, 224);
 /// threads, 128 registers each at launch): 32 + 3 · 160 = 4 · 128.
 pub const SM90_FORWARD_REGISTERS_M192: (u32, u32) = (32, 160);
 
+/// As [`SM90_FORWARD_REGISTERS_M128`] with one consumer warpgroup (block_m 64, 256 threads) and
+/// two blocks per SM (128 registers each at launch): 32 + 224 = 2 · 128. The consumer keeps the
+/// 224 of the two-consumer kernel, whose loop it runs; the second resident block overlaps one
+/// block's prologue and epilogue with the other's products (short sequences, issue 20).
+pub const SM90_FORWARD_REGISTERS_M64: (u32, u32) = (32, 224);
+
 /// Register budgets of the Hopper backward (producer, consumers), of 168 each at launch (384
 /// threads): 40 + 2 · 232 = 3 · 168.
 pub const SM90_BACKWARD_REGISTERS: (u32, u32) = (40, 232);
@@ -115,6 +126,8 @@ pub const LAUNCH_BOUNDS: &[(&str, u32, u32)] = &[
     ("hopper_flash_fwd_f16_m128_n128_d128_s2", 384, 1),
     ("hopper_flash_fwd_bf16_m128_n128_d128_s2", 384, 1),
     ("hopper_flash_fwd_f16_m192_n128_d64_s2", 512, 1),
+    ("hopper_flash_fwd_f16_m64_n128_d64_s2", 256, 2),
+    ("hopper_flash_fwd_bf16_m64_n128_d64_s2", 256, 2),
     ("hopper_flash_fwd_bf16_m192_n128_d64_s2", 512, 1),
     ("hopper_flash_bwd_f16_m64_n128_d64_s2", 384, 1),
     ("hopper_flash_bwd_bf16_m64_n128_d64_s2", 384, 1),

@@ -7,9 +7,11 @@
 //! * **Warp specialisation.** Warpgroup 0, the *producer*, owns no rows: one of its threads asks
 //!   TMA ([`tma_load_3d`]) for the Q tile and then for K and V tiles, round a
 //!   ring of `STAGES` slots. The other warpgroups, the *consumers*, each own 64 query rows and
-//!   only compute: two (block_m = 128), or three (block_m = 192) at head_dim 64 on grids deep
+//!   only compute: two (block_m = 128); at head_dim 64 three (block_m = 192) on grids deep
 //!   enough, where the softmax costs as much as the products and a third warpgroup keeps the
-//!   tensor cores busier. Producer and consumers meet at
+//!   tensor cores busier, or one (block_m = 64) for short sequences, small enough that two blocks
+//!   share an SM and one's prologue and epilogue overlap the other's products. Producer and
+//!   consumers meet at
 //!   `mbarrier`s: per slot a *full* barrier for K, one for V (TMA completes them),
 //!   and an *empty* barrier that every consumer thread arrives at once it is done with the slot.
 //!   The producer gives most of its registers to the consumers (`setmaxnreg`).
@@ -36,7 +38,7 @@ use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a, scale_row
 use crate::attention::mask::Mask;
 use crate::attention::schedule::QueryBlock;
 use crate::attention::softmax::RowSoftmax;
-use crate::configs::{SM90_FORWARD_REGISTERS_M128, SM90_FORWARD_REGISTERS_M192};
+use crate::configs::{SM90_FORWARD_REGISTERS_M64, SM90_FORWARD_REGISTERS_M128, SM90_FORWARD_REGISTERS_M192};
 use crate::hw::{
     self, Accumulator, FragA, FragC, HalfFloat, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, TensorMaps, WARPGROUP_THREADS,
     advance_descriptor, fence_mbarrier_init, fence_proxy_async, k_major_descriptor, mbarrier_arrive,
@@ -478,7 +480,9 @@ unsafe fn flash_forward_wgmma<
     hw::sync_threads();
 
     // (The budgets must be immediates, so the choice is spelled out per block size.)
-    let producer = if BLOCK_M == 128 {
+    let producer = if BLOCK_M == 64 {
+        take_role::<{ SM90_FORWARD_REGISTERS_M64.0 }, { SM90_FORWARD_REGISTERS_M64.1 }>()
+    } else if BLOCK_M == 128 {
         take_role::<{ SM90_FORWARD_REGISTERS_M128.0 }, { SM90_FORWARD_REGISTERS_M128.1 }>()
     } else {
         take_role::<{ SM90_FORWARD_REGISTERS_M192.0 }, { SM90_FORWARD_REGISTERS_M192.1 }>()
