@@ -32,7 +32,8 @@ impl Context {
     /// has a producer warpgroup, which loads tiles with TMA, and consumer warpgroups of 64 query
     /// rows each (block_n = 128, a two-stage K/V ring): two (block_m = 128) at head_dim 128; at
     /// 64 three (block_m = 192) on grids at least one wave deep (two under a causal mask) whose
-    /// heads fill at least one block of 192 rows, else two taking ping-pong turns. On the sm_90a
+    /// heads fill at least one block of 192 rows, else two taking ping-pong turns; with at most 256
+    /// keys one (block_m = 64), two blocks per SM (`HopperForward::for_problem`). On the sm_90a
     /// path [`Context::flash_attention_forward`] runs this kernel for its default tile.
     ///
     /// # Errors
