@@ -86,6 +86,8 @@ pub unsafe fn store_warp_rows<T: HalfFloat, const HEAD_DIM: usize, const D_TILES
 ) {
     for r in 0..M_TILES {
         let s = scale[r];
+        // `pack_row` written out, with the scale read once per m-tile: the form that keeps the
+        // tensor-core forward's registers as they were (PERFORMANCE.md, issue 19).
         for (dt, frag) in acc[r].iter().enumerate() {
             for h in 0..2 {
                 let value = T::pack(frag[2 * h] * s[h], frag[2 * h + 1] * s[h]);
