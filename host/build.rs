@@ -135,7 +135,8 @@ fn main() {
 /// `_s{stages}` suffix for the tensor-core kernels (which have a copy pipeline). The Hopper
 /// kernels are named the same way behind a `hopper_` prefix (`hopper_flash_fwd_…`,
 /// `hopper_flash_bwd_…`), the forward ones with a `_pingpong` suffix when their consumer
-/// warpgroups take turns.
+/// warpgroups take turns. A tensor-core instance with a `_padded` suffix also runs head dims
+/// below its own (`layout::row_length`); the `f32` and Hopper instances all do.
 const FLASH_FAMILIES: &[(&str, &str)] = &[
     ("flash_fwd", "Forward"),
     ("flash_bwd", "Backward"),
@@ -155,13 +156,13 @@ fn registry_source(entries: &[String]) -> String {
     let mut hopper = String::new();
     for name in entries {
         match flash_instance(name) {
-            Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages, hopper: false, .. }) => writeln!(
+            Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages, hopper: false, padded, .. }) => writeln!(
                 flash,
                 "    FlashInstance {{ kernel: FlashKernel::{variant}, dtype: DType::{dtype}, block_m: {block_m}, \
-                 block_n: {block_n}, head_dim: {head_dim}, stages: {stages}, entry: {name:?} }},"
+                 block_n: {block_n}, head_dim: {head_dim}, stages: {stages}, padded: {padded}, entry: {name:?} }},"
             )
             .unwrap(),
-            Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages, hopper: true, pingpong }) => writeln!(
+            Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages, hopper: true, pingpong, .. }) => writeln!(
                 hopper,
                 "    HopperInstance {{ kernel: FlashKernel::{variant}, dtype: DType::{dtype}, block_m: {block_m}, \
                  block_n: {block_n}, head_dim: {head_dim}, stages: {stages}, pingpong: {pingpong}, entry: {name:?} }},"
@@ -211,9 +212,11 @@ struct FlashName {
     hopper: bool,
     /// A Hopper forward whose consumers take turns (`_pingpong` suffix).
     pingpong: bool,
+    /// Runs head dims below `head_dim` too: `_padded` tensor-core instances, every `f32` one.
+    padded: bool,
 }
 
-/// Parses `[hopper_]{family}_{dtype}_m{block_m}_n{block_n}_d{head_dim}[_s{stages}][_pingpong]`;
+/// Parses `[hopper_]{family}_{dtype}_m{block_m}_n{block_n}_d{head_dim}[_s{stages}][_pingpong|_padded]`;
 /// `None` for other kernels.
 fn flash_instance(name: &str) -> Option<FlashName> {
     let (hopper, rest) = match name.strip_prefix("hopper_") {
@@ -223,6 +226,10 @@ fn flash_instance(name: &str) -> Option<FlashName> {
     let (pingpong, rest) = match rest.strip_suffix("_pingpong") {
         Some(rest) if hopper => (true, rest),
         _ => (false, rest),
+    };
+    let (padded_suffix, rest) = match rest.strip_suffix("_padded") {
+        Some(rest) => (true, rest),
+        None => (false, rest),
     };
     let (prefix, dims) = rest.rsplit_once("_m")?;
     let (family, dtype) = prefix.rsplit_once('_')?;
@@ -241,7 +248,8 @@ fn flash_instance(name: &str) -> Option<FlashName> {
         [m, n, d, s] => (m, n, d, s),
         _ => fail(&format!("unexpected kernel name {name}")),
     };
-    Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages, hopper, pingpong })
+    let padded = padded_suffix || *dtype == "F32";
+    Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages, hopper, pingpong, padded })
 }
 
 /// The architecture of module group `group`.

@@ -54,8 +54,9 @@ fn every_entry_point_rejects_bad_shapes_with_a_message() {
     expect(result, "`dk`");
     // Tiles and head dims.
     expect(ctx.flash_attention_forward(q, k, v, &opts, TileConfig::new(48, 16)).map(drop), "block_m ∈ {16, 32, 64}");
-    let t96 = tensors(&ctx, &[&[1, 1, 8, 96]]);
-    expect(ctx.flash_attention_forward(&t96[0], &t96[0], &t96[0], &opts, tile).map(drop), "head_dim=96");
+    // Above the largest compiled head_dim (256).
+    let t300 = tensors(&ctx, &[&[1, 1, 8, 300]]);
+    expect(ctx.flash_attention_forward(&t300[0], &t300[0], &t300[0], &opts, tile).map(drop), "head_dim=300");
     // Scales that are not finite.
     for scale in [f32::NAN, f32::INFINITY] {
         let bad = AttentionOptions::with_scale(scale);
@@ -71,8 +72,21 @@ fn every_entry_point_rejects_bad_shapes_with_a_message() {
     let d16 = TileConfig::default_for_dtype(attn_host::DType::F16, 64);
     expect(ctx.flash_attention_forward(&q16, &k16, &k16, &opts, TileConfig::new(64, 64)).map(drop), "stages=1");
     expect(ctx.flash_attention_forward(&q16, &k16, &k16, &opts, d16.with_stages(5)).map(drop), "stages=5");
-    let q16_32 = h(&[1, 1, 8, 32]);
-    expect(ctx.flash_attention_forward(&q16_32, &q16_32, &q16_32, &opts, d16).map(drop), "(for f16)");
+    // A head_dim above 256 names the range; one below it on a tile without a padded instance
+    // lists the tiles that run it.
+    let q16_300 = h(&[1, 1, 8, 300]);
+    expect(ctx.flash_attention_forward(&q16_300, &q16_300, &q16_300, &opts, d16).map(drop), "1 to 256");
+    let q16_60 = h(&[1, 1, 8, 60]);
+    let exact_only = TileConfig::new(64, 32).with_stages(2);
+    expect(ctx.flash_attention_forward(&q16_60, &q16_60, &q16_60, &opts, exact_only).map(drop), "(128, 64, 2)");
+    // The 16-bit backward stops at 128.
+    let q16_160 = h(&[1, 1, 8, 160]);
+    let d160 = TileConfig::default_for_dtype(attn_host::DType::F16, 160);
+    let fwd = ctx.flash_attention_forward(&q16_160, &q16_160, &q16_160, &opts, d160).unwrap();
+    let result = ctx.flash_attention_backward(
+        &q16_160, &q16_160, &q16_160, &fwd.o, &fwd.lse, &fwd.o, &opts, d16, DqAccumulation::Deterministic,
+    );
+    expect(result.map(drop), "1 to 128");
     // Vector add and host copies.
     expect(ctx.vector_add(q, k).map(drop), "equal shapes");
     let mut copy = ctx.full(&[4], 0.0).unwrap();

@@ -3,7 +3,7 @@
 mod common;
 
 use attn_host::check::{CPU_TILED_TOLERANCE, random_normal, relative_l2_error};
-use attn_host::{AttentionShape, Causal, DeviceInfo, Error, FlashKernel, TileConfig, cpu};
+use attn_host::{AttentionShape, Causal, DType, DeviceInfo, Error, FlashKernel, TileConfig, cpu};
 use proptest::prelude::*;
 
 use common::gqa as shape;
@@ -172,7 +172,7 @@ fn device_with_shared_memory(bytes: usize) -> DeviceInfo {
 #[test]
 fn tile_validation_lists_allowed_values() {
     let big = device_with_shared_memory(227 * 1024);
-    for head_dim in [32, 64, 128] {
+    for head_dim in [32, 64, 128, 256] {
         for tile in TileConfig::compiled(head_dim) {
             assert!(tile.validate(head_dim, &big).is_ok(), "{tile:?} d{head_dim} should fit 227 KiB");
         }
@@ -181,8 +181,11 @@ fn tile_validation_lists_allowed_values() {
     }
     let err = TileConfig::new(48, 64).validate(64, &big).unwrap_err();
     let message = err.to_string();
-    assert!(message.contains("block_m ∈ {16, 32, 64}") && message.contains("head_dim ∈ {32, 64, 128}"), "{message}");
-    assert!(TileConfig::new(64, 64).validate(96, &big).is_err());
+    assert!(message.contains("block_m ∈ {16, 32, 64}") && message.contains("head_dim ∈ {32, 64, 128, 256}"), "{message}");
+    // Between the compiled head dims a tile runs on the next one (the f32 instances are all
+    // padded); above the largest, nothing does.
+    assert!(TileConfig::new(64, 64).validate(96, &big).is_ok());
+    assert!(TileConfig::new(16, 16).validate(300, &big).is_err());
 }
 
 #[test]
@@ -217,9 +220,15 @@ fn cpu_references_reject_inputs_that_do_not_match_the_shape() {
 #[test]
 fn uncompiled_head_dim_is_reported_before_the_tile() {
     let big = device_with_shared_memory(227 * 1024);
-    let err = TileConfig::default_for(96).validate(96, &big).unwrap_err();
-    assert!(matches!(err, Error::HeadDimNotCompiled { head_dim: 96, .. }), "{err}");
-    assert!(err.to_string().contains("32, 64, 128"), "{err}");
+    let err = TileConfig::default_for(300).validate(300, &big).unwrap_err();
+    assert!(matches!(err, Error::HeadDimNotCompiled { head_dim: 300, .. }), "{err}");
+    assert!(err.to_string().contains("1 to 256"), "{err}");
+    // Between the compiled ones, a head_dim runs on the next one.
+    assert_eq!(TileConfig::padded_head_dim(FlashKernel::Forward, DType::F32, 96).unwrap(), 128);
+    assert_eq!(TileConfig::padded_head_dim(FlashKernel::Forward, DType::F16, 72).unwrap(), 96);
+    assert_eq!(TileConfig::padded_head_dim(FlashKernel::Backward, DType::Bf16, 1).unwrap(), 32);
+    assert!(TileConfig::padded_head_dim(FlashKernel::Backward, DType::F16, 160).is_err());
+    assert!(TileConfig::padded_head_dim(FlashKernel::Forward, DType::F16, 0).is_err());
 }
 
 #[test]

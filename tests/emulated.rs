@@ -76,6 +76,13 @@ fn emulated_flash_forward_and_backward() {
         (64, TileConfig::new(64, 64), Causal::TopLeft, DqAccumulation::Deterministic),
         (128, TileConfig::new(16, 64), Causal::None, DqAccumulation::Deterministic),
         (128, TileConfig::new(32, 32), Causal::BottomRight, DqAccumulation::Atomic),
+        // Head dims between the compiled ones, on the next compiled kernel: rows that are still
+        // 16-byte aligned (20, 100) and rows that are not (30, 7), and 200 on the 256 kernels.
+        (20, TileConfig::new(16, 32), Causal::BottomRight, DqAccumulation::Atomic),
+        (30, TileConfig::new(32, 16), Causal::TopLeft, DqAccumulation::Deterministic),
+        (7, TileConfig::new(16, 16), Causal::None, DqAccumulation::Atomic),
+        (100, TileConfig::new(16, 16), Causal::TopLeft, DqAccumulation::Atomic),
+        (200, TileConfig::new(16, 32), Causal::BottomRight, DqAccumulation::Deterministic),
     ];
     for (head_dim, tile, causal, mode) in runs {
         let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q: 37, seqlen_k: 45, head_dim };
@@ -205,6 +212,19 @@ fn emulated_tensor_core_forward_and_backward() {
             Inputs::LargeLogits,
         );
         cases += 2;
+    }
+    // Head dims between the compiled ones, on the next compiled kernel: 40 (rows still 16-byte
+    // aligned), 17 and 100 (copied and stored element by element), with the backward; 160 and
+    // 256 (Q re-read from shared memory), forward only.
+    for (head_dim, backward) in [(40, true), (17, true), (100, true), (160, false), (256, false)] {
+        let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q: 37, seqlen_k: 70, head_dim };
+        let fwd = TileConfig::default_for_dtype(attn_host::DType::Bf16, head_dim);
+        let bwd = backward.then(|| {
+            let mode = if cases % 2 == 0 { DqAccumulation::Atomic } else { DqAccumulation::Deterministic };
+            (TileConfig::default_backward_for_dtype(attn_host::DType::Bf16, head_dim), mode)
+        });
+        check16::<attn_host::bf16>(ctx, shape, fwd, bwd, options(Causal::BottomRight), cases, Inputs::Normal);
+        cases += 1;
     }
     // The forward with one m-tile per warp (block_m = 64: Q in registers, borrowing a ring slot),
     // next to the defaults' two.

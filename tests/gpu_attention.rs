@@ -9,11 +9,11 @@ mod common;
 use attn_host::check::relative_l2_error;
 use attn_host::{AttentionOptions, AttentionShape, Causal, Context, DeviceTensor, DqAccumulation, TileConfig};
 use common::attention::{GRAD_TOLERANCE, Kernel, O_TOLERANCE, Problem, check};
-use common::{gpu, gpu_proptest_config, mha};
+use common::{gpu, gpu_proptest_config, head_dims, mha};
 use proptest::prelude::*;
 
-/// A shape in the test's range with a compiled head_dim, seqlen_q and seqlen_k drawn
-/// independently (cross-attention), and a GQA ratio from {1, 2, 4}.
+/// A shape in the test's range with any head_dim up to 256 ([`common::head_dims`]), seqlen_q and
+/// seqlen_k drawn independently (cross-attention), and a GQA ratio from {1, 2, 4}.
 fn shapes() -> impl Strategy<Value = AttentionShape> {
     (
         1usize..=3,
@@ -21,7 +21,7 @@ fn shapes() -> impl Strategy<Value = AttentionShape> {
         prop::sample::select(vec![1usize, 2, 4]),
         1usize..=300,
         1usize..=300,
-        prop::sample::select(TileConfig::compiled_head_dims()),
+        head_dims(),
     )
         .prop_map(|(batch, heads_kv, group, seqlen_q, seqlen_k, head_dim)| AttentionShape {
             batch,
@@ -37,8 +37,8 @@ fn masks() -> impl Strategy<Value = Causal> {
     prop::sample::select(vec![Causal::None, Causal::TopLeft, Causal::BottomRight])
 }
 
-/// Any compiled tile, replaced by (16, 16) if the backward kernels' shared memory does not fit
-/// the device (every tile fits an H200).
+/// Any tile compiled at head_dim 64, replaced by (16, 16) where it is not compiled for the
+/// problem's head_dim or the backward kernels' shared memory does not fit the device.
 fn tiles() -> impl Strategy<Value = TileConfig> {
     prop::sample::select(TileConfig::compiled(64))
 }

@@ -262,6 +262,36 @@ fn hopper_backward_matches_the_reference() {
     }
 }
 
+/// Head dims between the compiled ones (multiples of 8, the unit of a tensor map's row stride)
+/// run on the next compiled Hopper kernel: the TMA boxes read zeros past the last column, the
+/// stores and the dQ reduction skip it. Forward and backward, both types, ragged GQA shapes, both
+/// causal alignments. Head dims that are not multiples of 8 take the sm_80 kernels.
+#[test]
+fn hopper_padded_head_dims_match_the_reference() {
+    let Some(ctx) = hopper("hopper_padded_head_dims_match_the_reference") else { return };
+    for head_dim in [8, 40, 72, 80, 96, 120] {
+        let cases = [
+            (gqa(1, 4, 2, 200, 333, head_dim), AttentionOptions::causal(Causal::BottomRight)),
+            (gqa(2, 2, 2, 65, 129, head_dim), AttentionOptions::default()),
+            (gqa(1, 2, 1, 300, 197, head_dim), AttentionOptions::causal(Causal::TopLeft)),
+        ];
+        for (i, (shape, options)) in cases.into_iter().enumerate() {
+            let seed = 900 + (10 * head_dim + i) as u64;
+            check_hopper_forward::<f16>(ctx, shape, options, seed);
+            check_hopper_forward::<bf16>(ctx, shape, options, seed + 1);
+            check_hopper_backward::<f16>(ctx, shape, options, seed + 2);
+            check_hopper_backward::<bf16>(ctx, shape, options, seed + 3);
+        }
+    }
+    let sm90a = sm90a_context(ctx);
+    let shape = |head_dim| gqa(1, 4, 2, 300, 300, head_dim);
+    for (head_dim, path) in [(96, "sm_90a"), (40, "sm_90a"), (100, "sm_80"), (17, "sm_80"), (160, "sm_80")] {
+        let tile = TileConfig::default_for_dtype(DType::F16, head_dim);
+        let label = sm90a.forward_kernel_label(DType::F16, &shape(head_dim), Causal::None, tile);
+        assert!(label.starts_with(path), "head_dim {head_dim}: {label}");
+    }
+}
+
 #[test]
 fn the_kernel_path_picks_the_backward_kernel() {
     let Some(ctx) = hopper("the_kernel_path_picks_the_backward_kernel") else { return };
@@ -337,9 +367,10 @@ fn the_kernel_path_picks_the_forward_kernel() {
 #[test]
 fn hopper_forward_refuses_what_it_does_not_cover() {
     let Some(ctx) = hopper("hopper_forward_refuses_what_it_does_not_cover") else { return };
-    let x = ctx.upload(&from_f32_slice::<f16>(&random_normal(128 * 32, 1)), &[1, 1, 128, 32]).unwrap();
+    // A head_dim that is not a multiple of 8 cannot have a tensor map (rows of 200 bytes).
+    let x = ctx.upload(&from_f32_slice::<f16>(&random_normal(128 * 100, 1)), &[1, 1, 128, 100]).unwrap();
     let err = ctx.flash_attention_forward_hopper(&x, &x, &x, &AttentionOptions::default()).unwrap_err();
-    assert!(matches!(err, attn_host::Error::HeadDimNotCompiled { head_dim: 32, .. }), "{err}");
+    assert!(matches!(err, attn_host::Error::HeadDimNotCompiled { head_dim: 100, .. }), "{err}");
     let x = ctx.upload(&random_normal(128 * 64, 1), &[1, 1, 128, 64]).unwrap();
     let err = ctx.flash_attention_forward_hopper(&x, &x, &x, &AttentionOptions::default()).unwrap_err();
     assert!(matches!(err, attn_host::Error::Shape(_)), "{err}");

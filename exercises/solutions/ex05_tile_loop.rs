@@ -83,8 +83,8 @@ pub unsafe fn flash_forward(
         let valid = (seqlen_k - k_start).min(BLOCK_N);
         // Given: the block copies the tile (rows past `valid` are zero-filled) and waits.
         unsafe {
-            k_tile.copy_rows_from::<BLOCK_M>(k.add(k_start * HEAD_DIM), BLOCK_N, HEAD_DIM, valid);
-            v_tile.copy_rows_from::<BLOCK_M>(v.add(k_start * HEAD_DIM), BLOCK_N, HEAD_DIM, valid);
+            k_tile.copy_rows_from::<BLOCK_M>(k.add(k_start * HEAD_DIM), BLOCK_N, HEAD_DIM, HEAD_DIM, valid);
+            v_tile.copy_rows_from::<BLOCK_M>(v.add(k_start * HEAD_DIM), BLOCK_N, HEAD_DIM, HEAD_DIM, valid);
         }
         hw::sync_threads();
 

@@ -55,7 +55,7 @@ pub enum Error {
 
     /// No FlashAttention kernel was compiled for this head dimension, whatever the tile.
     #[error(
-        "no flash kernels for head_dim={head_dim}; compiled head dims: {allowed} (the f32 naive kernels take any head_dim)"
+        "no flash kernels for head_dim={head_dim}; head_dim {allowed} (the f32 naive kernels take any head_dim)"
     )]
     HeadDimNotCompiled { head_dim: usize, allowed: String },
 

@@ -97,11 +97,18 @@ pub struct FlashInstance {
     pub head_dim: usize,
     /// Slots of the `cp.async` ring (tensor-core kernels); 1 for the `f32` kernels.
     pub stages: usize,
+    /// Whether the instance also runs head dims below `head_dim`, on zero padding columns (every
+    /// `f32` instance; the tensor-core ones named `…_padded`). The others are *exact*: they run
+    /// only problems of their own head_dim, with the row length a compile-time constant.
+    pub padded: bool,
     /// `.entry` name in the PTX, e.g. `flash_fwd_f16_m128_n64_d64_s2`.
     pub entry: &'static str,
 }
 
-/// The compiled instance of `kernel` for this element type, tile and head dimension, if any.
+/// The compiled instance of `kernel` for this element type and tile that runs a problem of
+/// `head_dim`, if any: on the smallest compiled head_dim at least as large
+/// ([`TileConfig::padded_head_dim`]), the exact instance when the problem has that head_dim, else
+/// a padded one ([`FlashInstance::padded`]).
 pub fn flash_instance(
     kernel: FlashKernel,
     dtype: DType,
@@ -110,14 +117,22 @@ pub fn flash_instance(
     head_dim: usize,
     stages: usize,
 ) -> Option<&'static FlashInstance> {
-    FLASH_INSTANCES.iter().find(|i| {
-        i.kernel == kernel
-            && i.dtype == dtype
-            && i.block_m == block_m
-            && i.block_n == block_n
-            && i.head_dim == head_dim
-            && i.stages == stages
-    })
+    let compiled = TileConfig::padded_head_dim(kernel, dtype, head_dim).ok()?;
+    let candidates = || {
+        FLASH_INSTANCES.iter().filter(move |i| {
+            i.kernel == kernel
+                && i.dtype == dtype
+                && i.block_m == block_m
+                && i.block_n == block_n
+                && i.head_dim == compiled
+                && i.stages == stages
+        })
+    };
+    if head_dim == compiled {
+        candidates().find(|i| !i.padded).or_else(|| candidates().next())
+    } else {
+        candidates().find(|i| i.padded)
+    }
 }
 
 /// One compiled Hopper (`sm_90a`) FlashAttention kernel, parsed from its name
@@ -162,15 +177,27 @@ pub fn hopper_instance(
     stages: usize,
     pingpong: bool,
 ) -> Option<&'static HopperInstance> {
+    let padded = hopper_head_dim(kernel, head_dim)?;
     HOPPER_INSTANCES.iter().find(|i| {
         i.kernel == kernel
             && i.dtype == dtype
             && i.block_m == block_m
             && i.block_n == block_n
-            && i.head_dim == head_dim
+            && i.head_dim == padded
             && i.stages == stages
             && i.pingpong == pingpong
     })
+}
+
+/// The compiled Hopper head dimension that runs `kernel` for a problem of `head_dim`: the
+/// smallest compiled one at least as large (its padding columns are zeros that the TMA boxes
+/// read past the tensor's last column and the stores skip). `None` above the largest, and for a
+/// head_dim that is not a multiple of 8: a tensor map's row stride must be a multiple of 16 bytes.
+pub fn hopper_head_dim(kernel: FlashKernel, head_dim: usize) -> Option<usize> {
+    if head_dim == 0 || !head_dim.is_multiple_of(8) {
+        return None;
+    }
+    hopper_head_dims(kernel).into_iter().find(|&d| d >= head_dim)
 }
 
 /// The head dimensions that have a compiled Hopper `kernel` (of any element type), ascending.
@@ -195,7 +222,8 @@ impl TileConfig {
 
     /// Dynamic shared memory per block of `kernel` at `dtype` and `head_dim`, in bytes.
     pub fn shared_memory_bytes_for(&self, kernel: FlashKernel, dtype: DType, head_dim: usize) -> usize {
-        kernel.shared_memory_bytes(dtype, self.block_m, self.block_n, head_dim, self.stages)
+        let padded = Self::padded_head_dim(kernel, dtype, head_dim).unwrap_or(head_dim);
+        kernel.shared_memory_bytes(dtype, self.block_m, self.block_n, padded, self.stages)
     }
 
     /// Every compiled `f32` tile for `head_dim`, in (block_m, block_n) order. Every `f32` kernel
@@ -204,15 +232,19 @@ impl TileConfig {
         Self::compiled_for(FlashKernel::Forward, DType::F32, head_dim)
     }
 
-    /// Every compiled tile of `kernel` at `dtype` and `head_dim`, in (block_m, block_n, stages)
-    /// order. The three backward families share their tiles.
+    /// Every compiled tile of `kernel` at `dtype` that runs `head_dim` (on the compiled head_dim
+    /// of [`Self::padded_head_dim`]), in (block_m, block_n, stages) order. The three backward
+    /// families share their tiles.
     pub fn compiled_for(kernel: FlashKernel, dtype: DType, head_dim: usize) -> Vec<Self> {
+        let Ok(padded) = Self::padded_head_dim(kernel, dtype, head_dim) else { return Vec::new() };
         let mut tiles: Vec<Self> = FLASH_INSTANCES
             .iter()
-            .filter(|i| i.kernel == kernel && i.dtype == dtype && i.head_dim == head_dim)
+            .filter(|i| i.kernel == kernel && i.dtype == dtype && i.head_dim == padded)
+            .filter(|i| i.padded || head_dim == padded)
             .map(|i| Self::new(i.block_m, i.block_n).with_stages(i.stages))
             .collect();
         tiles.sort_by_key(|t| (t.block_m, t.block_n, t.stages));
+        tiles.dedup();
         tiles
     }
 
@@ -224,6 +256,40 @@ impl TileConfig {
     /// The head dimensions that have compiled kernels for `dtype`.
     pub fn compiled_head_dims_for(dtype: DType) -> Vec<usize> {
         compiled_values(|i| i.dtype == dtype, |i| i.head_dim)
+    }
+
+    /// The head dimensions compiled for `kernel` at `dtype`, ascending.
+    pub fn compiled_head_dims_of(kernel: FlashKernel, dtype: DType) -> Vec<usize> {
+        compiled_values(|i| i.kernel == kernel && i.dtype == dtype, |i| i.head_dim)
+    }
+
+    /// The largest head_dim that `kernel` takes at `dtype`: its largest compiled one (256 for the
+    /// forward passes, 128 for the 16-bit backward).
+    pub fn max_head_dim(kernel: FlashKernel, dtype: DType) -> usize {
+        Self::compiled_head_dims_of(kernel, dtype).last().copied().unwrap_or(0)
+    }
+
+    /// The compiled head_dim whose instances of `kernel` run a problem of `head_dim` at `dtype`:
+    /// the smallest compiled one at least as large. The kernels read and write only the problem's
+    /// `head_dim` columns of every row; the compiled one's extra columns are zeros in shared
+    /// memory (FlashAttention-2 runs the head dims between its compiled ones the same way).
+    ///
+    /// # Errors
+    /// [`Error::HeadDimNotCompiled`] for head_dim 0 or above the largest compiled one, naming
+    /// the range that runs.
+    pub fn padded_head_dim(kernel: FlashKernel, dtype: DType, head_dim: usize) -> Result<usize> {
+        let dims = Self::compiled_head_dims_of(kernel, dtype);
+        dims.iter().copied().find(|&d| d >= head_dim && head_dim > 0).ok_or_else(|| {
+            let compiled = dims.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
+            Error::HeadDimNotCompiled {
+                head_dim,
+                allowed: format!(
+                    "1 to {} for the {} (compiled {compiled}; the others run on the next compiled one)",
+                    dims.last().copied().unwrap_or(0),
+                    kernel_name(kernel, dtype)
+                ),
+            }
+        })
     }
 
     /// Checks that an `f32` forward kernel exists for this tile at `head_dim` and that its shared
@@ -290,11 +356,7 @@ impl TileConfig {
     /// # Errors
     /// [`Error::HeadDimNotCompiled`], or [`Error::TileNotCompiled`] listing the compiled values.
     pub fn compiled_entry_for(&self, kernel: FlashKernel, dtype: DType, head_dim: usize) -> Result<&'static str> {
-        let head_dims = Self::compiled_head_dims_for(dtype);
-        if !head_dims.contains(&head_dim) {
-            let allowed = head_dims.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
-            return Err(Error::HeadDimNotCompiled { head_dim, allowed: format!("{allowed} (for {dtype})") });
-        }
+        Self::padded_head_dim(kernel, dtype, head_dim)?;
         flash_instance(kernel, dtype, self.block_m, self.block_n, head_dim, self.stages).map(|i| i.entry).ok_or_else(
             || Error::TileNotCompiled {
                 kernel: kernel_name(kernel, dtype),
@@ -404,8 +466,11 @@ mod tests {
                 }
             }
         }
+        for (block_m, block_n) in [(16, 16), (16, 32), (32, 16), (32, 32)] {
+            assert!(flash_instance(FlashKernel::Forward, DType::F32, block_m, block_n, 256, 1).is_some());
+        }
         let f32_count = FLASH_INSTANCES.iter().filter(|i| i.dtype == DType::F32).count();
-        assert_eq!(f32_count, 4 * 27);
+        assert_eq!(f32_count, 4 * (27 + 4));
     }
 
     #[test]

@@ -150,22 +150,31 @@ impl TileConfig {
 
     /// The forward tile used when none is given, per element type and head_dim, measured fastest
     /// on an H200 (see `PERFORMANCE.md`).
+    /// A head_dim between the compiled ones gets the tile of the compiled one that runs it
+    /// ([`TileConfig::padded_head_dim`]).
     pub fn default_for_dtype(dtype: DType, head_dim: usize) -> Self {
-        match (dtype, head_dim) {
+        let padded = Self::padded_head_dim(FlashKernel::Forward, dtype, head_dim).unwrap_or(head_dim);
+        match (dtype, padded) {
             (DType::F32, 64) => Self::new(64, 64),
+            (DType::F32, 256) => Self::new(32, 32),
             (DType::F32, _) => Self::new(64, 32),
-            (_, 64) => Self::new(128, 64).with_stages(2),
-            (_, _) => Self::new(128, 32).with_stages(2),
+            (_, 32 | 64) => Self::new(128, 64).with_stages(2),
+            (_, 96) => Self::new(64, 64).with_stages(2),
+            (_, 128) => Self::new(128, 32).with_stages(2),
+            (_, _) => Self::new(64, 32).with_stages(2),
         }
     }
 
     /// The backward tile used when none is given, per element type and head_dim, measured fastest
     /// on an H200 with the dQ mode of [`DqAccumulation::fastest_for`] (see `PERFORMANCE.md`).
+    /// A head_dim between the compiled ones gets the tile of the compiled one that runs it.
     pub fn default_backward_for_dtype(dtype: DType, head_dim: usize) -> Self {
-        match (dtype, head_dim) {
+        let padded = Self::padded_head_dim(FlashKernel::Backward, dtype, head_dim).unwrap_or(head_dim);
+        match (dtype, padded) {
             (DType::F32, 128) => Self::new(64, 64),
+            (DType::F32, 256) => Self::new(16, 32),
             (DType::F32, _) => Self::new(32, 64),
-            (_, 64) => Self::new(64, 128).with_stages(2),
+            (_, 32 | 64) => Self::new(64, 128).with_stages(2),
             (_, _) => Self::new(64, 64).with_stages(2),
         }
     }
@@ -220,10 +229,12 @@ impl HopperForward {
         sm_count: usize,
     ) -> Result<&'static HopperInstance> {
         let head_dim = shape.head_dim;
+        // The compiled head_dim that runs this one (0: none, which the lookup below reports).
+        let padded = kernels::hopper_head_dim(FlashKernel::Forward, head_dim).unwrap_or(0);
         let rows = BalancedRows::<192>::new(shape.seqlen_q);
         let blocks_192 = rows.blocks * shape.num_heads_q * shape.batch;
         let waves = Self::waves_for_192_rows(causal != Causal::None);
-        let rows_192 = head_dim == 64 && rows.full > 0 && blocks_192 >= waves * sm_count;
+        let rows_192 = padded == 64 && rows.full > 0 && blocks_192 >= waves * sm_count;
         if dtype == DType::F32 {
             return Err(Error::Shape("the Hopper forward takes f16 or bf16 tensors".into()));
         }
@@ -231,7 +242,7 @@ impl HopperForward {
         // one for short sequences at head_dim 64 (two blocks per SM); two without turns at every
         // other head_dim.
         let short = shape.seqlen_k <= Self::SHORT_KEYS;
-        let (block_m, pingpong) = match (head_dim, short, rows_192) {
+        let (block_m, pingpong) = match (padded, short, rows_192) {
             (64, true, _) => (64, false),
             (64, false, true) => (192, false),
             (64, false, false) => (128, true),
@@ -240,7 +251,10 @@ impl HopperForward {
         kernels::hopper_instance(FlashKernel::Forward, dtype, (block_m, 128), head_dim, 2, pingpong).ok_or_else(|| {
             Error::HeadDimNotCompiled {
                 head_dim,
-                allowed: format!("{:?} (the Hopper forward)", kernels::hopper_head_dims(FlashKernel::Forward)),
+                allowed: format!(
+                    "multiples of 8 up to {} (the Hopper forward; the others run on the sm_80 kernels)",
+                    kernels::hopper_head_dims(FlashKernel::Forward).last().copied().unwrap_or(0)
+                ),
             }
         })
     }
@@ -269,7 +283,10 @@ impl HopperBackward {
         kernels::hopper_instance(FlashKernel::Backward, dtype, tile, head_dim, 2, false).ok_or_else(|| {
             Error::HeadDimNotCompiled {
                 head_dim,
-                allowed: format!("{:?} (the Hopper backward)", kernels::hopper_head_dims(FlashKernel::Backward)),
+                allowed: format!(
+                    "multiples of 8 up to {} (the Hopper backward; the others run on the sm_80 kernels)",
+                    kernels::hopper_head_dims(FlashKernel::Backward).last().copied().unwrap_or(0)
+                ),
             }
         })
     }
@@ -439,8 +456,8 @@ mod tests {
         ));
         assert!(matches!(HopperBackward::for_problem(DType::F32, 128), Err(Error::Shape(_))));
         assert!(matches!(
-            HopperForward::for_problem(DType::F16, &shape_of(32, 1), Causal::None, H200_SMS),
-            Err(Error::HeadDimNotCompiled { head_dim: 32, .. })
+            HopperForward::for_problem(DType::F16, &shape_of(100, 1), Causal::None, H200_SMS),
+            Err(Error::HeadDimNotCompiled { head_dim: 100, .. })
         ));
         assert!(matches!(
             HopperBackward::for_problem(DType::Bf16, 256),

@@ -14,22 +14,31 @@
 
 /// Calls `$instance!(block_m, block_n, head_dim)` for every compiled `f32` FlashAttention tile
 /// (levels 3 and 4): every `block_m` and `block_n` of 16, 32, 64 with every head_dim of 32, 64,
-/// 128.
+/// 128, and the tiles of 16 and 32 at head_dim 256 (larger ones need more shared memory than
+/// most GPUs have: three 64 × 256 `f32` tiles are 192 KiB). A head_dim in between runs on the
+/// next compiled one, its padding columns zero in shared memory and never read from or written
+/// to device memory (the thread grid needs multiples of 32).
 macro_rules! simt_tiles {
     ($instance:ident) => {
         cross_product!($instance, [16 32 64], [16 32 64], [32 64 128]);
+        cross_product!($instance, [16 32], [16 32], [256]);
     };
 }
 
 /// Calls `$instance!(dtype, Format, block_m, block_n, head_dim, stages)` for every compiled
-/// tensor-core forward tile (level 5). Tiles that ptxas cannot fit in 255 registers without
-/// spilling are left out, fast or not: (128, 128) at head_dim 64 and (128, 64) at 128 were a
-/// little faster than the tiles below but spill (PERFORMANCE.md).
+/// tensor-core forward tile (level 5), by head_dim: 32, 64, 96, 128, 160, 192, 256 (a head_dim in
+/// between runs on the next one, with padding columns that never touch device memory). Tiles
+/// that ptxas cannot fit in 255 registers without spilling are left out, fast or not: (128, 128)
+/// at head_dim 64 and (128, 64) at 128 were a little faster than the tiles below but spill
+/// (PERFORMANCE.md). Above 128 only 64-row tiles fit (the O accumulator is `head_dim / 2`
+/// registers a thread per 16 rows).
 macro_rules! sm80_forward_tiles {
     ($instance:ident) => {
         each_half_format!(
             $instance,
             [
+                (64, 64, 32, 2),
+                (128, 64, 32, 2),
                 (64, 32, 64, 2),
                 (64, 64, 64, 2),
                 (64, 64, 64, 3),
@@ -38,19 +47,39 @@ macro_rules! sm80_forward_tiles {
                 (64, 32, 128, 3),
                 (64, 64, 128, 2),
                 (128, 32, 128, 2),
+                (64, 32, 96, 2),
+                (64, 64, 96, 2),
+                (128, 32, 96, 2),
+                (64, 32, 160, 2),
+                (64, 64, 160, 2),
+                (64, 32, 192, 2),
+                (64, 32, 256, 2),
             ]
         );
     };
 }
 
 /// Calls `$instance!(dtype, Format, block_m, block_n, head_dim, stages)` for every compiled
-/// tensor-core backward tile (level 6), each for its three kernels. The K/V-outer kernels have
-/// `block_n / 16` warps, the dQ kernel `block_m / 16`.
+/// tensor-core backward tile (level 6), each for its three kernels, at head_dim 32, 64, 96 and
+/// 128 (a head_dim in between runs on the next one). The K/V-outer kernels have `block_n / 16`
+/// warps, the dQ kernel `block_m / 16`. Each warp of the K/V-outer kernels keeps dK and dV of
+/// its 16 keys in registers, `head_dim` a thread: above 128 they no longer fit.
 macro_rules! sm80_backward_tiles {
     ($instance:ident) => {
         each_half_format!(
             $instance,
-            [(64, 64, 64, 2), (64, 128, 64, 2), (32, 128, 64, 2), (64, 64, 128, 2), (32, 64, 128, 2), (32, 128, 128, 2)]
+            [
+                (64, 64, 32, 2),
+                (64, 128, 32, 2),
+                (64, 64, 64, 2),
+                (64, 128, 64, 2),
+                (32, 128, 64, 2),
+                (64, 64, 96, 2),
+                (32, 64, 96, 2),
+                (64, 64, 128, 2),
+                (32, 64, 128, 2),
+                (32, 128, 128, 2)
+            ]
         );
     };
 }
@@ -73,6 +102,39 @@ macro_rules! sm90_forward_configs {
                 (64, 64, 128, 2, false, s2),
                 (128, 128, 128, 2, false, s2)
             ]
+        );
+    };
+}
+
+/// Calls `$instance!(dtype, Format, block_m, block_n, head_dim, stages, padded)` for the
+/// tensor-core forward tiles that also have a *padded* instance (`layout::row_length`), which
+/// runs the head dims below `head_dim` down to the next compiled one: the default tile of each
+/// head_dim (`TileConfig::default_for_dtype`). The instances in [`sm80_forward_tiles!`] are
+/// exact: a run-time row length would cost the hottest ones registers they do not have.
+macro_rules! sm80_padded_forward_tiles {
+    ($instance:ident) => {
+        each_half_format!(
+            $instance,
+            [
+                (128, 64, 32, 2, padded),
+                (128, 64, 64, 2, padded),
+                (64, 64, 96, 2, padded),
+                (128, 32, 128, 2, padded),
+                (64, 32, 160, 2, padded),
+                (64, 32, 192, 2, padded),
+                (64, 32, 256, 2, padded)
+            ]
+        );
+    };
+}
+
+/// As [`sm80_padded_forward_tiles!`] for the backward: the default tile of each head_dim
+/// (`TileConfig::default_backward_for_dtype`), each for its three kernels.
+macro_rules! sm80_padded_backward_tiles {
+    ($instance:ident) => {
+        each_half_format!(
+            $instance,
+            [(64, 128, 32, 2, padded), (64, 128, 64, 2, padded), (64, 64, 96, 2, padded), (64, 64, 128, 2, padded)]
         );
     };
 }

@@ -260,19 +260,40 @@ pub const fn mma_forward_threads(_block_m: usize) -> usize {
     MMA_FORWARD_WARPS * 32
 }
 
+/// The length of a row of Q, K, V, O and the gradients in device memory for a kernel compiled for
+/// `HEAD_DIM`: the constant itself in an *exact* instance (`PADDED = false`, run only when the
+/// problem's head_dim is `HEAD_DIM`), which the compiler folds into every address and bound, and
+/// the problem's head_dim (at most `HEAD_DIM`) in a *padded* one, whose tiles keep the columns
+/// past it at zero. The tensor-core kernels come in both kinds because the run-time row length
+/// costs them registers they do not have (PERFORMANCE.md, issue 21); the `f32` kernels are all
+/// padded.
+#[inline(always)]
+pub const fn row_length<const HEAD_DIM: usize, const PADDED: bool>(shape: &AttentionShape) -> usize {
+    if PADDED { shape.head_dim } else { HEAD_DIM }
+}
+
+/// Whether the tensor-core forward kernel keeps its Q fragments in registers for the whole pass
+/// (read from shared memory once, before the key loop): when each warp has one m-tile
+/// (`block_m` = 64) and head_dim is at most 192. With two m-tiles the registers go to the second
+/// m-tile's scores and accumulator; at head_dim 256 the O accumulator alone takes 128 registers
+/// a thread and Q's 64 more would spill. Q is then re-read from shared memory at every use.
+pub const fn q_in_registers(block_m: usize, head_dim: usize) -> bool {
+    block_m == MMA_FORWARD_WARPS * MMA_WARP_ROWS && head_dim <= 192
+}
+
 /// Whether the tensor-core forward kernel's Q tile borrows the last slot of its K/V ring instead
-/// of a region of its own: when each warp has one m-tile (`block_m` = 64), keeps its Q fragments
-/// in registers (so Q is only read before that slot is first filled), and Q (`block_m` rows) fits
-/// in the slot (a K and a V tile, `2 · block_n` rows).
-pub const fn q_shares_ring(block_m: usize, block_n: usize) -> bool {
-    block_m == MMA_FORWARD_WARPS * MMA_WARP_ROWS && block_m <= 2 * block_n
+/// of a region of its own: when Q is only read before that slot is first filled (its fragments
+/// stay in registers, [`q_in_registers`]), and Q (`block_m` rows) fits in the slot (a K and a V
+/// tile, `2 · block_n` rows).
+pub const fn q_shares_ring(block_m: usize, block_n: usize, head_dim: usize) -> bool {
+    q_in_registers(block_m, head_dim) && block_m <= 2 * block_n
 }
 
 /// Bytes of dynamic shared memory of the tensor-core forward kernel: `stages` slots of a K and a
 /// V tile (`block_n × head_dim` each), and the Q tile (`block_m × head_dim`) unless it fits in a
 /// slot ([`q_shares_ring`]); all 16-bit with padded rows.
 pub const fn mma_forward_smem_bytes(block_m: usize, block_n: usize, head_dim: usize, stages: usize) -> usize {
-    let q_rows = if q_shares_ring(block_m, block_n) { 0 } else { block_m };
+    let q_rows = if q_shares_ring(block_m, block_n, head_dim) { 0 } else { block_m };
     (q_rows + 2 * stages * block_n) * (head_dim + MMA_SMEM_PAD) * 2
 }
 

@@ -104,6 +104,18 @@ extern "C" fn print_tally() {
 
 /// proptest settings for GPU tests: enough cases to cover the shape space, no regression files
 /// written next to the sources (the bundled binaries run far from them).
+/// A head_dim from the whole range the flash forward takes (1 to 256): half the time one that
+/// models run or that sits awkwardly between the compiled ones (odd, not a multiple of 8, just
+/// past a compiled one), otherwise any.
+#[allow(dead_code)] // not every test binary draws head dims
+pub fn head_dims() -> impl proptest::strategy::Strategy<Value = usize> {
+    use proptest::prelude::*;
+    prop_oneof![
+        prop::sample::select(vec![1usize, 8, 17, 40, 64, 65, 72, 80, 96, 100, 112, 128, 160, 192, 200, 256]),
+        1usize..=256,
+    ]
+}
+
 pub fn gpu_proptest_config(cases: u32) -> Config {
     Config { cases, failure_persistence: None, ..Config::default() }
 }

@@ -57,12 +57,15 @@ impl Context {
     /// FlashAttention-2 forward pass (Dao 2023, Algorithm 1): O = softmax(Q Kᵀ · scale) V and the
     /// logsumexp, without materialising the score matrix. Shapes and masks as
     /// [`Context::attention_naive`]. `T` is `f32` (CUDA-core kernels) or [`half::f16`] /
-    /// [`half::bf16`] (tensor-core kernels, `f32` accumulation, LSE in `f32`); head_dim must have
-    /// compiled kernels for `T` and `tile` must be compiled for it and fit the device's shared
-    /// memory ([`TileConfig::validate_kernel`]; defaults: [`TileConfig::default_for_dtype`]).
+    /// [`half::bf16`] (tensor-core kernels, `f32` accumulation, LSE in `f32`). head_dim is 1 to
+    /// 256, each run on the smallest compiled head_dim at least as large
+    /// ([`TileConfig::padded_head_dim`]), whose extra columns are zeros in shared memory, never
+    /// read from or written to device memory; `tile` must be compiled for that head_dim and fit
+    /// the device's shared memory ([`TileConfig::validate_kernel`]; defaults:
+    /// [`TileConfig::default_for_dtype`]).
     ///
-    /// On the sm_90a path ([`Context::kernel_path`]) a 16-bit forward pass of head_dim 64 or 128
-    /// given the default tile runs the Hopper kernel instead
+    /// On the sm_90a path ([`Context::kernel_path`]) a 16-bit forward pass of a head_dim that is a
+    /// multiple of 8 up to 128 given the default tile runs the Hopper kernel instead
     /// ([`Context::flash_attention_forward_hopper`]); [`Context::forward_kernel_entry`] names the
     /// kernel a call runs.
     ///
@@ -226,7 +229,7 @@ impl Context {
     /// Rounds the `f32` dQ accumulator of the atomic backward kernels to `dq`'s 16-bit type.
     pub(crate) fn round_dq<T: Element>(&self, accum: &DeviceTensor<f32>, dq: &mut DeviceTensor<T>) -> Result<()> {
         let n = accum.len();
-        let convert = one_dim(grid_stride_blocks(self, n / 8, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS);
+        let convert = one_dim(grid_stride_blocks(self, n.div_ceil(8), ELEMENTWISE_THREADS), ELEMENTWISE_THREADS);
         let entry =
             if T::DTYPE == DType::F16 { entry::FLASH_BWD_CONVERT_DQ_F16 } else { entry::FLASH_BWD_CONVERT_DQ_BF16 };
         self.launch(entry, convert, &[accum, &*dq, &n])

@@ -27,7 +27,9 @@ const SWIZZLE_ROW_BYTES: usize = 128;
 impl Context {
     /// FlashAttention forward on Hopper (`kernels/src/sm90/forward.rs`, the structure of
     /// FlashAttention-3: Shah et al. 2024, Algorithms 1 and 2): O = softmax(Q Kᵀ · scale) V and
-    /// the logsumexp, for `f16`/`bf16` tensors of head_dim 64 or 128, with the shapes, masks
+    /// the logsumexp, for `f16`/`bf16` tensors of any head_dim that is a multiple of 8 up to 128
+    /// (compiled for 64 and 128; the others run on the next one, the TMA boxes reading zeros past
+    /// the last column and the stores skipping it), with the shapes, masks
     /// (causal either alignment), GQA and scale of [`Context::flash_attention_forward`]. A block
     /// has a producer warpgroup, which loads tiles with TMA, and consumer warpgroups of 64 query
     /// rows each (block_n = 128, a two-stage K/V ring): two (block_m = 128) at head_dim 128; at
@@ -38,7 +40,9 @@ impl Context {
     ///
     /// # Errors
     /// [`Error::Shape`] for inconsistent shapes or `f32`; [`Error::HeadDimNotCompiled`] for a
-    /// head_dim other than 64 or 128; [`Error::InvalidScale`]; [`Error::Unsupported`] off Hopper;
+    /// head_dim above 128 or not a multiple of 8 (a tensor map's rows must be multiples of 16
+    /// bytes; [`Context::flash_attention_forward`] runs those on the sm_80 kernels);
+    /// [`Error::InvalidScale`]; [`Error::Unsupported`] off Hopper;
     /// [`Error::Driver`].
     pub fn flash_attention_forward_hopper<T: Element>(
         &self,
@@ -98,7 +102,7 @@ impl Context {
         let config = flash_config(
             (shape.seqlen_q.div_ceil(kernel.block_m), shape.num_heads_q, shape.batch),
             hopper_forward_threads(kernel.block_m),
-            hopper_forward_smem_bytes(kernel.block_m, kernel.block_n, shape.head_dim, kernel.stages),
+            hopper_forward_smem_bytes(kernel.block_m, kernel.block_n, kernel.head_dim, kernel.stages),
         );
         let args = ProblemArgs::new(&shape, options);
         let head: [&dyn KernelArg; 3] = [&maps, &out.o, &out.lse];
@@ -107,7 +111,8 @@ impl Context {
 
     /// FlashAttention backward on Hopper (`kernels/src/sm90/backward.rs`: FlashAttention-2's
     /// Algorithm 2 with FlashAttention-3's structure): dQ, dK, dV for `f16`/`bf16` tensors of
-    /// head_dim 64 or 128, with the shapes, masks, GQA and scale of
+    /// any head_dim that is a multiple of 8 up to 128 (compiled for 64 and 128, as the forward),
+    /// with the shapes, masks, GQA and scale of
     /// [`Context::flash_attention_backward`]. A block owns 128 keys (two consumer warpgroups of
     /// 64) and loops over query tiles of 64 rows that a producer warpgroup loads with TMA; dQ is
     /// added to an `f32` copy by TMA's atomic reductions (as [`DqAccumulation::Atomic`]: the
@@ -193,7 +198,7 @@ impl Context {
         let config = flash_config(
             (shape.seqlen_k.div_ceil(n), shape.num_heads_kv, shape.batch),
             HopperBackward::THREADS,
-            hopper_backward_smem_bytes(shape.head_dim, kernel.stages),
+            hopper_backward_smem_bytes(kernel.head_dim, kernel.stages),
         );
         let args = ProblemArgs::new(&shape, options);
         let head: [&dyn KernelArg; 5] = [&maps, lse, &delta, &grads.dk, &grads.dv];

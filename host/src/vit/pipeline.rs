@@ -468,7 +468,8 @@ pub fn top_k(p: &[f64], k: usize) -> Vec<(usize, f64)> {
     indexed
 }
 
-/// Whether flash kernels of `dtype` exist for `head_dim` (the naive kernels take any).
+/// Whether the flash forward of `dtype` runs `head_dim` (1 to 256: compiled or padded to the next
+/// compiled one; the naive kernels take any).
 pub fn flash_compiled(dtype: DType, head_dim: usize) -> bool {
-    TileConfig::compiled_head_dims_for(dtype).contains(&head_dim)
+    TileConfig::padded_head_dim(crate::FlashKernel::Forward, dtype, head_dim).is_ok()
 }

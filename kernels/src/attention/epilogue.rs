@@ -14,16 +14,20 @@ use crate::attention::fragment::{FragmentLane, pack_row};
 use crate::hw::{self, F32x4, FragC, HalfFloat, SharedTile16};
 use crate::layout::MMA_WARP_ROWS;
 
-/// Writes `scale · acc` (this thread's rows and `head_dim` columns) to the row-major global
-/// tensor rows starting at `dst`, for the tile-local rows below `valid_rows` only.
+/// Writes `scale · acc` (this thread's rows and columns of a `HEAD_DIM`-wide accumulator) to the
+/// row-major global tensor rows starting at `dst`, whose rows are `width` floats long
+/// (`width ≤ HEAD_DIM`: a padded head_dim's columns past `width` are not written), for the
+/// tile-local rows below `valid_rows` only.
 ///
 /// # Safety
-/// `dst` points to at least `valid_rows` rows of `HEAD_DIM` floats, 16-byte aligned.
+/// `dst` points to at least `valid_rows` rows of `width` floats, 16-byte aligned when `width` is
+/// a multiple of 4.
 #[inline(always)]
 pub unsafe fn store_rows<const HEAD_DIM: usize, const ROWS: usize, const DVEC: usize>(
     acc: &[[F32x4; DVEC]; ROWS],
     scale: [f32; ROWS],
     dst: *mut f32,
+    width: usize,
     valid_rows: usize,
     first_row: usize,
     lane: usize,
@@ -31,8 +35,29 @@ pub unsafe fn store_rows<const HEAD_DIM: usize, const ROWS: usize, const DVEC: u
     for i in 0..ROWS {
         if first_row + i < valid_rows {
             for g in 0..DVEC {
-                // SAFETY: the row is below valid_rows and the columns below HEAD_DIM.
-                unsafe { acc[i][g].scale(scale[i]).store(dst.add((first_row + i) * HEAD_DIM + 4 * lane + 32 * g)) };
+                let col = 4 * lane + 32 * g;
+                // SAFETY: the row is below valid_rows and every column written below width.
+                unsafe { store4_clipped(acc[i][g].scale(scale[i]), dst.add((first_row + i) * width), col, width) };
+            }
+        }
+    }
+}
+
+/// Writes `value` to columns `col..col + 4` of the global row at `row`, as one 16-byte store
+/// when the row's `width` allows, else the columns below `width` one by one.
+///
+/// # Safety
+/// `row` holds `width` floats, 16-byte aligned when `width` is a multiple of 4.
+#[inline(always)]
+unsafe fn store4_clipped(value: F32x4, row: *mut f32, col: usize, width: usize) {
+    if col + 4 <= width && width.is_multiple_of(4) {
+        // SAFETY: the four columns are inside the row, 16-byte aligned.
+        unsafe { value.store(row.add(col)) };
+    } else {
+        for (e, x) in value.0.into_iter().enumerate() {
+            if col + e < width {
+                // SAFETY: the column is inside the row.
+                unsafe { *row.add(col + e) = x };
             }
         }
     }
@@ -64,14 +89,17 @@ pub unsafe fn store_row_values<const ROWS: usize>(
 
 /// Writes a warp's `16 · M_TILES` rows of `HEAD_DIM` accumulated values (m-tile `r` is tile
 /// rows `row0 + 16r ..`), times `scale[r][h]` per row, rounded to 16 bits, to global memory:
-/// tile row `row` goes to row `dst_row0 + row` of `dst` (row stride `HEAD_DIM`), tile rows at or
+/// tile row `row` goes to row `dst_row0 + row` of `dst`, whose rows are `width ≤ HEAD_DIM`
+/// elements long (a padded head_dim's columns past `width` are not written); tile rows at or
 /// past `valid_rows` are skipped. The rows go through `staging` (the same rows of a tile that no
 /// other warp reads any more: the caller's barrier makes sure of it) so that global writes are
-/// whole 16-byte chunks.
+/// whole 16-byte chunks (single elements when `width` is not a multiple of 8, which leaves rows
+/// unaligned).
 ///
 /// # Safety
-/// `dst` holds rows `dst_row0 .. dst_row0 + valid_rows`; all lanes of the warp call it together,
-/// after a barrier past every read of those staging rows.
+/// `dst` holds rows `dst_row0 .. dst_row0 + valid_rows` of `width` elements, 16-byte aligned
+/// when `width` is a multiple of 8; all lanes of the warp call it together, after a barrier
+/// past every read of those staging rows.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn store_warp_rows<T: HalfFloat, const HEAD_DIM: usize, const D_TILES: usize, const M_TILES: usize>(
@@ -80,7 +108,7 @@ pub unsafe fn store_warp_rows<T: HalfFloat, const HEAD_DIM: usize, const D_TILES
     staging: SharedTile16,
     row0: usize,
     dst: *mut u16,
-    dst_row0: usize,
+    (dst_row0, width): (usize, usize),
     valid_rows: usize,
     lane: FragmentLane,
 ) {
@@ -96,42 +124,68 @@ pub unsafe fn store_warp_rows<T: HalfFloat, const HEAD_DIM: usize, const D_TILES
         }
     }
     hw::sync_warp();
-    let chunks = HEAD_DIM / 8;
-    let mut chunk = hw::lane_id();
-    while chunk < MMA_WARP_ROWS * M_TILES * chunks {
-        let (row, col) = (row0 + chunk / chunks, (chunk % chunks) * 8);
-        if row < valid_rows {
-            // SAFETY: row < valid_rows, col + 8 ≤ HEAD_DIM.
-            unsafe { hw::store16(dst.add((dst_row0 + row) * HEAD_DIM + col), staging.load8(row, col)) };
+    let rows = MMA_WARP_ROWS * M_TILES;
+    if width.is_multiple_of(8) {
+        let chunks = HEAD_DIM / 8;
+        let mut chunk = hw::lane_id();
+        while chunk < rows * chunks {
+            let (row, col) = (row0 + chunk / chunks, (chunk % chunks) * 8);
+            if row < valid_rows && col < width {
+                // SAFETY: row < valid_rows, col + 8 ≤ width.
+                unsafe { hw::store16(dst.add((dst_row0 + row) * width + col), staging.load8(row, col)) };
+            }
+            chunk += hw::WARP_SIZE;
         }
-        chunk += hw::WARP_SIZE;
+    } else {
+        let mut element = hw::lane_id();
+        while element < rows * width {
+            let (row, col) = (row0 + element / width, element % width);
+            if row < valid_rows {
+                // SAFETY: row < valid_rows, col < width.
+                unsafe { *dst.add((dst_row0 + row) * width + col) = staging.load1(row, col) };
+            }
+            element += hw::WARP_SIZE;
+        }
     }
 }
 
 /// Writes a warp's 16 rows of accumulated values straight from its fragments, times
 /// `scale[h]` per row half, rounded to 16 bits: lane `(g, t)` stores the pair of columns
-/// `8dt + 2t` of rows `row0 + g` and `row0 + g + 8` of `dst` (row stride `HEAD_DIM`), rows at or
-/// past `valid_rows` skipped.
+/// `8dt + 2t` of rows `row0 + g` and `row0 + g + 8` of `dst`, whose rows are `width ≤ HEAD_DIM`
+/// elements long (columns past `width`, a padded head_dim's, are not written); rows at or past
+/// `valid_rows` are skipped.
 ///
 /// # Safety
-/// `dst` holds `valid_rows` rows of `HEAD_DIM` 16-bit values, 4-byte aligned.
+/// `dst` holds `valid_rows` rows of `width` 16-bit values, 4-byte aligned.
 #[inline(always)]
 pub unsafe fn store_fragment_pairs<T: HalfFloat, const HEAD_DIM: usize, const D_TILES: usize>(
     frags: &[FragC; D_TILES],
     scale: [f32; 2],
     dst: *mut u16,
+    width: usize,
     row0: usize,
     valid_rows: usize,
     lane: FragmentLane,
 ) {
     for (dt, frag) in frags.iter().enumerate() {
+        let col = 8 * dt + lane.pair_col();
         for h in 0..2 {
             let row = row0 + lane.half_row(h);
-            if row < valid_rows {
-                // SAFETY: row < valid_rows; the column pair is inside the row.
+            if row < valid_rows && col < width {
+                let pair = pack_row::<T>(*frag, h, scale[h]);
+                // SAFETY: row < valid_rows and col < width; an even width keeps the pair inside
+                // the row and 4-byte aligned, an odd one is written element by element.
                 unsafe {
-                    *(dst.add(row * HEAD_DIM + 8 * dt + lane.pair_col()) as *mut u32) = pack_row::<T>(*frag, h, scale[h])
-                };
+                    let at = dst.add(row * width + col);
+                    if width.is_multiple_of(2) {
+                        *(at as *mut u32) = pair;
+                    } else {
+                        *at = pair as u16;
+                        if col + 1 < width {
+                            *at.add(1) = (pair >> 16) as u16;
+                        }
+                    }
+                }
             }
         }
     }

@@ -101,7 +101,9 @@ impl QueryBlock {
         }
     }
 
-    /// Offset (in elements) of this block's first row in Q-shaped tensors.
+    /// Offset (in elements) of this block's first row in Q-shaped tensors, with rows of
+    /// `head_dim` elements (the problem's; a kernel passes its constant where they agree, see
+    /// `layout::row_length`).
     #[inline(always)]
     pub fn first_row_offset(&self, head_dim: usize) -> usize {
         self.q_offset + self.q_start * head_dim

@@ -78,33 +78,41 @@ impl SharedTile {
         unsafe { *ptr = value }
     }
 
-    /// Block-cooperative copy of `rows` consecutive rows of `cols` floats from global memory,
-    /// starting at `src` (rows contiguous, no gaps), into rows `0..rows` of this tile; rows
-    /// `valid_rows..rows` are filled with zeros instead of being read, so a ragged last tile
-    /// never reads past the end of its tensor. Threads take 16-byte chunks in turn, so
-    /// neighbouring threads read neighbouring addresses (coalesced). `cols` must be a multiple
-    /// of 4 and `src` 16-byte aligned. Call from every thread of a block of `THREADS` threads;
+    /// Block-cooperative copy of `rows` rows of `cols` floats from global memory into rows
+    /// `0..rows` of this tile. The source rows are `width` floats long and contiguous (row `r`
+    /// starts at `src + r · width`); columns `width..cols` (a head_dim padded up to the compiled
+    /// one) and rows `valid_rows..rows` (a ragged last tile) are filled with zeros instead of
+    /// being read, so no copy reads past its tensor. Threads take 4-float chunks in turn, so
+    /// neighbouring threads read neighbouring addresses (coalesced): 16-byte loads when `width`
+    /// is a multiple of 4 (every row then starts 16-byte aligned), one float at a time otherwise.
+    /// `cols` must be a multiple of 4. Call from every thread of a block of `THREADS` threads;
     /// the caller places the barrier that publishes the tile.
     ///
     /// # Safety
-    /// `src` points to `valid_rows · cols` readable floats of global memory.
+    /// `src` points to `valid_rows · width` readable floats of global memory, 16-byte aligned
+    /// when `width` is a multiple of 4; `width ≤ cols`.
     #[inline(always)]
     pub unsafe fn copy_rows_from<const THREADS: usize>(
         self,
         src: *const f32,
         rows: usize,
         cols: usize,
+        width: usize,
         valid_rows: usize,
     ) {
+        let aligned = width.is_multiple_of(4);
         let chunks_per_row = cols / 4;
         let mut chunk = thread_idx_x();
         while chunk < rows * chunks_per_row {
             let (row, col) = (chunk / chunks_per_row, (chunk % chunks_per_row) * 4);
-            let value = if row < valid_rows {
-                // SAFETY: row < valid_rows, so the chunk lies inside the source rows.
-                unsafe { F32x4::load(src.add(row * cols + col)) }
-            } else {
+            let value = if row >= valid_rows || col >= width {
                 F32x4::ZERO
+            } else if aligned {
+                // SAFETY: the row is valid and, `width` being a multiple of 4, so are all 4 columns.
+                unsafe { F32x4::load(src.add(row * width + col)) }
+            } else {
+                // SAFETY: each float is read only inside the source row.
+                F32x4(core::array::from_fn(|e| if col + e < width { unsafe { *src.add(row * width + col + e) } } else { 0.0 }))
             };
             self.store4(row, col, value);
             chunk += THREADS;

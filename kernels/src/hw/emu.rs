@@ -471,6 +471,10 @@ pub(crate) fn block_idx() -> (usize, usize, usize) {
     with_ctx(|c| c.state.block)
 }
 
+pub(crate) fn opaque(x: u32) -> u32 {
+    x
+}
+
 pub(crate) fn block_dim_x() -> usize {
     with_ctx(|c| c.state.barrier.n)
 }

@@ -217,32 +217,95 @@ impl SharedTile16 {
         unsafe { F32x4::load(ptr).0.map(f32::to_bits) }
     }
 
+    /// Reads the element at `(row, col)`.
+    #[inline(always)]
+    #[cfg_attr(not(target_arch = "nvptx64"), track_caller)]
+    pub fn load1(self, row: usize, col: usize) -> u16 {
+        let ptr = self.at(row, col);
+        backend::check_shared(ptr.wrapping_sub(col % 2) as *const f32, 1, false);
+        // SAFETY: inside the tile.
+        unsafe { *ptr }
+    }
+
     /// Block-cooperative *asynchronous* copy of `rows` rows of `cols` elements from global memory
-    /// (rows contiguous, `src` 16-byte aligned, `cols` a multiple of 8) into rows `0..rows` of this
-    /// tile, 16 bytes per `cp.async`; rows `valid_rows..rows` are zero-filled without reading
-    /// global memory. The copies run in the background: they belong to the calling thread's
-    /// current *group*, which [`super::cp_async_commit`] closes and [`super::cp_async_wait`] waits for. Call
-    /// from every thread of a block of `threads` threads (a constant in every caller, so the loop
-    /// unrolls).
+    /// into rows `0..rows` of this tile. The source rows are `width` elements long and contiguous
+    /// (row `r` starts at `src + r · width`); columns `width..cols` of the tile (a head_dim padded
+    /// up to the compiled one) and rows `valid_rows..rows` (the ragged end of a sequence) are
+    /// zero-filled without reading global memory. `cols` is a multiple of 8.
+    ///
+    /// When `width` is a multiple of 8 every row starts 16-byte aligned and the copy is 16 bytes
+    /// per `cp.async`, running in the background: it belongs to the calling thread's current
+    /// *group*, which [`super::cp_async_commit`] closes and [`super::cp_async_wait`] waits for.
+    /// Other widths (head_dim 17, 100, …) leave rows only 2-byte aligned, which `cp.async` cannot
+    /// copy: the threads then load element pairs and store them at once, before returning. Either
+    /// way the caller's barrier publishes the tile. Call from every thread of a block of
+    /// `threads` threads (a constant in every caller, so the loop unrolls).
     ///
     /// # Safety
-    /// `src` points to `valid_rows · cols` readable elements of global memory.
+    /// `src` points to `valid_rows · width` readable elements of global memory, 16-byte aligned
+    /// when `width` is a multiple of 8 (2-byte aligned otherwise); `width ≤ cols`.
     #[inline(always)]
-    pub unsafe fn copy_rows_async(self, src: *const u16, rows: usize, cols: usize, valid_rows: usize, threads: usize) {
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn copy_rows_async(
+        self,
+        src: *const u16,
+        rows: usize,
+        cols: usize,
+        width: usize,
+        valid_rows: usize,
+        threads: usize,
+    ) {
+        if !width.is_multiple_of(8) {
+            // SAFETY: the caller's contract.
+            return unsafe { self.copy_rows_by_pairs(src, rows, cols, width, valid_rows, threads) };
+        }
         let chunks_per_row = cols / 8;
         let mut chunk = thread_idx_x();
         while chunk < rows * chunks_per_row {
             let (row, col) = (chunk / chunks_per_row, (chunk % chunks_per_row) * 8);
             let dst = self.at(row, col);
             backend::check_shared(dst as *const f32, 4, true);
-            // A padding row still gets a valid source address (row 0), but reads 0 bytes of it.
-            let valid = row < valid_rows;
-            // SAFETY: for a valid row the chunk lies inside the source rows; otherwise nothing is
-            // read. `dst` is a 16-byte aligned chunk of this tile.
+            // A padding chunk still gets a valid source address (element 0), but reads 0 bytes of
+            // it. With `width` a multiple of 8, a chunk is all inside the row or all past it.
+            let valid = row < valid_rows && col < width;
+            // SAFETY: for a valid chunk the 8 elements lie inside the source rows; otherwise
+            // nothing is read. `dst` is a 16-byte aligned chunk of this tile.
             unsafe {
-                backend::cp_async_16(self.address(row, col), src.add(if valid { row * cols + col } else { 0 }), valid)
+                backend::cp_async_16(self.address(row, col), src.add(if valid { row * width + col } else { 0 }), valid)
             };
             chunk += threads;
+        }
+    }
+
+    /// [`Self::copy_rows_async`] for rows that are not 16-byte aligned: each thread loads two
+    /// neighbouring elements at a time (zero past `width` or `valid_rows`) and stores them as one
+    /// 4-byte word, synchronously.
+    ///
+    /// The loop steps by `threads` hidden from the compiler ([`super::opaque`]): with a visible
+    /// step it unrolls the loop and issues a tile's loads at once, each holding a register, next
+    /// to the accumulators of the key loop that calls it; ptxas then spills (PERFORMANCE.md,
+    /// issue 21).
+    ///
+    /// # Safety
+    /// As [`Self::copy_rows_async`].
+    #[inline(always)]
+    unsafe fn copy_rows_by_pairs(
+        self,
+        src: *const u16,
+        rows: usize,
+        cols: usize,
+        width: usize,
+        valid_rows: usize,
+        threads: usize,
+    ) {
+        let pairs_per_row = cols / 2;
+        let mut pair = thread_idx_x();
+        while pair < rows * pairs_per_row {
+            let (row, col) = (pair / pairs_per_row, (pair % pairs_per_row) * 2);
+            // SAFETY: an element is read only inside the source rows.
+            let element = |c: usize| if row < valid_rows && c < width { unsafe { *src.add(row * width + c) } } else { 0 };
+            self.store2(row, col, element(col) as u32 | (element(col + 1) as u32) << 16);
+            pair += super::opaque(threads as u32) as usize;
         }
     }
 }

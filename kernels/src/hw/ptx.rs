@@ -17,6 +17,14 @@ pub fn block_idx() -> (usize, usize, usize) {
 }
 
 #[inline(always)]
+pub fn opaque(x: u32) -> u32 {
+    let mut x = x;
+    // SAFETY: no instruction (the operand sits in a PTX comment).
+    unsafe { asm!("// opaque {x}", x = inout(reg32) x, options(nostack, nomem, preserves_flags)) };
+    x
+}
+
+#[inline(always)]
 pub fn block_dim_x() -> usize {
     // SAFETY: reading a special register has no preconditions.
     unsafe { nvptx::_block_dim_x() as usize }

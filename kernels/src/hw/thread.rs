@@ -18,6 +18,16 @@ pub fn block_idx() -> (usize, usize, usize) {
     backend::block_idx()
 }
 
+/// `x`, hidden from the compiler: on the GPU an empty `asm!` that returns its input. Values
+/// computed from the result inside a loop are computed there, where they are used, instead of
+/// being hoisted out of the loop and held in registers across it (LLVM hoists without regard to
+/// register pressure, and ptxas then spills what it hoisted); a loop that steps by it cannot be
+/// unrolled.
+#[inline(always)]
+pub fn opaque(x: u32) -> u32 {
+    backend::opaque(x)
+}
+
 /// Threads per block along x (`blockDim.x`).
 #[inline(always)]
 pub fn block_dim_x() -> usize {

@@ -415,18 +415,6 @@ pub unsafe fn store_shared_u32(address: u32, value: u32) {
     unsafe { asm!("st.shared.b32 [{a}], {v};", a = in(reg32) address, v = in(reg32) value, options(nostack)) };
 }
 
-/// `x`, hidden from the compiler: an empty `asm!` that returns its input. Values computed from
-/// the result inside a loop are computed there, where they are used, instead of being hoisted
-/// out of the loop and held in registers across it (LLVM hoists without regard to register
-/// pressure, and ptxas then spills what it hoisted).
-#[inline(always)]
-pub fn opaque(x: u32) -> u32 {
-    let mut x = x;
-    // SAFETY: no instruction (the operand sits in a PTX comment).
-    unsafe { asm!("// opaque {x}", x = inout(reg32) x, options(nostack, nomem, preserves_flags)) };
-    x
-}
-
 /// Which warpgroup of the block this thread belongs to. Read from lane 0 of the warp
 /// (`shfl.sync`), so that ptxas knows every lane has the same value: the shared-memory addresses
 /// and descriptors derived from it then live in uniform registers, where `wgmma` takes its

@@ -171,7 +171,9 @@ pub(crate) unsafe fn flash_backward_kv<
     let scale_log2 = scale * LOG2_E;
     let block = KeyBlock::current::<BLOCK_M, BLOCK_N>(&shape, &mask);
     let (kv_start, kv_rows, kv_head, batch) = (block.k_start, block.k_rows, block.kv_head, block.batch);
-    let kv_offset = block.first_row_offset(&shape, HEAD_DIM);
+    // Global rows are `d` floats long; the tiles are `HEAD_DIM` wide, zero past `d`.
+    let d = shape.head_dim;
+    let kv_offset = block.first_row_offset(&shape, d);
 
     let (row_group, lane) = (hw::thread_idx_x() / LANES, hw::thread_idx_x() % LANES);
     let (first_key, first_query) = (row_group * KROWS, row_group * QROWS);
@@ -188,8 +190,8 @@ pub(crate) unsafe fn flash_backward_kv<
 
     // SAFETY: rows kv_start .. kv_start + kv_rows of this head exist.
     unsafe {
-        k_tile.copy_rows_from::<FLASH_THREADS>(t.k.add(kv_offset), BLOCK_N, HEAD_DIM, kv_rows);
-        v_tile.copy_rows_from::<FLASH_THREADS>(t.v.add(kv_offset), BLOCK_N, HEAD_DIM, kv_rows);
+        k_tile.copy_rows_from::<FLASH_THREADS>(t.k.add(kv_offset), BLOCK_N, HEAD_DIM, d, kv_rows);
+        v_tile.copy_rows_from::<FLASH_THREADS>(t.v.add(kv_offset), BLOCK_N, HEAD_DIM, d, kv_rows);
     }
 
     let mut dk = [[F32x4::ZERO; DVEC]; KROWS];
@@ -197,16 +199,16 @@ pub(crate) unsafe fn flash_backward_kv<
     // Queries before `block.first_query` see none of this block's keys: their tiles are skipped.
     for head in kv_head * block.group..(kv_head + 1) * block.group {
         let q_offset = shape.q_head_offset(batch, head);
-        let row_offset = q_offset / HEAD_DIM; // first query row of this head, in LSE and D
+        let row_offset = q_offset / d; // first query row of this head, in LSE and D
         for q_start in (block.first_query..shape.seqlen_q).step_by(BLOCK_M) {
             let q_rows = BLOCK_M.min(shape.seqlen_q - q_start);
             // Nobody may still be reading the previous tiles.
             hw::sync_threads();
             // SAFETY: rows q_start .. q_start + q_rows of this head exist.
             unsafe {
-                let rows = q_offset + q_start * HEAD_DIM;
-                q_tile.copy_rows_from::<FLASH_THREADS>(t.q.add(rows), BLOCK_M, HEAD_DIM, q_rows);
-                do_tile.copy_rows_from::<FLASH_THREADS>(t.d_o.add(rows), BLOCK_M, HEAD_DIM, q_rows);
+                let rows = q_offset + q_start * d;
+                q_tile.copy_rows_from::<FLASH_THREADS>(t.q.add(rows), BLOCK_M, HEAD_DIM, d, q_rows);
+                do_tile.copy_rows_from::<FLASH_THREADS>(t.d_o.add(rows), BLOCK_M, HEAD_DIM, d, q_rows);
             }
             let mut c = hw::thread_idx_x();
             while c < BLOCK_M {
@@ -254,10 +256,13 @@ pub(crate) unsafe fn flash_backward_kv<
                         for g in 0..DVEC {
                             let column = 4 * lane + 32 * g;
                             for (e, &value) in dq[i][g].0.iter().enumerate() {
+                                if column + e >= d {
+                                    break; // a padded head_dim's columns
+                                }
                                 // SAFETY: the query row and column exist.
                                 unsafe {
                                     hw::atomic_add(
-                                        t.dq.add(q_offset + (q_start + first_query + i) * HEAD_DIM + column + e),
+                                        t.dq.add(q_offset + (q_start + first_query + i) * d + column + e),
                                         value * scale,
                                     )
                                 };
@@ -271,8 +276,8 @@ pub(crate) unsafe fn flash_backward_kv<
 
     // SAFETY: rows kv_start .. kv_start + kv_rows of dK and dV exist.
     unsafe {
-        store_rows::<HEAD_DIM, KROWS, DVEC>(&dk, [scale; KROWS], t.dk.add(kv_offset), kv_rows, first_key, lane);
-        store_rows::<HEAD_DIM, KROWS, DVEC>(&dv, [1.0; KROWS], t.dv.add(kv_offset), kv_rows, first_key, lane);
+        store_rows::<HEAD_DIM, KROWS, DVEC>(&dk, [scale; KROWS], t.dk.add(kv_offset), d, kv_rows, first_key, lane);
+        store_rows::<HEAD_DIM, KROWS, DVEC>(&dv, [1.0; KROWS], t.dv.add(kv_offset), d, kv_rows, first_key, lane);
     }
 }
 
@@ -302,7 +307,9 @@ pub(crate) unsafe fn flash_backward_q<
     let scale_log2 = scale * LOG2_E;
     let block = QueryBlock::current::<BLOCK_M>(&shape);
     let (q_start, q_rows) = (block.q_start, block.q_rows);
-    let row_offset = block.q_offset / HEAD_DIM + q_start; // first query row of this block, in LSE and D
+    // Global rows are `d` floats long; the tiles are `HEAD_DIM` wide, zero past `d`.
+    let d = shape.head_dim;
+    let row_offset = block.q_offset / d + q_start; // first query row of this block, in LSE and D
 
     let (row_group, lane) = (hw::thread_idx_x() / LANES, hw::thread_idx_x() % LANES);
     let first_row = row_group * ROWS;
@@ -317,9 +324,9 @@ pub(crate) unsafe fn flash_backward_q<
 
     // SAFETY: rows q_start .. q_start + q_rows of this head exist.
     unsafe {
-        let rows = block.first_row_offset(HEAD_DIM);
-        q_tile.copy_rows_from::<FLASH_THREADS>(t.q.add(rows), BLOCK_M, HEAD_DIM, q_rows);
-        do_tile.copy_rows_from::<FLASH_THREADS>(t.d_o.add(rows), BLOCK_M, HEAD_DIM, q_rows);
+        let rows = block.first_row_offset(d);
+        q_tile.copy_rows_from::<FLASH_THREADS>(t.q.add(rows), BLOCK_M, HEAD_DIM, d, q_rows);
+        do_tile.copy_rows_from::<FLASH_THREADS>(t.d_o.add(rows), BLOCK_M, HEAD_DIM, d, q_rows);
     }
     // This thread's rows' LSE (base 2) and D; padding rows get 0 and are never written.
     let (mut lse2, mut delta) = ([0.0f32; ROWS], [0.0f32; ROWS]);
@@ -339,12 +346,13 @@ pub(crate) unsafe fn flash_backward_q<
         // SAFETY: rows kv_start .. of this head exist; the first barrier inside also publishes Q
         // and dO on the first trip.
         unsafe {
-            let rows = block.kv_offset + kv_start * HEAD_DIM;
+            let rows = block.kv_offset + kv_start * d;
             refill_tiles::<BLOCK_N, HEAD_DIM>(
                 k_tile,
                 t.k.add(rows),
                 v_tile,
                 t.v.add(rows),
+                d,
                 BLOCK_N.min(shape.seqlen_k - kv_start),
             );
         }
@@ -365,7 +373,8 @@ pub(crate) unsafe fn flash_backward_q<
         store_rows::<HEAD_DIM, ROWS, DVEC>(
             &dq,
             [scale; ROWS],
-            t.dq.add(block.first_row_offset(HEAD_DIM)),
+            t.dq.add(block.first_row_offset(d)),
+            d,
             q_rows,
             first_row,
             lane,

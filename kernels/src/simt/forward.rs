@@ -95,7 +95,7 @@ pub(crate) unsafe fn flash_forward<
     // SAFETY: the host sized the grid, so these heads exist.
     let (q_head, k_head, v_head, o_head, lse_head) = unsafe {
         let (q_offset, kv_offset) = (block.q_offset, block.kv_offset);
-        (q.add(q_offset), k.add(kv_offset), v.add(kv_offset), o.add(q_offset), lse.add(q_offset / HEAD_DIM))
+        (q.add(q_offset), k.add(kv_offset), v.add(kv_offset), o.add(q_offset), lse.add(q_offset / shape.head_dim))
     };
 
     let (row_group, lane) = (hw::thread_idx_x() / LANES, hw::thread_idx_x() % LANES);
@@ -108,8 +108,10 @@ pub(crate) unsafe fn flash_forward<
     let v_tile = smem.tile(BLOCK_N, v_stride);
     let p_tile = smem.tile(BLOCK_M, p_stride);
 
+    // Global rows are `d` floats long; the tiles are `HEAD_DIM` wide, zero past `d`.
+    let d = shape.head_dim;
     // SAFETY: rows q_start .. q_start + q_rows of this head exist.
-    unsafe { q_tile.copy_rows_from::<FLASH_THREADS>(q_head.add(q_start * HEAD_DIM), BLOCK_M, HEAD_DIM, q_rows) };
+    unsafe { q_tile.copy_rows_from::<FLASH_THREADS>(q_head.add(q_start * d), BLOCK_M, HEAD_DIM, d, q_rows) };
 
     let mut softmax = OnlineSoftmax::<ROWS>::new();
     let mut acc = [[F32x4::ZERO; DVEC]; ROWS];
@@ -123,8 +125,8 @@ pub(crate) unsafe fn flash_forward<
         // The first barrier inside also publishes Q on the first trip.
         // SAFETY: rows kv_start .. kv_start + kv_rows of this head exist.
         unsafe {
-            let (k_rows, v_rows) = (k_head.add(kv_start * HEAD_DIM), v_head.add(kv_start * HEAD_DIM));
-            refill_tiles::<BLOCK_N, HEAD_DIM>(k_tile, k_rows, v_tile, v_rows, BLOCK_N.min(shape.seqlen_k - kv_start));
+            let (k_rows, v_rows) = (k_head.add(kv_start * d), v_head.add(kv_start * d));
+            refill_tiles::<BLOCK_N, HEAD_DIM>(k_tile, k_rows, v_tile, v_rows, d, BLOCK_N.min(shape.seqlen_k - kv_start));
         }
 
         let mut s = a_bt::<HEAD_DIM, ROWS, COLS>(q_tile, k_tile, first_row, lane).map(|r| r.map(|x| x * scale_log2));
@@ -157,7 +159,7 @@ pub(crate) unsafe fn flash_forward<
     let (inv_sum, row_lse) = softmax.finish();
     // SAFETY: rows q_start .. q_start + q_rows of O exist.
     unsafe {
-        store_rows::<HEAD_DIM, ROWS, DVEC>(&acc, inv_sum, o_head.add(q_start * HEAD_DIM), q_rows, first_row, lane)
+        store_rows::<HEAD_DIM, ROWS, DVEC>(&acc, inv_sum, o_head.add(q_start * d), d, q_rows, first_row, lane)
     };
     // SAFETY: rows q_start .. q_start + q_rows of LSE exist.
     unsafe { store_row_values(row_lse, lse_head.add(q_start), q_rows, first_row, lane) };

@@ -33,12 +33,13 @@ pub const fn fits_thread_grid(
         && head_dim == 4 * LANES * dvec
 }
 
-/// Replaces the contents of two `ROWS × COLS` tiles with rows from global memory (rows past
-/// `valid_rows` zero-filled), between the two block barriers every tile loop needs: the first
+/// Replaces the contents of two `ROWS × COLS` tiles with rows of `width ≤ COLS` floats from
+/// global memory (rows past `valid_rows` and columns past `width` zero-filled), between the two block barriers every tile loop needs: the first
 /// waits until no thread still reads the old contents, the second publishes the new ones.
 ///
 /// # Safety
-/// `a_src` and `b_src` point to `valid_rows · COLS` readable floats, 16-byte aligned; every
+/// `a_src` and `b_src` point to `valid_rows · width` readable floats, 16-byte aligned when
+/// `width` is a multiple of 4; every
 /// thread of the block calls this together.
 #[inline(always)]
 pub unsafe fn refill_tiles<const ROWS: usize, const COLS: usize>(
@@ -46,13 +47,14 @@ pub unsafe fn refill_tiles<const ROWS: usize, const COLS: usize>(
     a_src: *const f32,
     b: SharedTile,
     b_src: *const f32,
+    width: usize,
     valid_rows: usize,
 ) {
     hw::sync_threads();
     // SAFETY: the caller's contract.
     unsafe {
-        a.copy_rows_from::<FLASH_THREADS>(a_src, ROWS, COLS, valid_rows);
-        b.copy_rows_from::<FLASH_THREADS>(b_src, ROWS, COLS, valid_rows);
+        a.copy_rows_from::<FLASH_THREADS>(a_src, ROWS, COLS, width, valid_rows);
+        b.copy_rows_from::<FLASH_THREADS>(b_src, ROWS, COLS, width, valid_rows);
     }
     hw::sync_threads();
 }

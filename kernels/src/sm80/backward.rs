@@ -69,15 +69,16 @@ use crate::attention::mask::Mask;
 use crate::attention::schedule::{KeyBlock, QueryBlock};
 use crate::hw::{self, FragA, HalfFloat, LOG2_E, SharedMemory};
 use crate::sm80::pipeline::KvRing;
-use crate::layout::{AttentionShape, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_threads};
+use crate::layout::{AttentionShape, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_threads, row_length};
 
 kernel! {
 /// `D[row] = Σ_d dO[row, d] · O[row, d]` for every query row (`rows = batch · heads · seqlen_q`),
 /// from 16-bit O and dO, in `f32`. One warp per row (a grid-stride loop over rows), each lane
-/// reading 8 elements (16 bytes) at a time; `head_dim` must be a multiple of 8.
+/// reading 8 elements (16 bytes) at a time when `head_dim` is a multiple of 8 (every row then
+/// starts 16-byte aligned), one at a time otherwise.
 ///
 /// # Safety
-/// `o` and `d_o` hold `rows × head_dim` 16-byte aligned elements, `delta` holds `rows`; blocks
+/// `o` and `d_o` hold `rows × head_dim` elements, 16-byte aligned; `delta` holds `rows`; blocks
 /// are whole warps.
 pub unsafe fn flash_bwd_preprocess_f16(o: *const u16, d_o: *const u16, delta: *mut f32, rows: usize, head_dim: usize) {
     unsafe { row_deltas::<hw::F16>(o, d_o, delta, rows, head_dim) }
@@ -101,14 +102,22 @@ unsafe fn row_deltas<T: HalfFloat>(o: *const u16, d_o: *const u16, delta: *mut f
     let mut row = hw::block_idx().0 * warps_per_block + hw::warp_id();
     while row < rows {
         let mut sum = 0.0f32;
-        for col in (8 * hw::lane_id()..head_dim).step_by(8 * hw::WARP_SIZE) {
-            // SAFETY: row < rows and col + 8 ≤ head_dim.
-            let (x, y) = unsafe {
-                let at = row * head_dim + col;
-                (hw::load8_widened::<T>(o.add(at)), hw::load8_widened::<T>(d_o.add(at)))
-            };
-            for i in 0..8 {
-                sum = hw::fma(x[i], y[i], sum);
+        if head_dim.is_multiple_of(8) {
+            for col in (8 * hw::lane_id()..head_dim).step_by(8 * hw::WARP_SIZE) {
+                // SAFETY: row < rows and col + 8 ≤ head_dim.
+                let (x, y) = unsafe {
+                    let at = row * head_dim + col;
+                    (hw::load8_widened::<T>(o.add(at)), hw::load8_widened::<T>(d_o.add(at)))
+                };
+                for i in 0..8 {
+                    sum = hw::fma(x[i], y[i], sum);
+                }
+            }
+        } else {
+            for col in (hw::lane_id()..head_dim).step_by(hw::WARP_SIZE) {
+                // SAFETY: row < rows and col < head_dim.
+                let (x, y) = unsafe { (*o.add(row * head_dim + col), *d_o.add(row * head_dim + col)) };
+                sum = hw::fma(T::unpack(x as u32).0, T::unpack(y as u32).0, sum);
             }
         }
         let sum = hw::group_sum::<32>(sum);
@@ -122,7 +131,8 @@ unsafe fn row_deltas<T: HalfFloat>(o: *const u16, d_o: *const u16, delta: *mut f
 
 kernel! {
 /// Rounds the `f32` dQ accumulator of the atomic backward to `f16`: `dq[i] = dq_accum[i]` for
-/// `i < n` (a multiple of 8), 8 elements per thread per trip of a grid-stride loop.
+/// `i < n`, 8 elements per thread per trip of a grid-stride loop; the last `n % 8` (a head_dim
+/// that is not a multiple of 8) one per thread.
 ///
 /// # Safety
 /// `dq_accum` holds `n` floats, `dq` `n` elements, both 16-byte aligned.
@@ -154,6 +164,11 @@ unsafe fn convert_dq<T: HalfFloat>(dq_accum: *const f32, dq: *mut u16, n: usize)
             hw::store16(dq.add(8 * chunk), packed);
         }
         chunk += hw::grid_stride();
+    }
+    let (tail, i) = (n - n % 8, hw::global_thread_idx());
+    if tail + i < n {
+        // SAFETY: tail + i < n.
+        unsafe { *dq.add(tail + i) = T::pack(*dq_accum.add(tail + i), 0.0) as u16 };
     }
 }
 
@@ -196,6 +211,7 @@ pub(crate) unsafe fn flash_backward_kv_mma<
     const BLOCK_N: usize,
     const HEAD_DIM: usize,
     const STAGES: usize,
+    const PADDED: bool,
     const D_STEPS: usize,
     const M_TILES: usize,
     const D_TILES: usize,
@@ -220,7 +236,9 @@ pub(crate) unsafe fn flash_backward_kv_mma<
     let block = KeyBlock::current::<BLOCK_M, BLOCK_N>(&shape, &mask);
     let (kv_start, kv_rows, batch) = (block.k_start, block.k_rows, block.batch);
     // First element of this key block in K, V, dK, dV.
-    let kv_offset = block.first_row_offset(&shape, HEAD_DIM);
+    // Global rows are `d` elements long; the tiles are `HEAD_DIM` wide, zero past `d`.
+    let d = row_length::<HEAD_DIM, PADDED>(&shape);
+    let kv_offset = block.first_row_offset(&shape, d);
     let lane = FragmentLane::current();
     let warp_key = hw::warp_id() * MMA_WARP_ROWS; // the warp's first key in the block
 
@@ -252,12 +270,12 @@ pub(crate) unsafe fn flash_backward_kv_mma<
         if i < steps {
             let (head, q_start) = step(i);
             let q_rows = BLOCK_M.min(shape.seqlen_q - q_start);
-            let rows = shape.q_head_offset(batch, head) / HEAD_DIM + q_start; // in LSE and D
+            let rows = shape.q_head_offset(batch, head) / d + q_start; // in LSE and D
             let (q_tile, do_tile, stats_row) = slot(i);
             // SAFETY: rows q_start .. q_start + q_rows of this head exist.
             unsafe {
-                q_tile.copy_rows_async(x.q.add(rows * HEAD_DIM), BLOCK_M, HEAD_DIM, q_rows, threads);
-                do_tile.copy_rows_async(x.d_o.add(rows * HEAD_DIM), BLOCK_M, HEAD_DIM, q_rows, threads);
+                q_tile.copy_rows_async(x.q.add(rows * d), BLOCK_M, HEAD_DIM, d, q_rows, threads);
+                do_tile.copy_rows_async(x.d_o.add(rows * d), BLOCK_M, HEAD_DIM, d, q_rows, threads);
                 stats_ring.copy_row_async(stats_row, x.lse.add(rows), BLOCK_M, q_rows, threads);
                 stats_ring.copy_row_async(stats_row + 1, x.delta.add(rows), BLOCK_M, q_rows, threads);
             }
@@ -268,8 +286,8 @@ pub(crate) unsafe fn flash_backward_kv_mma<
     // K and V travel with step 0's group.
     // SAFETY: rows kv_start .. kv_start + kv_rows of this head exist.
     unsafe {
-        k_tile.copy_rows_async(x.k.add(kv_offset), BLOCK_N, HEAD_DIM, kv_rows, threads);
-        v_tile.copy_rows_async(x.v.add(kv_offset), BLOCK_N, HEAD_DIM, kv_rows, threads);
+        k_tile.copy_rows_async(x.k.add(kv_offset), BLOCK_N, HEAD_DIM, d, kv_rows, threads);
+        v_tile.copy_rows_async(x.v.add(kv_offset), BLOCK_N, HEAD_DIM, d, kv_rows, threads);
     }
     for i in 0..STAGES - 1 {
         fetch(i);
@@ -359,7 +377,7 @@ pub(crate) unsafe fn flash_backward_kv_mma<
             // pieces, each summed over all the block's keys.
             hw::sync_threads();
             let q_rows = BLOCK_M.min(shape.seqlen_q - q_start);
-            let dq_rows = shape.q_head_offset(batch, head) + q_start * HEAD_DIM;
+            let dq_rows = shape.q_head_offset(batch, head) + q_start * d;
             let pieces = (BLOCK_M / 16) * (HEAD_DIM / 16);
             let mut piece = hw::warp_id();
             while piece < pieces {
@@ -374,9 +392,10 @@ pub(crate) unsafe fn flash_backward_kv_mma<
                 for (half, frag) in dq.iter().enumerate() {
                     for e in 0..4 {
                         let (row, col) = (m0 + lane.row(e), n0 + 8 * half + lane.col(e));
-                        if row < q_rows {
-                            // SAFETY: the query row exists; col < HEAD_DIM.
-                            unsafe { hw::atomic_add(dq_accum.add(dq_rows + row * HEAD_DIM + col), frag[e] * scale) };
+                        // (An exact instance's columns are all real: no test.)
+                        if row < q_rows && (!PADDED || col < d) {
+                            // SAFETY: the query row and column exist.
+                            unsafe { hw::atomic_add(dq_accum.add(dq_rows + row * d + col), frag[e] * scale) };
                         }
                     }
                 }
@@ -391,9 +410,9 @@ pub(crate) unsafe fn flash_backward_kv_mma<
     // SAFETY: rows kv_start .. kv_start + kv_rows of dK and dV exist.
     unsafe {
         let (dk_rows, dv_rows) = (dk.add(kv_offset), dv.add(kv_offset));
-        store_warp_rows::<T, HEAD_DIM, D_TILES, 1>(&[dk_acc], [[scale; 2]], k_tile, warp_key, dk_rows, 0, kv_rows, lane);
+        store_warp_rows::<T, HEAD_DIM, D_TILES, 1>(&[dk_acc], [[scale; 2]], k_tile, warp_key, dk_rows, (0, d), kv_rows, lane);
         hw::sync_warp();
-        store_warp_rows::<T, HEAD_DIM, D_TILES, 1>(&[dv_acc], [[1.0; 2]], v_tile, warp_key, dv_rows, 0, kv_rows, lane);
+        store_warp_rows::<T, HEAD_DIM, D_TILES, 1>(&[dv_acc], [[1.0; 2]], v_tile, warp_key, dv_rows, (0, d), kv_rows, lane);
     }
 }
 
@@ -414,6 +433,7 @@ pub(crate) unsafe fn flash_backward_q_mma<
     const BLOCK_N: usize,
     const HEAD_DIM: usize,
     const STAGES: usize,
+    const PADDED: bool,
     const D_STEPS: usize,
     const N_TILES: usize,
     const D_TILES: usize,
@@ -434,7 +454,9 @@ pub(crate) unsafe fn flash_backward_q_mma<
     let keep_fragments = keeps_fragments(HEAD_DIM);
     let block = QueryBlock::current::<BLOCK_M>(&shape);
     let (q_start, q_rows) = (block.q_start, block.q_rows);
-    let first_row = block.first_row_offset(HEAD_DIM);
+    // Global rows are `d` elements long; the tiles are `HEAD_DIM` wide, zero past `d`.
+    let d = row_length::<HEAD_DIM, PADDED>(&shape);
+    let first_row = block.first_row_offset(d);
     let lane = FragmentLane::current();
     let warp_row = hw::warp_id() * MMA_WARP_ROWS;
 
@@ -450,12 +472,12 @@ pub(crate) unsafe fn flash_backward_q_mma<
     let padded = q_start + BLOCK_M > shape.seqlen_q;
     // SAFETY: the host sized the grid, so this head exists.
     let kv_heads = unsafe { (x.k.add(block.kv_offset), x.v.add(block.kv_offset)) };
-    let ring = KvRing::<BLOCK_N, HEAD_DIM, STAGES>::new(kv_ring, kv_heads, shape.seqlen_k, kv_tiles, threads);
+    let ring = KvRing::<BLOCK_N, HEAD_DIM, STAGES>::new(kv_ring, kv_heads, (shape.seqlen_k, d), kv_tiles, threads);
 
     // SAFETY: rows q_start .. q_start + q_rows of this head exist.
     unsafe {
-        q_tile.copy_rows_async(x.q.add(first_row), BLOCK_M, HEAD_DIM, q_rows, threads);
-        do_tile.copy_rows_async(x.d_o.add(first_row), BLOCK_M, HEAD_DIM, q_rows, threads);
+        q_tile.copy_rows_async(x.q.add(first_row), BLOCK_M, HEAD_DIM, d, q_rows, threads);
+        do_tile.copy_rows_async(x.d_o.add(first_row), BLOCK_M, HEAD_DIM, d, q_rows, threads);
     }
     for tile in 0..STAGES - 1 {
         ring.fetch(tile);
@@ -465,7 +487,7 @@ pub(crate) unsafe fn flash_backward_q_mma<
     for r in 0..2 {
         let row = warp_row + lane.half_row(r);
         if row < q_rows {
-            let at = first_row / HEAD_DIM + row;
+            let at = first_row / d + row;
             // SAFETY: the row exists.
             unsafe { (lse2[r], delta[r]) = (*x.lse.add(at) * LOG2_E, *x.delta.add(at)) };
         }
@@ -537,41 +559,55 @@ pub(crate) unsafe fn flash_backward_q_mma<
     // SAFETY: rows q_start .. q_start + q_rows of dQ exist.
     unsafe {
         let dst = dq.add(first_row);
-        store_warp_rows::<T, HEAD_DIM, D_TILES, 1>(&[acc], [[scale; 2]], q_tile, warp_row, dst, 0, q_rows, lane);
+        store_warp_rows::<T, HEAD_DIM, D_TILES, 1>(&[acc], [[scale; 2]], q_tile, warp_row, dst, (0, d), q_rows, lane);
     }
 }
 
 /// Three entries per tile and format: `flash_bwd_{dtype}_…` (dK, dV, atomic dQ),
 /// `flash_bwd_dkdv_{dtype}_…` and `flash_bwd_dq_{dtype}_…` (the deterministic pair), each
-/// suffixed `_m{block_m}_n{block_n}_d{head_dim}_s{stages}`. They share their inputs and problem
+/// suffixed `_m{block_m}_n{block_n}_d{head_dim}_s{stages}`, and `_padded` after that for the
+/// padded instances (`layout::row_length`). They share their inputs and problem
 /// arguments and differ in their outputs (`@entry`).
 macro_rules! flash_backward_mma_instance {
     ($dtype:ident, $format:ident, $m:literal, $n:literal, $d:literal, $s:literal) => {
+        flash_backward_mma_instance!(@kernels $format, $m, $n, $d, $s, false,
+            ${concat(flash_bwd_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)},
+            ${concat(flash_bwd_dkdv_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)},
+            ${concat(flash_bwd_dq_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)});
+    };
+    ($dtype:ident, $format:ident, $m:literal, $n:literal, $d:literal, $s:literal, padded) => {
+        flash_backward_mma_instance!(@kernels $format, $m, $n, $d, $s, true,
+            ${concat(flash_bwd_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s, _padded)},
+            ${concat(flash_bwd_dkdv_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s, _padded)},
+            ${concat(flash_bwd_dq_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s, _padded)});
+    };
+    (@kernels $format:ident, $m:literal, $n:literal, $d:literal, $s:literal, $padded:literal,
+        $atomic:ident, $dkdv:ident, $dq:ident) => {
         flash_backward_mma_instance!(@entry
             /// dK, dV and the `f32` accumulator of dQ (atomic adds) on tensor cores; see the
             /// module docs and `flash_backward_kv_mma`.
-            ${concat(flash_bwd_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)},
+            $atomic,
             [dq_accum: *mut f32, dk: *mut u16, dv: *mut u16],
             |x, shape, mask, scale| flash_backward_kv_mma::<
-                hw::$format, $m, $n, $d, $s, { $d / 16 }, { $m / 8 }, { $d / 8 }, true
+                hw::$format, $m, $n, $d, $s, $padded, { $d / 16 }, { $m / 8 }, { $d / 8 }, true
             >(x, dq_accum, dk, dv, shape, mask, scale)
         );
         flash_backward_mma_instance!(@entry
             /// dK and dV on tensor cores, without dQ (the deterministic backward's first kernel);
             /// see the module docs and `flash_backward_kv_mma`.
-            ${concat(flash_bwd_dkdv_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)},
+            $dkdv,
             [dk: *mut u16, dv: *mut u16],
             |x, shape, mask, scale| flash_backward_kv_mma::<
-                hw::$format, $m, $n, $d, $s, { $d / 16 }, { $m / 8 }, { $d / 8 }, false
+                hw::$format, $m, $n, $d, $s, $padded, { $d / 16 }, { $m / 8 }, { $d / 8 }, false
             >(x, core::ptr::null_mut(), dk, dv, shape, mask, scale)
         );
         flash_backward_mma_instance!(@entry
             /// The deterministic dQ on tensor cores; see the module docs and
             /// `flash_backward_q_mma`.
-            ${concat(flash_bwd_dq_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)},
+            $dq,
             [dq: *mut u16],
             |x, shape, mask, scale| flash_backward_q_mma::<
-                hw::$format, $m, $n, $d, $s, { $d / 16 }, { $n / 8 }, { $d / 8 }
+                hw::$format, $m, $n, $d, $s, $padded, { $d / 16 }, { $n / 8 }, { $d / 8 }
             >(x, dq, shape, mask, scale)
         );
     };
@@ -599,3 +635,4 @@ macro_rules! flash_backward_mma_instance {
 }
 
 sm80_backward_tiles!(flash_backward_mma_instance);
+sm80_padded_backward_tiles!(flash_backward_mma_instance);

@@ -50,7 +50,8 @@ use crate::attention::softmax::RowSoftmax;
 use crate::hw::{self, FragA, HalfFloat, SharedMemory};
 use crate::sm80::pipeline::KvRing;
 use crate::layout::{
-    AttentionShape, MMA_FORWARD_WARPS, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_forward_threads, q_shares_ring,
+    AttentionShape, MMA_FORWARD_WARPS, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_forward_threads, q_in_registers, q_shares_ring,
+    row_length,
 };
 
 /// The kernel body shared by every instance. `WARP_TILES`, `D_STEPS`, `N_TILES` and `D_TILES`
@@ -73,6 +74,7 @@ pub(crate) unsafe fn flash_forward_mma<
     const BLOCK_N: usize,
     const HEAD_DIM: usize,
     const STAGES: usize,
+    const PADDED: bool,
     const WARP_TILES: usize,
     const D_STEPS: usize,
     const N_TILES: usize,
@@ -93,20 +95,20 @@ pub(crate) unsafe fn flash_forward_mma<
         assert!(STAGES >= 2);
     };
     let threads = mma_forward_threads(BLOCK_M);
+    let d = row_length::<HEAD_DIM, PADDED>(&shape);
     let block = QueryBlock::current::<BLOCK_M>(&shape);
     let (q_start, q_rows) = (block.q_start, block.q_rows);
     // SAFETY: the host sized the grid, so these heads exist (offsets are in elements).
     let (q_head, k_head, v_head, o_head, lse_head) = unsafe {
         let (q_offset, kv_offset) = (block.q_offset, block.kv_offset);
-        (q.add(q_offset), k.add(kv_offset), v.add(kv_offset), o.add(q_offset), lse.add(q_offset / HEAD_DIM))
+        (q.add(q_offset), k.add(kv_offset), v.add(kv_offset), o.add(q_offset), lse.add(q_offset / d))
     };
     let lane = FragmentLane::current();
     // The warp's first row in the tile; its m-tile `r` is rows `warp_row + 16r ..`.
     let warp_row = hw::warp_id() * MMA_WARP_ROWS * WARP_TILES;
-    // With one m-tile per warp, Q's fragments stay in registers for the whole pass; with two,
-    // the registers go to the second m-tile's scores and accumulator, and Q is re-read from
-    // shared memory at every use.
-    let q_in_registers = WARP_TILES == 1;
+    // Q's fragments stay in registers for the whole pass where they fit, else Q is re-read from
+    // shared memory at every use (see `layout::q_in_registers`).
+    let q_in_registers = q_in_registers(BLOCK_M, HEAD_DIM);
 
     let stride = HEAD_DIM + MMA_SMEM_PAD;
     let mut smem = SharedMemory::new();
@@ -116,7 +118,7 @@ pub(crate) unsafe fn flash_forward_mma<
     // that slot is first filled in the loop's first iteration, after a barrier that every warp
     // reaches only once it has its Q fragments (see `layout::q_shares_ring`). Less shared memory
     // per block, more blocks per SM.
-    let q_tile = if q_shares_ring(BLOCK_M, BLOCK_N) {
+    let q_tile = if q_shares_ring(BLOCK_M, BLOCK_N, HEAD_DIM) {
         kv_ring.rows_from(2 * (STAGES - 1) * BLOCK_N)
     } else {
         smem.tile16(BLOCK_M, stride)
@@ -124,11 +126,11 @@ pub(crate) unsafe fn flash_forward_mma<
     // Keys past `keys.end` are hidden from every row (never loaded).
     let keys = mask.keys_for(q_start, q_rows);
     let kv_tiles = keys.tiles(BLOCK_N);
-    let ring = KvRing::<BLOCK_N, HEAD_DIM, STAGES>::new(kv_ring, (k_head, v_head), shape.seqlen_k, kv_tiles, threads);
+    let ring = KvRing::<BLOCK_N, HEAD_DIM, STAGES>::new(kv_ring, (k_head, v_head), (shape.seqlen_k, d), kv_tiles, threads);
 
     // Prologue: Q travels in the first group, with K/V tile 0; tiles 1 .. STAGES − 1 follow.
     // SAFETY: rows q_start .. q_start + q_rows of this head exist.
-    unsafe { q_tile.copy_rows_async(q_head.add(q_start * HEAD_DIM), BLOCK_M, HEAD_DIM, q_rows, threads) };
+    unsafe { q_tile.copy_rows_async(q_head.add(q_start * d), BLOCK_M, HEAD_DIM, d, q_rows, threads) };
     for tile in 0..STAGES - 1 {
         ring.fetch(tile);
     }
@@ -204,21 +206,31 @@ pub(crate) unsafe fn flash_forward_mma<
     hw::sync_threads();
     let inv_sum: [[f32; 2]; WARP_TILES] = core::array::from_fn(|r| finished[r].0);
     // SAFETY: rows q_start .. q_start + q_rows of O exist.
-    unsafe { store_warp_rows::<T, HEAD_DIM, D_TILES, WARP_TILES>(&acc, inv_sum, q_tile, warp_row, o_head, q_start, q_rows, lane) };
+    unsafe { store_warp_rows::<T, HEAD_DIM, D_TILES, WARP_TILES>(&acc, inv_sum, q_tile, warp_row, o_head, (q_start, d), q_rows, lane) };
     // SAFETY: rows q_start .. q_start + q_rows of LSE exist.
     unsafe { store_fragment_lse(&finished, lse_head, q_start, warp_row, q_rows, lane) };
 }
 
-/// One entry per tile and format, named `flash_fwd_{f16,bf16}_m{block_m}_n{block_n}_d{head_dim}_s{stages}`;
-/// `sm80_forward_tiles!` (in [`crate::configs`]) lists the tiles.
+/// One entry per tile and format, named `flash_fwd_{f16,bf16}_m{block_m}_n{block_n}_d{head_dim}_s{stages}`
+/// (an exact instance), with `_padded` after it for the padded instance of the same tile
+/// (`layout::row_length`); `sm80_forward_tiles!` and `sm80_padded_forward_tiles!` (in
+/// [`crate::configs`]) list the tiles.
 macro_rules! flash_forward_mma_instance {
     ($dtype:ident, $format:ident, $block_m:literal, $block_n:literal, $head_dim:literal, $stages:literal) => {
+        flash_forward_mma_instance!(@entry $format, $block_m, $block_n, $head_dim, $stages, false,
+            ${concat(flash_fwd_, $dtype, _m, $block_m, _n, $block_n, _d, $head_dim, _s, $stages)});
+    };
+    ($dtype:ident, $format:ident, $block_m:literal, $block_n:literal, $head_dim:literal, $stages:literal, padded) => {
+        flash_forward_mma_instance!(@entry $format, $block_m, $block_n, $head_dim, $stages, true,
+            ${concat(flash_fwd_, $dtype, _m, $block_m, _n, $block_n, _d, $head_dim, _s, $stages, _padded)});
+    };
+    (@entry $format:ident, $block_m:literal, $block_n:literal, $head_dim:literal, $stages:literal, $padded:literal, $name:ident) => {
         attention_kernel! {
         /// FlashAttention-2 forward on tensor cores; see the module docs and `flash_forward_mma`.
         ///
         /// # Safety
         /// As `flash_forward_mma`.
-        fn ${concat(flash_fwd_, $dtype, _m, $block_m, _n, $block_n, _d, $head_dim, _s, $stages)}(
+        fn $name(
             q: *const u16,
             k: *const u16,
             v: *const u16,
@@ -232,6 +244,7 @@ macro_rules! flash_forward_mma_instance {
                     $block_n,
                     $head_dim,
                     $stages,
+                    $padded,
                     { $block_m / 64 },
                     { $head_dim / 16 },
                     { $block_n / 8 },
@@ -244,3 +257,4 @@ macro_rules! flash_forward_mma_instance {
 }
 
 sm80_forward_tiles!(flash_forward_mma_instance);
+sm80_padded_forward_tiles!(flash_forward_mma_instance);

@@ -18,10 +18,14 @@ use crate::hw::{self, SharedTile16};
 pub struct KvRing<const BLOCK_N: usize, const HEAD_DIM: usize, const STAGES: usize> {
     /// The ring's rows in shared memory.
     pub tile: SharedTile16,
-    /// This head's K and V in global memory (16-bit elements, rows of `HEAD_DIM`).
+    /// This head's K and V in global memory (16-bit elements, rows of `head_dim ≤ HEAD_DIM`:
+    /// the slots' columns past `head_dim` are zero-filled, see
+    /// [`SharedTile16::copy_rows_async`]; callers pass the constant `HEAD_DIM` where the problem
+    /// has it, so that it folds into the addresses).
     k_head: *const u16,
     v_head: *const u16,
     seqlen_k: usize,
+    head_dim: usize,
     /// Key tiles the block visits.
     tiles: usize,
     /// Threads of the block (all of them copy).
@@ -33,11 +37,11 @@ impl<const BLOCK_N: usize, const HEAD_DIM: usize, const STAGES: usize> KvRing<BL
     pub fn new(
         tile: SharedTile16,
         (k_head, v_head): (*const u16, *const u16),
-        seqlen_k: usize,
+        (seqlen_k, head_dim): (usize, usize),
         tiles: usize,
         threads: usize,
     ) -> Self {
-        Self { tile, k_head, v_head, seqlen_k, tiles, threads }
+        Self { tile, k_head, v_head, seqlen_k, head_dim, tiles, threads }
     }
 
     /// The K and V tiles of the slot that holds key tile `tile`.
@@ -57,8 +61,9 @@ impl<const BLOCK_N: usize, const HEAD_DIM: usize, const STAGES: usize> KvRing<BL
             let (k_tile, v_tile) = self.slot(tile);
             // SAFETY: rows kv_start .. kv_start + valid of this head exist (the caller's heads).
             unsafe {
-                k_tile.copy_rows_async(self.k_head.add(kv_start * HEAD_DIM), BLOCK_N, HEAD_DIM, valid, self.threads);
-                v_tile.copy_rows_async(self.v_head.add(kv_start * HEAD_DIM), BLOCK_N, HEAD_DIM, valid, self.threads);
+                let (rows, d) = (kv_start * self.head_dim, self.head_dim);
+                k_tile.copy_rows_async(self.k_head.add(rows), BLOCK_N, HEAD_DIM, d, valid, self.threads);
+                v_tile.copy_rows_async(self.v_head.add(rows), BLOCK_N, HEAD_DIM, d, valid, self.threads);
             }
         }
         hw::cp_async_commit();

@@ -474,11 +474,12 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
     // dK = scale · Σ dSᵀ·Q and dV, for the keys that exist.
     let warp_key = k_first + 16 * (hw::warp_id() % 4);
     let lane = FragmentLane::current();
-    let kv_rows = (block.batch * shape.num_heads_kv + block.kv_head) * shape.seqlen_k * D;
+    let d = shape.head_dim; // rows of dK and dV are `d ≤ D` long; the columns past it are not stored
+    let kv_rows = (block.batch * shape.num_heads_kv + block.kv_head) * shape.seqlen_k * d;
     // SAFETY: rows below seqlen_k of this key/value head exist.
     unsafe {
-        store_fragment_pairs::<T, D, D_TILES>(&dk_acc, [scale; 2], dk.add(kv_rows), warp_key, shape.seqlen_k, lane);
-        store_fragment_pairs::<T, D, D_TILES>(&dv_acc, [1.0; 2], dv.add(kv_rows), warp_key, shape.seqlen_k, lane);
+        store_fragment_pairs::<T, D, D_TILES>(&dk_acc, [scale; 2], dk.add(kv_rows), d, warp_key, shape.seqlen_k, lane);
+        store_fragment_pairs::<T, D, D_TILES>(&dv_acc, [1.0; 2], dv.add(kv_rows), d, warp_key, shape.seqlen_k, lane);
     }
 }
 

@@ -199,8 +199,8 @@ unsafe fn consume<
     mask: Mask,
     kv_tiles: usize,
     scale_log2: f32,
-    o_head: *mut u16,
-    lse_head: *mut f32,
+    (o_head, lse_head): (*mut u16, *mut f32),
+    head_dim: usize,
 ) where
     [FragC; N_TILES]: Accumulator,
     [FragC; D_TILES]: Accumulator,
@@ -389,7 +389,7 @@ unsafe fn consume<
     let end = block.q_start + block.q_rows;
     // SAFETY: rows below q_start + q_rows ≤ seqlen_q of this head exist.
     unsafe {
-        store_fragment_pairs::<T, D, D_TILES>(&o, finished.0, o_head, rows.warp_row, end, rows.lane);
+        store_fragment_pairs::<T, D, D_TILES>(&o, finished.0, o_head, head_dim, rows.warp_row, end, rows.lane);
         store_fragment_lse(&[finished], lse_head, 0, rows.warp_row, end, rows.lane);
     }
 }
@@ -494,10 +494,12 @@ unsafe fn flash_forward_wgmma<
         }
     } else {
         // SAFETY: the host sized the grid, so this head's rows exist (offsets in elements).
-        let (o_head, lse_head) = unsafe { (o.add(block.q_offset), lse.add(block.q_offset / D)) };
+        // O's rows are `head_dim ≤ D` long: the loads' boxes read zeros past it, the stores skip it.
+        let head_dim = shape.head_dim;
+        let heads = unsafe { (o.add(block.q_offset), lse.add(block.q_offset / head_dim)) };
         unsafe {
             consume::<T, BLOCK_M, D, BLOCK_N, STAGES, N_TILES, P_STEPS, D_TILES, PINGPONG>(
-                smem, &block, mask, kv_tiles, scale_log2, o_head, lse_head,
+                smem, &block, mask, kv_tiles, scale_log2, heads, head_dim,
             )
         };
     }
