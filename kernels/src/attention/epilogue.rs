@@ -43,6 +43,7 @@ pub unsafe fn store_rows<const HEAD_DIM: usize, const ROWS: usize, const DVEC: u
     }
 }
 
+// ANCHOR: clipped_store
 /// Writes `value` to columns `col..col + 4` of the global row at `row`, as one 16-byte store
 /// when the row's `width` allows, else the columns below `width` one by one.
 ///
@@ -62,6 +63,7 @@ unsafe fn store4_clipped(value: F32x4, row: *mut f32, col: usize, width: usize) 
         }
     }
 }
+// ANCHOR_END: clipped_store
 
 /// Writes per-row values of the `f32` thread grid (this thread's rows `first_row + i`, the
 /// same in all 8 lanes of its row group) to `dst[first_row + i]`, from lane 0 only, for the
