@@ -281,14 +281,25 @@ impl TileConfig {
         let dims = Self::compiled_head_dims_of(kernel, dtype);
         dims.iter().copied().find(|&d| d >= head_dim && head_dim > 0).ok_or_else(|| {
             let compiled = dims.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
-            Error::HeadDimNotCompiled {
-                head_dim,
-                allowed: format!(
-                    "1 to {} for the {} (compiled {compiled}; the others run on the next compiled one)",
-                    dims.last().copied().unwrap_or(0),
+            let largest = dims.last().copied().unwrap_or(0);
+            // The 16-bit backward goes on, widened, on the f32 kernels (`Context::flash_attention_backward`).
+            let widened = match kernel {
+                FlashKernel::Forward => None,
+                _ if dtype == DType::F32 => None,
+                _ => Some(Self::max_head_dim(kernel, DType::F32)),
+            };
+            let allowed = match widened {
+                Some(f32_largest) => format!(
+                    "1 to {f32_largest} for the {} (compiled {compiled}, the others on the next one; \
+                     above {largest} on the f32 kernels, widened)",
                     kernel_name(kernel, dtype)
                 ),
-            }
+                None => format!(
+                    "1 to {largest} for the {} (compiled {compiled}; the others run on the next compiled one)",
+                    kernel_name(kernel, dtype)
+                ),
+            };
+            Error::HeadDimNotCompiled { head_dim, allowed }
         })
     }
 

@@ -50,7 +50,7 @@ pub struct Args {
     /// Key/value sequence length; defaults to --seqlen.
     #[arg(long)]
     pub seqlen_k: Option<usize>,
-    /// Head dimension: 1 to 256 (the 16-bit backward: to 128), each run on the next compiled one.
+    /// Head dimension: 1 to 256, each run on the next compiled one (the 16-bit backward above 128 on the f32 kernels, widened).
     #[arg(long)]
     pub head_dim: Option<usize>,
     /// Query rows per flash block (Br), given together with --block-n; default: tuned per head_dim,

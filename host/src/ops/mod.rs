@@ -108,7 +108,8 @@ impl Context {
     /// A short name of the kernel [`Context::flash_attention_forward`] runs for `dtype`, `shape`,
     /// mask `causal` and `tile` on this context, for tables: the path and the configuration, e.g.
     /// `sm_90a m192_n128_s2` or `sm_80 m64_n64_s2`; on the CPU emulator, which runs the tile's
-    /// kernel from its Rust source and no PTX, `emulated m64_n64_s2`.
+    /// kernel from its Rust source and no PTX, `emulated m64_n64_s2`; with ` on d96` after it when
+    /// the head_dim runs on a larger compiled one.
     pub fn forward_kernel_label(
         &self,
         dtype: DType,
@@ -116,12 +117,14 @@ impl Context {
         causal: Causal,
         tile: TileConfig,
     ) -> String {
+        let on = |compiled: usize| if compiled == shape.head_dim { String::new() } else { format!(" on d{compiled}") };
+        let padded = TileConfig::padded_head_dim(FlashKernel::Forward, dtype, shape.head_dim).unwrap_or(shape.head_dim);
         if self.is_emulated() {
-            return format!("emulated {tile}");
+            return format!("emulated {tile}{}", on(padded));
         }
         match self.target().hopper_forward(dtype, shape, causal, tile) {
-            Some(kernel) => format!("{} {}", KernelPath::Sm90a, kernel.config_name()),
-            None => format!("{} {tile}", KernelPath::Sm80),
+            Some(kernel) => format!("{} {}{}", KernelPath::Sm90a, kernel.config_name(), on(kernel.head_dim)),
+            None => format!("{} {tile}{}", KernelPath::Sm80, on(padded)),
         }
     }
 
@@ -176,8 +179,14 @@ impl Context {
         dq: DqAccumulation,
     ) -> Result<Gradients<T>> {
         let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
+        // Above the 16-bit backward's head dims the f32 kernels run (`widened_backward`), on
+        // their own tile.
+        let (dtype, tile) = match widened_backward(T::DTYPE, shape.head_dim) {
+            Some(f32_tile) => (DType::F32, f32_tile),
+            None => (T::DTYPE, tile),
+        };
         for &kernel in backward_kernels(dq) {
-            tile.validate_kernel(kernel, T::DTYPE, shape.head_dim, self.device())?;
+            tile.validate_kernel(kernel, dtype, shape.head_dim, self.device())?;
         }
         let mut grads = self.alloc_gradients(&shape)?;
         self.flash_attention_backward_into(q, k, v, o, lse, d_o, &mut grads, options, tile, dq)?;
@@ -200,6 +209,9 @@ impl Context {
         dq: DqAccumulation,
     ) -> Result<()> {
         let shape = self.check_backward(q, k, v, o, lse, d_o, grads)?;
+        if let Some(f32_tile) = widened_backward(T::DTYPE, shape.head_dim) {
+            return self.flash_attention_backward_widened(&shape, [q, k, v, o, d_o], lse, grads, options, f32_tile, dq);
+        }
         if let Some(kernel) = self.target().hopper_backward(T::DTYPE, shape.head_dim, tile, dq) {
             return self.launch_hopper_backward(kernel, &shape, q, k, v, o, lse, d_o, grads, options);
         }
@@ -217,6 +229,10 @@ impl Context {
     /// `sm_90a m64_n128_s2`, `sm_80 m64_n128_s2` or `emulated m64_n128_s2` (see
     /// [`Context::forward_kernel_label`]).
     pub fn backward_kernel_label(&self, dtype: DType, head_dim: usize, tile: TileConfig, dq: DqAccumulation) -> String {
+        if let Some(f32_tile) = widened_backward(dtype, head_dim) {
+            let path = if self.is_emulated() { "emulated".to_string() } else { KernelPath::Sm80.to_string() };
+            return format!("{path} f32 {f32_tile}, widened");
+        }
         if self.is_emulated() {
             return format!("emulated {tile}");
         }
@@ -226,7 +242,40 @@ impl Context {
         }
     }
 
-    /// Rounds the `f32` dQ accumulator of the atomic backward kernels to `dq`'s 16-bit type.
+    /// The 16-bit backward above the largest 16-bit backward head_dim (128): its inputs widened
+    /// to `f32` copies, the `f32` kernels (which take head_dim up to 256) on them with `tile`,
+    /// and the gradients rounded back. Exact to `f32` accumulation like the 16-bit kernels, but
+    /// on the CUDA cores: several times slower than a tensor-core backward would be, and with
+    /// five `f32` copies of the inputs and three of the gradients as extra device memory.
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_backward_widened<T: Element>(
+        &self,
+        shape: &AttentionShape,
+        [q, k, v, o, d_o]: [&DeviceTensor<T>; 5],
+        lse: &DeviceTensor<f32>,
+        grads: &mut Gradients<T>,
+        options: &AttentionOptions,
+        tile: TileConfig,
+        dq: DqAccumulation,
+    ) -> Result<()> {
+        let widen = |x: &DeviceTensor<T>| -> Result<DeviceTensor<f32>> {
+            let wide = self.alloc_output::<f32>(x.shape())?;
+            let n = x.len();
+            let config = one_dim(grid_stride_blocks(self, n, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS);
+            let entry = if T::DTYPE == DType::F16 { entry::FLASH_BWD_WIDEN_F16 } else { entry::FLASH_BWD_WIDEN_BF16 };
+            self.launch(entry, config, &[x, &wide, &n])?;
+            Ok(wide)
+        };
+        let [q, k, v, o, d_o] = [widen(q)?, widen(k)?, widen(v)?, widen(o)?, widen(d_o)?];
+        let mut wide = self.alloc_gradients::<f32>(shape)?;
+        self.flash_attention_backward_sm80_into(shape, &q, &k, &v, &o, lse, &d_o, &mut wide, options, tile, dq)?;
+        self.round_dq(&wide.dq, &mut grads.dq)?;
+        self.round_dq(&wide.dk, &mut grads.dk)?;
+        self.round_dq(&wide.dv, &mut grads.dv)
+    }
+
+    /// Rounds an `f32` tensor (the dQ accumulator of the atomic backward kernels, the gradients
+    /// of the widened backward) to `dq`'s 16-bit type.
     pub(crate) fn round_dq<T: Element>(&self, accum: &DeviceTensor<f32>, dq: &mut DeviceTensor<T>) -> Result<()> {
         let n = accum.len();
         let convert = one_dim(grid_stride_blocks(self, n.div_ceil(8), ELEMENTWISE_THREADS), ELEMENTWISE_THREADS);
@@ -318,4 +367,15 @@ impl Context {
         }
         Ok(shape)
     }
+}
+
+/// The `f32` tile on which a 16-bit backward of `head_dim` runs, widened
+/// ([`Context::flash_attention_backward`]): for head dims above the 16-bit backward's largest
+/// compiled one that the `f32` kernels take. `None` where the 16-bit kernels run (or nothing
+/// does: the error comes from the 16-bit lookup).
+pub(crate) fn widened_backward(dtype: DType, head_dim: usize) -> Option<TileConfig> {
+    let widened = dtype != DType::F32
+        && head_dim > TileConfig::max_head_dim(FlashKernel::Backward, dtype)
+        && head_dim <= TileConfig::max_head_dim(FlashKernel::Backward, DType::F32);
+    widened.then(|| TileConfig::default_backward_for_dtype(DType::F32, head_dim))
 }

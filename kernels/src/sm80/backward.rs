@@ -151,6 +151,39 @@ pub unsafe fn flash_bwd_convert_dq_bf16(dq_accum: *const f32, dq: *mut u16, n: u
 }
 }
 
+kernel! {
+/// Widens `n` `f16` values to `f32`, `dst[i] = src[i]`, one per thread per trip of a grid-stride
+/// loop: the inputs of a 16-bit backward above the largest 16-bit backward head_dim, which runs
+/// on the `f32` kernels (`Context::flash_attention_backward`).
+///
+/// # Safety
+/// `src` holds `n` elements, `dst` `n` floats.
+pub unsafe fn flash_bwd_widen_f16(src: *const u16, dst: *mut f32, n: usize) {
+    unsafe { widen::<hw::F16>(src, dst, n) }
+}
+}
+
+kernel! {
+/// [`flash_bwd_widen_f16`] for `bf16`.
+///
+/// # Safety
+/// As [`flash_bwd_widen_f16`].
+pub unsafe fn flash_bwd_widen_bf16(src: *const u16, dst: *mut f32, n: usize) {
+    unsafe { widen::<hw::Bf16>(src, dst, n) }
+}
+}
+
+/// The body of the widening kernels.
+#[inline(always)]
+unsafe fn widen<T: HalfFloat>(src: *const u16, dst: *mut f32, n: usize) {
+    let mut i = hw::global_thread_idx();
+    while i < n {
+        // SAFETY: i < n.
+        unsafe { *dst.add(i) = T::unpack(*src.add(i) as u32).0 };
+        i += hw::grid_stride();
+    }
+}
+
 /// The body of the dQ conversion kernels.
 #[inline(always)]
 unsafe fn convert_dq<T: HalfFloat>(dq_accum: *const f32, dq: *mut u16, n: usize) {
