@@ -379,3 +379,16 @@ pub(crate) fn widened_backward(dtype: DType, head_dim: usize) -> Option<TileConf
         && head_dim <= TileConfig::max_head_dim(FlashKernel::Backward, DType::F32);
     widened.then(|| TileConfig::default_backward_for_dtype(DType::F32, head_dim))
 }
+
+/// Checks, without a device, that the backward takes `head_dim` at `dtype` with the built-in
+/// tile: compiled (or padded) for the type, or widened to the `f32` kernels.
+///
+/// # Errors
+/// [`Error::HeadDimNotCompiled`] naming the range.
+pub(crate) fn check_backward_head_dim(dtype: DType, head_dim: usize) -> Result<()> {
+    if widened_backward(dtype, head_dim).is_some() {
+        return Ok(());
+    }
+    TileConfig::default_backward_for_dtype(dtype, head_dim).compiled_entry_for(FlashKernel::Backward, dtype, head_dim)?;
+    Ok(())
+}
