@@ -245,8 +245,9 @@ impl Context {
     /// The 16-bit backward above the largest 16-bit backward head_dim (128): its inputs widened
     /// to `f32` copies, the `f32` kernels (which take head_dim up to 256) on them with `tile`,
     /// and the gradients rounded back. Exact to `f32` accumulation like the 16-bit kernels, but
-    /// on the CUDA cores: several times slower than a tensor-core backward would be, and with
-    /// five `f32` copies of the inputs and three of the gradients as extra device memory.
+    /// on the CUDA cores: a stopgap, some 50 times slower than a tensor-core backward
+    /// (PERFORMANCE.md), with five `f32` copies of the inputs and three of the gradients as
+    /// extra device memory.
     #[allow(clippy::too_many_arguments)]
     fn flash_attention_backward_widened<T: Element>(
         &self,
