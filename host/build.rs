@@ -156,18 +156,22 @@ fn registry_source(entries: &[String]) -> String {
     let mut hopper = String::new();
     for name in entries {
         match flash_instance(name) {
-            Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages, hopper: false, padded, .. }) => writeln!(
-                flash,
-                "    FlashInstance {{ kernel: FlashKernel::{variant}, dtype: DType::{dtype}, block_m: {block_m}, \
+            Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages, hopper: false, padded, .. }) => {
+                writeln!(
+                    flash,
+                    "    FlashInstance {{ kernel: FlashKernel::{variant}, dtype: DType::{dtype}, block_m: {block_m}, \
                  block_n: {block_n}, head_dim: {head_dim}, stages: {stages}, padded: {padded}, entry: {name:?} }},"
-            )
-            .unwrap(),
-            Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages, hopper: true, pingpong, .. }) => writeln!(
-                hopper,
-                "    HopperInstance {{ kernel: FlashKernel::{variant}, dtype: DType::{dtype}, block_m: {block_m}, \
+                )
+                .unwrap()
+            }
+            Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages, hopper: true, pingpong, .. }) => {
+                writeln!(
+                    hopper,
+                    "    HopperInstance {{ kernel: FlashKernel::{variant}, dtype: DType::{dtype}, block_m: {block_m}, \
                  block_n: {block_n}, head_dim: {head_dim}, stages: {stages}, pingpong: {pingpong}, entry: {name:?} }},"
-            )
-            .unwrap(),
+                )
+                .unwrap()
+            }
             None => {
                 writeln!(
                     plain,

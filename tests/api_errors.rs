@@ -81,7 +81,14 @@ fn every_entry_point_rejects_bad_shapes_with_a_message() {
     expect(ctx.flash_attention_forward(&q16_60, &q16_60, &q16_60, &opts, exact_only).map(drop), "(128, 64, 2)");
     // The 16-bit backward above 256 names its range, including the widened f32 part.
     let result = ctx.flash_attention_backward(
-        &q16_300, &q16_300, &q16_300, &q16_300, &ctx.full(&[1, 1, 8], 0.0).unwrap(), &q16_300, &opts, d16,
+        &q16_300,
+        &q16_300,
+        &q16_300,
+        &q16_300,
+        &ctx.full(&[1, 1, 8], 0.0).unwrap(),
+        &q16_300,
+        &opts,
+        d16,
         DqAccumulation::Deterministic,
     );
     expect(result.map(drop), "above 128 on the f32 kernels");

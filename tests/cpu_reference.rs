@@ -181,7 +181,10 @@ fn tile_validation_lists_allowed_values() {
     }
     let err = TileConfig::new(48, 64).validate(64, &big).unwrap_err();
     let message = err.to_string();
-    assert!(message.contains("block_m ∈ {16, 32, 64}") && message.contains("head_dim ∈ {32, 64, 128, 256}"), "{message}");
+    assert!(
+        message.contains("block_m ∈ {16, 32, 64}") && message.contains("head_dim ∈ {32, 64, 128, 256}"),
+        "{message}"
+    );
     // Between the compiled head dims a tile runs on the next one (the f32 instances are all
     // padded); above the largest, nothing does.
     assert!(TileConfig::new(64, 64).validate(96, &big).is_ok());

@@ -15,14 +15,7 @@ use proptest::prelude::*;
 /// A shape in the test's range with any head_dim up to 256 ([`common::head_dims`]), seqlen_q and
 /// seqlen_k drawn independently (cross-attention), and a GQA ratio from {1, 2, 4}.
 fn shapes() -> impl Strategy<Value = AttentionShape> {
-    (
-        1usize..=3,
-        1usize..=4,
-        prop::sample::select(vec![1usize, 2, 4]),
-        1usize..=300,
-        1usize..=300,
-        head_dims(),
-    )
+    (1usize..=3, 1usize..=4, prop::sample::select(vec![1usize, 2, 4]), 1usize..=300, 1usize..=300, head_dims())
         .prop_map(|(batch, heads_kv, group, seqlen_q, seqlen_k, head_dim)| AttentionShape {
             batch,
             num_heads_q: heads_kv * group,

@@ -23,14 +23,7 @@ fn masks() -> impl Strategy<Value = Causal> {
 /// A shape with seqlen_q and seqlen_k drawn independently, a GQA ratio from {1, 2, 4} and a
 /// head_dim from [`common::head_dims`].
 fn shapes() -> impl Strategy<Value = AttentionShape> {
-    (
-        1usize..=2,
-        1usize..=3,
-        prop::sample::select(vec![1usize, 2, 4]),
-        1usize..=400,
-        1usize..=400,
-        head_dims(),
-    )
+    (1usize..=2, 1usize..=3, prop::sample::select(vec![1usize, 2, 4]), 1usize..=400, 1usize..=400, head_dims())
         .prop_map(|(batch, heads_kv, group, seqlen_q, seqlen_k, head_dim)| AttentionShape {
             batch,
             num_heads_q: heads_kv * group,

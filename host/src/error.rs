@@ -54,9 +54,7 @@ pub enum Error {
     Length { expected: usize, got: usize },
 
     /// No FlashAttention kernel was compiled for this head dimension, whatever the tile.
-    #[error(
-        "no flash kernels for head_dim={head_dim}; head_dim {allowed} (the f32 naive kernels take any head_dim)"
-    )]
+    #[error("no flash kernels for head_dim={head_dim}; head_dim {allowed} (the f32 naive kernels take any head_dim)")]
     HeadDimNotCompiled { head_dim: usize, allowed: String },
 
     /// No kernel was compiled for this tile shape (and pipeline stages) and head dimension.

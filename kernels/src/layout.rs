@@ -156,7 +156,10 @@ impl core::fmt::Display for ShapeError {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         match *self {
             Self::Rank { tensor, rank } => {
-                write!(f, "`{tensor}` has {rank} dimensions; expected 4 dimensions [batch, num_heads, seqlen, head_dim]")
+                write!(
+                    f,
+                    "`{tensor}` has {rank} dimensions; expected 4 dimensions [batch, num_heads, seqlen, head_dim]"
+                )
             }
             Self::EmptyDimension { tensor, shape } => {
                 write!(f, "`{tensor}` has shape {shape:?}; every dimension must be at least 1")

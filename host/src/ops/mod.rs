@@ -390,6 +390,10 @@ pub(crate) fn check_backward_head_dim(dtype: DType, head_dim: usize) -> Result<(
     if widened_backward(dtype, head_dim).is_some() {
         return Ok(());
     }
-    TileConfig::default_backward_for_dtype(dtype, head_dim).compiled_entry_for(FlashKernel::Backward, dtype, head_dim)?;
+    TileConfig::default_backward_for_dtype(dtype, head_dim).compiled_entry_for(
+        FlashKernel::Backward,
+        dtype,
+        head_dim,
+    )?;
     Ok(())
 }

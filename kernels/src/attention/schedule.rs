@@ -150,7 +150,8 @@ impl KeyBlock {
             let heads = shape.num_heads_kv * shape.batch;
             let linear = x + blocks * (y + shape.num_heads_kv * z);
             let head_bytes = (2 + 2 + 4) * shape.seqlen_q * shape.head_dim * shape.group_size();
-            let (rank, head) = by_sections(linear, blocks, heads, heads_per_section(BACKWARD_SECTION_BYTES, head_bytes));
+            let (rank, head) =
+                by_sections(linear, blocks, heads, heads_per_section(BACKWARD_SECTION_BYTES, head_bytes));
             (rank, head % shape.num_heads_kv, head / shape.num_heads_kv)
         } else {
             (x, y, z)
@@ -272,4 +273,3 @@ impl<const BLOCK_M: usize> BalancedRows<BLOCK_M> {
         (start, span.min(self.seqlen_q - start))
     }
 }
-

@@ -112,7 +112,9 @@ impl SharedTile {
                 unsafe { F32x4::load(src.add(row * width + col)) }
             } else {
                 // SAFETY: each float is read only inside the source row.
-                F32x4(core::array::from_fn(|e| if col + e < width { unsafe { *src.add(row * width + col + e) } } else { 0.0 }))
+                F32x4(core::array::from_fn(|e| {
+                    if col + e < width { unsafe { *src.add(row * width + col + e) } } else { 0.0 }
+                }))
             };
             self.store4(row, col, value);
             chunk += THREADS;
@@ -184,8 +186,6 @@ impl Default for SharedMemory {
         Self::new()
     }
 }
-
-
 
 /// Closes the calling thread's current group of [`SharedTile16::copy_rows_async`] copies
 /// (`cp.async.commit_group`). Every thread commits the same number of groups, even empty ones,

@@ -303,7 +303,8 @@ impl SharedTile16 {
         while pair < rows * pairs_per_row {
             let (row, col) = (pair / pairs_per_row, (pair % pairs_per_row) * 2);
             // SAFETY: an element is read only inside the source rows.
-            let element = |c: usize| if row < valid_rows && c < width { unsafe { *src.add(row * width + c) } } else { 0 };
+            let element =
+                |c: usize| if row < valid_rows && c < width { unsafe { *src.add(row * width + c) } } else { 0 };
             self.store2(row, col, element(col) as u32 | (element(col + 1) as u32) << 16);
             pair += super::opaque(threads as u32) as usize;
         }

@@ -76,7 +76,6 @@ pub fn trap() -> ! {
     backend::trap()
 }
 
-
 /// log₂(e). Softmax is computed with `exp2`, which the hardware has (`ex2.approx`), so scores are
 /// multiplied by this once instead of calling `exp` per element: e^x = 2^(x·log₂e).
 pub const LOG2_E: f32 = core::f32::consts::LOG2_E;
@@ -185,7 +184,6 @@ impl F32x4 {
         Self(self.0.map(|x| x * a))
     }
 }
-
 
 /// Writes 16 bytes to global memory (`st.global.v4`); `dst` 16-byte aligned.
 ///

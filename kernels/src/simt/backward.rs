@@ -59,7 +59,9 @@ use crate::layout::{
     AttentionShape, FLASH_THREAD_COLS as LANES, FLASH_THREAD_ROWS, FLASH_THREADS, flash_backward_kv_strides,
     flash_backward_q_strides,
 };
-use crate::simt::tile::{a_bt, fits_thread_grid, accumulate_ab, mask_tile, refill_tiles, store_tile, store_tile_transposed};
+use crate::simt::tile::{
+    a_bt, accumulate_ab, fits_thread_grid, mask_tile, refill_tiles, store_tile, store_tile_transposed,
+};
 
 kernel! {
 /// `D[row] = Σ_d dO[row, d] · O[row, d]` for every query row (`rows = batch · heads · seqlen_q`).

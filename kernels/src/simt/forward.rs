@@ -56,7 +56,7 @@ use crate::hw::{self, F32x4, SharedMemory};
 use crate::layout::{
     AttentionShape, FLASH_THREAD_COLS as LANES, FLASH_THREAD_ROWS, FLASH_THREADS, flash_forward_strides,
 };
-use crate::simt::tile::{a_bt, fits_thread_grid, accumulate_ab, mask_tile, refill_tiles, store_tile};
+use crate::simt::tile::{a_bt, accumulate_ab, fits_thread_grid, mask_tile, refill_tiles, store_tile};
 
 /// The kernel body shared by every instance. `ROWS`, `COLS` and `DVEC` are the per-thread tile
 /// (see the module docs); they are derived from the block shape by the instance macro because
@@ -126,7 +126,14 @@ pub(crate) unsafe fn flash_forward<
         // SAFETY: rows kv_start .. kv_start + kv_rows of this head exist.
         unsafe {
             let (k_rows, v_rows) = (k_head.add(kv_start * d), v_head.add(kv_start * d));
-            refill_tiles::<BLOCK_N, HEAD_DIM>(k_tile, k_rows, v_tile, v_rows, d, BLOCK_N.min(shape.seqlen_k - kv_start));
+            refill_tiles::<BLOCK_N, HEAD_DIM>(
+                k_tile,
+                k_rows,
+                v_tile,
+                v_rows,
+                d,
+                BLOCK_N.min(shape.seqlen_k - kv_start),
+            );
         }
 
         let mut s = a_bt::<HEAD_DIM, ROWS, COLS>(q_tile, k_tile, first_row, lane).map(|r| r.map(|x| x * scale_log2));
@@ -158,9 +165,7 @@ pub(crate) unsafe fn flash_forward<
 
     let (inv_sum, row_lse) = softmax.finish();
     // SAFETY: rows q_start .. q_start + q_rows of O exist.
-    unsafe {
-        store_rows::<HEAD_DIM, ROWS, DVEC>(&acc, inv_sum, o_head.add(q_start * d), d, q_rows, first_row, lane)
-    };
+    unsafe { store_rows::<HEAD_DIM, ROWS, DVEC>(&acc, inv_sum, o_head.add(q_start * d), d, q_rows, first_row, lane) };
     // SAFETY: rows q_start .. q_start + q_rows of LSE exist.
     unsafe { store_row_values(row_lse, lse_head.add(q_start), q_rows, first_row, lane) };
 }

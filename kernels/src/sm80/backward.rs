@@ -68,8 +68,8 @@ use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a};
 use crate::attention::mask::Mask;
 use crate::attention::schedule::{KeyBlock, QueryBlock};
 use crate::hw::{self, FragA, HalfFloat, LOG2_E, SharedMemory};
-use crate::sm80::pipeline::KvRing;
 use crate::layout::{AttentionShape, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_threads, row_length};
+use crate::sm80::pipeline::KvRing;
 
 kernel! {
 /// `D[row] = Σ_d dO[row, d] · O[row, d]` for every query row (`rows = batch · heads · seqlen_q`),
@@ -191,8 +191,7 @@ unsafe fn convert_dq<T: HalfFloat>(dq_accum: *const f32, dq: *mut u16, n: usize)
     while chunk < n / 8 {
         // SAFETY: 8·chunk + 8 ≤ n.
         unsafe {
-            let (lo, hi) =
-                (hw::F32x4::load(dq_accum.add(8 * chunk)).0, hw::F32x4::load(dq_accum.add(8 * chunk + 4)).0);
+            let (lo, hi) = (hw::F32x4::load(dq_accum.add(8 * chunk)).0, hw::F32x4::load(dq_accum.add(8 * chunk + 4)).0);
             let packed = [T::pack(lo[0], lo[1]), T::pack(lo[2], lo[3]), T::pack(hi[0], hi[1]), T::pack(hi[2], hi[3])];
             hw::store16(dq.add(8 * chunk), packed);
         }
@@ -443,9 +442,27 @@ pub(crate) unsafe fn flash_backward_kv_mma<
     // SAFETY: rows kv_start .. kv_start + kv_rows of dK and dV exist.
     unsafe {
         let (dk_rows, dv_rows) = (dk.add(kv_offset), dv.add(kv_offset));
-        store_warp_rows::<T, HEAD_DIM, D_TILES, 1>(&[dk_acc], [[scale; 2]], k_tile, warp_key, dk_rows, (0, d), kv_rows, lane);
+        store_warp_rows::<T, HEAD_DIM, D_TILES, 1>(
+            &[dk_acc],
+            [[scale; 2]],
+            k_tile,
+            warp_key,
+            dk_rows,
+            (0, d),
+            kv_rows,
+            lane,
+        );
         hw::sync_warp();
-        store_warp_rows::<T, HEAD_DIM, D_TILES, 1>(&[dv_acc], [[1.0; 2]], v_tile, warp_key, dv_rows, (0, d), kv_rows, lane);
+        store_warp_rows::<T, HEAD_DIM, D_TILES, 1>(
+            &[dv_acc],
+            [[1.0; 2]],
+            v_tile,
+            warp_key,
+            dv_rows,
+            (0, d),
+            kv_rows,
+            lane,
+        );
     }
 }
 

@@ -48,11 +48,11 @@ use crate::attention::mask::Mask;
 use crate::attention::schedule::QueryBlock;
 use crate::attention::softmax::RowSoftmax;
 use crate::hw::{self, FragA, HalfFloat, SharedMemory};
-use crate::sm80::pipeline::KvRing;
 use crate::layout::{
     AttentionShape, MMA_FORWARD_WARPS, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_forward_threads, q_in_registers, q_shares_ring,
     row_length,
 };
+use crate::sm80::pipeline::KvRing;
 
 /// The kernel body shared by every instance. `WARP_TILES`, `D_STEPS`, `N_TILES` and `D_TILES`
 /// size the register arrays (`BLOCK_M / 64`, `HEAD_DIM / 16`, `BLOCK_N / 8`, `HEAD_DIM / 8`; see
@@ -126,7 +126,8 @@ pub(crate) unsafe fn flash_forward_mma<
     // Keys past `keys.end` are hidden from every row (never loaded).
     let keys = mask.keys_for(q_start, q_rows);
     let kv_tiles = keys.tiles(BLOCK_N);
-    let ring = KvRing::<BLOCK_N, HEAD_DIM, STAGES>::new(kv_ring, (k_head, v_head), (shape.seqlen_k, d), kv_tiles, threads);
+    let ring =
+        KvRing::<BLOCK_N, HEAD_DIM, STAGES>::new(kv_ring, (k_head, v_head), (shape.seqlen_k, d), kv_tiles, threads);
 
     // Prologue: Q travels in the first group, with K/V tile 0; tiles 1 .. STAGES − 1 follow.
     // SAFETY: rows q_start .. q_start + q_rows of this head exist.
@@ -206,7 +207,18 @@ pub(crate) unsafe fn flash_forward_mma<
     hw::sync_threads();
     let inv_sum: [[f32; 2]; WARP_TILES] = core::array::from_fn(|r| finished[r].0);
     // SAFETY: rows q_start .. q_start + q_rows of O exist.
-    unsafe { store_warp_rows::<T, HEAD_DIM, D_TILES, WARP_TILES>(&acc, inv_sum, q_tile, warp_row, o_head, (q_start, d), q_rows, lane) };
+    unsafe {
+        store_warp_rows::<T, HEAD_DIM, D_TILES, WARP_TILES>(
+            &acc,
+            inv_sum,
+            q_tile,
+            warp_row,
+            o_head,
+            (q_start, d),
+            q_rows,
+            lane,
+        )
+    };
     // SAFETY: rows q_start .. q_start + q_rows of LSE exist.
     unsafe { store_fragment_lse(&finished, lse_head, q_start, warp_row, q_rows, lane) };
 }

@@ -46,9 +46,7 @@ use crate::hw::{
     named_barrier_sync, prefetch_tensor_map, warpgroup_id, wgmma_commit, wgmma_fence, wgmma_wait,
 };
 use crate::layout::{AttentionShape, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS};
-use crate::sm90::pipeline::{
-    AlignedShared, SWIZZLE_COLUMNS, load_swizzled_tile, ring_slot, take_role, wait_slot_free,
-};
+use crate::sm90::pipeline::{AlignedShared, SWIZZLE_COLUMNS, load_swizzled_tile, ring_slot, take_role, wait_slot_free};
 
 /// The first of the named barriers of the ping-pong schedule, one per consumer warpgroup (0 is
 /// `__syncthreads`; 1 to 3 are the consumer warpgroups' own).
