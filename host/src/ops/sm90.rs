@@ -39,11 +39,13 @@ impl Context {
     /// path [`Context::flash_attention_forward`] runs this kernel for its default tile.
     ///
     /// # Errors
-    /// [`Error::Shape`] for inconsistent shapes or `f32`; [`Error::HeadDimNotCompiled`] for a
-    /// head_dim above 128 or not a multiple of 8 (a tensor map's rows must be multiples of 16
-    /// bytes; [`Context::flash_attention_forward`] runs those on the sm_80 kernels);
-    /// [`Error::InvalidScale`]; [`Error::Unsupported`] off Hopper;
-    /// [`Error::Driver`].
+    /// [`Error::Shape`](crate::Error::Shape) for inconsistent shapes or `f32`;
+    /// [`Error::HeadDimNotCompiled`](crate::Error::HeadDimNotCompiled) for a head_dim above 128
+    /// or not a multiple of 8 (a tensor map's rows must be multiples of 16 bytes;
+    /// [`Context::flash_attention_forward`] runs those on the sm_80 kernels);
+    /// [`Error::InvalidScale`](crate::Error::InvalidScale);
+    /// [`Error::Unsupported`](crate::Error::Unsupported) off Hopper;
+    /// [`Error::Driver`](crate::Error::Driver).
     pub fn flash_attention_forward_hopper<T: Element>(
         &self,
         q: &DeviceTensor<T>,
