@@ -126,7 +126,11 @@ impl Target<'_> {
     }
 
     /// [`Context::dq_accumulation_for`](crate::Context::dq_accumulation_for) on this target.
+    /// A 16-bit backward widened to the `f32` kernels takes the `f32` kernels' faster mode.
     pub(crate) fn dq_accumulation(&self, dtype: DType, head_dim: usize) -> DqAccumulation {
+        if widened_backward(dtype, head_dim).is_some() {
+            return DqAccumulation::fastest_for(DType::F32);
+        }
         let tile = TileConfig::default_backward_for_dtype(dtype, head_dim);
         match self.hopper_backward(dtype, head_dim, tile, DqAccumulation::Atomic) {
             Some(_) => DqAccumulation::Atomic,
@@ -191,6 +195,17 @@ impl DqAccumulation {
             DType::F16 | DType::Bf16 => Self::Deterministic,
         }
     }
+}
+
+/// The `f32` tile on which a 16-bit backward of `head_dim` runs, widened to the `f32` kernels
+/// ([`Context::flash_attention_backward`](crate::Context::flash_attention_backward)): for head
+/// dims above the 16-bit backward's largest compiled one that the `f32` kernels take. `None`
+/// where the 16-bit kernels run (or nothing does: the error comes from the 16-bit lookup).
+pub(crate) fn widened_backward(dtype: DType, head_dim: usize) -> Option<TileConfig> {
+    let widened = dtype != DType::F32
+        && head_dim > TileConfig::max_head_dim(FlashKernel::Backward, dtype)
+        && head_dim <= TileConfig::max_head_dim(FlashKernel::Backward, DType::F32);
+    widened.then(|| TileConfig::default_backward_for_dtype(DType::F32, head_dim))
 }
 
 /// The Hopper forward's configurations (compiled instances: [`kernels::HOPPER_INSTANCES`]):

@@ -27,7 +27,7 @@ use crate::kernels::{FlashKernel, backward_kernels, entry};
 use crate::layout::{ELEMENTWISE_THREADS, SOFTMAX_ROWS_PER_BLOCK, SOFTMAX_THREADS};
 use crate::problem::{AttentionOptions, AttentionShape, Causal, DqAccumulation, TileConfig};
 use crate::runtime::{Context, DeviceTensor};
-use crate::select::KernelPath;
+use crate::select::{KernelPath, widened_backward};
 use args::{grid_stride_blocks, one_dim};
 
 /// The outputs of an attention forward pass: O in the inputs' element type, LSE always `f32`.
@@ -368,17 +368,6 @@ impl Context {
         }
         Ok(shape)
     }
-}
-
-/// The `f32` tile on which a 16-bit backward of `head_dim` runs, widened
-/// ([`Context::flash_attention_backward`]): for head dims above the 16-bit backward's largest
-/// compiled one that the `f32` kernels take. `None` where the 16-bit kernels run (or nothing
-/// does: the error comes from the 16-bit lookup).
-pub(crate) fn widened_backward(dtype: DType, head_dim: usize) -> Option<TileConfig> {
-    let widened = dtype != DType::F32
-        && head_dim > TileConfig::max_head_dim(FlashKernel::Backward, dtype)
-        && head_dim <= TileConfig::max_head_dim(FlashKernel::Backward, DType::F32);
-    widened.then(|| TileConfig::default_backward_for_dtype(DType::F32, head_dim))
 }
 
 /// Checks, without a device, that the backward takes `head_dim` at `dtype` with the built-in
