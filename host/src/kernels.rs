@@ -197,7 +197,7 @@ pub fn hopper_head_dim(kernel: FlashKernel, head_dim: usize) -> Option<usize> {
     if head_dim == 0 || !head_dim.is_multiple_of(8) {
         return None;
     }
-    hopper_head_dims(kernel).into_iter().find(|&d| d >= head_dim)
+    HOPPER_INSTANCES.iter().filter(|i| i.kernel == kernel && i.head_dim >= head_dim).map(|i| i.head_dim).min()
 }
 
 /// The head dimensions that have a compiled Hopper `kernel` (of any element type), ascending.
@@ -278,8 +278,14 @@ impl TileConfig {
     /// [`Error::HeadDimNotCompiled`] for head_dim 0 or above the largest compiled one, naming
     /// the range that runs.
     pub fn padded_head_dim(kernel: FlashKernel, dtype: DType, head_dim: usize) -> Result<usize> {
-        let dims = Self::compiled_head_dims_of(kernel, dtype);
-        dims.iter().copied().find(|&d| d >= head_dim && head_dim > 0).ok_or_else(|| {
+        // One scan of the registry, no allocation: this runs on every launch's lookups.
+        let padded = FLASH_INSTANCES
+            .iter()
+            .filter(|i| i.kernel == kernel && i.dtype == dtype && i.head_dim >= head_dim)
+            .map(|i| i.head_dim)
+            .min();
+        padded.filter(|_| head_dim > 0).ok_or_else(|| {
+            let dims = Self::compiled_head_dims_of(kernel, dtype);
             let compiled = dims.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
             let largest = dims.last().copied().unwrap_or(0);
             // The 16-bit backward goes on, widened, on the f32 kernels (`Context::flash_attention_backward`).

@@ -270,19 +270,19 @@ impl Context {
         let [q, k, v, o, d_o] = [widen(q)?, widen(k)?, widen(v)?, widen(o)?, widen(d_o)?];
         let mut wide = self.alloc_gradients::<f32>(shape)?;
         self.flash_attention_backward_sm80_into(shape, &q, &k, &v, &o, lse, &d_o, &mut wide, options, tile, dq)?;
-        self.round_dq(&wide.dq, &mut grads.dq)?;
-        self.round_dq(&wide.dk, &mut grads.dk)?;
-        self.round_dq(&wide.dv, &mut grads.dv)
+        self.round_to(&wide.dq, &mut grads.dq)?;
+        self.round_to(&wide.dk, &mut grads.dk)?;
+        self.round_to(&wide.dv, &mut grads.dv)
     }
 
     /// Rounds an `f32` tensor (the dQ accumulator of the atomic backward kernels, the gradients
-    /// of the widened backward) to `dq`'s 16-bit type.
-    pub(crate) fn round_dq<T: Element>(&self, accum: &DeviceTensor<f32>, dq: &mut DeviceTensor<T>) -> Result<()> {
-        let n = accum.len();
+    /// of the widened backward) into `out`'s 16-bit type.
+    pub(crate) fn round_to<T: Element>(&self, wide: &DeviceTensor<f32>, out: &mut DeviceTensor<T>) -> Result<()> {
+        let n = wide.len();
         let convert = one_dim(grid_stride_blocks(self, n.div_ceil(8), ELEMENTWISE_THREADS), ELEMENTWISE_THREADS);
         let entry =
             if T::DTYPE == DType::F16 { entry::FLASH_BWD_CONVERT_DQ_F16 } else { entry::FLASH_BWD_CONVERT_DQ_BF16 };
-        self.launch(entry, convert, &[accum, &*dq, &n])
+        self.launch(entry, convert, &[wide, &*out, &n])
     }
 
     /// D = rowsum(dO ∘ O), one `f32` per query row, in a new tensor.

@@ -113,7 +113,7 @@ impl Context {
                 self.fill_zeros(&mut accum)?;
                 let head: [&dyn KernelArg; 9] = [q_, k_, v_, do_, lse_, delta_, &accum, &grads.dk, &grads.dv];
                 self.launch(entries[0], config(FlashKernel::Backward), &args.with_mask(&head, &[&scale]))?;
-                self.round_dq(&accum, &mut grads.dq)
+                self.round_to(&accum, &mut grads.dq)
             }
             (_, DqAccumulation::Deterministic) => {
                 let head: [&dyn KernelArg; 8] = [q_, k_, v_, do_, lse_, delta_, &grads.dk, &grads.dv];

@@ -205,7 +205,7 @@ impl Context {
         let args = ProblemArgs::new(&shape, options);
         let head: [&dyn KernelArg; 5] = [&maps, lse, &delta, &grads.dk, &grads.dv];
         self.launch(kernel.entry, config, &args.with_mask(&head, &[&scale]))?;
-        self.round_dq(&accum, &mut grads.dq)
+        self.round_to(&accum, &mut grads.dq)
     }
 
     /// The tensor map of one `[batch, heads, seqlen, head_dim]` attention tensor for the Hopper
