@@ -165,10 +165,14 @@ fn registry_source(entries: &[String]) -> String {
                 .unwrap()
             }
             Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages, hopper: true, pingpong, .. }) => {
+                // The blocks per SM its launch bounds promise (ptxas keeps the registers to that).
+                let blocks_per_sm =
+                    configs::LAUNCH_BOUNDS.iter().find(|(n, _, _)| *n == name.as_str()).map_or(1, |b| b.2);
                 writeln!(
                     hopper,
                     "    HopperInstance {{ kernel: FlashKernel::{variant}, dtype: DType::{dtype}, block_m: {block_m}, \
-                 block_n: {block_n}, head_dim: {head_dim}, stages: {stages}, pingpong: {pingpong}, entry: {name:?} }},"
+                 block_n: {block_n}, head_dim: {head_dim}, stages: {stages}, pingpong: {pingpong}, \
+                 blocks_per_sm: {blocks_per_sm}, entry: {name:?} }},"
                 )
                 .unwrap()
             }

@@ -166,6 +166,13 @@ fn deep_grid(head_dim: usize) -> AttentionShape {
     gqa(6, 16, 4, 400, 300, head_dim)
 }
 
+/// As [`deep_grid`] with more keys than the causal one-consumer forward takes (1024): 3 · 16 · 6 =
+/// 288 blocks of up to 192 rows (1100 rows: five of 192 and one of 140, whose third consumer owns
+/// 12 rows), so head_dim 64 runs its three-consumer forward under a causal mask.
+fn deep_causal_grid(head_dim: usize) -> AttentionShape {
+    gqa(3, 16, 4, 1100, 1100, head_dim)
+}
+
 /// Every case of the Hopper forward at `head_dim`: block edges (1, 64, 65, 127–130 rows), ragged
 /// key tiles, GQA, both causal alignments (including query blocks that see no key), negative and
 /// zero scales, and a batch that fills the GPU.
@@ -193,11 +200,43 @@ fn check_hopper_cases(ctx: &Context, head_dim: usize) {
         (deep_grid(head_dim), AttentionOptions::default()),
         (deep_grid(head_dim), AttentionOptions::causal(Causal::BottomRight)),
         (deep_grid(head_dim), AttentionOptions { scale: Some(-0.2), causal: Causal::TopLeft }),
+        (deep_causal_grid(head_dim), AttentionOptions::causal(Causal::BottomRight)),
     ];
     for (i, (shape, options)) in cases.into_iter().enumerate() {
         let seed = (head_dim + i) as u64;
         check_hopper_forward::<f16>(ctx, shape, options, 100 + seed);
         check_hopper_forward::<bf16>(ctx, shape, options, 300 + seed);
+    }
+}
+
+/// The lengths models run (issue 20: 1, 17, 197, 577, 1023 tokens) on grids of many more units
+/// (query blocks) than an H200 keeps resident, so that the persistent forward's blocks take
+/// several units each, of different lengths under a causal mask: at 197 tokens and head_dim 64,
+/// 100 heads of 4 units of 64 rows make 400 units for 264 resident blocks. GQA and cross
+/// attention (seqlen_q ≠ seqlen_k) too.
+#[test]
+fn hopper_forward_runs_model_lengths_on_persistent_grids() {
+    let Some(ctx) = hopper("hopper_forward_runs_model_lengths_on_persistent_grids") else { return };
+    let (none, top_left, bottom_right) = (
+        AttentionOptions::default(),
+        AttentionOptions::causal(Causal::TopLeft),
+        AttentionOptions::causal(Causal::BottomRight),
+    );
+    for head_dim in [64, 128] {
+        let shape = |b, hq, hkv, sq, sk| gqa(b, hq, hkv, sq, sk, head_dim);
+        let cases = [
+            (shape(1, 300, 100, 1, 1), none, bottom_right),
+            (shape(1, 300, 300, 17, 17), top_left, none),
+            (shape(4, 25, 25, 197, 197), none, bottom_right),
+            (shape(2, 32, 8, 577, 577), top_left, none),
+            (shape(1, 40, 40, 1023, 1023), top_left, none),
+            (shape(2, 60, 60, 197, 577), bottom_right, top_left),
+        ];
+        for (i, (shape, for_f16, for_bf16)) in cases.into_iter().enumerate() {
+            let seed = (10 * head_dim + i) as u64;
+            check_hopper_forward::<f16>(ctx, shape, for_f16, 500 + seed);
+            check_hopper_forward::<bf16>(ctx, shape, for_bf16, 700 + seed);
+        }
     }
 }
 
@@ -333,13 +372,18 @@ fn the_kernel_path_picks_the_forward_kernel() {
     assert!(sm80.forward_kernel_entry(DType::F16, &small, none, default).unwrap().starts_with("flash_fwd_f16"));
     // At head_dim 64 a grid of less than a wave runs two consumer warpgroups with ping-pong
     // turns, a deeper one three (see `deep_grid` in the forward cases), causal or not.
-    assert!(sm90a.forward_kernel_label(DType::F16, &small, none, default).ends_with("m128_n128_s2_pingpong"));
-    for causal in [Causal::None, Causal::TopLeft] {
-        assert!(sm90a.forward_kernel_label(DType::F16, &deep_grid(64), causal, default).ends_with("m192_n128_s2"));
-    }
+    // (A grid of fewer units than fit on the GPU is one block per unit; a deeper one is persistent.)
+    let label = |shape: &AttentionShape, causal| sm90a.forward_kernel_label(DType::F16, shape, causal, default);
+    assert_eq!(label(&small, none), "sm_90a m128_n128_s2_pingpong");
+    assert_eq!(label(&deep_grid(64), none), "sm_90a m192_n128_s2 persistent");
+    // Causal, three consumers from 1025 keys on (at most 1024, one: `SHORT_CAUSAL_KEYS`).
+    assert_eq!(label(&deep_causal_grid(64), Causal::TopLeft), "sm_90a m192_n128_s2 persistent");
+    assert_eq!(label(&deep_grid(64), Causal::TopLeft), "sm_90a m64_n128_s2 persistent");
     // Up to 256 keys, one consumer per block, two blocks per SM (ViT's 197 tokens).
     let short = AttentionShape { seqlen_q: 197, seqlen_k: 197, ..small };
-    assert!(sm90a.forward_kernel_label(DType::F16, &short, none, default).ends_with("m64_n128_s2"));
+    assert_eq!(label(&short, none), "sm_90a m64_n128_s2");
+    let vit = AttentionShape { batch: 256, num_heads_q: 12, num_heads_kv: 12, ..short };
+    assert_eq!(label(&vit, none), "sm_90a m64_n128_s2 persistent");
     // An explicit tile runs the sm_80 kernel it names on either path; f32 never leaves sm_80.
     let explicit = TileConfig::new(64, 64).with_stages(2);
     let entry = sm90a.forward_kernel_entry(DType::F16, &small, none, explicit).unwrap();

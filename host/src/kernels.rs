@@ -155,6 +155,9 @@ pub struct HopperInstance {
     pub stages: usize,
     /// Whether the consumer warpgroups take turns to issue their products (FA3's ping-pong).
     pub pingpong: bool,
+    /// Blocks per SM that its launch bounds (`kernels/src/configs.rs`, `LAUNCH_BOUNDS`) keep
+    /// room for: the resident blocks a persistent grid plans with.
+    pub blocks_per_sm: usize,
     /// `.entry` name in the PTX.
     pub entry: &'static str,
 }

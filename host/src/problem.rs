@@ -10,7 +10,6 @@ pub use crate::layout::AttentionShape;
 /// batch on z.
 const MAX_GRID_YZ: usize = 65_535;
 
-
 /// Causal masking: which keys a query may attend to.
 ///
 /// With `seqlen_q == seqlen_k` both causal variants are the usual "query i sees keys 0..=i".

@@ -213,6 +213,26 @@ pub(crate) fn widened_backward(dtype: DType, head_dim: usize) -> Option<TileConf
 pub(crate) struct HopperForward;
 
 impl HopperForward {
+    /// Keys up to which the head_dim-64 forward runs one consumer warpgroup per block (block_m
+    /// 64, two blocks per SM): at most two 128-key tiles per block, where a block's serial
+    /// prologue and epilogue weigh most (PERFORMANCE.md, "groundwork for issue 20").
+    pub(crate) const SHORT_KEYS: usize = 256;
+
+    /// [`Self::SHORT_KEYS`] under a causal mask: its finer units waste less of the diagonal tiles
+    /// and balance better. On GPT-2's [16, 12, 1024, 64] causal with the persistent grid it ran
+    /// 251.9 TFLOP/s against 240.9 for block_m 192 and 217.4 for 128 (PERFORMANCE.md, "a
+    /// persistent Hopper forward").
+    pub(crate) const SHORT_CAUSAL_KEYS: usize = 1024;
+
+    /// The environment variable that overrides the grid choice of [`Self::grid`]: `1` for a
+    /// persistent grid wherever it would have more than one wave, `0` for one block per unit.
+    /// For measurements side by side (`benches/peers/`); unset, the policy decides.
+    pub const PERSISTENT_ENV: &'static str = "RUST_ATTENTION_PERSISTENT";
+
+    /// The environment variable that overrides [`Self::for_problem`]'s block_m (64, 128 or 192)
+    /// where a configuration of that block_m is compiled for the head_dim; for measurements.
+    pub const BLOCK_M_ENV: &'static str = "RUST_ATTENTION_HOPPER_BLOCK_M";
+
     /// Blocks per streaming multiprocessor from which the three-consumer forward (block_m 192)
     /// runs at head_dim 64, without a mask and under a causal one. Its blocks are fewer and
     /// longer than those of the two-consumer one (block_m 128, ping-pong turns). On the H200
@@ -220,11 +240,6 @@ impl HopperForward {
     /// one wave (1 × 12 × 2048) and 1.25× on two (1 × 12 × 4096); causal, 1.2× on two waves and
     /// 13 % slower on one, where causal blocks differ most in length and fewer blocks leave more
     /// SMs idle at the end.
-    /// Keys up to which the head_dim-64 forward runs one consumer warpgroup per block (block_m
-    /// 64, two blocks per SM): at most two 128-key tiles per block, where a block's serial
-    /// prologue and epilogue weigh most (PERFORMANCE.md, "groundwork for issue 20").
-    pub(crate) const SHORT_KEYS: usize = 256;
-
     pub(crate) const fn waves_for_192_rows(causal: bool) -> usize {
         if causal { 2 } else { 1 }
     }
@@ -254,15 +269,23 @@ impl HopperForward {
             return Err(Error::Shape("the Hopper forward takes f16 or bf16 tensors".into()));
         }
         // Three consumer warpgroups at head_dim 64 on deep enough grids, else two taking turns;
-        // one for short sequences at head_dim 64 (two blocks per SM); two without turns at every
-        // other head_dim.
-        let short = shape.seqlen_k <= Self::SHORT_KEYS;
-        let (block_m, pingpong) = match (padded, short, rows_192) {
+        // one for short sequences at head_dim 64 (two blocks per SM; "short" reaches further
+        // under a causal mask); two without turns at every other head_dim.
+        let short = shape.seqlen_k <= if causal == Causal::None { Self::SHORT_KEYS } else { Self::SHORT_CAUSAL_KEYS };
+        let (mut block_m, mut pingpong) = match (padded, short, rows_192) {
             (64, true, _) => (64, false),
             (64, false, true) => (192, false),
             (64, false, false) => (128, true),
             _ => (128, false),
         };
+        // A measurement may ask for another compiled block_m (the head_dim-64 block_m 128 is the
+        // ping-pong one).
+        if let Some(wanted) = block_m_override().filter(|&m| m != block_m) {
+            let turns = wanted == 128 && padded == 64;
+            if kernels::hopper_instance(FlashKernel::Forward, dtype, (wanted, 128), head_dim, 2, turns).is_some() {
+                (block_m, pingpong) = (wanted, turns);
+            }
+        }
         kernels::hopper_instance(FlashKernel::Forward, dtype, (block_m, 128), head_dim, 2, pingpong).ok_or_else(|| {
             Error::HeadDimNotCompiled {
                 head_dim,
@@ -273,6 +296,57 @@ impl HopperForward {
             }
         })
     }
+}
+
+/// The grid of a Hopper forward launch ([`HopperForward::grid`]): `blocks` blocks share out
+/// `units` work units (query blocks of every head) as the kernel's `PersistentUnits` says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ForwardGrid {
+    pub(crate) units: usize,
+    pub(crate) blocks: usize,
+}
+
+impl ForwardGrid {
+    /// Whether a block takes more than one unit.
+    pub(crate) fn persistent(&self) -> bool {
+        self.blocks < self.units
+    }
+}
+
+impl HopperForward {
+    /// The grid for `kernel` on `shape` on a GPU of `sm_count` SMs: persistent (as many blocks as
+    /// are resident at once, `sm_count × kernel.blocks_per_sm`, each taking units in turn) when
+    /// the units are more than that, else one block per unit; [`Self::PERSISTENT_ENV`] can
+    /// override it. Persistent blocks overlap one unit's epilogue with the next one's loads
+    /// (PERFORMANCE.md, issue 20, has the measurements behind the choice).
+    pub(crate) fn grid(
+        kernel: &HopperInstance,
+        shape: &AttentionShape,
+        _causal: Causal,
+        sm_count: usize,
+    ) -> ForwardGrid {
+        let units = shape.seqlen_q.div_ceil(kernel.block_m) * shape.num_heads_q * shape.batch;
+        let persistent = persistent_override().unwrap_or(true);
+        let resident = (sm_count * kernel.blocks_per_sm).max(1);
+        ForwardGrid { units, blocks: if persistent { units.min(resident) } else { units } }
+    }
+}
+
+/// [`HopperForward::PERSISTENT_ENV`], read once: `Some(true)` for `1`, `Some(false)` for `0`,
+/// `None` when unset or anything else.
+fn persistent_override() -> Option<bool> {
+    static OVERRIDE: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    *OVERRIDE.get_or_init(|| match std::env::var(HopperForward::PERSISTENT_ENV).as_deref() {
+        Ok("1") => Some(true),
+        Ok("0") => Some(false),
+        _ => None,
+    })
+}
+
+/// [`HopperForward::BLOCK_M_ENV`], read once.
+fn block_m_override() -> Option<usize> {
+    static OVERRIDE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *OVERRIDE.get_or_init(|| std::env::var(HopperForward::BLOCK_M_ENV).ok()?.parse().ok())
 }
 
 /// The Hopper backward's configurations: 128 keys per block, query tiles of 64, 384 threads.
@@ -370,6 +444,39 @@ mod tests {
     }
 
     #[test]
+    fn persistent_blocks_take_every_unit_once_and_the_grid_agrees_with_the_kernel() {
+        use attn_kernels::attention::schedule::{ForwardOrder, PersistentUnits};
+        for units in [1, 2, 5, 131, 132, 133, 264, 1000, 6144] {
+            for blocks in [1, 2, 7, 132, 264] {
+                let blocks = blocks.min(units);
+                let mut seen = vec![0; units];
+                for block in 0..blocks {
+                    for unit in PersistentUnits::of_block(block, blocks, units) {
+                        seen[unit] += 1;
+                    }
+                }
+                assert!(seen.iter().all(|&n| n == 1), "{units} units, {blocks} blocks");
+            }
+        }
+        // The host's unit count is the kernel's, for every block_m it launches.
+        for (seqlen_q, heads) in [(1, 1), (17, 3), (197, 12), (577, 16), (1023, 2), (4096, 16)] {
+            let shape =
+                AttentionShape { batch: 2, num_heads_q: heads, num_heads_kv: 1, seqlen_q, seqlen_k: 100, head_dim: 64 };
+            for kernel in kernels::HOPPER_INSTANCES.iter().filter(|i| i.kernel == FlashKernel::Forward) {
+                let device = match kernel.block_m {
+                    64 => ForwardOrder::<64>::new(&shape, false).units(),
+                    128 => ForwardOrder::<128>::new(&shape, false).units(),
+                    192 => ForwardOrder::<192>::new(&shape, false).units(),
+                    other => panic!("block_m {other} missing from this test"),
+                };
+                let grid = HopperForward::grid(kernel, &shape, Causal::None, H200_SMS);
+                assert_eq!(grid.units, device, "{}", kernel.entry);
+                assert!(grid.blocks >= 1 && grid.blocks <= grid.units, "{}", kernel.entry);
+            }
+        }
+    }
+
+    #[test]
     fn sections_of_heads_cover_the_grid_once_longest_first() {
         for (blocks, heads) in [(32, 64), (1, 1), (7, 5), (64, 12)] {
             for section in [0, 1, 3, 8, 64, 1000] {
@@ -403,9 +510,10 @@ mod tests {
     /// A Hopper's shared memory per block (227 KiB).
     const HOPPER_SHARED_MEMORY: usize = 227 * 1024;
 
-    /// A problem of `head_dim` whose grid is `blocks` blocks of 192 query rows deep.
+    /// A problem of `head_dim` whose grid is `blocks` blocks of 192 query rows deep, with more
+    /// keys than [`HopperForward::SHORT_CAUSAL_KEYS`].
     fn shape_of(head_dim: usize, blocks: usize) -> AttentionShape {
-        AttentionShape { batch: blocks, num_heads_q: 1, num_heads_kv: 1, seqlen_q: 192, seqlen_k: 512, head_dim }
+        AttentionShape { batch: blocks, num_heads_q: 1, num_heads_kv: 1, seqlen_q: 192, seqlen_k: 2048, head_dim }
     }
 
     /// The H200's streaming multiprocessors.
@@ -444,6 +552,12 @@ mod tests {
                 assert_eq!(forward.entry.ends_with("_pingpong"), forward.pingpong, "{}", forward.entry);
                 let deep = head_dim == 64 && blocks >= waves(HopperForward::waves_for_192_rows(causal));
                 assert_eq!(forward.block_m, if deep { 192 } else { 128 }, "{}", forward.entry);
+                // Up to 1024 keys under a causal mask, one consumer too.
+                let causal_short = AttentionShape { seqlen_k: HopperForward::SHORT_CAUSAL_KEYS, ..shape };
+                let causal_forward = HopperForward::for_problem(dtype, &causal_short, mask, H200_SMS).unwrap();
+                if head_dim == 64 && causal {
+                    assert_eq!(causal_forward.block_m, 64, "{}", causal_forward.entry);
+                }
                 // Short keys at head_dim 64: one consumer, sized for two blocks per SM.
                 let short = AttentionShape { seqlen_k: HopperForward::SHORT_KEYS, ..shape };
                 let short_forward = HopperForward::for_problem(dtype, &short, mask, H200_SMS).unwrap();

@@ -101,9 +101,10 @@ impl AttentionShape {
         self.batch * self.num_heads_q * self.seqlen_q
     }
 
-    /// Query heads that share one key/value head (1 for multi-head attention).
+    /// Query heads that share one key/value head (1 for multi-head attention). (Head counts fit
+    /// in 32 bits, whose division is far shorter on the GPU than a 64-bit one.)
     pub const fn group_size(&self) -> usize {
-        self.num_heads_q / self.num_heads_kv
+        (self.num_heads_q as u32 / self.num_heads_kv as u32) as usize
     }
 
     /// Offset (in floats) of the first row of query head `h` of batch `b` in Q and O.
@@ -114,7 +115,7 @@ impl AttentionShape {
     /// Offset (in floats) in K and V of the first row of the key/value head that query head `h`
     /// of batch `b` reads.
     pub const fn kv_head_offset(&self, b: usize, h: usize) -> usize {
-        (b * self.num_heads_kv + h / self.group_size()) * self.seqlen_k * self.head_dim
+        (b * self.num_heads_kv + (h as u32 / self.group_size() as u32) as usize) * self.seqlen_k * self.head_dim
     }
 }
 
@@ -330,13 +331,21 @@ pub const fn hopper_forward_threads(block_m: usize) -> usize {
 /// 128 bytes), which TMA and `wgmma` address from a 1024-byte boundary.
 pub const HOPPER_SMEM_ALIGN: usize = 1024;
 
+/// Bytes after the Hopper forward's barriers for the unit its producer hands to its consumers
+/// (the work unit that goes with the Q tile: `kernels/src/sm90/forward.rs`, `Unit`).
+pub const HOPPER_FORWARD_UNIT_BYTES: usize = 32;
+
 /// Bytes of dynamic shared memory of the Hopper forward kernel: the Q tile (`block_m ×
 /// head_dim`), `stages` slots of a K and a V tile (`block_n × head_dim`), all 16-bit, then the
-/// `mbarrier`s (Q full; K full, V full, K empty and V empty per stage, 8 bytes each), plus the
+/// `mbarrier`s (Q full, Q empty; K full, V full, K empty and V empty per stage, 8 bytes each), the
+/// unit the Q tile belongs to ([`HOPPER_FORWARD_UNIT_BYTES`]), plus the
 /// slack to align the tiles to [`HOPPER_SMEM_ALIGN`] (the dynamic shared memory's own alignment
 /// is smaller).
 pub const fn hopper_forward_smem_bytes(block_m: usize, block_n: usize, head_dim: usize, stages: usize) -> usize {
-    HOPPER_SMEM_ALIGN + (block_m + 2 * stages * block_n) * head_dim * 2 + 8 * (1 + 4 * stages)
+    HOPPER_SMEM_ALIGN
+        + (block_m + 2 * stages * block_n) * head_dim * 2
+        + 8 * (2 + 4 * stages)
+        + HOPPER_FORWARD_UNIT_BYTES
 }
 
 /// Bytes of dynamic shared memory of the Hopper backward kernel (128 keys per block, query tiles

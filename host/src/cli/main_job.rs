@@ -2,9 +2,10 @@
 //! forward and backward, each checked against the CPU reference, in one table: the `f32` kernels
 //! (CUDA cores) and the `f16`/`bf16` kernels (tensor cores).
 //!
-//! With no shape flags it runs three cases: the attention of a ViT-B/16 (a 224×224 image in 16×16
+//! With no shape flags it runs four cases: the attention of a ViT-B/16 (a 224×224 image in 16×16
 //! patches: 196 patches and a class token, so 197 tokens; 12 heads of head_dim 64; a batch of 8
-//! images), a long sequence (1 × 12 heads × 4096 tokens × 64), where the naive kernels' N×N
+//! images), the same at a training batch of 256 images (thousands of short query blocks: the
+//! grid, not the tile, sets the speed), a long sequence (1 × 12 heads × 4096 tokens × 64), where the naive kernels' N×N
 //! matrix costs 805 MB and most of the time, and the same long sequence with a causal mask. Any
 //! shape flag switches to one case of that shape.
 //!
@@ -165,6 +166,7 @@ impl Args {
         if self.uses_default_cases() {
             return vec![
                 Case { name: "ViT-B/16".into(), shape: mha(8, 12, 197, 64), causal: Causal::None },
+                Case { name: "ViT-B/16, batch 256".into(), shape: mha(256, 12, 197, 64), causal: Causal::None },
                 Case { name: "long".into(), shape: mha(1, 12, 4096, 64), causal: Causal::None },
                 Case { name: "long, causal".into(), shape: mha(1, 12, 4096, 64), causal: Causal::TopLeft },
             ];

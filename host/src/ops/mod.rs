@@ -27,7 +27,7 @@ use crate::kernels::{FlashKernel, backward_kernels, entry};
 use crate::layout::{ELEMENTWISE_THREADS, SOFTMAX_ROWS_PER_BLOCK, SOFTMAX_THREADS};
 use crate::problem::{AttentionOptions, AttentionShape, Causal, DqAccumulation, TileConfig};
 use crate::runtime::{Context, DeviceTensor};
-use crate::select::{KernelPath, widened_backward};
+use crate::select::{HopperForward, KernelPath, widened_backward};
 use args::{grid_stride_blocks, one_dim};
 
 /// The outputs of an attention forward pass: O in the inputs' element type, LSE always `f32`.
@@ -123,7 +123,11 @@ impl Context {
             return format!("emulated {tile}{}", on(padded));
         }
         match self.target().hopper_forward(dtype, shape, causal, tile) {
-            Some(kernel) => format!("{} {}{}", KernelPath::Sm90a, kernel.config_name(), on(kernel.head_dim)),
+            Some(kernel) => {
+                let grid = HopperForward::grid(kernel, shape, causal, self.device().sm_count);
+                let persistent = if grid.persistent() { " persistent" } else { "" };
+                format!("{} {}{persistent}{}", KernelPath::Sm90a, kernel.config_name(), on(kernel.head_dim))
+            }
             None => format!("{} {tile}{}", KernelPath::Sm80, on(padded)),
         }
     }

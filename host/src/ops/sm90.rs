@@ -35,8 +35,10 @@ impl Context {
     /// rows each (block_n = 128, a two-stage K/V ring): two (block_m = 128) at head_dim 128; at
     /// 64 three (block_m = 192) on grids at least one wave deep (two under a causal mask) whose
     /// heads fill at least one block of 192 rows, else two taking ping-pong turns; with at most 256
-    /// keys one (block_m = 64), two blocks per SM (`HopperForward::for_problem`). On the sm_90a
-    /// path [`Context::flash_attention_forward`] runs this kernel for its default tile.
+    /// keys (1024 under a causal mask) one (block_m = 64), two blocks per SM
+    /// (`HopperForward::for_problem`). The grid is persistent where the query blocks outnumber
+    /// the blocks that fit on the GPU at once (`HopperForward::grid`). On the sm_90a path
+    /// [`Context::flash_attention_forward`] runs this kernel for its default tile.
     ///
     /// # Errors
     /// [`Error::Shape`](crate::Error::Shape) for inconsistent shapes or `f32`;
@@ -101,8 +103,9 @@ impl Context {
             self.attention_tensor_map(k, s.num_heads_kv, s.seqlen_k, n, s)?,
             self.attention_tensor_map(v, s.num_heads_kv, s.seqlen_k, n, s)?,
         ])?;
+        let grid = HopperForward::grid(kernel, &shape, options.causal, self.device().sm_count);
         let config = flash_config(
-            (shape.seqlen_q.div_ceil(kernel.block_m), shape.num_heads_q, shape.batch),
+            (grid.blocks, 1, 1),
             hopper_forward_threads(kernel.block_m),
             hopper_forward_smem_bytes(kernel.block_m, kernel.block_n, kernel.head_dim, kernel.stages),
         );

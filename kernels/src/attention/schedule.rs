@@ -3,7 +3,7 @@
 //! * Q-outer kernels (every forward, the deterministic dQ): a block owns query rows of one query
 //!   head, [`QueryBlock`]. The plain grid is `(ceil(seqlen_q / BLOCK_M), num_heads_q, batch)`
 //!   ([`QueryBlock::current`]); the Hopper forward balances and reorders it
-//!   ([`QueryBlock::hopper_forward`], [`BalancedRows`]).
+//!   ([`ForwardOrder`], [`BalancedRows`], [`PersistentUnits`]).
 //! * K/V-outer kernels (dK, dV): a block owns keys of one key/value head and visits the query
 //!   tiles of every query head of its group, [`KeyBlock`]. The plain grid is
 //!   `(ceil(seqlen_k / BLOCK_N), num_heads_kv, batch)` ([`KeyBlock::current`]); the Hopper
@@ -14,7 +14,8 @@
 //! the index is mapped to work such that the longest blocks start first and short ones fill the
 //! SMs at the end (the "longest processing time first" rule FlashAttention-3's scheduler
 //! follows), and heads go in sections whose shared operands fit in the L2 ([`L2_BYTES`]) while
-//! the section's blocks run.
+//! the section's blocks run. A persistent grid ([`PersistentUnits`], the Hopper forward's) takes
+//! its units in the same order, round by round.
 
 use crate::attention::mask::Mask;
 use crate::hw;
@@ -63,32 +64,6 @@ impl QueryBlock {
         Self::new(shape, q_start, BLOCK_M.min(shape.seqlen_q - q_start), head, batch)
     }
 
-    /// This block's rows in the Hopper forward's grid, which differs from [`Self::current`] in
-    /// two ways, both to shorten the grid's last wave:
-    ///
-    /// * **Balanced blocks** ([`BalancedRows`]): a head's rows are split into as many blocks as
-    ///   with `BLOCK_M` rows each, but the rows missing from the last block are taken one
-    ///   warpgroup (64 rows) at a time from the last few blocks. At 4096 rows and block_m 192 a
-    ///   head has 20 blocks of 192 rows and 2 of 128 instead of 21 and one of 64: no SM is left
-    ///   with an eleventh full block while others idle.
-    /// * **Longest first** (see the module docs). Without a mask every head's full blocks come
-    ///   first, head by head, then the short ones. Under a causal mask a block's length grows
-    ///   with its query rows: the heads are taken in sections whose K and V fit in
-    ///   [`FORWARD_SECTION_BYTES`], and within a section the last query block of every head comes
-    ///   first, then the one before it, and so on.
-    #[inline(always)]
-    pub fn hopper_forward<const BLOCK_M: usize>(shape: &AttentionShape, causal: bool) -> Self {
-        let rows = BalancedRows::<BLOCK_M>::new(shape.seqlen_q);
-        let (x, y, z) = hw::block_idx();
-        let linear = x + rows.blocks * (y + shape.num_heads_q * z);
-        let heads = shape.num_heads_q * shape.batch;
-        // K and V of one head, 16-bit values (GQA heads that share them are counted apart).
-        let section = causal.then(|| heads_per_section(FORWARD_SECTION_BYTES, 4 * shape.seqlen_k * shape.head_dim));
-        let (q_block, head_index) = rows.longest_first(linear, heads, section);
-        let (q_start, q_rows) = rows.block(q_block);
-        Self::new(shape, q_start, q_rows, head_index % shape.num_heads_q, head_index / shape.num_heads_q)
-    }
-
     #[inline(always)]
     fn new(shape: &AttentionShape, q_start: usize, q_rows: usize, head: usize, batch: usize) -> Self {
         Self {
@@ -108,6 +83,64 @@ impl QueryBlock {
     pub fn first_row_offset(&self, head_dim: usize) -> usize {
         self.q_offset + self.q_start * head_dim
     }
+}
+
+/// The work units of the Hopper forward, query blocks of every head, in the order its grid takes
+/// them ([`ForwardOrder::block`]); computed once per kernel, as the blocks take several units
+/// ([`PersistentUnits`]).
+#[derive(Clone, Copy)]
+pub struct ForwardOrder<const BLOCK_M: usize> {
+    rows: BalancedRows<BLOCK_M>,
+    /// Query heads of the problem, `batch · num_heads_q`.
+    heads: usize,
+    /// Heads per L2 section under a causal mask.
+    section: Option<usize>,
+}
+
+impl<const BLOCK_M: usize> ForwardOrder<BLOCK_M> {
+    #[inline(always)]
+    pub fn new(shape: &AttentionShape, causal: bool) -> Self {
+        // K and V of one head, 16-bit values (GQA heads that share them are counted apart).
+        let section = causal.then(|| heads_per_section(FORWARD_SECTION_BYTES, 4 * shape.seqlen_k * shape.head_dim));
+        Self { rows: BalancedRows::new(shape.seqlen_q), heads: shape.num_heads_q * shape.batch, section }
+    }
+
+    /// Units in all: query blocks per head times heads.
+    #[inline(always)]
+    pub fn units(&self) -> usize {
+        self.rows.blocks * self.heads
+    }
+
+    /// The query block of unit `unit` (`0 .. units()`). The order differs from the plain grid's
+    /// ([`QueryBlock::current`]) in two ways, both to shorten the grid's last wave:
+    ///
+    /// * **Balanced blocks** ([`BalancedRows`]): a head's rows are split into as many blocks as
+    ///   with `BLOCK_M` rows each, but the rows missing from the last block are taken one
+    ///   warpgroup (64 rows) at a time from the last few blocks. At 4096 rows and block_m 192 a
+    ///   head has 20 blocks of 192 rows and 2 of 128 instead of 21 and one of 64: no SM is left
+    ///   with an eleventh full block while others idle.
+    /// * **Longest first** (see the module docs). Without a mask every head's full blocks come
+    ///   first, head by head, then the short ones. Under a causal mask a block's length grows
+    ///   with its query rows: the heads are taken in sections whose K and V fit in
+    ///   [`FORWARD_SECTION_BYTES`], and within a section the last query block of every head comes
+    ///   first, then the one before it, and so on.
+    ///
+    #[inline(always)]
+    pub fn block(&self, shape: &AttentionShape, unit: usize) -> QueryBlock {
+        let (q_block, head_index) = self.rows.longest_first(unit, self.heads, self.section);
+        let (q_start, q_rows) = self.rows.block(q_block);
+        let (batch, head) = div_rem(head_index, shape.num_heads_q);
+        QueryBlock::new(shape, q_start, q_rows, head, batch)
+    }
+}
+
+/// `(a / b, a % b)` in 32-bit arithmetic: every index and count of a grid fits in 32 bits, and
+/// 64-bit division is a long subroutine on the GPU (with more registers than a producer
+/// warpgroup has to spare).
+#[inline(always)]
+pub fn div_rem(a: usize, b: usize) -> (usize, usize) {
+    let (a, b) = (a as u32, b as u32);
+    ((a / b) as usize, (a % b) as usize)
 }
 
 /// What a block of a K/V-outer kernel (dK, dV) works on: keys `k_start .. k_start + k_rows` of
@@ -152,7 +185,8 @@ impl KeyBlock {
             let head_bytes = (2 + 2 + 4) * shape.seqlen_q * shape.head_dim * shape.group_size();
             let (rank, head) =
                 by_sections(linear, blocks, heads, heads_per_section(BACKWARD_SECTION_BYTES, head_bytes));
-            (rank, head % shape.num_heads_kv, head / shape.num_heads_kv)
+            let (batch, kv_head) = div_rem(head, shape.num_heads_kv);
+            (rank, kv_head, batch)
         } else {
             (x, y, z)
         };
@@ -207,6 +241,55 @@ impl KeyBlock {
     }
 }
 
+// ANCHOR: persistent_units
+/// The work units one block of a *persistent* grid takes (FlashAttention-3's forward on Hopper
+/// runs this way): a one-dimensional grid of `G` blocks, at most as many as fit on the GPU at
+/// once, goes through `units` work units in rounds of `G`. Round `r` gives block `b` unit
+/// `r · G + b` when `r` is even and `r · G + (G − 1 − b)` when it is odd (a *snake* order), so
+/// that, where units come longest first (the causal forward), a block that drew one of the longer
+/// units of a round draws one of the shorter of the next, and the blocks' totals stay close.
+/// Each round covers its `G` places once, so every unit goes to exactly one block.
+///
+/// Why persistent: a block that stays resident overlaps the next unit's loads (Q, the first K/V
+/// tiles) with the current one's last products and its epilogue, which a block that ends cannot.
+/// With `G = units` (one unit per block) it is the plain grid, in the same order.
+#[derive(Clone, Copy)]
+pub struct PersistentUnits {
+    /// This block, and the blocks of the grid.
+    block: usize,
+    blocks: usize,
+    units: usize,
+    round: usize,
+}
+
+impl PersistentUnits {
+    /// This block's units of `units` in all (grid `(G, 1, 1)`).
+    #[inline(always)]
+    pub fn current(units: usize) -> Self {
+        Self::of_block(hw::block_idx().0, hw::grid_dim_x(), units)
+    }
+
+    /// The units of block `block` of a grid of `blocks`.
+    #[inline(always)]
+    pub fn of_block(block: usize, blocks: usize, units: usize) -> Self {
+        Self { block, blocks, units, round: 0 }
+    }
+}
+
+impl Iterator for PersistentUnits {
+    type Item = usize;
+
+    #[inline(always)]
+    fn next(&mut self) -> Option<usize> {
+        let place = if self.round % 2 == 0 { self.block } else { self.blocks - 1 - self.block };
+        let unit = self.round * self.blocks + place;
+        self.round += 1;
+        // A unit past the end ends the block: later rounds would be further past it.
+        (unit < self.units).then_some(unit)
+    }
+}
+// ANCHOR_END: persistent_units
+
 /// Block `linear` of a grid of `blocks` blocks per head over `heads` heads, taken in sections of
 /// `section` heads (at least one) and, within a section, rank by rank: rank 0 of every head of the
 /// section, then rank 1, and so on. Returns the rank and the head. A one-to-one map of
@@ -215,9 +298,10 @@ impl KeyBlock {
 #[inline(always)]
 pub fn by_sections(linear: usize, blocks: usize, heads: usize, section: usize) -> (usize, usize) {
     let section = section.clamp(1, heads);
-    let (index, within) = (linear / (section * blocks), linear % (section * blocks));
+    let (index, within) = div_rem(linear, section * blocks);
     let heads_here = section.min(heads - index * section);
-    (within / heads_here, index * section + within % heads_here)
+    let (rank, head) = div_rem(within, heads_here);
+    (rank, index * section + head)
 }
 /// A head's `seqlen_q` rows split into `ceil(seqlen_q / BLOCK_M)` blocks whose sizes differ by
 /// at most one warpgroup's 64 rows: the first `full` blocks have `BLOCK_M` rows and the rest
@@ -247,7 +331,7 @@ impl<const BLOCK_M: usize> BalancedRows<BLOCK_M> {
     }
 
     /// The query block and the head (`batch · num_heads_q + head`) of block `linear` of a grid
-    /// over `heads` heads, longest first (see [`QueryBlock::hopper_forward`]): without a mask
+    /// over `heads` heads, longest first (see [`ForwardOrder::block`]): without a mask
     /// (`causal_section` `None`) every head's full blocks, head by head, then the short ones;
     /// under a causal mask, sections of `causal_section` heads (at least one), and within each
     /// the heads' last query blocks, then the ones before them, and so on. A one-to-one map of
@@ -258,10 +342,12 @@ impl<const BLOCK_M: usize> BalancedRows<BLOCK_M> {
             let (rank, head) = by_sections(linear, self.blocks, heads, section);
             (self.blocks - 1 - rank, head)
         } else if linear < self.full * heads {
-            (linear % self.full, linear / self.full)
+            let (head, q_block) = div_rem(linear, self.full);
+            (q_block, head)
         } else {
             let (rest, short) = (linear - self.full * heads, self.blocks - self.full);
-            (self.full + rest % short, rest / short)
+            let (head, q_block) = div_rem(rest, short);
+            (self.full + q_block, head)
         }
     }
 

@@ -24,11 +24,17 @@
 //!   while the tensor cores still work on P_{j−1}·V_{j−1}. The consumer warpgroups also overlap
 //!   each other, as the scheduler interleaves them, or, with `PINGPONG`, by taking turns at the
 //!   tensor cores (FA3 section 3.1).
-//! * **A grid that ends evenly.** The blocks of a head differ by at most 64 rows, the longest
-//!   start first, and under a causal mask the heads go in L2-sized sections
-//!   ([`QueryBlock::hopper_forward`]); consumer warpgroups that own no rows of a short block only
+//! * **A grid that ends evenly.** The work units (query blocks) of a head differ by at most 64
+//!   rows, the longest start first, and under a causal mask the heads go in L2-sized sections
+//!   ([`ForwardOrder::block`]); consumer warpgroups that own no rows of a short block only
 //!   hand the K/V tiles back. One thread prefetches the tensor maps while the block sets up.
 //!   (PERFORMANCE.md, sections "night" and "late", has what each of these gained.)
+//! * **Persistent blocks** (FA3's persistent forward). A block may take several units, one after
+//!   the other ([`PersistentUnits`]): Q has a slot of its own with a *full* and an *empty*
+//!   barrier, and the K/V ring runs on across units, so that the producer loads the next unit's Q
+//!   and first K/V tiles while the consumers finish the current unit's last P·V and store its O.
+//!   For short sequences, where a unit is only one or two K/V tiles, that hidden start is most
+//!   of the gain (PERFORMANCE.md, issue 20). The host picks the grid (`select.rs`).
 //!
 //! Each consumer warp's `wgmma` accumulator has the m16n8 layout of `mma.sync`
 //! ([`Accumulator`]), so level 5's [`RowSoftmax`] and [`pack_a`] apply unchanged.
@@ -36,7 +42,7 @@
 use crate::attention::epilogue::{store_fragment_lse, store_fragment_pairs};
 use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a, scale_rows};
 use crate::attention::mask::Mask;
-use crate::attention::schedule::QueryBlock;
+use crate::attention::schedule::{ForwardOrder, PersistentUnits, div_rem};
 use crate::attention::softmax::RowSoftmax;
 use crate::configs::{SM90_FORWARD_REGISTERS_M64, SM90_FORWARD_REGISTERS_M128, SM90_FORWARD_REGISTERS_M192};
 use crate::hw::{
@@ -94,8 +100,8 @@ impl<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, const STAGES: u
         self.k(stage) + Self::KV_BYTES
     }
 
-    /// Barrier `i` of `[Q full, K full × STAGES, V full × STAGES, K empty × STAGES, V empty ×
-    /// STAGES]`.
+    /// Barrier `i` of `[Q full, Q empty, K full × STAGES, V full × STAGES, K empty × STAGES,
+    /// V empty × STAGES]`.
     #[inline(always)]
     fn barrier(self, i: usize) -> u32 {
         self.base + Self::Q_BYTES + 2 * STAGES as u32 * Self::KV_BYTES + 8 * i as u32
@@ -106,30 +112,69 @@ impl<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, const STAGES: u
         self.barrier(0)
     }
 
+    /// Q has one slot: the consumers release it once the last scores of their unit are done.
+    #[inline(always)]
+    fn q_empty(self) -> u32 {
+        self.barrier(1)
+    }
+
     #[inline(always)]
     fn k_full(self, stage: usize) -> u32 {
-        self.barrier(1 + stage)
+        self.barrier(2 + stage)
     }
 
     #[inline(always)]
     fn v_full(self, stage: usize) -> u32 {
-        self.barrier(1 + STAGES + stage)
+        self.barrier(2 + STAGES + stage)
     }
 
     #[inline(always)]
     fn k_empty(self, stage: usize) -> u32 {
-        self.barrier(1 + 2 * STAGES + stage)
+        self.barrier(2 + 2 * STAGES + stage)
     }
 
     #[inline(always)]
     fn v_empty(self, stage: usize) -> u32 {
-        self.barrier(1 + 3 * STAGES + stage)
+        self.barrier(2 + 3 * STAGES + stage)
+    }
+
+    /// The [`Unit`] that goes with the Q tile in its slot, after the barriers.
+    #[inline(always)]
+    fn unit(self) -> *mut Unit {
+        self.pointer(self.barrier(2 + 4 * STAGES)) as *mut Unit
     }
 }
 
+// ANCHOR: unit
+/// What the producer tells the consumers about the unit whose Q tile it loads: it writes this
+/// next to the Q tile before it arrives on the Q *full* barrier (an arrival releases the stores
+/// before it, and the consumers' wait acquires them), so that only the producer runs the
+/// schedule's arithmetic ([`ForwardOrder::block`]) and the consumers keep no schedule state
+/// across units (FlashAttention-3's tile scheduler hands work to its consumers the same way).
+/// 32-bit fields: registers are what the consumers are shortest of. `q_rows == 0` means that the
+/// block has no more units.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct Unit {
+    /// The unit's query rows, `q_start .. q_start + q_rows`, of query head `head` (over all
+    /// batches: `batch · num_heads_q + head`).
+    q_start: u32,
+    q_rows: u32,
+    head: u32,
+    /// Its K/V tiles are the ring's uses `ring .. ring + kv_tiles`.
+    ring: u32,
+    kv_tiles: u32,
+}
+
+/// Bytes the Hopper forward keeps for [`Unit`] after its barriers (`layout` counts them).
+const _: () = assert!(core::mem::size_of::<Unit>() <= crate::layout::HOPPER_FORWARD_UNIT_BYTES);
+// ANCHOR_END: unit
+
 // ANCHOR: produce
-/// The producer: one thread loads the Q tile, then every K/V tile of the block, each into its
-/// ring slot once the consumers have released the slot's previous tile.
+/// The producer: for each of the block's units, one thread loads the Q tile once the previous
+/// unit's consumers have released it, then every K/V tile of the unit, each into its ring slot
+/// once the consumers have released the slot's previous tile. The ring runs on from one unit to
+/// the next, so the next unit's first tiles load while the consumers finish the current one.
 ///
 /// # Safety
 /// One thread of warpgroup 0 calls it, after the barriers were initialised.
@@ -138,11 +183,9 @@ unsafe fn produce<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, co
     smem: SharedTiles<BLOCK_M, D, BLOCK_N, STAGES>,
     maps: TensorMaps,
     shape: &AttentionShape,
-    block: &QueryBlock,
-    kv_tiles: usize,
+    mask: &Mask,
+    (order, units): (ForwardOrder<BLOCK_M>, PersistentUnits),
 ) {
-    let q_head = (block.batch * shape.num_heads_q + block.head) as i32;
-    let kv_head = (block.batch * shape.num_heads_kv + block.head / shape.group_size()) as i32;
     // Loads a `rows × D` tile, completing on `barrier`, which learns the bytes first.
     let load = |destination: u32, map: *const u8, rows: usize, first_row: usize, head: i32, barrier: u32| {
         // SAFETY: the barrier is initialised; the tile fits at `destination`.
@@ -151,16 +194,43 @@ unsafe fn produce<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, co
             load_swizzled_tile::<D>(destination, map, rows, first_row, head, barrier);
         }
     };
-    load(smem.q(), maps.get(0), BLOCK_M, block.q_start, q_head, smem.q_full());
-    for tile in 0..kv_tiles {
-        let (stage, parity) = ring_slot(tile, STAGES);
-        let first_key = tile * BLOCK_N;
-        // K is released as soon as its scores are done, V only after P·V, a step later.
-        // SAFETY: initialised barriers.
-        unsafe { wait_slot_free(smem.k_empty(stage), tile, STAGES, parity) };
-        load(smem.k(stage), maps.get(1), BLOCK_N, first_key, kv_head, smem.k_full(stage));
-        unsafe { wait_slot_free(smem.v_empty(stage), tile, STAGES, parity) };
-        load(smem.v(stage), maps.get(2), BLOCK_N, first_key, kv_head, smem.v_full(stage));
+    // Tiles that went round the ring in the block's earlier units, and those units.
+    let (mut ring, mut local) = (0, 0);
+    for unit in units {
+        let block = order.block(shape, unit);
+        let kv_tiles = mask.keys_for(block.q_start, block.q_rows).tiles(BLOCK_N);
+        let q_head = block.batch * shape.num_heads_q + block.head;
+        let kv_head = (block.batch * shape.num_heads_kv + div_rem(block.head, shape.group_size()).0) as i32;
+        // Q (and its unit) is a ring of one slot.
+        let (_, q_parity) = ring_slot(local, 1);
+        // SAFETY: initialised barriers; the consumers read the previous unit before they released
+        // the slot.
+        unsafe {
+            wait_slot_free(smem.q_empty(), local, 1, q_parity);
+            let (q_start, q_rows, head) = (block.q_start as u32, block.q_rows as u32, q_head as u32);
+            *smem.unit() = Unit { q_start, q_rows, head, ring: ring as u32, kv_tiles: kv_tiles as u32 };
+        }
+        load(smem.q(), maps.get(0), BLOCK_M, block.q_start, q_head as i32, smem.q_full());
+        for tile in 0..kv_tiles {
+            let (stage, parity) = ring_slot(ring + tile, STAGES);
+            let first_key = tile * BLOCK_N;
+            // K is released as soon as its scores are done, V only after P·V, a step later.
+            // SAFETY: initialised barriers.
+            unsafe { wait_slot_free(smem.k_empty(stage), ring + tile, STAGES, parity) };
+            load(smem.k(stage), maps.get(1), BLOCK_N, first_key, kv_head, smem.k_full(stage));
+            unsafe { wait_slot_free(smem.v_empty(stage), ring + tile, STAGES, parity) };
+            load(smem.v(stage), maps.get(2), BLOCK_N, first_key, kv_head, smem.v_full(stage));
+        }
+        ring += kv_tiles;
+        local += 1;
+    }
+    // The end: a unit of no rows, once the consumers are done with the last one.
+    let (_, q_parity) = ring_slot(local, 1);
+    // SAFETY: as above; the arrival alone completes the phase (no bytes announced).
+    unsafe {
+        wait_slot_free(smem.q_empty(), local, 1, q_parity);
+        *smem.unit() = Unit { q_start: 0, q_rows: 0, head: 0, ring: 0, kv_tiles: 0 };
+        mbarrier_arrive(smem.q_full());
     }
 }
 // ANCHOR_END: produce
@@ -174,11 +244,12 @@ struct ConsumerRows {
     lane: FragmentLane,
 }
 
-/// The consumer warpgroup's loop: S = Q·Kᵀ, mask, online softmax and O += P·V over the block's
-/// K/V tiles, pipelined as FA3's Algorithm 2, then O and the LSE written out.
+/// The consumer warpgroup's work on one unit: S = Q·Kᵀ, mask, online softmax and O += P·V over
+/// the unit's K/V tiles, pipelined as FA3's Algorithm 2, then O and the LSE written out.
 ///
 /// # Safety
-/// Every thread of one consumer warpgroup calls it; `o` and `lse` point to this head's rows.
+/// Every thread of one consumer warpgroup calls it, for the block's units in order, once the
+/// unit's Q tile has arrived; `o` and `lse` point to this head's rows.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn consume<
@@ -193,9 +264,8 @@ unsafe fn consume<
     const PINGPONG: bool,
 >(
     smem: SharedTiles<BLOCK_M, D, BLOCK_N, STAGES>,
-    block: &QueryBlock,
+    unit: Unit,
     mask: Mask,
-    kv_tiles: usize,
     scale_log2: f32,
     (o_head, lse_head): (*mut u16, *mut f32),
     head_dim: usize,
@@ -204,14 +274,16 @@ unsafe fn consume<
     [FragC; D_TILES]: Accumulator,
 {
     let index = warpgroup_id() - 1;
+    let (q_start, q_rows) = (unit.q_start as usize, unit.q_rows as usize);
+    let (ring, kv_tiles) = (unit.ring as usize, unit.kv_tiles as usize);
     let rows = ConsumerRows {
-        warp_row: block.q_start + index * WARPGROUP_ROWS + 16 * (hw::warp_id() % 4),
+        warp_row: q_start + index * WARPGROUP_ROWS + 16 * (hw::warp_id() % 4),
         lane: FragmentLane::current(),
     };
     // This warpgroup's 64 rows of Q start 64 rows into each column block of the Q tile.
     let q_rows_offset = index * WARPGROUP_ROWS * SWIZZLE_ROW_BYTES;
 
-    // In a block shorter than BLOCK_M (the last few of a head, see `QueryBlock::hopper_forward`)
+    // In a block shorter than BLOCK_M (the last few of a head, see `ForwardOrder::block`)
     // a warpgroup may own no rows of the block (at 4096 rows and block_m 192, the third
     // warpgroup of the last two blocks): it has nothing to compute, and only hands each K/V slot
     // back (the empty barriers count every consumer thread), so that the block, and its SM,
@@ -219,9 +291,11 @@ unsafe fn consume<
     // that tile's phase and not an earlier one. (With ping-pong turns it would have to keep to
     // the schedule; it computes rows that belong to the next block or to no block, and does not
     // store them.)
-    if !PINGPONG && index * WARPGROUP_ROWS >= block.q_rows {
+    if !PINGPONG && index * WARPGROUP_ROWS >= q_rows {
+        // SAFETY: as below; the Q slot is released at once.
+        unsafe { mbarrier_arrive(smem.q_empty()) };
         for tile in 0..kv_tiles {
-            let (stage, parity) = ring_slot(tile, STAGES);
+            let (stage, parity) = ring_slot(ring + tile, STAGES);
             // SAFETY: initialised barriers, one arrival per thread and tile, as the others.
             unsafe {
                 mbarrier_wait(smem.k_full(stage), parity);
@@ -233,8 +307,6 @@ unsafe fn consume<
         return;
     }
 
-    // SAFETY: initialised barriers; the first (only) phase of the Q barrier.
-    unsafe { mbarrier_wait(smem.q_full(), 0) };
     // As in level 5, the softmax wants c = scale·log₂e > 0: a negative scale is applied as −Q
     // with |c|. TMA cannot flip signs on the way, so the warpgroup flips its own rows in shared
     // memory and publishes them back to the async proxy; a zero scale becomes the smallest normal.
@@ -246,7 +318,7 @@ unsafe fn consume<
     let c = scale_log2.abs().max(f32::MIN_POSITIVE);
 
     // The keys of the warpgroup's rows: tiles that end before every row's limit need no mask.
-    let keys = mask.keys_for(block.q_start + index * WARPGROUP_ROWS, WARPGROUP_ROWS);
+    let keys = mask.keys_for(q_start + index * WARPGROUP_ROWS, WARPGROUP_ROWS);
     // The descriptors of the first k-step of Q (this warpgroup's rows), and of K and V in
     // stage 0; every other operand is one of these, moved along ([`advance_descriptor`]).
     let q_descriptor = k_major_descriptor(smem.q() + q_rows_offset as u32);
@@ -319,24 +391,25 @@ unsafe fn consume<
     let mut p = [[0u32; 4]; P_STEPS];
     if kv_tiles > 0 {
         // Prologue: the first tile's scores, with nothing to overlap them with.
-        unsafe { mbarrier_wait(smem.k_full(0), 0) };
+        let (first, first_parity) = ring_slot(ring, STAGES);
+        unsafe { mbarrier_wait(smem.k_full(first), first_parity) };
         s.pin();
         take_turn();
         wgmma_fence();
-        issue_scores(&mut s, 0);
+        issue_scores(&mut s, first);
         wgmma_commit();
         pass_turn(0);
         wgmma_wait::<0>();
         s.pin();
         // K of tile 0 is no longer read.
-        unsafe { mbarrier_arrive(smem.k_empty(0)) };
+        unsafe { mbarrier_arrive(smem.k_empty(first)) };
         apply_mask(&mut s, 0);
         softmax.update(&mut s, c);
         p = pack(&s);
     }
     for tile in 1..kv_tiles {
-        let (stage, parity) = ring_slot(tile, STAGES);
-        let (previous, previous_parity) = ring_slot(tile - 1, STAGES);
+        let (stage, parity) = ring_slot(ring + tile, STAGES);
+        let (previous, previous_parity) = ring_slot(ring + tile - 1, STAGES);
         // SAFETY: initialised barriers. V of the previous tile arrived with its K, long ago.
         unsafe {
             mbarrier_wait(smem.k_full(stage), parity);
@@ -368,9 +441,11 @@ unsafe fn consume<
         }
         p = pack(&s);
     }
+    // Every product that reads Q is done: the producer may load the next unit's Q tile.
+    unsafe { mbarrier_arrive(smem.q_empty()) };
     if kv_tiles > 0 {
         // Epilogue: the last tile's P·V.
-        let (last, last_parity) = ring_slot(kv_tiles - 1, STAGES);
+        let (last, last_parity) = ring_slot(ring + kv_tiles - 1, STAGES);
         unsafe { mbarrier_wait(smem.v_full(last), last_parity) };
         o.pin();
         take_turn();
@@ -380,11 +455,13 @@ unsafe fn consume<
         pass_turn(kv_tiles);
         wgmma_wait::<0>();
         o.pin();
+        // The ring runs on into the block's next unit: this slot too must be handed back.
+        unsafe { mbarrier_arrive(smem.v_empty(last)) };
     }
 
     // Normalise and write O (two values per store) and the LSE of the block's rows.
     let finished = softmax.finish();
-    let end = block.q_start + block.q_rows;
+    let end = q_start + q_rows;
     // SAFETY: rows below q_start + q_rows ≤ seqlen_q of this head exist.
     unsafe {
         store_fragment_pairs::<T, D, D_TILES>(&o, finished.0, o_head, head_dim, rows.warp_row, end, rows.lane);
@@ -414,9 +491,11 @@ unsafe fn negate_rows<const BLOCK_M: usize, const D: usize>(rows: *mut u8) {
     }
 }
 
-/// The kernel body (see the module docs). Grid: `(ceil(seqlen_q / BLOCK_M), num_heads_q, batch)`,
-/// mapped to query blocks by [`QueryBlock::hopper_forward`];
-/// block: [`crate::layout::hopper_forward_threads`]`(BLOCK_M)` threads (384 or 512); dynamic
+/// The kernel body (see the module docs). Grid: `(G, 1, 1)` for any `G` from 1 to the number of
+/// units ([`ForwardOrder::units`], the query blocks of every head), which the blocks share out
+/// as [`PersistentUnits`] says; unit `u` is the query block [`ForwardOrder::block`] maps it to. The host launches one block per unit, or as many
+/// as fit on the GPU at once (persistent);
+/// block: [`crate::layout::hopper_forward_threads`]`(BLOCK_M)` threads (256, 384 or 512); dynamic
 /// shared memory: [`crate::layout::hopper_forward_smem_bytes`]`(BLOCK_M, BLOCK_N, D, STAGES)`. `N_TILES` = BLOCK_N / 8,
 /// `P_STEPS` = BLOCK_N / 16 and `D_TILES` = D / 8 size the register arrays (array lengths must be
 /// plain const parameters).
@@ -456,15 +535,16 @@ unsafe fn flash_forward_wgmma<
             unsafe { prefetch_tensor_map(TensorMaps(maps).get(map)) };
         }
     }
-    let block = QueryBlock::hopper_forward::<BLOCK_M>(&shape, mask.causal);
+    let order = ForwardOrder::<BLOCK_M>::new(&shape, mask.causal);
+    let units = PersistentUnits::current(order.units());
     let smem = SharedTiles::<BLOCK_M, D, BLOCK_N, STAGES>::new();
     let consumer_threads = (BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS) as u32;
-    let kv_tiles = mask.keys_for(block.q_start, block.q_rows).tiles(BLOCK_N);
 
     if hw::thread_idx_x() == 0 {
         // SAFETY: one thread initialises the barriers before the block barrier below.
         unsafe {
             mbarrier_init(smem.q_full(), 1);
+            mbarrier_init(smem.q_empty(), consumer_threads);
             for stage in 0..STAGES {
                 // Full: the producer's arrival (plus the copies' bytes); empty: every consumer thread.
                 mbarrier_init(smem.k_full(stage), 1);
@@ -488,18 +568,33 @@ unsafe fn flash_forward_wgmma<
     if producer {
         if hw::thread_idx_x() == 0 {
             // SAFETY: the barriers are initialised; the maps are the host's.
-            unsafe { produce(smem, TensorMaps(maps), &shape, &block, kv_tiles) };
+            unsafe { produce(smem, TensorMaps(maps), &shape, &mask, (order, units)) };
         }
     } else {
-        // SAFETY: the host sized the grid, so this head's rows exist (offsets in elements).
-        // O's rows are `head_dim ≤ D` long: the loads' boxes read zeros past it, the stores skip it.
-        let head_dim = shape.head_dim;
-        let heads = unsafe { (o.add(block.q_offset), lse.add(block.q_offset / head_dim)) };
-        unsafe {
-            consume::<T, BLOCK_M, D, BLOCK_N, STAGES, N_TILES, P_STEPS, D_TILES, PINGPONG>(
-                smem, &block, mask, kv_tiles, scale_log2, heads, head_dim,
-            )
-        };
+        // The consumers take the units the producer announces with their Q tiles, in turn.
+        let mut q_parity = 0;
+        loop {
+            // SAFETY: initialised barriers; this unit's phase of the Q barrier, after which its
+            // `Unit` can be read (the producer wrote it before arriving).
+            let unit = unsafe {
+                mbarrier_wait(smem.q_full(), q_parity);
+                *smem.unit()
+            };
+            if unit.q_rows == 0 {
+                break;
+            }
+            // SAFETY: every unit is a query block of the problem, so this head's rows exist
+            // (offsets in elements). O's rows are `head_dim ≤ D` long: the loads' boxes read
+            // zeros past it, the stores skip it.
+            let (head_dim, first_row) = (shape.head_dim, unit.head as usize * shape.seqlen_q);
+            let heads = unsafe { (o.add(first_row * head_dim), lse.add(first_row)) };
+            unsafe {
+                consume::<T, BLOCK_M, D, BLOCK_N, STAGES, N_TILES, P_STEPS, D_TILES, PINGPONG>(
+                    smem, unit, mask, scale_log2, heads, head_dim,
+                )
+            };
+            q_parity ^= 1;
+        }
     }
 }
 

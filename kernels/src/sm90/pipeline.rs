@@ -18,7 +18,10 @@
 //! The contracts of the instructions themselves (who calls what, what it orders) are in
 //! [`crate::hw::warpgroup`].
 
-use crate::hw::{self, SWIZZLE_ROW_BYTES, mbarrier_wait, registers_decrease, registers_increase, shared_address, tma_load_3d, warpgroup_id};
+use crate::hw::{
+    self, SWIZZLE_ROW_BYTES, mbarrier_wait, registers_decrease, registers_increase, shared_address, tma_load_3d,
+    warpgroup_id,
+};
 use crate::layout::HOPPER_SMEM_ALIGN;
 
 /// Columns of one swizzled column block: 128 bytes of 16-bit values.
