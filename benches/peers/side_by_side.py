@@ -6,9 +6,12 @@ events, warm-up, median; a pass our kernels do not take gets an empty cell), the
 cuDNN and FA2 backends on inputs of the same shape and distribution (torch.randn), and prints
 one markdown table: TFLOP/s of each and our ratio to cuDNN.
 
-    python3 benches/peers/side_by_side.py --ours .gpu/bin/rust-attention                  # models
-    python3 benches/peers/side_by_side.py --ours .gpu/bin/rust-attention --preset head-dims
+    python3 benches/peers/side_by_side.py --ours target/release/rust-attention              # models
+    python3 benches/peers/side_by_side.py --ours target/release/rust-attention --preset head-dims
     python3 benches/peers/side_by_side.py --ours target/release/rust-attention --shapes 1x64x8x2048x128:bf16:causal
+
+(`cargo build --release` makes target/release/rust-attention; a binary built elsewhere and copied
+to the GPU machine works the same way.)
 
 Shapes are `BxHxNxD` or `BxHqxHkvxNxD` (GQA), then `:dtype`, then `:causal` for a causal
 (top-left) mask: seqlen_q = seqlen_k = N. Presets: `models` (issue 20: ViT-B/16, ViT-L/14,
