@@ -319,12 +319,7 @@ impl HopperForward {
     /// the units are more than that, else one block per unit; [`Self::PERSISTENT_ENV`] can
     /// override it. Persistent blocks overlap one unit's epilogue with the next one's loads
     /// (PERFORMANCE.md, issue 20, has the measurements behind the choice).
-    pub(crate) fn grid(
-        kernel: &HopperInstance,
-        shape: &AttentionShape,
-        _causal: Causal,
-        sm_count: usize,
-    ) -> ForwardGrid {
+    pub(crate) fn grid(kernel: &HopperInstance, shape: &AttentionShape, sm_count: usize) -> ForwardGrid {
         let units = shape.seqlen_q.div_ceil(kernel.block_m) * shape.num_heads_q * shape.batch;
         let persistent = persistent_override().unwrap_or(true);
         let resident = (sm_count * kernel.blocks_per_sm).max(1);
@@ -469,7 +464,7 @@ mod tests {
                     192 => ForwardOrder::<192>::new(&shape, false).units(),
                     other => panic!("block_m {other} missing from this test"),
                 };
-                let grid = HopperForward::grid(kernel, &shape, Causal::None, H200_SMS);
+                let grid = HopperForward::grid(kernel, &shape, H200_SMS);
                 assert_eq!(grid.units, device, "{}", kernel.entry);
                 assert!(grid.blocks >= 1 && grid.blocks <= grid.units, "{}", kernel.entry);
             }

@@ -101,10 +101,14 @@ impl AttentionShape {
         self.batch * self.num_heads_q * self.seqlen_q
     }
 
-    /// Query heads that share one key/value head (1 for multi-head attention). (Head counts fit
-    /// in 32 bits, whose division is far shorter on the GPU than a 64-bit one.)
+    /// Query heads that share one key/value head (1 for multi-head attention).
     pub const fn group_size(&self) -> usize {
-        (self.num_heads_q as u32 / self.num_heads_kv as u32) as usize
+        div_rem(self.num_heads_q, self.num_heads_kv).0
+    }
+
+    /// The key/value head (within its batch) that query head `h` reads.
+    pub const fn kv_head(&self, h: usize) -> usize {
+        div_rem(h, self.group_size()).0
     }
 
     /// Offset (in floats) of the first row of query head `h` of batch `b` in Q and O.
@@ -115,8 +119,17 @@ impl AttentionShape {
     /// Offset (in floats) in K and V of the first row of the key/value head that query head `h`
     /// of batch `b` reads.
     pub const fn kv_head_offset(&self, b: usize, h: usize) -> usize {
-        (b * self.num_heads_kv + (h as u32 / self.group_size() as u32) as usize) * self.seqlen_k * self.head_dim
+        (b * self.num_heads_kv + self.kv_head(h)) * self.seqlen_k * self.head_dim
     }
+}
+
+/// `(a / b, a % b)` in 32-bit arithmetic: every index and count of a grid (heads, blocks, work
+/// units) fits in 32 bits, and 64-bit division is a long subroutine on the GPU (with more
+/// registers than a producer warpgroup has to spare).
+#[inline(always)]
+pub const fn div_rem(a: usize, b: usize) -> (usize, usize) {
+    let (a, b) = (a as u32, b as u32);
+    ((a / b) as usize, (a % b) as usize)
 }
 
 /// One of the three input tensors, as [`ShapeError`] names them.

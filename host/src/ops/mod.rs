@@ -124,7 +124,7 @@ impl Context {
         }
         match self.target().hopper_forward(dtype, shape, causal, tile) {
             Some(kernel) => {
-                let grid = HopperForward::grid(kernel, shape, causal, self.device().sm_count);
+                let grid = HopperForward::grid(kernel, shape, self.device().sm_count);
                 let persistent = if grid.persistent() { " persistent" } else { "" };
                 format!("{} {}{persistent}{}", KernelPath::Sm90a, kernel.config_name(), on(kernel.head_dim))
             }

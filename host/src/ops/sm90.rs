@@ -103,7 +103,7 @@ impl Context {
             self.attention_tensor_map(k, s.num_heads_kv, s.seqlen_k, n, s)?,
             self.attention_tensor_map(v, s.num_heads_kv, s.seqlen_k, n, s)?,
         ])?;
-        let grid = HopperForward::grid(kernel, &shape, options.causal, self.device().sm_count);
+        let grid = HopperForward::grid(kernel, &shape, self.device().sm_count);
         let config = flash_config(
             (grid.blocks, 1, 1),
             hopper_forward_threads(kernel.block_m),

@@ -19,7 +19,7 @@
 
 use crate::attention::mask::Mask;
 use crate::hw;
-use crate::layout::AttentionShape;
+use crate::layout::{AttentionShape, div_rem};
 
 /// The L2 size the schedules plan for: the H200's 60 MB, rounded to 64 MiB.
 pub const L2_BYTES: usize = 64 << 20;
@@ -132,15 +132,6 @@ impl<const BLOCK_M: usize> ForwardOrder<BLOCK_M> {
         let (batch, head) = div_rem(head_index, shape.num_heads_q);
         QueryBlock::new(shape, q_start, q_rows, head, batch)
     }
-}
-
-/// `(a / b, a % b)` in 32-bit arithmetic: every index and count of a grid fits in 32 bits, and
-/// 64-bit division is a long subroutine on the GPU (with more registers than a producer
-/// warpgroup has to spare).
-#[inline(always)]
-pub fn div_rem(a: usize, b: usize) -> (usize, usize) {
-    let (a, b) = (a as u32, b as u32);
-    ((a / b) as usize, (a % b) as usize)
 }
 
 /// What a block of a K/V-outer kernel (dK, dV) works on: keys `k_start .. k_start + k_rows` of

@@ -42,7 +42,7 @@
 use crate::attention::epilogue::{store_fragment_lse, store_fragment_pairs};
 use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a, scale_rows};
 use crate::attention::mask::Mask;
-use crate::attention::schedule::{ForwardOrder, PersistentUnits, div_rem};
+use crate::attention::schedule::{ForwardOrder, PersistentUnits};
 use crate::attention::softmax::RowSoftmax;
 use crate::configs::{SM90_FORWARD_REGISTERS_M64, SM90_FORWARD_REGISTERS_M128, SM90_FORWARD_REGISTERS_M192};
 use crate::hw::{
@@ -200,7 +200,7 @@ unsafe fn produce<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, co
         let block = order.block(shape, unit);
         let kv_tiles = mask.keys_for(block.q_start, block.q_rows).tiles(BLOCK_N);
         let q_head = block.batch * shape.num_heads_q + block.head;
-        let kv_head = (block.batch * shape.num_heads_kv + div_rem(block.head, shape.group_size()).0) as i32;
+        let kv_head = (block.batch * shape.num_heads_kv + shape.kv_head(block.head)) as i32;
         // Q (and its unit) is a ring of one slot.
         let (_, q_parity) = ring_slot(local, 1);
         // SAFETY: initialised barriers; the consumers read the previous unit before they released
@@ -493,8 +493,8 @@ unsafe fn negate_rows<const BLOCK_M: usize, const D: usize>(rows: *mut u8) {
 
 /// The kernel body (see the module docs). Grid: `(G, 1, 1)` for any `G` from 1 to the number of
 /// units ([`ForwardOrder::units`], the query blocks of every head), which the blocks share out
-/// as [`PersistentUnits`] says; unit `u` is the query block [`ForwardOrder::block`] maps it to. The host launches one block per unit, or as many
-/// as fit on the GPU at once (persistent);
+/// as [`PersistentUnits`] says; unit `u` is the query block [`ForwardOrder::block`] maps it to.
+/// The host launches one block per unit, or as many as fit on the GPU at once (persistent);
 /// block: [`crate::layout::hopper_forward_threads`]`(BLOCK_M)` threads (256, 384 or 512); dynamic
 /// shared memory: [`crate::layout::hopper_forward_smem_bytes`]`(BLOCK_M, BLOCK_N, D, STAGES)`. `N_TILES` = BLOCK_N / 8,
 /// `P_STEPS` = BLOCK_N / 16 and `D_TILES` = D / 8 size the register arrays (array lengths must be
