@@ -336,7 +336,9 @@ fn build_ptx(kernels_dir: &Path, out_dir: &Path, tools: &LlvmTools) -> Vec<(&'st
     let kernels: Vec<String> = String::from_utf8_lossy(&output.stdout)
         .lines()
         .map(str::trim)
-        .filter(|name| ["flash_", "naive_", "vector_add", "hopper_"].iter().any(|prefix| name.starts_with(prefix)))
+        .filter(|name| {
+            ["flash_", "naive_", "vector_add", "hopper_", "decode_"].iter().any(|prefix| name.starts_with(prefix))
+        })
         .map(String::from)
         .collect();
 

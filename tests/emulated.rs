@@ -15,6 +15,7 @@ use attn_host::check::{random_normal, relative_l2_error};
 use attn_host::{AttentionShape, Causal, Context, DqAccumulation, TileConfig, cpu};
 use attn_kernels::emu::{self, Arg, EmuErrorKind, Launch};
 use common::attention::{Kernel, check, poisoned_rows};
+use common::decode::{DecodeCase, check_decode};
 use common::tensor_cores::{Inputs, check16};
 
 fn emulator() -> &'static Context {
@@ -99,6 +100,44 @@ fn emulated_flash_forward_and_backward() {
 }
 
 /// A NaN or ∞ in Q, K or V reaches exactly the rows that see it, through the kernels' own code.
+/// The KV-cache decoder (level 10) from its Rust source: GQA packing, splits with their merge
+/// (and a split count above the key tiles, whose extra splits see nothing), ragged and empty
+/// sequences, paged and token- or head-major caches, an append, bottom-right causal with
+/// several queries, a padded head_dim.
+#[test]
+fn emulated_decoder_with_splits_pages_and_appends() {
+    let ctx = emulator();
+    let mut cases = Vec::new();
+    let mut case = DecodeCase::simple(2, (4, 2), 1, 64, 70);
+    case.num_splits = Some(1);
+    cases.push(case.clone());
+    case.num_splits = Some(3);
+    cases.push(case.clone());
+    let mut case = DecodeCase::simple(3, (8, 2), 2, 40, 0);
+    case.cached = vec![37, 0, 100];
+    case.capacity = 128;
+    case.page_size = Some(32);
+    case.layout = attn_host::Layout::Bhsd;
+    case.causal = Causal::BottomRight;
+    case.num_splits = Some(2);
+    cases.push(case.clone());
+    case.new_keys = 3;
+    case.num_splits = Some(9);
+    case.layout = attn_host::Layout::Bshd;
+    cases.push(case);
+    let mut case = DecodeCase::simple(1, (2, 2), 5, 128, 29);
+    case.causal = Causal::BottomRight;
+    case.new_keys = 2;
+    case.capacity = 40;
+    case.num_splits = Some(2);
+    cases.push(case);
+    for (i, case) in cases.iter().enumerate() {
+        check_decode::<attn_host::f16>(ctx, case, 40 + i as u64);
+        check_decode::<attn_host::bf16>(ctx, case, 50 + i as u64);
+    }
+    report("emulated_decoder_with_splits_pages_and_appends", 2 * cases.len() as u64);
+}
+
 #[test]
 fn emulated_nan_and_infinity_reach_exactly_the_rows_that_see_them() {
     let ctx = emulator();

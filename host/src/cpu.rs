@@ -359,3 +359,51 @@ fn flash_block(
     }
 }
 // ANCHOR_END: flash_block
+
+/// The keys and values one sequence attends to in a decoding step, `[num_heads_kv, len, head_dim]`
+/// each (head-major, `len` may be 0): what [`decode`] takes per sequence.
+#[derive(Clone, Debug)]
+pub struct SequenceKv {
+    /// K, `num_heads_kv · len · head_dim` values.
+    pub k: Vec<f32>,
+    /// V, K's shape.
+    pub v: Vec<f32>,
+    /// Keys of the sequence.
+    pub len: usize,
+}
+
+/// The decoding reference ([`crate::Context::attention_with_kv_cache`]): for each sequence `b`,
+/// attention of its queries (`q`, `[batch, num_heads_q, seqlen_q, head_dim]`, head-major) over
+/// its own keys `seqs[b]` by the plain formula, the mask in the sequence's coordinates
+/// (bottom-right aligns to its own length). O `[batch, num_heads_q, seqlen_q, head_dim]` and
+/// LSE; a sequence without keys gives O = 0 and LSE = −∞.
+///
+/// # Errors
+/// [`Error::Shape`] or [`Error::Length`] when the lengths do not match.
+pub fn decode(
+    q: &[f32],
+    seqs: &[SequenceKv],
+    (num_heads_q, num_heads_kv, seqlen_q, head_dim): (usize, usize, usize, usize),
+    params: Params,
+) -> Result<Reference> {
+    let batch = seqs.len();
+    let per_batch = num_heads_q * seqlen_q * head_dim;
+    if q.len() != batch * per_batch {
+        return Err(Error::Length { expected: batch * per_batch, got: q.len() });
+    }
+    let mut o = Vec::with_capacity(q.len());
+    let mut lse = Vec::with_capacity(batch * num_heads_q * seqlen_q);
+    for (b, seq) in seqs.iter().enumerate() {
+        let q_b = &q[b * per_batch..(b + 1) * per_batch];
+        if seq.len == 0 {
+            o.extend(std::iter::repeat_n(0.0, per_batch));
+            lse.extend(std::iter::repeat_n(f64::NEG_INFINITY, num_heads_q * seqlen_q));
+            continue;
+        }
+        let shape = AttentionShape { batch: 1, num_heads_q, num_heads_kv, seqlen_q, seqlen_k: seq.len, head_dim };
+        let r = attention(q_b, &seq.k, &seq.v, &shape, params)?;
+        o.extend(r.o);
+        lse.extend(r.lse);
+    }
+    Ok(Reference { o, lse })
+}

@@ -89,11 +89,42 @@ mod sealed {
     impl Sealed for f32 {}
     impl Sealed for half::f16 {}
     impl Sealed for half::bf16 {}
+    impl Sealed for i32 {}
+}
+
+/// A type a [`crate::DeviceTensor`] can hold (sealed): the [`Element`]s the attention kernels
+/// compute on, and `i32` for the index tensors of a KV cache (sequence lengths, page tables; the
+/// layout PyTorch and FlashAttention give them).
+pub trait Scalar: sealed::Sealed + DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + 'static {
+    /// The type's name in messages: `f32`, `f16`, `bf16`, `i32`.
+    const NAME: &'static str;
+    /// A value that shows when a kernel failed to write an element: NaN, or `i32::MIN`.
+    const POISON: Self;
+}
+
+impl Scalar for f32 {
+    const NAME: &'static str = "f32";
+    const POISON: Self = f32::NAN;
+}
+
+impl Scalar for half::f16 {
+    const NAME: &'static str = "f16";
+    const POISON: Self = half::f16::NAN;
+}
+
+impl Scalar for half::bf16 {
+    const NAME: &'static str = "bf16";
+    const POISON: Self = half::bf16::NAN;
+}
+
+impl Scalar for i32 {
+    const NAME: &'static str = "i32";
+    const POISON: Self = i32::MIN;
 }
 
 /// A type a [`crate::DeviceTensor`] can hold: `f32`, [`half::f16`] or [`half::bf16`] (sealed).
 /// Conversions round to nearest, ties to even; widening to `f32` is exact.
-pub trait Element: sealed::Sealed + DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + 'static {
+pub trait Element: Scalar {
     /// The type as a value.
     const DTYPE: DType;
     /// Rounds an `f32` to this type.

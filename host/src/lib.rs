@@ -85,13 +85,13 @@ pub mod tune;
 pub mod vit;
 
 pub use device::{Device, DeviceInfo};
-pub use dtype::{DType, Element};
+pub use dtype::{DType, Element, Scalar};
 pub use error::{Error, Result};
 /// The 16-bit float types of the `half` crate, re-exported: tensors of [`struct@f16`] or [`struct@bf16`] run on
 /// the tensor-core kernels.
 pub use half::{bf16, f16};
 pub use kernels::FlashKernel;
-pub use ops::{AttentionOutput, DescriptorOffsets, Gradients};
+pub use ops::{AttentionOutput, DecodeOptions, DecodePlan, DescriptorOffsets, Gradients, KvCache, Layout};
 pub use problem::{AttentionOptions, AttentionShape, Causal, DqAccumulation, TileConfig};
 pub use runtime::{Context, DeviceTensor, TensorMap, timing};
 pub use select::KernelPath;

@@ -14,6 +14,7 @@ use crate::device::DeviceInfo;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kernels::{self, FlashKernel, HopperInstance};
+use crate::layout::{DECODE_BLOCK_N, DECODE_WARPS, DecodeShape};
 use crate::problem::{AttentionShape, Causal, DqAccumulation, TileConfig};
 
 /// Which kernels run a context's 16-bit FlashAttention passes with the built-in tiles.
@@ -201,6 +202,32 @@ impl DqAccumulation {
 /// ([`Context::flash_attention_backward`](crate::Context::flash_attention_backward)): for head
 /// dims above the 16-bit backward's largest compiled one that the `f32` kernels take. `None`
 /// where the 16-bit kernels run (or nothing does: the error comes from the 16-bit lookup).
+/// The decoder's number of splits (split-KV, `kernels/src/sm80/decode.rs`): how many blocks
+/// share each sequence's keys, when the caller does not say ([`crate::DecodeOptions`]).
+///
+/// Without splits the grid has one block per sequence, K/V head and 16 packed query rows. When
+/// that already fills four fifths of the GPU's block slots (`sm_count · blocks_per_sm`), one
+/// split it is: splitting only adds the merge. Otherwise the count is the smallest whose last
+/// wave is at least 85 % as full as the best count's (the waves' *efficiency*, `waves /
+/// ceil(waves)`; FlashAttention's `num_splits_heuristic` reasons the same way), among the counts
+/// that leave every split at least two rounds of the block's 4 warps over the longest sequence
+/// (the cache's capacity: the lengths themselves live on the device).
+pub fn decode_splits(shape: &DecodeShape, sm_count: usize, blocks_per_sm: usize) -> usize {
+    let base = DecodeShape { num_splits: 1, ..*shape }.blocks().max(1);
+    let slots = (sm_count * blocks_per_sm).max(1);
+    if 5 * base >= 4 * slots {
+        return 1;
+    }
+    let rounds = shape.capacity.div_ceil(DECODE_BLOCK_N * DECODE_WARPS);
+    let max_splits = rounds.div_ceil(2).clamp(1, 256).min(slots);
+    let efficiency = |splits: usize| {
+        let waves = (base * splits) as f64 / slots as f64;
+        waves / waves.ceil()
+    };
+    let best = (1..=max_splits).map(efficiency).fold(0.0, f64::max);
+    (1..=max_splits).find(|&s| efficiency(s) >= 0.85 * best).unwrap_or(1)
+}
+
 pub(crate) fn widened_backward(dtype: DType, head_dim: usize) -> Option<TileConfig> {
     let widened = dtype != DType::F32
         && head_dim > TileConfig::max_head_dim(FlashKernel::Backward, dtype)

@@ -59,6 +59,17 @@ macro_rules! sm80_forward_tiles {
     };
 }
 
+/// Calls `$instance!(dtype, Format, head_dim, stages)` for every compiled decoder (level 10): head
+/// dims 64, 128 and 256 (each also runs the head dims below it, down to the previous one, with
+/// zero columns that never touch device memory: the decoder is bound by memory, not by the
+/// products), with rings as deep as an H200's shared memory takes for two blocks an SM (one at
+/// 256), and a 2-stage ring at 128 for GPUs with 99 KiB a block.
+macro_rules! decode_tiles {
+    ($instance:ident) => {
+        each_half_format!($instance, [(64, 4), (128, 3), (128, 2), (256, 3)]);
+    };
+}
+
 /// Calls `$instance!(dtype, Format, block_m, block_n, head_dim, stages)` for every compiled
 /// tensor-core backward tile (level 6), each for its three kernels, at head_dim 32, 64, 96 and
 /// 128 (a head_dim in between runs on the next one). The K/V-outer kernels have `block_n / 16`

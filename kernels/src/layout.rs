@@ -374,3 +374,129 @@ pub const fn hopper_backward_smem_bytes(head_dim: usize, stages: usize) -> usize
         + stages * 2 * 64 * 4
         + 8 * (1 + 3 * stages)
 }
+
+/// A decoding problem (level 10, `sm80::decode`) as the decoder kernels receive it: its fields as
+/// integer arguments, in field order ([`DecodeShape::args`]), rebuilt on the device.
+///
+/// Q is `[batch, seqlen_q, num_heads_q, head_dim]` or `[batch, num_heads_q, seqlen_q, head_dim]`
+/// — any layout whose rows are found by the strides `q_batch`, `q_token`, `q_head` (elements);
+/// O likewise by its own strides. The cache holds up to `capacity` keys per sequence: contiguous
+/// (`page_size` = 0; K row of token `t`, head `h`, sequence `b` at `b·k_batch + t·k_token +
+/// h·k_head`) or paged (`page_size` > 0, a multiple of 16; `k_batch` is then the stride between
+/// pages, and token `t` of sequence `b` is row `t % page_size` of page `block_table[b ·
+/// pages_per_seq + t / page_size]`, of `num_pages`). Sequence `b` has `seqlens_k[b] + new_keys`
+/// keys when `has_seqlens` is 1 (clamped to `capacity`), `capacity` otherwise. The causal mask
+/// (`causal` 1) is aligned to each sequence's own length when `bottom_right` is 1.
+/// `num_splits` blocks share each sequence's keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct DecodeShape {
+    pub batch: usize,
+    pub num_heads_q: usize,
+    pub num_heads_kv: usize,
+    pub seqlen_q: usize,
+    pub head_dim: usize,
+    pub capacity: usize,
+    pub has_seqlens: usize,
+    pub new_keys: usize,
+    pub causal: usize,
+    pub bottom_right: usize,
+    pub num_splits: usize,
+    pub q_batch: usize,
+    pub q_token: usize,
+    pub q_head: usize,
+    pub o_batch: usize,
+    pub o_token: usize,
+    pub o_head: usize,
+    pub k_batch: usize,
+    pub k_token: usize,
+    pub k_head: usize,
+    pub v_batch: usize,
+    pub v_token: usize,
+    pub v_head: usize,
+    pub page_size: usize,
+    pub pages_per_seq: usize,
+    pub num_pages: usize,
+}
+
+impl DecodeShape {
+    /// The fields in declaration order: the decoder kernels' shape arguments.
+    pub const fn args(&self) -> [usize; 26] {
+        let s = self;
+        [
+            s.batch,
+            s.num_heads_q,
+            s.num_heads_kv,
+            s.seqlen_q,
+            s.head_dim,
+            s.capacity,
+            s.has_seqlens,
+            s.new_keys,
+            s.causal,
+            s.bottom_right,
+            s.num_splits,
+            s.q_batch,
+            s.q_token,
+            s.q_head,
+            s.o_batch,
+            s.o_token,
+            s.o_head,
+            s.k_batch,
+            s.k_token,
+            s.k_head,
+            s.v_batch,
+            s.v_token,
+            s.v_head,
+            s.page_size,
+            s.pages_per_seq,
+            s.num_pages,
+        ]
+    }
+
+    /// Packed query rows per K/V head: the group's query heads times seqlen_q.
+    pub const fn packed_rows(&self) -> usize {
+        self.num_heads_q / self.num_heads_kv * self.seqlen_q
+    }
+
+    /// Blocks of the decoder's grid: one per sequence, K/V head, block of 16 packed rows and
+    /// split.
+    pub const fn blocks(&self) -> usize {
+        self.batch * self.num_heads_kv * self.packed_rows().div_ceil(DECODE_BLOCK_M) * self.num_splits
+    }
+
+    /// Query rows of the whole problem, `batch · num_heads_q · seqlen_q`: the rows of the
+    /// partial results of each split.
+    pub const fn query_rows(&self) -> usize {
+        self.batch * self.num_heads_q * self.seqlen_q
+    }
+}
+
+/// Packed query rows of a decoder block: one `mma` m-tile.
+pub const DECODE_BLOCK_M: usize = 16;
+
+/// Keys of one warp's tile in the decoder.
+pub const DECODE_BLOCK_N: usize = 16;
+
+/// Warps of a decoder block; they share its rows and take turns over its key tiles.
+pub const DECODE_WARPS: usize = 4;
+
+/// Threads of a decoder block.
+pub const DECODE_THREADS: usize = DECODE_WARPS * 32;
+
+/// Rows (16-bit, `head_dim + 8` long) of one warp's K/V ring in the decoder: `stages` slots of a
+/// K and a V tile.
+pub const fn decode_ring_rows(stages: usize) -> usize {
+    2 * stages * DECODE_BLOCK_N
+}
+
+/// Bytes of dynamic shared memory of the decoder: the Q tile (16 rows), the warps' LSE (`f32`,
+/// 4 × 16), then the larger of the warps' rings and the merge tile that replaces them after the
+/// key loop (`f32`, 4 × 16 rows of `head_dim + 4`).
+pub const fn decode_smem_bytes(head_dim: usize, stages: usize) -> usize {
+    let rings = DECODE_WARPS * decode_ring_rows(stages) * (head_dim + MMA_SMEM_PAD) * 2;
+    let merge = DECODE_WARPS * DECODE_BLOCK_M * (head_dim + 4) * 4;
+    let larger = if rings > merge { rings } else { merge };
+    DECODE_BLOCK_M * (head_dim + MMA_SMEM_PAD) * 2 + DECODE_WARPS * DECODE_BLOCK_M * 4 + larger
+}
+
+/// Query rows merged per block of `decode_merge_*` (one warp a row).
+pub const DECODE_MERGE_ROWS: usize = 4;

@@ -16,6 +16,7 @@
 //! | 7 | `sm90::probes` (nvptx64 only) | Hopper's asynchronous units (sm_90a): `wgmma` from shared-memory descriptors (plain and 128-byte swizzled), TMA copies completing on `mbarrier`s; probe kernels that check them |
 //! | 8 | `sm90::forward` (nvptx64 only) | the forward pass in FlashAttention-3's shape: a TMA producer warpgroup, `wgmma` consumer warpgroups, the softmax overlapped with the products |
 //! | 9 | `sm90::backward` (nvptx64 only) | the backward pass on the same machinery: dK, dV in registers, dSᵀ staged in shared memory as dQ's MN-major operand, dQ by TMA reduce-add |
+//! | 10 | [`sm80::decode`] | decoding from a KV cache: split-KV with an LSE merge, grouped-query heads packed into the rows, warps that split the keys, paged and token-major caches |
 //!
 //! Beside the levels:
 //!
@@ -188,6 +189,7 @@ pub mod kernels {
     pub use crate::simt::naive::*;
     pub use crate::simt::vector_add::*;
     pub use crate::sm80::backward::*;
+    pub use crate::sm80::decode::*;
     pub use crate::sm80::forward::*;
 }
 

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod attention;
+pub mod decode;
 pub mod files;
 pub mod tensor_cores;
 

@@ -10,6 +10,7 @@ use crate::check::{Checked, Tolerance};
 use crate::{Causal, Context, DType, Device, DqAccumulation, Error, KernelPath, Result, TileConfig};
 
 pub mod attn;
+pub mod decode;
 pub mod main_job;
 mod tune;
 pub mod vit;
@@ -33,6 +34,9 @@ pub enum Command {
     /// Attention forward (and backward, given dO) on Q, K, V read from .npy or .safetensors files;
     /// writes O, LSE (and dQ, dK, dV), prints each kernel's time (see `cli::attn`).
     Attn(attn::Args),
+    /// One decoding step over a KV cache (split-KV decoder), timed as the bandwidth of the K and
+    /// V it reads; `--check` compares it with the f64 reference (see `cli::decode`).
+    Decode(decode::Args),
     /// A Vision Transformer's self-attention on a real photo: patches to Q, K, V, attention with
     /// our kernels, attention maps as pictures.
     Vit(vit::Args),
@@ -89,6 +93,7 @@ pub fn main() -> ExitCode {
     let result = match cli.command {
         None => main_job::run(cli.main_job),
         Some(Command::Attn(args)) => attn::run(&args),
+        Some(Command::Decode(args)) => decode::run(&args),
         Some(Command::Vit(args)) => vit::run(&args),
     };
     match result {

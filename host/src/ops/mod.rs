@@ -9,16 +9,19 @@
 //! | `naive` | vector add and standard attention (levels 1, 2) |
 //! | `sm80` | FlashAttention on the sm_80 kernels: `f32` (levels 3, 4) and `mma.sync` (levels 5, 6) |
 //! | `sm90` | FlashAttention on the Hopper kernels (levels 8, 9) |
+//! | `decode` | attention over a KV cache: the split-KV decoder (level 10), its merge and append |
 //! | `probes` | the Hopper probes of `wgmma` and TMA (level 7) |
 //!
 //! Nothing below this layer imports it.
 
 mod args;
+mod decode;
 mod naive;
 mod probes;
 mod sm80;
 mod sm90;
 
+pub use decode::{DecodeOptions, DecodePlan, KvCache, Layout};
 pub use probes::DescriptorOffsets;
 
 use crate::dtype::{DType, Element};

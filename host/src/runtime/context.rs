@@ -19,7 +19,7 @@ use super::kernel_arg::KernelArg;
 use super::tensor::{DeviceTensor, HostBuffer, Storage, element_count};
 use super::tensor_map::{TensorMapCache, TensorMaps};
 use crate::device::{Device, DeviceInfo};
-use crate::dtype::{DType, Element};
+use crate::dtype::{DType, Element, Scalar};
 use crate::error::{During, Error, Result};
 use crate::kernels;
 use crate::select::{KernelPath, Target};
@@ -271,7 +271,7 @@ impl Context {
     }
 
     /// Checks that `tensor` was made by this context.
-    pub(crate) fn check_owner<T: Element>(&self, name: &'static str, tensor: &DeviceTensor<T>) -> Result<()> {
+    pub(crate) fn check_owner<T: Scalar>(&self, name: &'static str, tensor: &DeviceTensor<T>) -> Result<()> {
         if tensor.owner() == self.id {
             Ok(())
         } else {
@@ -328,7 +328,7 @@ impl Context {
     /// # Errors
     /// [`Error::Length`] when `values.len()` is not the product of `shape`; [`Error::Driver`]
     /// when the allocation fails (e.g. out of device memory).
-    pub fn upload<T: Element>(&self, values: &[T], shape: &[usize]) -> Result<DeviceTensor<T>> {
+    pub fn upload<T: Scalar>(&self, values: &[T], shape: &[usize]) -> Result<DeviceTensor<T>> {
         let expected = element_count(shape)?;
         if values.len() != expected {
             return Err(Error::Length { expected, got: values.len() });
@@ -342,13 +342,13 @@ impl Context {
 
     /// A new device tensor with every element set to `value`: zeros, or NaN to poison an output
     /// so that any element a kernel fails to write shows up.
-    pub fn full<T: Element>(&self, shape: &[usize], value: T) -> Result<DeviceTensor<T>> {
+    pub fn full<T: Scalar>(&self, shape: &[usize], value: T) -> Result<DeviceTensor<T>> {
         let n = element_count(shape)?;
         self.upload(&vec![value; n], shape)
     }
 
     /// A new device tensor whose contents are unspecified; for outputs a kernel overwrites whole.
-    pub(crate) fn alloc_output<T: Element>(&self, shape: &[usize]) -> Result<DeviceTensor<T>> {
+    pub(crate) fn alloc_output<T: Scalar>(&self, shape: &[usize]) -> Result<DeviceTensor<T>> {
         let n = element_count(shape)?;
         let storage = match self.cuda_stream() {
             // SAFETY: the element types have no invalid bit patterns, and callers overwrite every
@@ -357,13 +357,13 @@ impl Context {
                 Storage::Cuda(unsafe { stream.alloc::<T>(n) }.during(format!("allocating a {shape:?} tensor"))?)
             }
             // The emulator's "uninitialised" memory is NaN, so an unwritten element shows.
-            None => Storage::Host(HostBuffer::new(vec![T::from_f32(f32::NAN); n])),
+            None => Storage::Host(HostBuffer::new(vec![T::POISON; n])),
         };
         Ok(DeviceTensor::from_storage(storage, shape, self.id()))
     }
 
     /// Sets every element of `tensor` to zero (queued on the stream on a GPU).
-    pub(crate) fn fill_zeros<T: Element>(&self, tensor: &mut DeviceTensor<T>) -> Result<()> {
+    pub(crate) fn fill_zeros<T: Scalar>(&self, tensor: &mut DeviceTensor<T>) -> Result<()> {
         match (tensor.storage_mut(), self.cuda_stream()) {
             (Storage::Cuda(data), Some(stream)) => stream.memset_zeros(data).during("zeroing a tensor"),
             (Storage::Host(data), _) => {

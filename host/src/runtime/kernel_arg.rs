@@ -6,7 +6,7 @@ use attn_kernels::emu::Arg;
 use cudarc::driver::PushKernelArg;
 
 use super::tensor::{DeviceTensor, Storage};
-use crate::dtype::{DType, Element};
+use crate::dtype::Scalar;
 use crate::error::{Error, Result};
 
 /// A value that can be passed to a kernel: a tensor (its address) or a scalar.
@@ -33,7 +33,7 @@ macro_rules! scalar_kernel_arg {
 }
 scalar_kernel_arg!(f32 => F32, usize => Usize, isize => Isize);
 
-impl<T: Element> KernelArg for DeviceTensor<T> {
+impl<T: Scalar> KernelArg for DeviceTensor<T> {
     fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) -> Result<()> {
         match self.storage() {
             Storage::Cuda(data) => {
@@ -46,12 +46,35 @@ impl<T: Element> KernelArg for DeviceTensor<T> {
 
     fn emulated(&self) -> Result<Arg> {
         match self.storage() {
-            // The emulated kernels take 16-bit tensors as raw bits.
-            Storage::Host(data) => Ok(match T::DTYPE {
-                DType::F32 => Arg::Ptr(data.as_ptr() as *mut f32),
-                DType::F16 | DType::Bf16 => Arg::Ptr16(data.as_ptr() as *mut u16),
-            }),
+            // The emulated kernels take 16-bit tensors as raw bits, `i32` ones as `u32`.
+            Storage::Host(data) => Ok(emulated_pointer(T::NAME, data.as_ptr() as *mut u8)),
             Storage::Cuda(_) => Err(Error::Shape("a GPU tensor was passed to an emulated kernel".into())),
         }
+    }
+}
+
+/// The emulator's pointer argument for a buffer of the scalar type named `name`.
+fn emulated_pointer(name: &str, ptr: *mut u8) -> Arg {
+    match name {
+        "f32" => Arg::Ptr(ptr as *mut f32),
+        "i32" => Arg::PtrU32(ptr as *mut u32),
+        _ => Arg::Ptr16(ptr as *mut u16),
+    }
+}
+
+/// A null pointer in place of an optional tensor the kernel does not read (a decoder's
+/// sequence lengths or page table when there are none, its partial results with one split):
+/// `f32`, 16-bit or `u32` as the kernel's parameter is.
+#[derive(Clone, Copy)]
+pub(crate) struct NullPointer(pub(crate) &'static str);
+
+impl KernelArg for NullPointer {
+    fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) -> Result<()> {
+        builder.arg(&0u64);
+        Ok(())
+    }
+
+    fn emulated(&self) -> Result<Arg> {
+        Ok(emulated_pointer(self.0, std::ptr::null_mut()))
     }
 }

@@ -21,6 +21,6 @@ mod tensor_map;
 pub mod timing;
 
 pub use context::Context;
-pub(crate) use kernel_arg::KernelArg;
+pub(crate) use kernel_arg::{KernelArg, NullPointer};
 pub use tensor::DeviceTensor;
 pub use tensor_map::TensorMap;

@@ -6,23 +6,23 @@ use std::ptr::NonNull;
 
 use cudarc::driver::CudaSlice;
 
-use crate::dtype::Element;
+use crate::dtype::Scalar;
 use crate::error::{During, Error, Result};
 
 /// A row-major tensor of `T` (`f32` by default; [`half::f16`] or [`half::bf16`] for the
-/// tensor-core kernels) on a [`Context`](crate::Context)'s device. Shapes are given outermost first, e.g.
+/// tensor-core kernels; `i32` for a KV cache's lengths and page table) on a [`Context`](crate::Context)'s device. Shapes are given outermost first, e.g.
 /// `[batch, heads, seqlen, head_dim]` for attention inputs (PyTorch's layout).
 ///
 /// The buffer is freed when the tensor is dropped. On a GPU, copies to and from the host go
 /// through the context's stream, so they are ordered after every kernel queued before them.
-pub struct DeviceTensor<T: Element = f32> {
+pub struct DeviceTensor<T: Scalar = f32> {
     storage: Storage<T>,
     shape: Vec<usize>,
     /// The [`Context`](crate::Context) that made it (its id).
     owner: u64,
 }
 
-pub(crate) enum Storage<T: Element> {
+pub(crate) enum Storage<T: Scalar> {
     Cuda(CudaSlice<T>),
     Host(HostBuffer<T>),
 }
@@ -68,13 +68,13 @@ impl<T> Drop for HostBuffer<T> {
     }
 }
 
-impl<T: Element> std::fmt::Debug for DeviceTensor<T> {
+impl<T: Scalar> std::fmt::Debug for DeviceTensor<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DeviceTensor<{}>{:?}", T::DTYPE, self.shape)
+        write!(f, "DeviceTensor<{}>{:?}", T::NAME, self.shape)
     }
 }
 
-impl<T: Element> DeviceTensor<T> {
+impl<T: Scalar> DeviceTensor<T> {
     /// Dimensions, outermost first.
     pub fn shape(&self) -> &[usize] {
         &self.shape

@@ -50,7 +50,7 @@ pub unsafe fn store_rows<const HEAD_DIM: usize, const ROWS: usize, const DVEC: u
 /// # Safety
 /// `row` holds `width` floats, 16-byte aligned when `width` is a multiple of 4.
 #[inline(always)]
-unsafe fn store4_clipped(value: F32x4, row: *mut f32, col: usize, width: usize) {
+pub unsafe fn store4_clipped(value: F32x4, row: *mut f32, col: usize, width: usize) {
     if col + 4 <= width && width.is_multiple_of(4) {
         // SAFETY: the four columns are inside the row, 16-byte aligned.
         unsafe { value.store(row.add(col)) };
@@ -64,6 +64,25 @@ unsafe fn store4_clipped(value: F32x4, row: *mut f32, col: usize, width: usize) 
     }
 }
 // ANCHOR_END: clipped_store
+
+/// [`store4_clipped`] rounded to 16 bits (format `T`): the columns below `width` one element at
+/// a time, so that `row` needs only 2-byte alignment (the decoder's rows of O lie at strides of
+/// the caller's choosing).
+///
+/// # Safety
+/// `row` holds `width` 16-bit elements.
+#[inline(always)]
+pub unsafe fn store4_half_clipped<T: HalfFloat>(value: F32x4, row: *mut u16, col: usize, width: usize) {
+    let [a, b, c, d] = value.0;
+    let pairs = [T::pack(a, b), T::pack(c, d)];
+    for e in 0..4 {
+        if col + e < width {
+            let bits = (pairs[e / 2] >> (16 * (e % 2))) as u16;
+            // SAFETY: the column is inside the row.
+            unsafe { *row.add(col + e) = bits };
+        }
+    }
+}
 
 /// Writes per-row values of the `f32` thread grid (this thread's rows `first_row + i`, the
 /// same in all 8 lanes of its row group) to `dst[first_row + i]`, from lane 0 only, for the

@@ -87,6 +87,27 @@ pub fn mask_fragments<const N: usize, const TRANSPOSED: bool>(
     }
 }
 
+/// Sets the entries of `frags` (scores of keys `first_col + 8nt + 0..8`) at or past the key limit
+/// of their row to `value`: `limit[h]` for the lane's row of half `h`. The mask of a kernel whose
+/// lanes keep their two rows for the whole pass (the decoder's packed rows, whose queries are
+/// not consecutive), which computes the two limits once.
+#[inline(always)]
+pub fn mask_columns<const N: usize>(
+    frags: &mut [FragC; N],
+    lane: FragmentLane,
+    value: f32,
+    first_col: usize,
+    limit: [usize; 2],
+) {
+    for nt in 0..N {
+        for e in 0..4 {
+            if first_col + 8 * nt + lane.col(e) >= limit[e / 2] {
+                frags[nt][e] = value;
+            }
+        }
+    }
+}
+
 /// Multiplies each row of `frags` by its factor: entries `2h`, `2h + 1` by `factor[h]` (the
 /// online softmax's rescaling of O by `alpha`).
 #[inline(always)]

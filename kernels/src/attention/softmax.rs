@@ -152,3 +152,30 @@ impl Default for RowSoftmax {
         Self::new()
     }
 }
+
+// ANCHOR: lse_merge
+/// Merging partial results by their logsumexp: the step that lets attention over one set of keys
+/// be computed in parts (split-KV decoding, "Flash-Decoding", Dao et al. 2023; the warps of one
+/// decoding block; later the GPUs of a ring). If part `i` saw keys `K_i` (disjoint sets) and
+/// produced the normalised `O_i` and `LSE_i`, then over all the keys
+///
+/// LSE = ln Σ_i e^(LSE_i)   and   O = Σ_i e^(LSE_i − LSE) · O_i,
+///
+/// computed from `M = max_i LSE_i` as LSE = M + ln Σ_i e^(LSE_i − M), so that no exponential
+/// overflows. A part that saw no key has LSE_i = −∞ and weight 0; if every part has, the merged
+/// row has LSE = −∞ and O = 0, the empty-row convention.
+///
+/// `e^(LSE_i − reference)`: with `reference = M` a term of the sum, with `reference = LSE` the
+/// weight of part `i`; 0 when `reference` is −∞ (no part saw a key).
+#[inline(always)]
+pub fn lse_weight(lse_part: f32, reference: f32) -> f32 {
+    if reference == f32::NEG_INFINITY { 0.0 } else { hw::exp2((lse_part - reference) * hw::LOG2_E) }
+}
+
+/// The merged LSE from `max` = M and `sum` = Σ_i e^(LSE_i − M) (see [`lse_weight`]): M + ln sum,
+/// or −∞ when no part saw a key (`sum` = 0).
+#[inline(always)]
+pub fn merged_lse(max: f32, sum: f32) -> f32 {
+    if sum > 0.0 { max + hw::log2(sum) * LN_2 } else { f32::NEG_INFINITY }
+}
+// ANCHOR_END: lse_merge

@@ -45,6 +45,8 @@ pub enum Arg {
     Ptr(*mut f32),
     /// A pointer to 16-bit floats (f16 or bf16 bits) in host memory.
     Ptr16(*mut u16),
+    /// A pointer to 32-bit integers (sequence lengths, page tables) in host memory.
+    PtrU32(*mut u32),
     Usize(usize),
     Isize(isize),
     F32(f32),
@@ -76,6 +78,12 @@ impl FromArg for *mut u16 {
 impl FromArg for *const u16 {
     fn from_arg(arg: &Arg) -> Option<Self> {
         if let Arg::Ptr16(p) = arg { Some(*p as *const u16) } else { None }
+    }
+}
+
+impl FromArg for *const u32 {
+    fn from_arg(arg: &Arg) -> Option<Self> {
+        if let Arg::PtrU32(p) = arg { Some(*p as *const u32) } else { None }
     }
 }
 

@@ -255,12 +255,40 @@ impl SharedTile16 {
         valid_rows: usize,
         threads: usize,
     ) {
-        if !width.is_multiple_of(8) {
+        // SAFETY: the caller's contract, with the rows `width` apart.
+        unsafe { self.copy_rows_async_strided(src, width, rows, cols, width, valid_rows, (thread_idx_x(), threads)) }
+    }
+
+    /// [`Self::copy_rows_async`] for source rows `src_stride` elements apart (a token-major or
+    /// paged cache, where a row of one head is followed by the other heads' rows), done by
+    /// `workers` threads of which the caller is number `worker`: the whole block
+    /// (`thread_idx_x()`, the block's threads) or one warp (`lane_id()`, 32). The 16-byte path
+    /// needs `width` and `src_stride` to be multiples of 8.
+    ///
+    /// # Safety
+    /// Row `r < valid_rows` of the source is `width` readable elements at `src + r · src_stride`,
+    /// 16-byte aligned when `width` and `src_stride` are multiples of 8 (2-byte aligned
+    /// otherwise); `width ≤ cols`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn copy_rows_async_strided(
+        self,
+        src: *const u16,
+        src_stride: usize,
+        rows: usize,
+        cols: usize,
+        width: usize,
+        valid_rows: usize,
+        (worker, workers): (usize, usize),
+    ) {
+        if !width.is_multiple_of(8) || !src_stride.is_multiple_of(8) {
             // SAFETY: the caller's contract.
-            return unsafe { self.copy_rows_by_pairs(src, rows, cols, width, valid_rows, threads) };
+            return unsafe {
+                self.copy_rows_by_pairs(src, src_stride, rows, cols, width, valid_rows, (worker, workers))
+            };
         }
         let chunks_per_row = cols / 8;
-        let mut chunk = thread_idx_x();
+        let mut chunk = worker;
         while chunk < rows * chunks_per_row {
             let (row, col) = (chunk / chunks_per_row, (chunk % chunks_per_row) * 8);
             let dst = self.at(row, col);
@@ -271,42 +299,48 @@ impl SharedTile16 {
             // SAFETY: for a valid chunk the 8 elements lie inside the source rows; otherwise
             // nothing is read. `dst` is a 16-byte aligned chunk of this tile.
             unsafe {
-                backend::cp_async_16(self.address(row, col), src.add(if valid { row * width + col } else { 0 }), valid)
+                backend::cp_async_16(
+                    self.address(row, col),
+                    src.add(if valid { row * src_stride + col } else { 0 }),
+                    valid,
+                )
             };
-            chunk += threads;
+            chunk += workers;
         }
     }
 
-    /// [`Self::copy_rows_async`] for rows that are not 16-byte aligned: each thread loads two
-    /// neighbouring elements at a time (zero past `width` or `valid_rows`) and stores them as one
-    /// 4-byte word, synchronously.
+    /// [`Self::copy_rows_async_strided`] for rows that are not 16-byte aligned: each thread loads
+    /// two neighbouring elements at a time (zero past `width` or `valid_rows`) and stores them as
+    /// one 4-byte word, synchronously.
     ///
-    /// The loop steps by `threads` hidden from the compiler ([`super::opaque`]): with a visible
+    /// The loop steps by `workers` hidden from the compiler ([`super::opaque`]): with a visible
     /// step it unrolls the loop and issues a tile's loads at once, each holding a register, next
     /// to the accumulators of the key loop that calls it; ptxas then spills (PERFORMANCE.md,
     /// issue 21).
     ///
     /// # Safety
-    /// As [`Self::copy_rows_async`].
+    /// As [`Self::copy_rows_async_strided`].
     #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
     unsafe fn copy_rows_by_pairs(
         self,
         src: *const u16,
+        src_stride: usize,
         rows: usize,
         cols: usize,
         width: usize,
         valid_rows: usize,
-        threads: usize,
+        (worker, workers): (usize, usize),
     ) {
         let pairs_per_row = cols / 2;
-        let mut pair = thread_idx_x();
+        let mut pair = worker;
         while pair < rows * pairs_per_row {
             let (row, col) = (pair / pairs_per_row, (pair % pairs_per_row) * 2);
             // SAFETY: an element is read only inside the source rows.
             let element =
-                |c: usize| if row < valid_rows && c < width { unsafe { *src.add(row * width + c) } } else { 0 };
+                |c: usize| if row < valid_rows && c < width { unsafe { *src.add(row * src_stride + c) } } else { 0 };
             self.store2(row, col, element(col) as u32 | (element(col + 1) as u32) << 16);
-            pair += super::opaque(threads as u32) as usize;
+            pair += super::opaque(workers as u32) as usize;
         }
     }
 }

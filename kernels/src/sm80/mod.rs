@@ -1,4 +1,4 @@
-//! Levels 5 and 6: FlashAttention-2 on the tensor cores with `mma.sync` (compute capability 8.0
+//! Levels 5, 6 and 10: FlashAttention-2 on the tensor cores with `mma.sync` (compute capability 8.0
 //! and later), in `f16` and `bf16`, runnable in the emulator too.
 //!
 //! | level | file | kernels |
@@ -6,7 +6,9 @@
 //! | 5 | [`forward`] | `flash_fwd_{f16,bf16}_m*_n*_d*_s*` |
 //! | — | [`pipeline`] | the `cp.async` ring of K/V tiles both Q-outer kernels stream through |
 //! | 6 | [`backward`] | `flash_bwd_*`, `flash_bwd_dkdv_*`, `flash_bwd_dq_*`, and the preprocess and dQ conversion kernels |
+//! | 10 | [`decode`] | `decode_fwd_{f16,bf16}_d*_s*` (split-KV decoding from a KV cache), `decode_merge_*`, `decode_append_kv` |
 
 pub mod backward;
+pub mod decode;
 pub mod forward;
 pub mod pipeline;

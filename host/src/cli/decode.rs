@@ -1,0 +1,226 @@
+//! `rust-attention decode`: one decoding step over a KV cache of random values
+//! ([`Context::attention_with_kv_cache`]), timed (CUDA events, warm-up, median) and reported as
+//! the bandwidth of the K and V it reads; `--check` compares it with the `f64` reference.
+//!
+//! ```text
+//! rust-attention decode --batch 8 --heads 32 --kv-heads 8 --cache-len 8192 --head-dim 128 --dtype bf16
+//! rust-attention decode --batch 1 --heads 32 --cache-len 32768 --page-size 64
+//! ```
+
+use clap::ValueEnum;
+
+use super::CausalArg;
+use crate::check::{Tolerance, lse_error, random_normal, relative_l2_error};
+use crate::dtype::{from_f32_slice, to_f32_vec};
+use crate::{
+    Context, DType, DecodeOptions, Device, DeviceTensor, Element, Error, KvCache, Layout, Result, bf16, cpu, f16,
+    timing,
+};
+
+/// The layout of Q, O and the cache.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayoutArg {
+    /// `[batch, seqlen, heads, head_dim]` (FlashAttention's KV cache).
+    Bshd,
+    /// `[batch, heads, seqlen, head_dim]`.
+    Bhsd,
+}
+
+/// Flags of `rust-attention decode`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Sequences decoded together.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Query heads.
+    #[arg(long, default_value_t = 32)]
+    pub heads: usize,
+    /// K/V heads (divides --heads; default: --heads).
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    /// New queries per sequence (1 for plain decoding, more for speculative decoding).
+    #[arg(long, default_value_t = 1)]
+    pub seqlen_q: usize,
+    /// Cached keys per sequence.
+    #[arg(long, default_value_t = 8192)]
+    pub cache_len: usize,
+    /// Features per head (1 to 256).
+    #[arg(long, default_value_t = 128)]
+    pub head_dim: usize,
+    /// f16 or bf16.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// A paged cache with pages of this many tokens (a multiple of 16), in shuffled order.
+    #[arg(long)]
+    pub page_size: Option<usize>,
+    /// Layout of Q, O and the cache.
+    #[arg(long, value_enum, default_value_t = LayoutArg::Bshd)]
+    pub layout: LayoutArg,
+    /// Causal mask (bottom-right is the one decoding with seqlen_q > 1 needs).
+    #[arg(long, value_enum, default_value_t = CausalArg::None)]
+    pub causal: CausalArg,
+    /// Blocks per sequence (default: the heuristic).
+    #[arg(long)]
+    pub splits: Option<usize>,
+    /// Untimed runs first.
+    #[arg(long, default_value_t = 10)]
+    pub warmup: usize,
+    /// Timed runs (the median is reported).
+    #[arg(long, default_value_t = 50)]
+    pub repeats: usize,
+    /// Compare O and LSE with the f64 CPU reference.
+    #[arg(long)]
+    pub check: bool,
+    /// A GPU ordinal or `cpu-emulated`.
+    #[arg(long, default_value = "0")]
+    pub device: Device,
+}
+
+/// Runs the job.
+///
+/// # Errors
+/// Bad flags ([`Error::Argument`]), the decoder's errors, a failed `--check`
+/// ([`Error::CheckFailed`]).
+pub fn run(args: &Args) -> Result<()> {
+    let dtype: DType = args.dtype.parse().map_err(|e: String| Error::Argument(e))?;
+    let ctx = Context::open(args.device)?;
+    match dtype {
+        DType::F16 => run_typed::<f16>(&ctx, args),
+        DType::Bf16 => run_typed::<bf16>(&ctx, args),
+        DType::F32 => Err(Error::Argument("decode runs f16 or bf16".into())),
+    }
+}
+
+fn run_typed<T: Element>(ctx: &Context, args: &Args) -> Result<()> {
+    let (b, hq, sq, d, len) = (args.batch, args.heads, args.seqlen_q, args.head_dim, args.cache_len);
+    let hkv = args.kv_heads.unwrap_or(hq);
+    let layout = match args.layout {
+        LayoutArg::Bshd => Layout::Bshd,
+        LayoutArg::Bhsd => Layout::Bhsd,
+    };
+    let shape4 = |outer: usize, s: usize, h: usize| match layout {
+        Layout::Bhsd => [outer, h, s, d],
+        Layout::Bshd => [outer, s, h, d],
+    };
+    // A contiguous cache of exactly the length, or pages in shuffled order (a fixed
+    // permutation: page i of sequence b is page (i · 7919 + b) mod pages, 7919 being prime).
+    let (outer, rows, table) = match args.page_size {
+        None => (b, len.max(1), None),
+        Some(page) => {
+            let per_seq = len.div_ceil(page).max(1);
+            let pages = b * per_seq;
+            let mut order: Vec<usize> = (0..pages).collect();
+            order.sort_by_key(|&i| (i * 7919) % pages);
+            let entries: Vec<i32> = order.iter().map(|&p| p as i32).collect();
+            (pages, page, Some(ctx.upload(&entries, &[b, per_seq])?))
+        }
+    };
+    let q_host = random_normal(b * hq * sq * d, 1);
+    let k_host = random_normal(outer * rows * hkv * d, 2);
+    let v_host = random_normal(outer * rows * hkv * d, 3);
+    let q = ctx.upload(&from_f32_slice::<T>(&q_host), &shape4(b, sq, hq))?;
+    let mut k = ctx.upload(&from_f32_slice::<T>(&k_host), &shape4(outer, rows, hkv))?;
+    let mut v = ctx.upload(&from_f32_slice::<T>(&v_host), &shape4(outer, rows, hkv))?;
+    let seqlens: DeviceTensor<i32> = ctx.upload(&vec![len as i32; b], &[b])?;
+    let options = DecodeOptions { scale: None, causal: args.causal.into(), layout, num_splits: args.splits };
+    let mut cache = KvCache { k: &mut k, v: &mut v, seqlens: Some(&seqlens), block_table: table.as_ref() };
+    let plan = ctx.decode_plan(&q, &cache, None, &options)?;
+    let time = timing::time_gpu(ctx, args.warmup, args.repeats, || {
+        ctx.attention_with_kv_cache(&q, &mut cache, None, &options).map(drop)
+    })?;
+    let bytes = 2.0 * (b * len * hkv * d * T::DTYPE.size()) as f64;
+    let gbps = bytes / (time.median_ms * 1e-3) / 1e9;
+    let paging = args.page_size.map_or("contiguous".to_string(), |p| format!("pages of {p}"));
+    println!(
+        "decode [{b}, {hq}, {hkv}, {sq}, {len}, {d}] {} {:?} {paging}: {} — {:.1} µs median, {gbps:.0} GB/s of K and V ({:.1} MB)",
+        T::DTYPE,
+        args.layout,
+        plan.label(),
+        time.median_ms * 1e3,
+        bytes / 1e6
+    );
+    println!("RESULT decode us={:.2} gbps={gbps:.1} label={}", time.median_ms * 1e3, plan.label().replace(' ', "_"));
+    if args.check {
+        check(ctx, args, &q, &mut cache, &options, (&q_host, &k_host, &v_host), (outer, rows), layout)?;
+    }
+    Ok(())
+}
+
+/// `--check`: the f64 reference on the values the device holds, every sequence.
+#[allow(clippy::too_many_arguments)]
+fn check<T: Element>(
+    ctx: &Context,
+    args: &Args,
+    q: &DeviceTensor<T>,
+    cache: &mut KvCache<'_, T>,
+    options: &DecodeOptions,
+    (q_host, k_host, v_host): (&[f32], &[f32], &[f32]),
+    (_outer, rows): (usize, usize),
+    layout: Layout,
+) -> Result<()> {
+    let (b, hq, sq, d, len) = (args.batch, args.heads, args.seqlen_q, args.head_dim, args.cache_len);
+    let hkv = args.kv_heads.unwrap_or(hq);
+    let round = |x: &[f32]| to_f32_vec(&from_f32_slice::<T>(x));
+    let (q_r, k_r, v_r) = (round(q_host), round(k_host), round(v_host));
+    let at = |s: usize, h: usize, (o, t, hh, c): (usize, usize, usize, usize)| match layout {
+        Layout::Bhsd => ((o * h + hh) * s + t) * d + c,
+        Layout::Bshd => ((o * s + t) * h + hh) * d + c,
+    };
+    let table = match cache.block_table {
+        Some(t) => Some(t.to_host()?),
+        None => None,
+    };
+    let per_seq = len.div_ceil(rows).max(1);
+    let place = |bb: usize, t: usize| match (&table, args.page_size) {
+        (Some(tab), Some(page)) => (tab[bb * per_seq + t / page] as usize, t % page),
+        _ => (bb, t),
+    };
+    let mut q_logical = vec![0.0; b * hq * sq * d];
+    for bb in 0..b {
+        for h in 0..hq {
+            for t in 0..sq {
+                for c in 0..d {
+                    q_logical[((bb * hq + h) * sq + t) * d + c] = q_r[at(sq, hq, (bb, t, h, c))];
+                }
+            }
+        }
+    }
+    let seqs: Vec<cpu::SequenceKv> = (0..b)
+        .map(|bb| {
+            let mut kv = cpu::SequenceKv { k: Vec::new(), v: Vec::new(), len };
+            for h in 0..hkv {
+                for t in 0..len {
+                    let (o, r) = place(bb, t);
+                    let i = at(rows, hkv, (o, r, h, 0));
+                    kv.k.extend_from_slice(&k_r[i..i + d]);
+                    kv.v.extend_from_slice(&v_r[i..i + d]);
+                }
+            }
+            kv
+        })
+        .collect();
+    let params = cpu::Params { scale: 1.0 / (d as f64).sqrt(), causal: options.causal };
+    let reference = cpu::decode(&q_logical, &seqs, (hq, hkv, sq, d), params)?;
+    let out = ctx.attention_with_kv_cache(q, cache, None, options)?;
+    let o_host = to_f32_vec(&out.o.to_host()?);
+    let mut o = vec![0.0; o_host.len()];
+    for bb in 0..b {
+        for h in 0..hq {
+            for t in 0..sq {
+                for c in 0..d {
+                    o[((bb * hq + h) * sq + t) * d + c] = o_host[at(sq, hq, (bb, t, h, c))];
+                }
+            }
+        }
+    }
+    let (err_o, err_lse) = (relative_l2_error(&o, &reference.o), lse_error(&out.lse.to_host()?, &reference.lse));
+    let tolerance = Tolerance::of(T::DTYPE);
+    let pass = err_o <= tolerance.o && err_lse <= tolerance.lse;
+    println!(
+        "check: relative L2 error O {err_o:.2e} (≤ {:.0e}), LSE {err_lse:.2e} (≤ {:.0e}): {}",
+        tolerance.o,
+        tolerance.lse,
+        if pass { "PASS" } else { "FAIL" }
+    );
+    if pass { Ok(()) } else { Err(Error::CheckFailed { failed: 1, rows: 1, what: "decode against the f64 reference" }) }
+}
