@@ -133,3 +133,46 @@ fn kernel_paths_parse_and_the_emulator_refuses_sm90a() {
             == format!("emulated {tile}")
     );
 }
+
+/// The KV-cache decoder's checks: every bad argument is a typed error before any launch.
+#[test]
+fn the_decoder_rejects_bad_caches_with_a_message() {
+    use attn_host::{DecodeOptions, KvCache, Layout, f16};
+    let ctx = Context::cpu_emulated();
+    let h = |shape: &[usize]| ctx.full(shape, f16::from_f32(0.5)).unwrap();
+    let q = h(&[2, 1, 8, 64]); // [batch, seqlen_q, heads, head_dim], token-major
+    let (mut k, mut v) = (h(&[2, 100, 2, 64]), h(&[2, 100, 2, 64]));
+    let seqlens = ctx.upload(&[10i32, 20], &[2]).unwrap();
+    let options = DecodeOptions { layout: Layout::Bshd, ..DecodeOptions::default() };
+    let expect = |result: Result<attn_host::AttentionOutput<f16>, Error>, needle: &str| {
+        let err = result.expect_err(needle);
+        assert!(err.to_string().contains(needle), "expected {needle:?} in: {err}");
+    };
+    // A good call works, then each bad one fails with its reason.
+    let mut cache = KvCache { k: &mut k, v: &mut v, seqlens: Some(&seqlens), block_table: None };
+    ctx.attention_with_kv_cache(&q, &mut cache, None, &options).unwrap();
+    let wrong_heads = h(&[2, 1, 7, 64]);
+    expect(ctx.attention_with_kv_cache(&wrong_heads, &mut cache, None, &options), "not a multiple");
+    let wrong_dim = h(&[2, 1, 8, 32]);
+    expect(ctx.attention_with_kv_cache(&wrong_dim, &mut cache, None, &options), "head_dim");
+    let wrong_batch = h(&[3, 1, 8, 64]);
+    expect(ctx.attention_with_kv_cache(&wrong_batch, &mut cache, None, &options), "batch");
+    let (k_new, v_new) = (h(&[2, 3, 2, 64]), h(&[2, 3, 2, 64]));
+    let mut no_lengths = KvCache { k: cache.k, v: cache.v, seqlens: None, block_table: None };
+    expect(ctx.attention_with_kv_cache(&q, &mut no_lengths, Some((&k_new, &v_new)), &options), "seqlens");
+    // Pages must hold a multiple of 16 tokens; the table must match the batch.
+    let (mut pk, mut pv) = (h(&[4, 24, 2, 64]), h(&[4, 24, 2, 64]));
+    let table = ctx.upload(&[0i32, 1, 2, 3], &[2, 2]).unwrap();
+    let mut paged = KvCache { k: &mut pk, v: &mut pv, seqlens: Some(&seqlens), block_table: Some(&table) };
+    expect(ctx.attention_with_kv_cache(&q, &mut paged, None, &options), "multiple of 16");
+    let (mut pk, mut pv) = (h(&[4, 32, 2, 64]), h(&[4, 32, 2, 64]));
+    let short_table = ctx.upload(&[0i32, 1], &[1, 2]).unwrap();
+    let mut paged = KvCache { k: &mut pk, v: &mut pv, seqlens: Some(&seqlens), block_table: Some(&short_table) };
+    expect(ctx.attention_with_kv_cache(&q, &mut paged, None, &options), "block_table");
+    // f32 is not the decoder's.
+    let q32 = ctx.full(&[2, 1, 8, 64], 0.5f32).unwrap();
+    let (mut k32, mut v32) = (ctx.full(&[2, 100, 2, 64], 0.5f32).unwrap(), ctx.full(&[2, 100, 2, 64], 0.5f32).unwrap());
+    let mut cache32 = KvCache { k: &mut k32, v: &mut v32, seqlens: None, block_table: None };
+    let err = ctx.attention_with_kv_cache(&q32, &mut cache32, None, &options).unwrap_err();
+    assert!(err.to_string().contains("f16 or bf16"), "{err}");
+}

@@ -14,7 +14,7 @@ use crate::device::DeviceInfo;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kernels::{self, FlashKernel, HopperInstance};
-use crate::layout::{DECODE_BLOCK_N, DECODE_WARPS, DecodeShape};
+use crate::layout::DecodeShape;
 use crate::problem::{AttentionShape, Causal, DqAccumulation, TileConfig};
 
 /// Which kernels run a context's 16-bit FlashAttention passes with the built-in tiles.
@@ -202,30 +202,35 @@ impl DqAccumulation {
 /// ([`Context::flash_attention_backward`](crate::Context::flash_attention_backward)): for head
 /// dims above the 16-bit backward's largest compiled one that the `f32` kernels take. `None`
 /// where the 16-bit kernels run (or nothing does: the error comes from the 16-bit lookup).
+/// Keys below which the decoder does not split a sequence further: a split's fixed costs (its
+/// first tiles' latency, the warps' merge, the partial store) then outweigh the parallelism it
+/// adds (PERFORMANCE.md, issue 22).
+pub const DECODE_MIN_SPLIT_KEYS: usize = 2048;
+
 /// The decoder's number of splits (split-KV, `kernels/src/sm80/decode.rs`): how many blocks
 /// share each sequence's keys, when the caller does not say ([`crate::DecodeOptions`]).
 ///
 /// Without splits the grid has one block per sequence, K/V head and 16 packed query rows. When
 /// that already fills four fifths of the GPU's block slots (`sm_count · blocks_per_sm`), one
 /// split it is: splitting only adds the merge. Otherwise the count is the smallest whose last
-/// wave is at least 85 % as full as the best count's (the waves' *efficiency*, `waves /
-/// ceil(waves)`; FlashAttention's `num_splits_heuristic` reasons the same way), among the counts
-/// that leave every split at least two rounds of the block's 4 warps over the longest sequence
-/// (the cache's capacity: the lengths themselves live on the device).
+/// wave is at least 95 % as full as the best count's (the waves' *efficiency*, `waves /
+/// ceil(waves)`; FlashAttention's `num_splits_heuristic` reasons the same way with 85 %, which
+/// on the H200 left 5–7 % on the table: PERFORMANCE.md, issue 22), among the counts that leave
+/// every split at least [`DECODE_MIN_SPLIT_KEYS`] of the longest sequence (the cache's
+/// capacity: the lengths themselves live on the device).
 pub fn decode_splits(shape: &DecodeShape, sm_count: usize, blocks_per_sm: usize) -> usize {
     let base = DecodeShape { num_splits: 1, ..*shape }.blocks().max(1);
     let slots = (sm_count * blocks_per_sm).max(1);
     if 5 * base >= 4 * slots {
         return 1;
     }
-    let rounds = shape.capacity.div_ceil(DECODE_BLOCK_N * DECODE_WARPS);
-    let max_splits = rounds.div_ceil(2).clamp(1, 256).min(slots);
+    let max_splits = (shape.capacity / DECODE_MIN_SPLIT_KEYS).clamp(1, 256).min(slots);
     let efficiency = |splits: usize| {
         let waves = (base * splits) as f64 / slots as f64;
         waves / waves.ceil()
     };
     let best = (1..=max_splits).map(efficiency).fold(0.0, f64::max);
-    (1..=max_splits).find(|&s| efficiency(s) >= 0.85 * best).unwrap_or(1)
+    (1..=max_splits).find(|&s| efficiency(s) >= 0.95 * best).unwrap_or(1)
 }
 
 pub(crate) fn widened_backward(dtype: DType, head_dim: usize) -> Option<TileConfig> {
@@ -614,5 +619,37 @@ mod tests {
             HopperBackward::for_problem(DType::Bf16, 256),
             Err(Error::HeadDimNotCompiled { head_dim: 256, .. })
         ));
+    }
+}
+
+#[cfg(test)]
+mod decode_split_tests {
+    use super::*;
+
+    fn shape(batch: usize, heads: (usize, usize), capacity: usize) -> DecodeShape {
+        DecodeShape {
+            batch,
+            num_heads_q: heads.0,
+            num_heads_kv: heads.1,
+            seqlen_q: 1,
+            head_dim: 128,
+            capacity,
+            num_splits: 1,
+            ..DecodeShape::default()
+        }
+    }
+
+    /// The counts the H200 measurements chose (PERFORMANCE.md, issue 22): 132 SMs, 2 blocks each.
+    #[test]
+    fn splits_fill_the_slots_but_keep_splits_long() {
+        assert_eq!(decode_splits(&shape(8, (32, 8), 8192), 132, 2), 4);
+        assert_eq!(decode_splits(&shape(1, (32, 32), 32768), 132, 2), 8);
+        assert_eq!(decode_splits(&shape(1, (64, 8), 131072), 132, 2), 32);
+        assert_eq!(decode_splits(&shape(64, (32, 8), 1024), 132, 2), 1);
+        // Short sequences are not split below DECODE_MIN_SPLIT_KEYS.
+        assert_eq!(decode_splits(&shape(32, (32, 8), 2048), 132, 3), 1);
+        assert_eq!(decode_splits(&shape(1, (8, 8), 1000), 132, 2), 1);
+        // Never more splits than slots, at most 256.
+        assert!(decode_splits(&shape(1, (1, 1), 1 << 24), 132, 2) <= 256);
     }
 }

@@ -59,14 +59,17 @@ macro_rules! sm80_forward_tiles {
     };
 }
 
-/// Calls `$instance!(dtype, Format, head_dim, stages)` for every compiled decoder (level 10): head
-/// dims 64, 128 and 256 (each also runs the head dims below it, down to the previous one, with
-/// zero columns that never touch device memory: the decoder is bound by memory, not by the
-/// products), with rings as deep as an H200's shared memory takes for two blocks an SM (one at
-/// 256), and a 2-stage ring at 128 for GPUs with 99 KiB a block.
+/// Calls `$instance!(dtype, Format, head_dim, stages, q_in_registers)` for every compiled decoder
+/// (level 10): head dims 64, 128 and 256 (each also runs the head dims below it, down to the
+/// previous one, with zero columns that never touch device memory: the decoder is bound by
+/// memory, not by the products). Rings of 3 stages: deeper ones (6 and 10 were tried) cost
+/// resident blocks, which the decoder needs more than bytes in flight (PERFORMANCE.md, issue
+/// 22). The 2-stage instance at 128 keeps Q in shared memory, not registers, and fits three
+/// blocks an SM (its launch bound in [`LAUNCH_BOUNDS`]): slower on the H200 than two blocks of
+/// the 3-stage one, it is there for GPUs with 99 KiB a block.
 macro_rules! decode_tiles {
     ($instance:ident) => {
-        each_half_format!($instance, [(64, 4), (128, 3), (128, 2), (256, 3)]);
+        each_half_format!($instance, [(64, 3, true), (128, 3, true), (128, 2, false), (256, 3, false)]);
     };
 }
 
@@ -206,6 +209,8 @@ pub const LAUNCH_BOUNDS: &[(&str, u32, u32)] = &[
     ("hopper_flash_bwd_bf16_m64_n128_d64_s2", 384, 1),
     ("hopper_flash_bwd_f16_m64_n128_d128_s2", 384, 1),
     ("hopper_flash_bwd_bf16_m64_n128_d128_s2", 384, 1),
+    ("decode_fwd_f16_d128_s2", 128, 3),
+    ("decode_fwd_bf16_d128_s2", 128, 3),
     ("flash_fwd_f16_m64_n32_d128_s2", 128, 3),
     ("flash_fwd_bf16_m64_n32_d128_s2", 128, 3),
     ("flash_fwd_f16_m64_n32_d128_s3", 128, 3),

@@ -464,7 +464,8 @@ impl DecodeShape {
     }
 
     /// Query rows of the whole problem, `batch · num_heads_q · seqlen_q`: the rows of the
-    /// partial results of each split.
+    /// partial results of each split (`[num_splits, query_rows, decode_partial_stride(head_dim)]`
+    /// floats of O, `[num_splits, query_rows]` of LSE).
     pub const fn query_rows(&self) -> usize {
         self.batch * self.num_heads_q * self.seqlen_q
     }
@@ -498,5 +499,15 @@ pub const fn decode_smem_bytes(head_dim: usize, stages: usize) -> usize {
     DECODE_BLOCK_M * (head_dim + MMA_SMEM_PAD) * 2 + DECODE_WARPS * DECODE_BLOCK_M * 4 + larger
 }
 
-/// Query rows merged per block of `decode_merge_*` (one warp a row).
-pub const DECODE_MERGE_ROWS: usize = 4;
+/// Floats from one row of the decoder's partial O to the next: head_dim rounded up to a multiple
+/// of 4, so that every row starts 16-byte aligned and the decoder and its merge move whole
+/// `F32x4` (the columns past head_dim are never read).
+pub const fn decode_partial_stride(head_dim: usize) -> usize {
+    head_dim.next_multiple_of(4)
+}
+
+/// Columns of one row that one thread of `decode_merge_*` merges.
+pub const DECODE_MERGE_COLUMNS: usize = 4;
+
+/// Threads per block of `decode_merge_*`.
+pub const DECODE_MERGE_THREADS: usize = 128;

@@ -9,7 +9,9 @@ use super::args::{flash_config, one_dim};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::kernels::entry;
-use crate::layout::{DECODE_MERGE_ROWS, DECODE_THREADS, DecodeShape, decode_smem_bytes};
+use crate::layout::{
+    DECODE_MERGE_COLUMNS, DECODE_MERGE_THREADS, DECODE_THREADS, DecodeShape, decode_partial_stride, decode_smem_bytes,
+};
 use crate::problem::Causal;
 use crate::runtime::{Context, DeviceTensor, KernelArg, NullPointer};
 use crate::select::decode_splits;
@@ -125,23 +127,31 @@ impl DecodePlan {
     }
 }
 
-/// The decoders compiled for `dtype`: (head_dim, stages, entry), deepest ring first per head_dim.
+/// The decoders compiled for `dtype`: (head_dim, stages, entry), in the order of preference
+/// per head_dim (the first that fits the device runs; [`decode_stages_override`] picks another).
 fn decoders(dtype: DType) -> &'static [(usize, usize, &'static str)] {
     match dtype {
         DType::F16 => &[
-            (64, 4, entry::DECODE_FWD_F16_D64_S4),
+            (64, 3, entry::DECODE_FWD_F16_D64_S3),
             (128, 3, entry::DECODE_FWD_F16_D128_S3),
             (128, 2, entry::DECODE_FWD_F16_D128_S2),
             (256, 3, entry::DECODE_FWD_F16_D256_S3),
         ],
         DType::Bf16 => &[
-            (64, 4, entry::DECODE_FWD_BF16_D64_S4),
+            (64, 3, entry::DECODE_FWD_BF16_D64_S3),
             (128, 3, entry::DECODE_FWD_BF16_D128_S3),
             (128, 2, entry::DECODE_FWD_BF16_D128_S2),
             (256, 3, entry::DECODE_FWD_BF16_D256_S3),
         ],
         DType::F32 => &[],
     }
+}
+
+/// `RUST_ATTENTION_DECODE_STAGES=N`: run the decoder whose ring has `N` stages where one is
+/// compiled for the problem's head_dim (for measurements; read once).
+fn decode_stages_override() -> Option<usize> {
+    static OVERRIDE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *OVERRIDE.get_or_init(|| std::env::var("RUST_ATTENTION_DECODE_STAGES").ok()?.parse().ok())
 }
 
 fn shape_error(what: String) -> Error {
@@ -197,16 +207,15 @@ impl Context {
         };
         let shape_args = s.args();
         let shape_tail: Vec<&dyn KernelArg> = shape_args.iter().map(|a| a as &dyn KernelArg).collect();
-        if let Some((k_new, v_new)) = new_kv {
-            if s.new_keys > 0 {
-                let (nb, nt, nh) = options.layout.strides(s.new_keys, s.num_heads_kv, s.head_dim);
-                let mut args: Vec<&dyn KernelArg> =
-                    vec![k_new, v_new, &*cache.k, &*cache.v, seqlens, table, &nb, &nt, &nh];
-                args.extend_from_slice(&shape_tail);
-                let elements = s.batch * s.new_keys * s.num_heads_kv * s.head_dim;
-                let blocks = elements.div_ceil(256).min(self.device().sm_count * 8).max(1);
-                self.launch(entry::DECODE_APPEND_KV, one_dim(blocks as u32, 256), &args)?;
-            }
+        if let Some((k_new, v_new)) = new_kv
+            && s.new_keys > 0
+        {
+            let (nb, nt, nh) = options.layout.strides(s.new_keys, s.num_heads_kv, s.head_dim);
+            let mut args: Vec<&dyn KernelArg> = vec![k_new, v_new, &*cache.k, &*cache.v, seqlens, table, &nb, &nt, &nh];
+            args.extend_from_slice(&shape_tail);
+            let elements = s.batch * s.new_keys * s.num_heads_kv * s.head_dim;
+            let blocks = elements.div_ceil(256).min(self.device().sm_count * 8).max(1);
+            self.launch(entry::DECODE_APPEND_KV, one_dim(blocks as u32, 256), &args)?;
         }
         let scale_log2 = options.scale.unwrap_or(1.0 / (s.head_dim as f32).sqrt()) * std::f32::consts::LOG2_E;
         let config = flash_config((s.blocks(), 1, 1), DECODE_THREADS, plan.shared_memory_bytes);
@@ -226,7 +235,7 @@ impl Context {
             args.extend_from_slice(&shape_tail);
             return self.launch(plan.entry, config, &args).map(|()| out);
         }
-        let o_partial = self.alloc_output::<f32>(&[s.num_splits, s.query_rows(), s.head_dim])?;
+        let o_partial = self.alloc_output::<f32>(&[s.num_splits, s.query_rows(), decode_partial_stride(s.head_dim)])?;
         let lse_partial = self.alloc_output::<f32>(&[s.num_splits, s.query_rows()])?;
         let mut args: Vec<&dyn KernelArg> = vec![
             q,
@@ -248,8 +257,9 @@ impl Context {
         };
         let mut args: Vec<&dyn KernelArg> = vec![&o_partial, &lse_partial, &out.o, &out.lse];
         args.extend_from_slice(&shape_tail);
-        let blocks = s.query_rows().div_ceil(DECODE_MERGE_ROWS);
-        self.launch(merge, flash_config((blocks, 1, 1), DECODE_MERGE_ROWS * 32, 0), &args)?;
+        let threads = s.query_rows() * s.head_dim.div_ceil(DECODE_MERGE_COLUMNS);
+        let blocks = threads.div_ceil(DECODE_MERGE_THREADS);
+        self.launch(merge, flash_config((blocks, 1, 1), DECODE_MERGE_THREADS, 0), &args)?;
         Ok(out)
     }
 
@@ -361,22 +371,25 @@ impl Context {
                 }
             }
         };
-        if let Some(scale) = options.scale {
-            if !scale.is_finite() {
-                return Err(Error::InvalidScale { scale });
-            }
+        if let Some(scale) = options.scale
+            && !scale.is_finite()
+        {
+            return Err(Error::InvalidScale { scale });
         }
         let (causal, bottom_right) = match options.causal {
             Causal::None => (0, 0),
             Causal::TopLeft => (1, 0),
             Causal::BottomRight => (1, 1),
         };
-        let &(compiled, stages, entry, smem) = decoders(T::DTYPE)
+        let compiled_for = |&&(d, _, _): &&(usize, usize, &str)| d >= head_dim;
+        let smallest = decoders(T::DTYPE).iter().find(compiled_for).map(|&(d, _, _)| d);
+        let forced = decode_stages_override()
+            .filter(|&f| decoders(T::DTYPE).iter().any(|&(d, s, _)| Some(d) == smallest && s == f));
+        let (compiled, stages, entry, smem) = decoders(T::DTYPE)
             .iter()
+            .filter(|&&(d, s, _)| Some(d) == smallest && forced.is_none_or(|f| f == s))
             .map(|&(d, s, e)| (d, s, e, decode_smem_bytes(d, s)))
-            .collect::<Vec<_>>()
-            .iter()
-            .find(|&&(d, _, _, smem)| d >= head_dim && smem <= self.device().max_shared_memory_per_block)
+            .find(|&(_, _, _, smem)| smem <= self.device().max_shared_memory_per_block)
             .ok_or_else(|| Error::SharedMemory {
                 kernel: "decoder".into(),
                 block_m: 16,
@@ -415,11 +428,13 @@ impl Context {
             pages_per_seq,
             num_pages,
         };
-        let blocks_per_sm =
-            if self.is_emulated() { 1 } else { self.kernel_blocks_per_sm(entry, DECODE_THREADS, smem)?.max(1) };
         shape.num_splits = match options.num_splits {
             Some(n) => n.clamp(1, 256),
-            None => decode_splits(&shape, self.device().sm_count, blocks_per_sm),
+            None => {
+                let blocks_per_sm =
+                    if self.is_emulated() { 1 } else { self.kernel_blocks_per_sm(entry, DECODE_THREADS, smem)?.max(1) };
+                decode_splits(&shape, self.device().sm_count, blocks_per_sm)
+            }
         };
         Ok(DecodePlan { shape, entry, shared_memory_bytes: smem, head_dim: compiled, stages })
     }

@@ -50,7 +50,7 @@ pub unsafe fn store_rows<const HEAD_DIM: usize, const ROWS: usize, const DVEC: u
 /// # Safety
 /// `row` holds `width` floats, 16-byte aligned when `width` is a multiple of 4.
 #[inline(always)]
-pub unsafe fn store4_clipped(value: F32x4, row: *mut f32, col: usize, width: usize) {
+unsafe fn store4_clipped(value: F32x4, row: *mut f32, col: usize, width: usize) {
     if col + 4 <= width && width.is_multiple_of(4) {
         // SAFETY: the four columns are inside the row, 16-byte aligned.
         unsafe { value.store(row.add(col)) };

@@ -197,11 +197,17 @@ pub fn cp_async_commit() {
 
 /// Waits until at most `pending` of the calling thread's committed copy groups are still in
 /// flight (`cp.async.wait_group`, whose count is an immediate: callers pass a constant, and a
-/// count above 3 waits for everything, which is always safe). It only covers the thread's own
-/// copies: a block barrier must follow before other threads read the data.
+/// count above 8 waits for everything, which is always safe — and serialises a deeper ring). It
+/// only covers the thread's own copies: a block barrier must follow before other threads read
+/// the data.
 #[inline(always)]
 pub fn cp_async_wait(pending: usize) {
     match pending {
+        8 => backend::cp_async_wait::<8>(),
+        7 => backend::cp_async_wait::<7>(),
+        6 => backend::cp_async_wait::<6>(),
+        5 => backend::cp_async_wait::<5>(),
+        4 => backend::cp_async_wait::<4>(),
         3 => backend::cp_async_wait::<3>(),
         2 => backend::cp_async_wait::<2>(),
         1 => backend::cp_async_wait::<1>(),

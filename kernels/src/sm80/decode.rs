@@ -49,14 +49,14 @@
 //! `seqlens_k[b]` keys (or `seqlen_k` for all when no lengths are given), at most the cache's
 //! capacity.
 
-use crate::attention::epilogue::{store4_clipped, store4_half_clipped};
+use crate::attention::epilogue::store4_half_clipped;
 use crate::attention::fragment::{FragmentLane, mask_columns, pack_a, scale_rows};
 use crate::attention::mask::Mask;
 use crate::attention::softmax::{RowSoftmax, lse_weight, merged_lse};
-use crate::hw::{self, FragA, HalfFloat, SharedMemory};
+use crate::hw::{self, F32x4, FragA, HalfFloat, SharedMemory};
 use crate::layout::{
-    DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_MERGE_ROWS, DECODE_THREADS, DECODE_WARPS, DecodeShape, MMA_SMEM_PAD,
-    decode_ring_rows, div_rem,
+    DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_MERGE_COLUMNS, DECODE_MERGE_THREADS, DECODE_THREADS, DECODE_WARPS,
+    DecodeShape, MMA_SMEM_PAD, decode_partial_stride, decode_ring_rows, div_rem,
 };
 use crate::sm80::pipeline::{KvRing, KvSource, WarpScope};
 
@@ -152,7 +152,7 @@ impl PackedRows {
 /// The pointers and strides describe tensors of `shape` (16-bit elements of format `T`), with
 /// every row 2-byte aligned and 16-byte aligned where its strides are multiples of 8; the keys
 /// of every sequence fit its cache (its pages); with one split `o` and `lse` are written,
-/// otherwise `o_partial` (`[num_splits, batch · num_heads_q · seqlen_q, head_dim]`) and
+/// otherwise `o_partial` (`[num_splits, batch · num_heads_q · seqlen_q, decode_partial_stride]`) and
 /// `lse_partial` (`[num_splits, batch · num_heads_q · seqlen_q]`); the launch has the grid,
 /// block and shared memory above.
 #[inline(always)]
@@ -161,6 +161,7 @@ unsafe fn decode_forward<
     T: HalfFloat,
     const HEAD_DIM: usize,
     const STAGES: usize,
+    const Q_IN_REGISTERS: bool,
     const D_STEPS: usize,
     const D_TILES: usize,
 >(
@@ -267,8 +268,9 @@ unsafe fn decode_forward<
     let sign = if scale_log2 < 0.0 { 0x8000_8000 } else { 0 };
     let c = scale_log2.abs().max(f32::MIN_POSITIVE);
     let q_fragment = |ks: usize| -> FragA { q_tile.fragment_a(0, 16 * ks).map(|x| x ^ sign) };
-    // Q stays in registers up to head_dim 128; at 256 its 64 registers go to O's 128.
-    let q_in_registers = HEAD_DIM <= 128;
+    // Q stays in registers where the instance says so (`decode_tiles!`): at head_dim 256 its 64
+    // registers go to O's 128, and a 3-blocks-an-SM instance needs them for its budget.
+    let q_in_registers = Q_IN_REGISTERS;
     let mut q_frag = [[0u32; 4]; D_STEPS];
     if q_in_registers {
         q_frag = core::array::from_fn(q_fragment);
@@ -356,7 +358,7 @@ unsafe fn decode_forward<
                     store4_half_clipped::<T>(sum, dst, col, s.head_dim);
                 } else {
                     let row = ((split * s.batch + b) * s.num_heads_q + head) * s.seqlen_q + t;
-                    store4_clipped(sum, o_partial.add(row * s.head_dim), col, s.head_dim);
+                    sum.store(o_partial.add(row * decode_partial_stride(s.head_dim) + col));
                 }
             }
         }
@@ -412,13 +414,15 @@ unsafe fn copy_q_rows<const HEAD_DIM: usize>(
 }
 
 /// Merges the splits of every query row by their LSE (see the module docs): O in format `T` at
-/// its strides, LSE `[batch, num_heads_q, seqlen_q]`. One warp a row; lane `l` sums columns
-/// `l, l + 32, …` (up to 256).
+/// its strides, LSE `[batch, num_heads_q, seqlen_q]`. One thread per row and 4 columns
+/// (`DECODE_MERGE_COLUMNS`): each reads the row's split LSEs (the same for the row's threads, so
+/// they come from L1 after the first), then the splits' columns, loads that do not wait for each
+/// other. (A warp a row, looping over the splits, left the GPU nearly idle: PERFORMANCE.md.)
 ///
 /// # Safety
 /// `o_partial`, `lse_partial` are what the decoder wrote for `shape` with `shape.num_splits`
-/// splits; O's rows exist at their strides; the grid has `ceil(query_rows / 4)` blocks of 128
-/// threads.
+/// splits; O's rows exist at their strides; the grid covers `query_rows · ceil(head_dim / 4)`
+/// threads in blocks of `DECODE_MERGE_THREADS`.
 #[inline(always)]
 unsafe fn merge_splits<T: HalfFloat>(
     o_partial: *const f32,
@@ -427,55 +431,38 @@ unsafe fn merge_splits<T: HalfFloat>(
     lse: *mut f32,
     shape: DecodeShape,
 ) {
-    const MAX_COLUMNS: usize = 256 / 32;
     let s = shape;
     let n = s.query_rows();
-    let row = hw::block_idx().0 * DECODE_MERGE_ROWS + hw::warp_id();
-    if row >= n {
+    let quads = s.head_dim.div_ceil(DECODE_MERGE_COLUMNS);
+    let item = hw::block_idx().0 * DECODE_MERGE_THREADS + hw::thread_idx_x();
+    if item >= n * quads {
         return;
     }
-    let lane = hw::lane_id();
+    let (row, quad) = div_rem(item, quads);
+    let col = DECODE_MERGE_COLUMNS * quad;
     // SAFETY (every read below): split `p`'s row exists in the partial tensors.
     let part_lse = |p: usize| unsafe { *lse_partial.add(p * n + row) };
     let mut max = f32::NEG_INFINITY;
-    let mut p = lane;
-    while p < s.num_splits {
-        max = max.max(part_lse(p));
-        p += 32;
-    }
-    let max = hw::group_max::<32>(max);
-    let mut sum = 0.0;
-    let mut p = lane;
-    while p < s.num_splits {
-        sum += lse_weight(part_lse(p), max);
-        p += 32;
-    }
-    let total = merged_lse(max, hw::group_sum::<32>(sum));
-    let mut acc = [0.0f32; MAX_COLUMNS];
     for p in 0..s.num_splits {
-        // The same weight in every lane: the branch is uniform.
+        max = max.max(part_lse(p));
+    }
+    let mut sum = 0.0;
+    for p in 0..s.num_splits {
+        sum += lse_weight(part_lse(p), max);
+    }
+    let total = merged_lse(max, sum);
+    let mut acc = F32x4::ZERO;
+    for p in 0..s.num_splits {
         let weight = lse_weight(part_lse(p), total);
-        if weight != 0.0 {
-            let part = unsafe { o_partial.add((p * n + row) * s.head_dim) };
-            for j in 0..MAX_COLUMNS {
-                let col = lane + 32 * j;
-                if col < s.head_dim {
-                    acc[j] += weight * unsafe { *part.add(col) };
-                }
-            }
-        }
+        // SAFETY: the row's four columns (past head_dim: the stride's padding), 16-byte aligned.
+        let value = unsafe { F32x4::load(o_partial.add((p * n + row) * decode_partial_stride(s.head_dim) + col)) };
+        acc = acc.add_scaled(weight, value);
     }
     let (bh, t) = div_rem(row, s.seqlen_q);
     let (b, head) = div_rem(bh, s.num_heads_q);
     // SAFETY: O's row exists at its strides; columns below head_dim only.
-    let dst = unsafe { o.add(b * s.o_batch + t * s.o_token + head * s.o_head) };
-    for j in 0..MAX_COLUMNS {
-        let col = lane + 32 * j;
-        if col < s.head_dim {
-            unsafe { *dst.add(col) = T::pack(acc[j], 0.0) as u16 };
-        }
-    }
-    if lane == 0 {
+    unsafe { store4_half_clipped::<T>(acc, o.add(b * s.o_batch + t * s.o_token + head * s.o_head), col, s.head_dim) };
+    if quad == 0 {
         // SAFETY: one LSE per query row.
         unsafe { *lse.add(row) = total };
     }
@@ -564,7 +551,7 @@ macro_rules! decode_kernel {
 /// (every instance runs the head dims up to its own), and the merge per format; `decode_tiles!` (in
 /// [`crate::configs`]) lists them.
 macro_rules! decode_instance {
-    ($dtype:ident, $format:ident, $head_dim:literal, $stages:literal) => {
+    ($dtype:ident, $format:ident, $head_dim:literal, $stages:literal, $q_regs:literal) => {
         decode_kernel! {
         /// The split-KV decoder; see the module docs and `decode_forward`.
         ///
@@ -583,7 +570,7 @@ macro_rules! decode_instance {
             scale_log2: f32,
         ) |shape| {
             unsafe {
-                decode_forward::<hw::$format, $head_dim, $stages, { $head_dim / 16 }, { $head_dim / 8 }>(
+                decode_forward::<hw::$format, $head_dim, $stages, $q_regs, { $head_dim / 16 }, { $head_dim / 8 }>(
                     (q, k, v), (o, lse, o_partial, lse_partial), (seqlens_k, block_table), shape, scale_log2,
                 )
             }
