@@ -153,6 +153,25 @@ impl Default for RowSoftmax {
     }
 }
 
+/// The online softmax wants a positive factor c = scale·log₂e (see [`RowSoftmax::update`]): a
+/// negative scale is applied as −Q with |c| (flipping the sign bits of the 16-bit Q values with
+/// [`q_sign_mask`]), and a zero scale as the smallest normal float, which gives every finite
+/// score the same weight, 2^(s·c) = 1 in f32, as a zero scale does. Returns c.
+#[inline(always)]
+pub fn positive_factor(scale_log2: f32) -> f32 {
+    scale_log2.abs().max(f32::MIN_POSITIVE)
+}
+
+/// The mask to XOR into every pair of 16-bit Q values ([`crate::hw::Half2`]) so that Q becomes
+/// −Q when the scale is negative (see [`positive_factor`]); 0 otherwise.
+#[inline(always)]
+pub fn q_sign_mask(scale_log2: f32) -> u32 {
+    if scale_log2 < 0.0 { NEGATED_HALF2 } else { 0 }
+}
+
+/// The sign bits of both halves of a [`crate::hw::Half2`]: XOR-ing it negates both values.
+pub const NEGATED_HALF2: u32 = 0x8000_8000;
+
 // ANCHOR: lse_merge
 /// Merging partial results by their logsumexp: the step that lets attention over one set of keys
 /// be computed in parts (split-KV decoding, "Flash-Decoding", Dao et al. 2023; the warps of one

@@ -529,9 +529,7 @@ pub(crate) unsafe fn flash_backward_q_mma<
         q_tile.copy_rows_async(x.q.add(first_row), BLOCK_M, HEAD_DIM, d, q_rows, threads);
         do_tile.copy_rows_async(x.d_o.add(first_row), BLOCK_M, HEAD_DIM, d, q_rows, threads);
     }
-    for tile in 0..STAGES - 1 {
-        ring.fetch(tile);
-    }
+    ring.prime();
     // This lane's two rows' LSE (base 2) and D; padding rows get 0 (they are masked).
     let (mut lse2, mut delta) = ([0.0f32; 2], [0.0f32; 2]);
     for r in 0..2 {

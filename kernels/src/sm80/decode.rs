@@ -52,7 +52,7 @@
 use crate::attention::epilogue::store4_half_clipped;
 use crate::attention::fragment::{FragmentLane, mask_columns, pack_a, scale_rows};
 use crate::attention::mask::Mask;
-use crate::attention::softmax::{RowSoftmax, lse_weight, merged_lse};
+use crate::attention::softmax::{RowSoftmax, lse_weight, merged_lse, positive_factor, q_sign_mask};
 use crate::hw::{self, F32x4, FragA, HalfFloat, SharedMemory};
 use crate::layout::{
     DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_MERGE_COLUMNS, DECODE_MERGE_THREADS, DECODE_THREADS, DECODE_WARPS,
@@ -259,14 +259,11 @@ unsafe fn decode_forward<
     // first copy group of every thread, with its warp's first key tile.
     // SAFETY: the block's packed rows exist in Q.
     unsafe { copy_q_rows::<HEAD_DIM>(q_tile, q, (b, kv_head * group), rows, &s) };
-    for tile in 0..STAGES - 1 {
-        ring.fetch(tile);
-    }
+    ring.prime();
     hw::cp_async_wait(STAGES - 2);
     hw::sync_threads();
-    // As in level 5: a negative scale is −Q with |c|, a zero scale the smallest normal float.
-    let sign = if scale_log2 < 0.0 { 0x8000_8000 } else { 0 };
-    let c = scale_log2.abs().max(f32::MIN_POSITIVE);
+    // A negative scale is −Q with |c|, a zero scale the smallest normal float (`positive_factor`).
+    let (sign, c) = (q_sign_mask(scale_log2), positive_factor(scale_log2));
     let q_fragment = |ks: usize| -> FragA { q_tile.fragment_a(0, 16 * ks).map(|x| x ^ sign) };
     // Q stays in registers where the instance says so (`decode_tiles!`): at head_dim 256 its 64
     // registers go to O's 128, and a 3-blocks-an-SM instance needs them for its budget.

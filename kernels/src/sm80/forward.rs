@@ -46,7 +46,7 @@ use crate::attention::epilogue::{store_fragment_lse, store_warp_rows};
 use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a, scale_rows};
 use crate::attention::mask::Mask;
 use crate::attention::schedule::QueryBlock;
-use crate::attention::softmax::RowSoftmax;
+use crate::attention::softmax::{RowSoftmax, positive_factor, q_sign_mask};
 use crate::hw::{self, FragA, HalfFloat, SharedMemory};
 use crate::layout::{
     AttentionShape, MMA_FORWARD_WARPS, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_forward_threads, q_in_registers, q_shares_ring,
@@ -132,17 +132,11 @@ pub(crate) unsafe fn flash_forward_mma<
     // Prologue: Q travels in the first group, with K/V tile 0; tiles 1 .. STAGES − 1 follow.
     // SAFETY: rows q_start .. q_start + q_rows of this head exist.
     unsafe { q_tile.copy_rows_async(q_head.add(q_start * d), BLOCK_M, HEAD_DIM, d, q_rows, threads) };
-    for tile in 0..STAGES - 1 {
-        ring.fetch(tile);
-    }
+    ring.prime();
     hw::cp_async_wait(STAGES - 2);
     hw::sync_threads();
-    // The softmax wants a positive factor c = scale·log₂e (see `RowSoftmax::update`): a negative
-    // scale is applied as −Q with |c| (flipping the sign bits of the 16-bit Q values), and a
-    // zero scale as the smallest normal float, which gives every finite score the same weight,
-    // 2^(s·c) = 1 in f32, as a zero scale does.
-    let sign = if scale_log2 < 0.0 { 0x8000_8000 } else { 0 };
-    let c = scale_log2.abs().max(f32::MIN_POSITIVE);
+    // A negative scale is −Q with |c|, a zero scale the smallest normal float (`positive_factor`).
+    let (sign, c) = (q_sign_mask(scale_log2), positive_factor(scale_log2));
     let q_fragment = |r: usize, ks: usize| q_tile.fragment_a(warp_row + 16 * r, 16 * ks).map(|x| x ^ sign);
     let mut q_frag = [[[0u32; 4]; D_STEPS]; WARP_TILES];
     if q_in_registers {

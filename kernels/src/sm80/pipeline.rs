@@ -177,6 +177,15 @@ impl<const BLOCK_N: usize, const HEAD_DIM: usize, const STAGES: usize, S: KvSour
         hw::cp_async_commit();
     }
 
+    /// The prologue: starts the copies of tiles `0 .. STAGES − 1`, one group each. Every thread
+    /// of the scope calls it.
+    #[inline(always)]
+    pub fn prime(self) {
+        for tile in 0..STAGES - 1 {
+            self.fetch(tile);
+        }
+    }
+
     /// The top of iteration `tile` of the key loop: waits until tile `tile` has landed for
     /// every thread of the scope (and every one of them is done with tile `tile − 1`'s slot),
     /// starts the copies of tile `tile + STAGES − 1` into that slot, and returns tile `tile`'s K

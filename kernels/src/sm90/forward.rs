@@ -43,7 +43,7 @@ use crate::attention::epilogue::{store_fragment_lse, store_fragment_pairs};
 use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a, scale_rows};
 use crate::attention::mask::Mask;
 use crate::attention::schedule::{ForwardOrder, PersistentUnits};
-use crate::attention::softmax::RowSoftmax;
+use crate::attention::softmax::{NEGATED_HALF2, RowSoftmax, positive_factor};
 use crate::configs::{SM90_FORWARD_REGISTERS_M64, SM90_FORWARD_REGISTERS_M128, SM90_FORWARD_REGISTERS_M192};
 use crate::hw::{
     self, Accumulator, FragA, FragC, HalfFloat, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, TensorMaps, WARPGROUP_THREADS,
@@ -315,7 +315,7 @@ unsafe fn consume<
         fence_proxy_async();
         named_barrier_sync(1 + index as u32, WARPGROUP_THREADS as u32);
     }
-    let c = scale_log2.abs().max(f32::MIN_POSITIVE);
+    let c = positive_factor(scale_log2);
 
     // The keys of the warpgroup's rows: tiles that end before every row's limit need no mask.
     let keys = mask.keys_for(q_start + index * WARPGROUP_ROWS, WARPGROUP_ROWS);
@@ -484,7 +484,7 @@ unsafe fn negate_rows<const BLOCK_M: usize, const D: usize>(rows: *mut u8) {
             // SAFETY: inside this warpgroup's rows of the column block.
             unsafe {
                 let word = rows.add(column_block * BLOCK_M * SWIZZLE_ROW_BYTES + 16 * chunk) as *mut [u32; 4];
-                *word = (*word).map(|w| w ^ 0x8000_8000);
+                *word = (*word).map(|w| w ^ NEGATED_HALF2);
             }
             chunk += WARPGROUP_THREADS;
         }
