@@ -36,7 +36,7 @@ pub struct Args {
     #[arg(long, default_value_t = 32)]
     pub heads: usize,
     /// K/V heads (divides --heads; default: --heads).
-    #[arg(long)]
+    #[arg(long, visible_alias = "heads-kv")]
     pub kv_heads: Option<usize>,
     /// New queries per sequence (1 for plain decoding, more for speculative decoding).
     #[arg(long, default_value_t = 1)]
@@ -51,23 +51,23 @@ pub struct Args {
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
     /// A paged cache with pages of this many tokens (a multiple of 16), in shuffled order.
-    #[arg(long)]
-    pub page_size: Option<usize>,
+    #[arg(long, value_parser = clap::value_parser!(u32).range(16..))]
+    pub page_size: Option<u32>,
     /// Layout of Q, O and the cache.
     #[arg(long, value_enum, default_value_t = LayoutArg::Bshd)]
     pub layout: LayoutArg,
     /// Causal mask (bottom-right is the one decoding with seqlen_q > 1 needs).
     #[arg(long, value_enum, default_value_t = CausalArg::None)]
     pub causal: CausalArg,
-    /// Blocks per sequence (default: the heuristic).
-    #[arg(long)]
-    pub splits: Option<usize>,
+    /// Blocks that share each sequence's keys, 1 to 256 (default: the heuristic).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub splits: Option<u16>,
     /// Untimed runs first.
     #[arg(long, default_value_t = 10)]
     pub warmup: usize,
-    /// Timed runs (the median is reported).
-    #[arg(long, default_value_t = 50)]
-    pub repeats: usize,
+    /// Timed runs (the median is reported; at least 1).
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..))]
+    pub repeats: u32,
     /// Compare O and LSE with the f64 CPU reference.
     #[arg(long)]
     pub check: bool,
@@ -83,7 +83,11 @@ pub struct Args {
 /// ([`Error::CheckFailed`]).
 pub fn run(args: &Args) -> Result<()> {
     let dtype: DType = args.dtype.parse().map_err(|e: String| Error::Argument(e))?;
-    let ctx = Context::open(args.device)?;
+    let ctx = Context::open(args.device).inspect_err(|e| {
+        if matches!(e, Error::NoDriver | Error::NoDevice { .. }) {
+            eprintln!("(no GPU: `--device cpu-emulated` runs the decoder's own source on the CPU; keep sizes small)");
+        }
+    })?;
     match dtype {
         DType::F16 => run_typed::<f16>(&ctx, args),
         DType::Bf16 => run_typed::<bf16>(&ctx, args),
@@ -94,6 +98,7 @@ pub fn run(args: &Args) -> Result<()> {
 fn run_typed<T: Element>(ctx: &Context, args: &Args) -> Result<()> {
     let (b, hq, sq, d, len) = (args.batch, args.heads, args.seqlen_q, args.head_dim, args.cache_len);
     let hkv = args.kv_heads.unwrap_or(hq);
+    let page_size = args.page_size.map(|p| p as usize);
     let layout = match args.layout {
         LayoutArg::Bshd => Layout::Bshd,
         LayoutArg::Bhsd => Layout::Bhsd,
@@ -104,7 +109,7 @@ fn run_typed<T: Element>(ctx: &Context, args: &Args) -> Result<()> {
     };
     // A contiguous cache of exactly the length, or pages in shuffled order (a fixed
     // permutation: page i of sequence b is page (i · 7919 + b) mod pages, 7919 being prime).
-    let (outer, rows, table) = match args.page_size {
+    let (outer, rows, table) = match page_size {
         None => (b, len.max(1), None),
         Some(page) => {
             let per_seq = len.div_ceil(page).max(1);
@@ -122,19 +127,23 @@ fn run_typed<T: Element>(ctx: &Context, args: &Args) -> Result<()> {
     let mut k = ctx.upload(&from_f32_slice::<T>(&k_host), &shape4(outer, rows, hkv))?;
     let mut v = ctx.upload(&from_f32_slice::<T>(&v_host), &shape4(outer, rows, hkv))?;
     let seqlens: DeviceTensor<i32> = ctx.upload(&vec![len as i32; b], &[b])?;
-    let options = DecodeOptions { scale: None, causal: args.causal.into(), layout, num_splits: args.splits };
+    let options =
+        DecodeOptions { scale: None, causal: args.causal.into(), layout, num_splits: args.splits.map(usize::from) };
     let mut cache = KvCache { k: &mut k, v: &mut v, seqlens: Some(&seqlens), block_table: table.as_ref() };
     let plan = ctx.decode_plan(&q, &cache, None, &options)?;
-    let time = timing::time_gpu(ctx, args.warmup, args.repeats, || {
+    let time = timing::time_gpu(ctx, args.warmup, args.repeats as usize, || {
         ctx.attention_with_kv_cache(&q, &mut cache, None, &options).map(drop)
     })?;
     let bytes = 2.0 * (b * len * hkv * d * T::DTYPE.size()) as f64;
     let gbps = bytes / (time.median_ms * 1e-3) / 1e9;
-    let paging = args.page_size.map_or("contiguous".to_string(), |p| format!("pages of {p}"));
+    let paging = page_size.map_or("contiguous".to_string(), |p| format!("pages of {p}"));
     println!(
-        "decode [{b}, {hq}, {hkv}, {sq}, {len}, {d}] {} {:?} {paging}: {} — {:.1} µs median, {gbps:.0} GB/s of K and V ({:.1} MB)",
+        "decode [batch {b}, heads {hq}, kv-heads {hkv}, seqlen-q {sq}, cache-len {len}, head-dim {d}] {} {} {paging}: {} — {:.1} µs median, {gbps:.0} GB/s of K and V ({:.1} MB)",
         T::DTYPE,
-        args.layout,
+        match layout {
+            Layout::Bshd => "bshd",
+            Layout::Bhsd => "bhsd",
+        },
         plan.label(),
         time.median_ms * 1e3,
         bytes / 1e6
@@ -171,7 +180,7 @@ fn check<T: Element>(
         None => None,
     };
     let per_seq = len.div_ceil(rows).max(1);
-    let place = |bb: usize, t: usize| match (&table, args.page_size) {
+    let place = |bb: usize, t: usize| match (&table, args.page_size.map(|p| p as usize)) {
         (Some(tab), Some(page)) => (tab[bb * per_seq + t / page] as usize, t % page),
         _ => (bb, t),
     };

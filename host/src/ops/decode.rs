@@ -98,10 +98,11 @@ pub struct DecodeOptions {
     /// decoding needs when seqlen_q > 1, e.g. speculative decoding) query `i` of a sequence
     /// with `L` keys sees keys `j ≤ i + L − seqlen_q`.
     pub causal: Causal,
-    /// The layout of Q, O, the cache and the new K/V rows.
+    /// The layout of Q, O, the cache and the new K/V rows; the default is [`Layout::Bhsd`], the
+    /// rest of the library's (token-major caches, FlashAttention's, need [`Layout::Bshd`]).
     pub layout: Layout,
     /// Blocks that share each sequence's keys; `None` lets the heuristic choose
-    /// ([`crate::select::decode_splits`]). Clamped to 1..=256.
+    /// (`decode_splits` in `host/src/select.rs`). Clamped to 1..=256.
     pub num_splits: Option<usize>,
 }
 
@@ -306,9 +307,17 @@ impl Context {
         if head_dim == 0 || head_dim > 256 {
             return Err(shape_error(format!("head_dim {head_dim}: the decoder takes 1 to 256")));
         }
-        if num_heads_kv == 0 || num_heads_q % num_heads_kv != 0 {
+        if num_heads_kv == 0 {
+            return Err(shape_error(format!("k_cache has shape {:?}: heads must be at least 1", cache.k.shape())));
+        }
+        if num_heads_q % num_heads_kv != 0 {
             return Err(shape_error(format!(
-                "{num_heads_q} query heads are not a multiple of the cache's {num_heads_kv} heads"
+                "{num_heads_q} query heads are not a multiple of the cache's {num_heads_kv} heads (q {:?} and \
+                 k_cache {:?} read as {:?} {}; DecodeOptions::layout says which)",
+                q.shape(),
+                cache.k.shape(),
+                layout,
+                layout.name()
             )));
         }
         let (k_batch, k_token, k_head) = layout.strides(rows, num_heads_kv, head_dim);
