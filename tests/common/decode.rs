@@ -56,18 +56,6 @@ impl DecodeCase {
     }
 }
 
-/// Element `(b, s, h, d)` of a 4-D tensor in `layout` with `seqlen` tokens and `heads` heads.
-fn index(
-    layout: Layout,
-    (seqlen, heads, d_len): (usize, usize, usize),
-    (b, s, h, d): (usize, usize, usize, usize),
-) -> usize {
-    match layout {
-        Layout::Bhsd => ((b * heads + h) * seqlen + s) * d_len + d,
-        Layout::Bshd => ((b * seqlen + s) * heads + h) * d_len + d,
-    }
-}
-
 /// Runs `case` on `ctx` and checks O, LSE and (with an append) the cache's new rows; returns
 /// the errors of O and LSE.
 pub fn check_decode<T: Element>(ctx: &Context, case: &DecodeCase, seed: u64) -> (f64, f64) {
@@ -93,7 +81,7 @@ pub fn check_decode<T: Element>(ctx: &Context, case: &DecodeCase, seed: u64) -> 
         for h in 0..hq {
             for s in 0..sq {
                 for c in 0..d {
-                    q_host[index(case.layout, (sq, hq, d), (b, s, h, c))] = q_logical[((b * hq + h) * sq + s) * d + c];
+                    q_host[case.layout.offset((sq, hq, d), (b, s, h, c))] = q_logical[((b * hq + h) * sq + s) * d + c];
                 }
             }
         }
@@ -124,17 +112,14 @@ pub fn check_decode<T: Element>(ctx: &Context, case: &DecodeCase, seed: u64) -> 
             let (o, r) = place(b, t);
             for h in 0..hkv {
                 for c in 0..d {
-                    let at = index(case.layout, (rows, hkv, d), (o, r, h, c));
+                    let at = case.layout.offset((rows, hkv, d), (o, r, h, c));
                     k_host[at] = seq.k[(h * seq.len + t) * d + c];
                     v_host[at] = seq.v[(h * seq.len + t) * d + c];
                 }
             }
         }
     }
-    let shape4 = |b: usize, s: usize, h: usize| match case.layout {
-        Layout::Bhsd => [b, h, s, d],
-        Layout::Bshd => [b, s, h, d],
-    };
+    let shape4 = |b: usize, s: usize, h: usize| case.layout.shape(b, s, h, d);
     let q = ctx.upload(&from_f32_slice::<T>(&q_host), &shape4(batch, sq, hq)).unwrap();
     let mut k_cache = ctx.upload(&from_f32_slice::<T>(&k_host), &shape4(outer, rows, hkv)).unwrap();
     let mut v_cache = ctx.upload(&from_f32_slice::<T>(&v_host), &shape4(outer, rows, hkv)).unwrap();
@@ -152,7 +137,7 @@ pub fn check_decode<T: Element>(ctx: &Context, case: &DecodeCase, seed: u64) -> 
             for t in 0..n {
                 for h in 0..hkv {
                     for c in 0..d {
-                        let at = index(case.layout, (n, hkv, d), (b, t, h, c));
+                        let at = case.layout.offset((n, hkv, d), (b, t, h, c));
                         let from = (h * seq.len + case.cached[b] + t) * d + c;
                         k_new[at] = seq.k[from];
                         v_new[at] = seq.v[from];
@@ -179,7 +164,7 @@ pub fn check_decode<T: Element>(ctx: &Context, case: &DecodeCase, seed: u64) -> 
         for h in 0..hq {
             for s in 0..sq {
                 for c in 0..d {
-                    o[((b * hq + h) * sq + s) * d + c] = o_host[index(case.layout, (sq, hq, d), (b, s, h, c))];
+                    o[((b * hq + h) * sq + s) * d + c] = o_host[case.layout.offset((sq, hq, d), (b, s, h, c))];
                 }
             }
         }
@@ -210,7 +195,7 @@ pub fn check_decode<T: Element>(ctx: &Context, case: &DecodeCase, seed: u64) -> 
             for t in case.cached[b]..(case.cached[b] + case.new_keys).min(capacity) {
                 let (o, r) = place(b, t);
                 for h in 0..hkv {
-                    let at = index(case.layout, (rows, hkv, d), (o, r, h, 0));
+                    let at = case.layout.offset((rows, hkv, d), (o, r, h, 0));
                     assert_eq!(
                         &k_after[at..at + d],
                         &seq.k[(h * seq.len + t) * d..(h * seq.len + t + 1) * d],

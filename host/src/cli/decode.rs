@@ -103,10 +103,7 @@ fn run_typed<T: Element>(ctx: &Context, args: &Args) -> Result<()> {
         LayoutArg::Bshd => Layout::Bshd,
         LayoutArg::Bhsd => Layout::Bhsd,
     };
-    let shape4 = |outer: usize, s: usize, h: usize| match layout {
-        Layout::Bhsd => [outer, h, s, d],
-        Layout::Bshd => [outer, s, h, d],
-    };
+    let shape4 = |outer: usize, s: usize, h: usize| layout.shape(outer, s, h, d);
     // A contiguous cache of exactly the length, or pages in shuffled order (a fixed
     // permutation: page i of sequence b is page (i · 7919 + b) mod pages, 7919 being prime).
     let (outer, rows, table) = match page_size {
@@ -171,10 +168,7 @@ fn check<T: Element>(
     let hkv = args.kv_heads.unwrap_or(hq);
     let round = |x: &[f32]| to_f32_vec(&from_f32_slice::<T>(x));
     let (q_r, k_r, v_r) = (round(q_host), round(k_host), round(v_host));
-    let at = |s: usize, h: usize, (o, t, hh, c): (usize, usize, usize, usize)| match layout {
-        Layout::Bhsd => ((o * h + hh) * s + t) * d + c,
-        Layout::Bshd => ((o * s + t) * h + hh) * d + c,
-    };
+    let at = |s: usize, h: usize, element| layout.offset((s, h, d), element);
     let table = match cache.block_table {
         Some(t) => Some(t.to_host()?),
         None => None,

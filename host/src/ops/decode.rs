@@ -48,11 +48,22 @@ impl Layout {
     }
 
     /// The shape of a tensor of these dimensions in this layout.
-    fn shape(self, batch: usize, seqlen: usize, heads: usize, head_dim: usize) -> [usize; 4] {
+    pub fn shape(self, batch: usize, seqlen: usize, heads: usize, head_dim: usize) -> [usize; 4] {
         match self {
             Self::Bhsd => [batch, heads, seqlen, head_dim],
             Self::Bshd => [batch, seqlen, heads, head_dim],
         }
+    }
+
+    /// The offset (elements) of element `(b, t, h, c)` — batch, token, head, column — of a
+    /// contiguous tensor of `seqlen` tokens of `heads` heads of `head_dim` in this layout.
+    pub fn offset(
+        self,
+        (seqlen, heads, head_dim): (usize, usize, usize),
+        (b, t, h, c): (usize, usize, usize, usize),
+    ) -> usize {
+        let (batch, token, head) = self.strides(seqlen, heads, head_dim);
+        b * batch + t * token + h * head + c
     }
 
     fn name(self) -> &'static str {

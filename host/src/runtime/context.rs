@@ -4,8 +4,9 @@
 //! the kernel path and the tensor-map cache. The attention operations on it are in
 //! [`crate::ops`].
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use attn_kernels::emu::{Arg, Launch};
 use cudarc::driver::sys::{
@@ -51,6 +52,9 @@ pub(crate) enum Backend {
         /// The Hopper kernels' tensor maps already in device memory, by content
         /// ([`TensorMapCache`]).
         tensor_maps: TensorMapCache,
+        /// [`Context::kernel_blocks_per_sm`]'s answers, by (entry, threads, shared memory): a
+        /// decoding step asks on every call, and the answer never changes.
+        occupancy: Mutex<HashMap<(String, usize, usize), usize>>,
     },
     Emulated,
 }
@@ -115,7 +119,13 @@ impl Context {
         let preferred = if hopper { KernelPath::Sm90a } else { KernelPath::Sm80 };
         let context = Self {
             id: next_context_id(),
-            backend: Backend::Cuda { cuda, stream, modules, tensor_maps: Default::default() },
+            backend: Backend::Cuda {
+                cuda,
+                stream,
+                modules,
+                tensor_maps: Default::default(),
+                occupancy: Default::default(),
+            },
             info,
             kernel_path: KernelPath::Sm80,
         };
@@ -239,6 +249,12 @@ impl Context {
     /// # Errors
     /// [`Error::NotOnEmulator`] on the emulator; [`Error::Driver`].
     pub fn kernel_blocks_per_sm(&self, entry: &str, threads: usize, shared_memory_bytes: usize) -> Result<usize> {
+        let key = (entry.to_string(), threads, shared_memory_bytes);
+        if let Backend::Cuda { occupancy, .. } = &self.backend
+            && let Some(&blocks) = occupancy.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(&key)
+        {
+            return Ok(blocks);
+        }
         let function = self.function(entry)?;
         // The occupancy calculator counts only what the kernel may use: opt it in first, as a
         // launch does.
@@ -253,6 +269,9 @@ impl Context {
         let blocks = function
             .occupancy_max_active_blocks_per_multiprocessor(threads as u32, shared_memory_bytes, None)
             .during(format!("reading the occupancy of {entry}"))?;
+        if let Backend::Cuda { occupancy, .. } = &self.backend {
+            occupancy.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(key, blocks as usize);
+        }
         Ok(blocks as usize)
     }
 

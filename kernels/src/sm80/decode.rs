@@ -193,11 +193,12 @@ unsafe fn decode_forward<
     };
     let offset = if s.bottom_right != 0 { seqlen_k as isize - s.seqlen_q as isize } else { 0 };
     let mask = Mask::from_args(s.seqlen_q, seqlen_k, s.causal, offset);
+    // The keys the block's rows visit, as for a block of consecutive queries from its first
+    // query to its last.
     let (first_query, last_query) = rows.query_span();
-    let keys = mask.key_limit(last_query);
-    let all_see = mask.key_limit(first_query);
+    let keys = mask.keys_for(first_query, last_query - first_query + 1);
     // The split's key tiles, then this warp's share of them.
-    let tiles = keys.div_ceil(DECODE_BLOCK_N);
+    let tiles = keys.tiles(DECODE_BLOCK_N);
     let per_split = tiles.div_ceil(s.num_splits);
     let split_first = (split * per_split).min(tiles);
     let split_end = (split_first + per_split).min(tiles);
@@ -244,7 +245,7 @@ unsafe fn decode_forward<
         page_size: s.page_size,
         num_pages: s.num_pages,
         width: s.head_dim,
-        keys,
+        keys: keys.end,
         first: split_first + warp,
         step: DECODE_WARPS,
     };
@@ -289,7 +290,7 @@ unsafe fn decode_forward<
         }
         // Only the tiles that cross some row's limit (the end of the keys, the causal diagonal
         // of the last seqlen_q keys) pay for the mask.
-        if kv_start + DECODE_BLOCK_N > all_see {
+        if keys.needs_mask(kv_start, DECODE_BLOCK_N) {
             mask_columns(&mut s_frag, lane, f32::NEG_INFINITY, kv_start, limit);
         }
         let alpha = softmax.update(&mut s_frag, c);
