@@ -254,8 +254,9 @@ fn emulated_tensor_core_forward_and_backward() {
     }
     // Head dims between the compiled ones, on the next compiled kernel: 40 (rows still 16-byte
     // aligned), 17 and 100 (copied and stored element by element); 160 and 256 (Q re-read from
-    // shared memory) with the backward on the f32 kernels, widened, at 160.
-    for (head_dim, backward) in [(40, true), (17, true), (100, true), (160, true), (256, false)] {
+    // shared memory), whose backward splits each 16-row slice's columns between two warps (and
+    // re-reads Q and dO in the dQ kernel), at 160 on the head_dim-192 kernels.
+    for (head_dim, backward) in [(40, true), (17, true), (100, true), (160, true), (256, true)] {
         let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q: 37, seqlen_k: 70, head_dim };
         let fwd = TileConfig::default_for_dtype(attn_host::DType::Bf16, head_dim);
         let bwd = backward.then(|| {

@@ -153,7 +153,7 @@ fn check_hopper_forward<T: Element>(ctx: &Context, shape: AttentionShape, option
 #[test]
 fn hopper_forward_matches_the_reference() {
     let Some(ctx) = hopper("hopper_forward_matches_the_reference") else { return };
-    for head_dim in [64, 128] {
+    for head_dim in [64, 128, 192, 256] {
         check_hopper_cases(ctx, head_dim);
     }
 }
@@ -222,7 +222,7 @@ fn hopper_forward_runs_model_lengths_on_persistent_grids() {
         AttentionOptions::causal(Causal::TopLeft),
         AttentionOptions::causal(Causal::BottomRight),
     );
-    for head_dim in [64, 128] {
+    for head_dim in [64, 128, 256] {
         let shape = |b, hq, hkv, sq, sk| gqa(b, hq, hkv, sq, sk, head_dim);
         let cases = [
             (shape(1, 300, 100, 1, 1), none, bottom_right),
@@ -322,9 +322,22 @@ fn hopper_padded_head_dims_match_the_reference() {
             check_hopper_backward::<bf16>(ctx, shape, options, seed + 3);
         }
     }
+    // Above 128 the Hopper forward runs on the 192 and 256 kernels (the backward on sm_80).
+    for head_dim in [136, 160, 200, 248] {
+        let cases = [
+            (gqa(1, 4, 2, 200, 333, head_dim), AttentionOptions::causal(Causal::BottomRight)),
+            (gqa(1, 2, 1, 300, 197, head_dim), AttentionOptions::causal(Causal::TopLeft)),
+        ];
+        for (i, (shape, options)) in cases.into_iter().enumerate() {
+            let seed = 1900 + (10 * head_dim + i) as u64;
+            check_hopper_forward::<f16>(ctx, shape, options, seed);
+            check_hopper_forward::<bf16>(ctx, shape, options, seed + 1);
+        }
+    }
     let sm90a = sm90a_context(ctx);
     let shape = |head_dim| gqa(1, 4, 2, 300, 300, head_dim);
-    for (head_dim, path) in [(96, "sm_90a"), (40, "sm_90a"), (100, "sm_80"), (17, "sm_80"), (160, "sm_80")] {
+    let paths = [(96, "sm_90a"), (40, "sm_90a"), (100, "sm_80"), (17, "sm_80"), (160, "sm_90a"), (200, "sm_90a")];
+    for (head_dim, path) in paths {
         let tile = TileConfig::default_for_dtype(DType::F16, head_dim);
         let label = sm90a.forward_kernel_label(DType::F16, &shape(head_dim), Causal::None, tile);
         assert!(label.starts_with(path), "head_dim {head_dim}: {label}");
@@ -384,6 +397,14 @@ fn the_kernel_path_picks_the_forward_kernel() {
     assert_eq!(label(&short, none), "sm_90a m64_n128_s2");
     let vit = AttentionShape { batch: 256, num_heads_q: 12, num_heads_kv: 12, ..short };
     assert_eq!(label(&vit, none), "sm_90a m64_n128_s2 persistent");
+    // Above head_dim 128, two consumers over smaller key tiles (96 keys at 192, 64 at 256).
+    for (head_dim, want) in
+        [(256, "sm_90a m128_n64_s2"), (192, "sm_90a m128_n96_s2"), (160, "sm_90a m128_n96_s2 on d192")]
+    {
+        let wide = AttentionShape { head_dim, ..small };
+        let tile = TileConfig::default_for_dtype(DType::F16, head_dim);
+        assert_eq!(sm90a.forward_kernel_label(DType::F16, &wide, none, tile), want);
+    }
     // An explicit tile runs the sm_80 kernel it names on either path; f32 never leaves sm_80.
     let explicit = TileConfig::new(64, 64).with_stages(2);
     let entry = sm90a.forward_kernel_entry(DType::F16, &small, none, explicit).unwrap();

@@ -56,13 +56,7 @@ fn random_case<T: Element>(
 ) {
     let d = shape.head_dim;
     let tile = pick(FlashKernel::Forward, T::DTYPE, d, picks.0);
-    // Above its largest compiled head_dim the 16-bit backward runs on the f32 kernels, widened,
-    // whatever the tile.
-    let bwd = if d <= TileConfig::max_head_dim(FlashKernel::Backward, T::DTYPE) {
-        pick(FlashKernel::Backward, T::DTYPE, d, picks.1)
-    } else {
-        TileConfig::default_backward_for_dtype(T::DTYPE, d)
-    };
+    let bwd = pick(FlashKernel::Backward, T::DTYPE, d, picks.1);
     let mode = if deterministic { DqAccumulation::Deterministic } else { DqAccumulation::Atomic };
     check16::<T>(ctx, shape, tile, Some((bwd, mode)), options, seed, Inputs::Normal);
 }

@@ -67,16 +67,17 @@ impl FlashKernel {
         }
     }
 
-    /// Threads per block: 128 for the `f32` kernels and the tensor-core forward (4 warps, each
-    /// with `block_m / 64` m-tiles of 16 rows); for the other tensor-core kernels a warp per 16
-    /// rows of the tile dimension the block owns (queries for the dQ kernel, keys for the
-    /// K/V-outer ones).
-    pub fn threads(self, dtype: DType, block_m: usize, block_n: usize) -> usize {
+    /// Threads per block at the compiled `head_dim`: 128 for the `f32` kernels and the
+    /// tensor-core forward (4 warps, each with `block_m / 64` m-tiles of 16 rows); for the other
+    /// tensor-core kernels a warp per 16 rows of the tile dimension the block owns (queries for
+    /// the dQ kernel, keys for the K/V-outer ones), two above head_dim 128
+    /// (`layout::mma_backward_column_warps`).
+    pub fn threads(self, dtype: DType, block_m: usize, block_n: usize, head_dim: usize) -> usize {
         match (dtype, self) {
             (DType::F32, _) => layout::FLASH_THREADS,
             (_, Self::Forward) => layout::mma_forward_threads(block_m),
-            (_, Self::BackwardDq) => layout::mma_threads(block_m),
-            (_, Self::Backward | Self::BackwardDkDv) => layout::mma_threads(block_n),
+            (_, Self::BackwardDq) => layout::mma_backward_threads(block_m, head_dim),
+            (_, Self::Backward | Self::BackwardDkDv) => layout::mma_backward_threads(block_n, head_dim),
         }
     }
 }
@@ -203,6 +204,17 @@ pub fn hopper_head_dim(kernel: FlashKernel, head_dim: usize) -> Option<usize> {
     HOPPER_INSTANCES.iter().filter(|i| i.kernel == kernel && i.head_dim >= head_dim).map(|i| i.head_dim).min()
 }
 
+/// The key tile (`block_n`) of the compiled Hopper forward instances at the compiled
+/// `head_dim`: the largest compiled, 128 up to head_dim 128 (above, the O accumulator and the
+/// K/V ring take registers and shared memory from it: `kernels/src/configs.rs`).
+pub fn hopper_forward_block_n(head_dim: usize) -> Option<usize> {
+    HOPPER_INSTANCES
+        .iter()
+        .filter(|i| i.kernel == FlashKernel::Forward && i.head_dim == head_dim)
+        .map(|i| i.block_n)
+        .max()
+}
+
 /// The head dimensions that have a compiled Hopper `kernel` (of any element type), ascending.
 pub fn hopper_head_dims(kernel: FlashKernel) -> Vec<usize> {
     let mut dims: Vec<usize> = HOPPER_INSTANCES.iter().filter(|i| i.kernel == kernel).map(|i| i.head_dim).collect();
@@ -213,9 +225,16 @@ pub fn hopper_head_dims(kernel: FlashKernel) -> Vec<usize> {
 
 /// The tile methods that read the registry.
 impl TileConfig {
-    /// Warps per block of `kernel` with this tile at `dtype`.
-    pub fn warps(&self, kernel: FlashKernel, dtype: DType) -> usize {
-        kernel.threads(dtype, self.block_m, self.block_n) / 32
+    /// Threads per block of `kernel` with this tile at `dtype` and `head_dim` (on the compiled
+    /// head_dim that runs it).
+    pub fn threads_for(&self, kernel: FlashKernel, dtype: DType, head_dim: usize) -> usize {
+        let padded = Self::padded_head_dim(kernel, dtype, head_dim).unwrap_or(head_dim);
+        kernel.threads(dtype, self.block_m, self.block_n, padded)
+    }
+
+    /// Warps per block of `kernel` with this tile at `dtype` and `head_dim`.
+    pub fn warps(&self, kernel: FlashKernel, dtype: DType, head_dim: usize) -> usize {
+        self.threads_for(kernel, dtype, head_dim) / 32
     }
 
     /// Dynamic shared memory per block of the `f32` forward kernel, in bytes, at this head_dim.
@@ -291,23 +310,10 @@ impl TileConfig {
             let dims = Self::compiled_head_dims_of(kernel, dtype);
             let compiled = dims.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
             let largest = dims.last().copied().unwrap_or(0);
-            // The 16-bit backward goes on, widened, on the f32 kernels (`Context::flash_attention_backward`).
-            let widened = match kernel {
-                FlashKernel::Forward => None,
-                _ if dtype == DType::F32 => None,
-                _ => Some(Self::max_head_dim(kernel, DType::F32)),
-            };
-            let allowed = match widened {
-                Some(f32_largest) => format!(
-                    "1 to {f32_largest} for the {} (compiled {compiled}, the others on the next one; \
-                     above {largest} on the f32 kernels, widened)",
-                    kernel_name(kernel, dtype)
-                ),
-                None => format!(
-                    "1 to {largest} for the {} (compiled {compiled}; the others run on the next compiled one)",
-                    kernel_name(kernel, dtype)
-                ),
-            };
+            let allowed = format!(
+                "1 to {largest} for the {} (compiled {compiled}; the others run on the next compiled one)",
+                kernel_name(kernel, dtype)
+            );
             Error::HeadDimNotCompiled { head_dim, allowed }
         })
     }

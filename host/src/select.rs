@@ -127,11 +127,7 @@ impl Target<'_> {
     }
 
     /// [`Context::dq_accumulation_for`](crate::Context::dq_accumulation_for) on this target.
-    /// A 16-bit backward widened to the `f32` kernels takes the `f32` kernels' faster mode.
     pub(crate) fn dq_accumulation(&self, dtype: DType, head_dim: usize) -> DqAccumulation {
-        if widened_backward(dtype, head_dim).is_some() {
-            return DqAccumulation::fastest_for(DType::F32);
-        }
         let tile = TileConfig::default_backward_for_dtype(dtype, head_dim);
         match self.hopper_backward(dtype, head_dim, tile, DqAccumulation::Atomic) {
             Some(_) => DqAccumulation::Atomic,
@@ -180,6 +176,7 @@ impl TileConfig {
             (DType::F32, 256) => Self::new(16, 32),
             (DType::F32, _) => Self::new(32, 64),
             (_, 32 | 64) => Self::new(64, 128).with_stages(2),
+            (_, 256) => Self::new(32, 64).with_stages(2),
             (_, _) => Self::new(64, 64).with_stages(2),
         }
     }
@@ -198,10 +195,6 @@ impl DqAccumulation {
     }
 }
 
-/// The `f32` tile on which a 16-bit backward of `head_dim` runs, widened to the `f32` kernels
-/// ([`Context::flash_attention_backward`](crate::Context::flash_attention_backward)): for head
-/// dims above the 16-bit backward's largest compiled one that the `f32` kernels take. `None`
-/// where the 16-bit kernels run (or nothing does: the error comes from the 16-bit lookup).
 /// Keys below which the decoder does not split a sequence further: a split's fixed costs (its
 /// first tiles' latency, the warps' merge, the partial store) then outweigh the parallelism it
 /// adds (PERFORMANCE.md, issue 22).
@@ -231,13 +224,6 @@ pub fn decode_splits(shape: &DecodeShape, sm_count: usize, blocks_per_sm: usize)
     };
     let best = (1..=max_splits).map(efficiency).fold(0.0, f64::max);
     (1..=max_splits).find(|&s| efficiency(s) >= 0.95 * best).unwrap_or(1)
-}
-
-pub(crate) fn widened_backward(dtype: DType, head_dim: usize) -> Option<TileConfig> {
-    let widened = dtype != DType::F32
-        && head_dim > TileConfig::max_head_dim(FlashKernel::Backward, dtype)
-        && head_dim <= TileConfig::max_head_dim(FlashKernel::Backward, DType::F32);
-    widened.then(|| TileConfig::default_backward_for_dtype(DType::F32, head_dim))
 }
 
 /// The Hopper forward's configurations (compiled instances: [`kernels::HOPPER_INSTANCES`]):
@@ -310,15 +296,18 @@ impl HopperForward {
             (64, false, false) => (128, true),
             _ => (128, false),
         };
+        // Keys per tile: 128 up to head_dim 128, fewer above (the configuration table's).
+        let block_n = kernels::hopper_forward_block_n(padded).unwrap_or(128);
         // A measurement may ask for another compiled block_m (the head_dim-64 block_m 128 is the
         // ping-pong one).
         if let Some(wanted) = block_m_override().filter(|&m| m != block_m) {
             let turns = wanted == 128 && padded == 64;
-            if kernels::hopper_instance(FlashKernel::Forward, dtype, (wanted, 128), head_dim, 2, turns).is_some() {
+            if kernels::hopper_instance(FlashKernel::Forward, dtype, (wanted, block_n), head_dim, 2, turns).is_some() {
                 (block_m, pingpong) = (wanted, turns);
             }
         }
-        kernels::hopper_instance(FlashKernel::Forward, dtype, (block_m, 128), head_dim, 2, pingpong).ok_or_else(|| {
+        let tile = (block_m, block_n);
+        kernels::hopper_instance(FlashKernel::Forward, dtype, tile, head_dim, 2, pingpong).ok_or_else(|| {
             Error::HeadDimNotCompiled {
                 head_dim,
                 allowed: format!(
@@ -558,6 +547,8 @@ mod tests {
                 (64, waves(2) - 1, true),
                 (64, waves(2), true),
                 (128, waves(1), false),
+                (192, waves(2), false),
+                (256, waves(2), true),
             ];
             for (head_dim, blocks, causal) in grids {
                 let shape = shape_of(head_dim, blocks);
@@ -595,7 +586,11 @@ mod tests {
                     assert!(2 * smem <= HOPPER_SHARED_MEMORY, "{}: two blocks of {smem} bytes", short_forward.entry);
                 }
 
-                let backward = HopperBackward::for_problem(dtype, head_dim).unwrap();
+                // (The Hopper backward stops at head_dim 128.)
+                let Ok(backward) = HopperBackward::for_problem(dtype, head_dim) else {
+                    assert!(head_dim > 128, "no Hopper backward at head_dim {head_dim}");
+                    continue;
+                };
                 assert_eq!(MODULE_ARCHS[module_of(backward.entry)], "sm_90a", "{}", backward.entry);
                 assert_eq!(max_threads(backward.entry), Some(HopperBackward::THREADS), "{}", backward.entry);
                 let smem = hopper_backward_smem_bytes(head_dim, backward.stages);
@@ -614,6 +609,10 @@ mod tests {
         assert!(matches!(
             HopperForward::for_problem(DType::F16, &shape_of(100, 1), Causal::None, H200_SMS),
             Err(Error::HeadDimNotCompiled { head_dim: 100, .. })
+        ));
+        assert!(matches!(
+            HopperForward::for_problem(DType::F16, &shape_of(264, 1), Causal::None, H200_SMS),
+            Err(Error::HeadDimNotCompiled { head_dim: 264, .. })
         ));
         assert!(matches!(
             HopperBackward::for_problem(DType::Bf16, 256),

@@ -232,7 +232,7 @@ impl Sweep<'_> {
             Some(dq) => backward_kernels(dq)[0],
         };
         let entry = tile.compiled_entry_for(kernel, dtype, d)?;
-        let threads = kernel.threads(dtype, tile.block_m, tile.block_n);
+        let threads = tile.threads_for(kernel, dtype, d);
         let shared_memory_bytes = tile.shared_memory_bytes_for(kernel, dtype, d);
         Ok(TileMeasurement {
             pass,

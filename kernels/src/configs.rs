@@ -74,10 +74,12 @@ macro_rules! decode_tiles {
 }
 
 /// Calls `$instance!(dtype, Format, block_m, block_n, head_dim, stages)` for every compiled
-/// tensor-core backward tile (level 6), each for its three kernels, at head_dim 32, 64, 96 and
-/// 128 (a head_dim in between runs on the next one). The K/V-outer kernels have `block_n / 16`
-/// warps, the dQ kernel `block_m / 16`. Each warp of the K/V-outer kernels keeps dK and dV of
-/// its 16 keys in registers, `head_dim` a thread: above 128 they no longer fit.
+/// tensor-core backward tile (level 6), each for its three kernels, at head_dim 32, 64, 96, 128,
+/// 192 and 256 (a head_dim in between runs on the next one). The K/V-outer kernels have a warp
+/// per 16 keys, the dQ kernel per 16 queries. Each warp keeps dK and dV of its 16 keys (or dQ of
+/// its queries) in registers, `head_dim` a thread: above 128 they no longer fit, and two warps
+/// share the 16 rows, half of the columns each (`layout::mma_backward_column_warps`). At 256 the
+/// query tile is 32 rows, so that the K/V-outer kernel fits an A100's shared memory (141 KiB).
 macro_rules! sm80_backward_tiles {
     ($instance:ident) => {
         each_half_format!(
@@ -92,7 +94,9 @@ macro_rules! sm80_backward_tiles {
                 (32, 64, 96, 2),
                 (64, 64, 128, 2),
                 (32, 64, 128, 2),
-                (32, 128, 128, 2)
+                (32, 128, 128, 2),
+                (64, 64, 192, 2),
+                (32, 64, 256, 2)
             ]
         );
     };
@@ -114,7 +118,9 @@ macro_rules! sm90_forward_configs {
                 (192, 64, 128, 2, false, s2),
                 (128, 64, 128, 2, true, s2_pingpong),
                 (64, 64, 128, 2, false, s2),
-                (128, 128, 128, 2, false, s2)
+                (128, 128, 128, 2, false, s2),
+                (128, 192, 96, 2, false, s2),
+                (128, 256, 64, 2, false, s2)
             ]
         );
     };
@@ -148,7 +154,14 @@ macro_rules! sm80_padded_backward_tiles {
     ($instance:ident) => {
         each_half_format!(
             $instance,
-            [(64, 128, 32, 2, padded), (64, 128, 64, 2, padded), (64, 64, 96, 2, padded), (64, 64, 128, 2, padded)]
+            [
+                (64, 128, 32, 2, padded),
+                (64, 128, 64, 2, padded),
+                (64, 64, 96, 2, padded),
+                (64, 64, 128, 2, padded),
+                (64, 64, 192, 2, padded),
+                (32, 64, 256, 2, padded)
+            ]
         );
     };
 }
@@ -168,6 +181,13 @@ macro_rules! sm90_backward_configs {
 /// only issues copies; the consumers take the rest: 56 + 2 · 224 = 3 · 168. (With fewer than
 /// about 48 registers the producer's loop spills a little; the consumers matter more.)
 pub const SM90_FORWARD_REGISTERS_M128: (u32, u32) = (56, 224);
+
+/// As [`SM90_FORWARD_REGISTERS_M128`] above head_dim 192, where the O accumulator alone is
+/// `head_dim / 2` registers a consumer thread (128 at 256): the producer keeps 40, the consumers
+/// take 232 (40 + 2 · 232 = 3 · 168). With 224 the head_dim-256 consumers spill a few values in
+/// their loop; with 40 the producer spills a few in its loop instead, which costs far less (one
+/// thread, a few words per 32 KiB tile). Head_dim 192 fits the common budget without spills.
+pub const SM90_FORWARD_REGISTERS_M128_WIDE: (u32, u32) = (40, 232);
 
 /// As [`SM90_FORWARD_REGISTERS_M128`] with three consumer warpgroups (block_m 192, 512
 /// threads, 128 registers each at launch): 32 + 3 · 160 = 4 · 128.
@@ -205,6 +225,10 @@ pub const LAUNCH_BOUNDS: &[(&str, u32, u32)] = &[
     ("hopper_flash_fwd_f16_m64_n128_d64_s2", 256, 2),
     ("hopper_flash_fwd_bf16_m64_n128_d64_s2", 256, 2),
     ("hopper_flash_fwd_bf16_m192_n128_d64_s2", 512, 1),
+    ("hopper_flash_fwd_f16_m128_n96_d192_s2", 384, 1),
+    ("hopper_flash_fwd_bf16_m128_n96_d192_s2", 384, 1),
+    ("hopper_flash_fwd_f16_m128_n64_d256_s2", 384, 1),
+    ("hopper_flash_fwd_bf16_m128_n64_d256_s2", 384, 1),
     ("hopper_flash_bwd_f16_m64_n128_d64_s2", 384, 1),
     ("hopper_flash_bwd_bf16_m64_n128_d64_s2", 384, 1),
     ("hopper_flash_bwd_f16_m64_n128_d128_s2", 384, 1),

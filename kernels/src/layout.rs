@@ -268,6 +268,23 @@ pub const fn mma_threads(rows: usize) -> usize {
     rows / MMA_WARP_ROWS * 32
 }
 
+/// Warps that share the columns of one m-tile of the tensor-core backward's accumulators (dK and
+/// dV in the K/V-outer kernels, dQ in the dQ kernel): 1 up to head_dim 128, 2 above. Each warp
+/// then accumulates `head_dim / 2` columns, which keeps dK and dV at 128 registers a thread at
+/// head_dim 256 (as at 128 unsplit); the products over head_dim (Sᵀ and dPᵀ, or S and dP) are
+/// computed by both warps of a pair, which costs half as many products again at the split head
+/// dims (`kernels/src/sm80/backward.rs`, "Wide heads").
+pub const fn mma_backward_column_warps(head_dim: usize) -> usize {
+    if head_dim > 128 { 2 } else { 1 }
+}
+
+/// Threads per block of a tensor-core backward kernel whose warps own `rows` rows (keys for the
+/// K/V-outer kernels, queries for the dQ kernel) at `head_dim`: one warp per m-tile, times
+/// [`mma_backward_column_warps`].
+pub const fn mma_backward_threads(rows: usize, head_dim: usize) -> usize {
+    mma_threads(rows) * mma_backward_column_warps(head_dim)
+}
+
 /// Warps of a tensor-core forward block: always 4. A block of `block_m` query rows gives each
 /// warp `block_m / 64` m-tiles of 16 rows (1 for `block_m` = 64, 2 for 128).
 pub const MMA_FORWARD_WARPS: usize = 4;

@@ -30,7 +30,7 @@ use crate::kernels::{FlashKernel, backward_kernels, entry};
 use crate::layout::{ELEMENTWISE_THREADS, SOFTMAX_ROWS_PER_BLOCK, SOFTMAX_THREADS};
 use crate::problem::{AttentionOptions, AttentionShape, Causal, DqAccumulation, TileConfig};
 use crate::runtime::{Context, DeviceTensor};
-use crate::select::{HopperForward, KernelPath, widened_backward};
+use crate::select::{HopperForward, KernelPath};
 use args::{grid_stride_blocks, one_dim};
 
 /// The outputs of an attention forward pass: O in the inputs' element type, LSE always `f32`.
@@ -186,14 +186,8 @@ impl Context {
         dq: DqAccumulation,
     ) -> Result<Gradients<T>> {
         let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
-        // Above the 16-bit backward's head dims the f32 kernels run (`widened_backward`), on
-        // their own tile.
-        let (dtype, tile) = match widened_backward(T::DTYPE, shape.head_dim) {
-            Some(f32_tile) => (DType::F32, f32_tile),
-            None => (T::DTYPE, tile),
-        };
         for &kernel in backward_kernels(dq) {
-            tile.validate_kernel(kernel, dtype, shape.head_dim, self.device())?;
+            tile.validate_kernel(kernel, T::DTYPE, shape.head_dim, self.device())?;
         }
         let mut grads = self.alloc_gradients(&shape)?;
         self.flash_attention_backward_into(q, k, v, o, lse, d_o, &mut grads, options, tile, dq)?;
@@ -216,9 +210,6 @@ impl Context {
         dq: DqAccumulation,
     ) -> Result<()> {
         let shape = self.check_backward(q, k, v, o, lse, d_o, grads)?;
-        if let Some(f32_tile) = widened_backward(T::DTYPE, shape.head_dim) {
-            return self.flash_attention_backward_widened(&shape, [q, k, v, o, d_o], lse, grads, options, f32_tile, dq);
-        }
         if let Some(kernel) = self.target().hopper_backward(T::DTYPE, shape.head_dim, tile, dq) {
             return self.launch_hopper_backward(kernel, &shape, q, k, v, o, lse, d_o, grads, options);
         }
@@ -236,10 +227,6 @@ impl Context {
     /// `sm_90a m64_n128_s2`, `sm_80 m64_n128_s2` or `emulated m64_n128_s2` (see
     /// [`Context::forward_kernel_label`]).
     pub fn backward_kernel_label(&self, dtype: DType, head_dim: usize, tile: TileConfig, dq: DqAccumulation) -> String {
-        if let Some(f32_tile) = widened_backward(dtype, head_dim) {
-            let path = if self.is_emulated() { "emulated".to_string() } else { KernelPath::Sm80.to_string() };
-            return format!("{path} f32 {f32_tile}, widened");
-        }
         if self.is_emulated() {
             return format!("emulated {tile}");
         }
@@ -249,41 +236,8 @@ impl Context {
         }
     }
 
-    /// The 16-bit backward above the largest 16-bit backward head_dim (128): its inputs widened
-    /// to `f32` copies, the `f32` kernels (which take head_dim up to 256) on them with `tile`,
-    /// and the gradients rounded back. Exact to `f32` accumulation like the 16-bit kernels, but
-    /// on the CUDA cores: a stopgap, some 50 times slower than a tensor-core backward
-    /// (PERFORMANCE.md), with five `f32` copies of the inputs and three of the gradients as
-    /// extra device memory.
-    #[allow(clippy::too_many_arguments)]
-    fn flash_attention_backward_widened<T: Element>(
-        &self,
-        shape: &AttentionShape,
-        [q, k, v, o, d_o]: [&DeviceTensor<T>; 5],
-        lse: &DeviceTensor<f32>,
-        grads: &mut Gradients<T>,
-        options: &AttentionOptions,
-        tile: TileConfig,
-        dq: DqAccumulation,
-    ) -> Result<()> {
-        let widen = |x: &DeviceTensor<T>| -> Result<DeviceTensor<f32>> {
-            let wide = self.alloc_output::<f32>(x.shape())?;
-            let n = x.len();
-            let config = one_dim(grid_stride_blocks(self, n, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS);
-            let entry = if T::DTYPE == DType::F16 { entry::FLASH_BWD_WIDEN_F16 } else { entry::FLASH_BWD_WIDEN_BF16 };
-            self.launch(entry, config, &[x, &wide, &n])?;
-            Ok(wide)
-        };
-        let [q, k, v, o, d_o] = [widen(q)?, widen(k)?, widen(v)?, widen(o)?, widen(d_o)?];
-        let mut wide = self.alloc_gradients::<f32>(shape)?;
-        self.flash_attention_backward_sm80_into(shape, &q, &k, &v, &o, lse, &d_o, &mut wide, options, tile, dq)?;
-        self.round_to(&wide.dq, &mut grads.dq)?;
-        self.round_to(&wide.dk, &mut grads.dk)?;
-        self.round_to(&wide.dv, &mut grads.dv)
-    }
-
-    /// Rounds an `f32` tensor (the dQ accumulator of the atomic backward kernels, the gradients
-    /// of the widened backward) into `out`'s 16-bit type.
+    /// Rounds an `f32` tensor (the dQ accumulator of the atomic backward kernels) into `out`'s
+    /// 16-bit type.
     pub(crate) fn round_to<T: Element>(&self, wide: &DeviceTensor<f32>, out: &mut DeviceTensor<T>) -> Result<()> {
         let n = wide.len();
         let convert = one_dim(grid_stride_blocks(self, n.div_ceil(8), ELEMENTWISE_THREADS), ELEMENTWISE_THREADS);
@@ -378,14 +332,11 @@ impl Context {
 }
 
 /// Checks, without a device, that the backward takes `head_dim` at `dtype` with the built-in
-/// tile: compiled (or padded) for the type, or widened to the `f32` kernels.
+/// tile: compiled (or padded) for the type.
 ///
 /// # Errors
 /// [`Error::HeadDimNotCompiled`] naming the range.
 pub(crate) fn check_backward_head_dim(dtype: DType, head_dim: usize) -> Result<()> {
-    if widened_backward(dtype, head_dim).is_some() {
-        return Ok(());
-    }
     TileConfig::default_backward_for_dtype(dtype, head_dim).compiled_entry_for(
         FlashKernel::Backward,
         dtype,

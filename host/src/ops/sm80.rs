@@ -38,7 +38,7 @@ impl Context {
         let scale_log2 = options.checked_scale(shape.head_dim)? * std::f32::consts::LOG2_E;
         let config = flash_config(
             (shape.seqlen_q.div_ceil(tile.block_m), shape.num_heads_q, shape.batch),
-            kernel.threads(T::DTYPE, tile.block_m, tile.block_n),
+            tile.threads_for(kernel, T::DTYPE, shape.head_dim),
             tile.shared_memory_bytes_for(kernel, T::DTYPE, shape.head_dim),
         );
         let args = ProblemArgs::new(&shape, options);
@@ -86,11 +86,7 @@ impl Context {
                     (shape.seqlen_q.div_ceil(tile.block_m), shape.num_heads_q, shape.batch)
                 }
             };
-            flash_config(
-                blocks,
-                kernel.threads(dtype, tile.block_m, tile.block_n),
-                tile.shared_memory_bytes_for(kernel, dtype, d),
-            )
+            flash_config(blocks, tile.threads_for(kernel, dtype, d), tile.shared_memory_bytes_for(kernel, dtype, d))
         };
         let [q_, k_, v_, do_, lse_, delta_]: [&dyn KernelArg; 6] = [q, k, v, d_o, lse, &delta];
         match (dtype, dq) {

@@ -27,12 +27,13 @@ const SWIZZLE_ROW_BYTES: usize = 128;
 impl Context {
     /// FlashAttention forward on Hopper (`kernels/src/sm90/forward.rs`, the structure of
     /// FlashAttention-3: Shah et al. 2024, Algorithms 1 and 2): O = softmax(Q Kᵀ · scale) V and
-    /// the logsumexp, for `f16`/`bf16` tensors of any head_dim that is a multiple of 8 up to 128
-    /// (compiled for 64 and 128; the others run on the next one, the TMA boxes reading zeros past
-    /// the last column and the stores skipping it), with the shapes, masks
+    /// the logsumexp, for `f16`/`bf16` tensors of any head_dim that is a multiple of 8 up to 256
+    /// (compiled for 64, 128, 192 and 256; the others run on the next one, the TMA boxes reading
+    /// zeros past the last column and the stores skipping it), with the shapes, masks
     /// (causal either alignment), GQA and scale of [`Context::flash_attention_forward`]. A block
     /// has a producer warpgroup, which loads tiles with TMA, and consumer warpgroups of 64 query
-    /// rows each (block_n = 128, a two-stage K/V ring): two (block_m = 128) at head_dim 128; at
+    /// rows each over a two-stage K/V ring of block_n keys (128 up to head_dim 128, 96 at 192, 64
+    /// at 256): two (block_m = 128) from head_dim 128 on; at
     /// 64 three (block_m = 192) on grids at least one wave deep (two under a causal mask) whose
     /// heads fill at least one block of 192 rows, else two taking ping-pong turns; with at most 256
     /// keys (1024 under a causal mask) one (block_m = 64), two blocks per SM
@@ -42,7 +43,7 @@ impl Context {
     ///
     /// # Errors
     /// [`Error::Shape`](crate::Error::Shape) for inconsistent shapes or `f32`;
-    /// [`Error::HeadDimNotCompiled`](crate::Error::HeadDimNotCompiled) for a head_dim above 128
+    /// [`Error::HeadDimNotCompiled`](crate::Error::HeadDimNotCompiled) for a head_dim above 256
     /// or not a multiple of 8 (a tensor map's rows must be multiples of 16 bytes;
     /// [`Context::flash_attention_forward`] runs those on the sm_80 kernels);
     /// [`Error::InvalidScale`](crate::Error::InvalidScale);

@@ -108,14 +108,16 @@ pub unsafe fn store_row_values<const ROWS: usize>(
     }
 }
 
-/// Writes a warp's `16 · M_TILES` rows of `HEAD_DIM` accumulated values (m-tile `r` is tile
-/// rows `row0 + 16r ..`), times `scale[r][h]` per row, rounded to 16 bits, to global memory:
-/// tile row `row` goes to row `dst_row0 + row` of `dst`, whose rows are `width ≤ HEAD_DIM`
-/// elements long (a padded head_dim's columns past `width` are not written); tile rows at or
-/// past `valid_rows` are skipped. The rows go through `staging` (the same rows of a tile that no
-/// other warp reads any more: the caller's barrier makes sure of it) so that global writes are
-/// whole 16-byte chunks (single elements when `width` is not a multiple of 8, which leaves rows
-/// unaligned).
+/// Writes a warp's `16 · M_TILES` rows of `8 · D_TILES` accumulated values (m-tile `r` is tile
+/// rows `row0 + 16r ..`, fragment `dt` columns `col0 + 8dt ..`), times `scale[r][h]` per row,
+/// rounded to 16 bits, to global memory: tile row `row` goes to row `dst_row0 + row` of `dst`,
+/// whose rows are `width` elements long (a padded head_dim's columns past `width` are not
+/// written); tile rows at or past `valid_rows` are skipped, and columns from `col0 + valid_cols`
+/// on (`valid_cols` is `width` where the warp owns whole rows). The values go through `staging` (the
+/// same rows and columns of a tile that no other warp reads any more: the caller's barrier makes
+/// sure of it) so that global writes are whole 16-byte chunks (single elements when `width` is
+/// not a multiple of 8, which leaves rows unaligned). `col0` is 0 where the warp owns whole rows,
+/// and a multiple of 8 where warps share them (the wide backward's column halves).
 ///
 /// # Safety
 /// `dst` holds rows `dst_row0 .. dst_row0 + valid_rows` of `width` elements, 16-byte aligned
@@ -123,14 +125,14 @@ pub unsafe fn store_row_values<const ROWS: usize>(
 /// past every read of those staging rows.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn store_warp_rows<T: HalfFloat, const HEAD_DIM: usize, const D_TILES: usize, const M_TILES: usize>(
+pub unsafe fn store_warp_rows<T: HalfFloat, const D_TILES: usize, const M_TILES: usize>(
     acc: &[[FragC; D_TILES]; M_TILES],
     scale: [[f32; 2]; M_TILES],
     staging: SharedTile16,
-    row0: usize,
+    (row0, col0): (usize, usize),
     dst: *mut u16,
     (dst_row0, width): (usize, usize),
-    valid_rows: usize,
+    (valid_rows, valid_cols): (usize, usize),
     lane: FragmentLane,
 ) {
     for r in 0..M_TILES {
@@ -140,17 +142,17 @@ pub unsafe fn store_warp_rows<T: HalfFloat, const HEAD_DIM: usize, const D_TILES
         for (dt, frag) in acc[r].iter().enumerate() {
             for h in 0..2 {
                 let value = T::pack(frag[2 * h] * s[h], frag[2 * h + 1] * s[h]);
-                staging.store2(row0 + 16 * r + lane.g + 8 * h, 8 * dt + 2 * lane.t, value);
+                staging.store2(row0 + 16 * r + lane.g + 8 * h, col0 + 8 * dt + 2 * lane.t, value);
             }
         }
     }
     hw::sync_warp();
     let rows = MMA_WARP_ROWS * M_TILES;
     if width.is_multiple_of(8) {
-        let chunks = HEAD_DIM / 8;
+        let chunks = D_TILES;
         let mut chunk = hw::lane_id();
         while chunk < rows * chunks {
-            let (row, col) = (row0 + chunk / chunks, (chunk % chunks) * 8);
+            let (row, col) = (row0 + chunk / chunks, col0 + (chunk % chunks) * 8);
             if row < valid_rows && col < width {
                 // SAFETY: row < valid_rows, col + 8 ≤ width.
                 unsafe { hw::store16(dst.add((dst_row0 + row) * width + col), staging.load8(row, col)) };
@@ -159,8 +161,8 @@ pub unsafe fn store_warp_rows<T: HalfFloat, const HEAD_DIM: usize, const D_TILES
         }
     } else {
         let mut element = hw::lane_id();
-        while element < rows * width {
-            let (row, col) = (row0 + element / width, element % width);
+        while element < rows * valid_cols {
+            let (row, col) = (row0 + element / valid_cols, col0 + element % valid_cols);
             if row < valid_rows {
                 // SAFETY: row < valid_rows, col < width.
                 unsafe { *dst.add((dst_row0 + row) * width + col) = staging.load1(row, col) };
@@ -188,12 +190,12 @@ pub unsafe fn store_fragment_pairs<T: HalfFloat, const HEAD_DIM: usize, const D_
     valid_rows: usize,
     lane: FragmentLane,
 ) {
-    for (dt, frag) in frags.iter().enumerate() {
+    let store = |dt: usize| {
         let col = 8 * dt + lane.pair_col();
         for h in 0..2 {
             let row = row0 + lane.half_row(h);
             if row < valid_rows && col < width {
-                let pair = pack_row::<T>(*frag, h, scale[h]);
+                let pair = pack_row::<T>(frags[dt], h, scale[h]);
                 // SAFETY: row < valid_rows and col < width; an even width keeps the pair inside
                 // the row and 4-byte aligned, an odd one is written element by element.
                 unsafe {
@@ -208,6 +210,16 @@ pub unsafe fn store_fragment_pairs<T: HalfFloat, const HEAD_DIM: usize, const D_
                     }
                 }
             }
+        }
+    };
+    // LLVM unrolls the loop itself up to 16 fragments (head_dim 128); above, it is too long for
+    // LLVM's threshold, and the accumulator would live in local memory for the whole kernel
+    // (an index known only at run time), so it is unrolled by hand.
+    if D_TILES > 16 {
+        hw::unroll::<D_TILES>(store);
+    } else {
+        for dt in 0..D_TILES {
+            store(dt);
         }
     }
 }

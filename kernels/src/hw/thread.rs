@@ -28,6 +28,22 @@ pub fn opaque(x: u32) -> u32 {
     backend::opaque(x)
 }
 
+/// Calls `body(0)`, `body(1)`, … `body(N − 1)` as straight-line code, for `N` up to 64: CUDA's
+/// `#pragma unroll`, which Rust does not have. A loop over a register array (an accumulator)
+/// must be unrolled for the array to stay in registers (an index known only at run time puts it
+/// in local memory); LLVM unrolls a loop only while the copies stay under a size threshold, which
+/// a large accumulator's epilogue passes (at head_dim 256 the O of the Hopper forward is 32
+/// fragments). Each call below has a constant index once `N` is known, so the branches fold away.
+#[inline(always)]
+pub fn unroll<const N: usize>(mut body: impl FnMut(usize)) {
+    const { assert!(N <= 64, "unroll takes up to 64 steps") };
+    macro_rules! steps {
+        ($($i:literal)*) => { $( if $i < N { body($i) } )* };
+    }
+    steps!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31
+        32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63);
+}
+
 /// Threads per block along x (`blockDim.x`).
 #[inline(always)]
 pub fn block_dim_x() -> usize {

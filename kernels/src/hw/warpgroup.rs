@@ -129,64 +129,34 @@ pub const SWIZZLE_ROW_BYTES: usize = 128;
 /// Bytes of one 128-byte swizzle atom: 8 rows.
 pub const SWIZZLE_ATOM_BYTES: usize = 8 * SWIZZLE_ROW_BYTES;
 
-/// The PTX operand list `{d0, d1, …}` of an accumulator of `$tiles` fragments (8 or 16), for
-/// the templates of [`asm_with_accumulator`].
+/// The PTX operand list `{d0_0, d0_1, …}` of an accumulator of the fragments listed
+/// (`[0 1 … tiles−1]`), for the templates of [`asm_with_accumulator`]: operand `d{j}_{e}` is
+/// entry `e` of fragment `j`.
 macro_rules! accumulator_list {
-    (8) => {
-        "{{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, \
-         {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, \
-         {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}}}"
+    ([$first:literal $($rest:literal)*]) => {
+        concat!("{{", accumulator_list!(@fragment $first) $(, ", ", accumulator_list!(@fragment $rest))*, "}}")
     };
-    (16) => {
-        "{{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, \
-         {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, \
-         {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, \
-         {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, \
-         {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, \
-         {d61}, {d62}, {d63}}}"
+    (@fragment $j:literal) => {
+        concat!("{d", stringify!($j), "_0}, {d", stringify!($j), "_1}, {d", stringify!($j), "_2}, {d", stringify!($j), "_3}")
     };
 }
 
 /// `asm!` with the `f32` accumulator registers of a 64 × N `wgmma` tile, `$d: [FragC; N / 8]`
-/// (`$tiles` = 8 or 16), bound as `{d0}`, `{d1}`, … (read and written), after the template and
-/// the other operands given. Every instruction that touches an accumulator (the two `wgmma`
-/// forms and [`Accumulator::pin`]) goes through here, so the bindings are written once per size.
+/// (`$tiles` lists the fragments, `[0 1 … N/8 − 1]`), bound as `{d0_0}`, `{d0_1}`, … (read and
+/// written), after the template and the other operands given. Every instruction that touches an
+/// accumulator (the `wgmma` forms and [`Accumulator::pin`]) goes through here, so the bindings
+/// are written once, for every size.
 macro_rules! asm_with_accumulator {
-    (8, $d:ident, [$($template:tt)*], $($operands:tt)*) => {
+    ([$($j:literal)*], $d:ident, [$($template:tt)*], $($operands:tt)*) => {
         asm!(
             $($template)*
             $($operands)*
-            d0 = inout(reg32) $d[0][0], d1 = inout(reg32) $d[0][1], d2 = inout(reg32) $d[0][2], d3 = inout(reg32) $d[0][3],
-            d4 = inout(reg32) $d[1][0], d5 = inout(reg32) $d[1][1], d6 = inout(reg32) $d[1][2], d7 = inout(reg32) $d[1][3],
-            d8 = inout(reg32) $d[2][0], d9 = inout(reg32) $d[2][1], d10 = inout(reg32) $d[2][2], d11 = inout(reg32) $d[2][3],
-            d12 = inout(reg32) $d[3][0], d13 = inout(reg32) $d[3][1], d14 = inout(reg32) $d[3][2], d15 = inout(reg32) $d[3][3],
-            d16 = inout(reg32) $d[4][0], d17 = inout(reg32) $d[4][1], d18 = inout(reg32) $d[4][2], d19 = inout(reg32) $d[4][3],
-            d20 = inout(reg32) $d[5][0], d21 = inout(reg32) $d[5][1], d22 = inout(reg32) $d[5][2], d23 = inout(reg32) $d[5][3],
-            d24 = inout(reg32) $d[6][0], d25 = inout(reg32) $d[6][1], d26 = inout(reg32) $d[6][2], d27 = inout(reg32) $d[6][3],
-            d28 = inout(reg32) $d[7][0], d29 = inout(reg32) $d[7][1], d30 = inout(reg32) $d[7][2], d31 = inout(reg32) $d[7][3],
-            options(nostack)
-        )
-    };
-    (16, $d:ident, [$($template:tt)*], $($operands:tt)*) => {
-        asm!(
-            $($template)*
-            $($operands)*
-            d0 = inout(reg32) $d[0][0], d1 = inout(reg32) $d[0][1], d2 = inout(reg32) $d[0][2], d3 = inout(reg32) $d[0][3],
-            d4 = inout(reg32) $d[1][0], d5 = inout(reg32) $d[1][1], d6 = inout(reg32) $d[1][2], d7 = inout(reg32) $d[1][3],
-            d8 = inout(reg32) $d[2][0], d9 = inout(reg32) $d[2][1], d10 = inout(reg32) $d[2][2], d11 = inout(reg32) $d[2][3],
-            d12 = inout(reg32) $d[3][0], d13 = inout(reg32) $d[3][1], d14 = inout(reg32) $d[3][2], d15 = inout(reg32) $d[3][3],
-            d16 = inout(reg32) $d[4][0], d17 = inout(reg32) $d[4][1], d18 = inout(reg32) $d[4][2], d19 = inout(reg32) $d[4][3],
-            d20 = inout(reg32) $d[5][0], d21 = inout(reg32) $d[5][1], d22 = inout(reg32) $d[5][2], d23 = inout(reg32) $d[5][3],
-            d24 = inout(reg32) $d[6][0], d25 = inout(reg32) $d[6][1], d26 = inout(reg32) $d[6][2], d27 = inout(reg32) $d[6][3],
-            d28 = inout(reg32) $d[7][0], d29 = inout(reg32) $d[7][1], d30 = inout(reg32) $d[7][2], d31 = inout(reg32) $d[7][3],
-            d32 = inout(reg32) $d[8][0], d33 = inout(reg32) $d[8][1], d34 = inout(reg32) $d[8][2], d35 = inout(reg32) $d[8][3],
-            d36 = inout(reg32) $d[9][0], d37 = inout(reg32) $d[9][1], d38 = inout(reg32) $d[9][2], d39 = inout(reg32) $d[9][3],
-            d40 = inout(reg32) $d[10][0], d41 = inout(reg32) $d[10][1], d42 = inout(reg32) $d[10][2], d43 = inout(reg32) $d[10][3],
-            d44 = inout(reg32) $d[11][0], d45 = inout(reg32) $d[11][1], d46 = inout(reg32) $d[11][2], d47 = inout(reg32) $d[11][3],
-            d48 = inout(reg32) $d[12][0], d49 = inout(reg32) $d[12][1], d50 = inout(reg32) $d[12][2], d51 = inout(reg32) $d[12][3],
-            d52 = inout(reg32) $d[13][0], d53 = inout(reg32) $d[13][1], d54 = inout(reg32) $d[13][2], d55 = inout(reg32) $d[13][3],
-            d56 = inout(reg32) $d[14][0], d57 = inout(reg32) $d[14][1], d58 = inout(reg32) $d[14][2], d59 = inout(reg32) $d[14][3],
-            d60 = inout(reg32) $d[15][0], d61 = inout(reg32) $d[15][1], d62 = inout(reg32) $d[15][2], d63 = inout(reg32) $d[15][3],
+            $(
+                ${concat(d, $j, _0)} = inout(reg32) $d[$j][0],
+                ${concat(d, $j, _1)} = inout(reg32) $d[$j][1],
+                ${concat(d, $j, _2)} = inout(reg32) $d[$j][2],
+                ${concat(d, $j, _3)} = inout(reg32) $d[$j][3],
+            )*
             options(nostack)
         )
     };
@@ -222,8 +192,9 @@ macro_rules! wgmma_issue {
 /// A warpgroup's `f32` accumulator of a 64 × N `wgmma` tile, as this thread holds it: N / 8
 /// fragments with the layout of `mma.sync`'s m16n8 C tiles. Warp w of the warpgroup owns rows
 /// 16w … 16w + 15; lane l holds, for fragment j, entries 0 and 1 at row 16w + l/4, columns
-/// 8j + 2(l%4) and + 1, and entries 2 and 3 eight rows lower. Implemented for N = 64
-/// (`[FragC; 8]`) and N = 128 (`[FragC; 16]`).
+/// 8j + 2(l%4) and + 1, and entries 2 and 3 eight rows lower. Implemented for N = 64, 96, 128,
+/// 192 and 256 (`[FragC; 8]` … `[FragC; 32]`): the key tiles and head dims the Hopper kernels
+/// compile (`crate::configs`). One more is one line below.
 pub trait Accumulator {
     /// D (64 × N) = A (64 × 16) · B (16 × N) + D if `accumulate`, else A · B, on the warpgroup's
     /// tensor cores (`wgmma.mma_async.m64nNk16.f32.f16.f16`, or `.bf16`, as `T` is). A and B
@@ -264,8 +235,8 @@ pub trait Accumulator {
 
 /// The [`Accumulator`] of `$tiles` fragments, N = `$n`.
 macro_rules! accumulator {
-    ($tiles:tt, $n:literal) => {
-        impl Accumulator for [FragC; $tiles] {
+    ($n_tiles:literal, $n:literal, $tiles:tt) => {
+        impl Accumulator for [FragC; $n_tiles] {
             #[inline(always)]
             unsafe fn mma<T: HalfFloat>(&mut self, a: u64, b: u64, accumulate: bool) {
                 let (d, scale_d) = (self, accumulate as u32);
@@ -309,8 +280,11 @@ macro_rules! accumulator {
     };
 }
 
-accumulator!(8, "64");
-accumulator!(16, "128");
+accumulator!(8, "64", [0 1 2 3 4 5 6 7]);
+accumulator!(12, "96", [0 1 2 3 4 5 6 7 8 9 10 11]);
+accumulator!(16, "128", [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15]);
+accumulator!(24, "192", [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23]);
+accumulator!(32, "256", [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31]);
 
 /// Orders earlier register accesses of the warpgroup before the `wgmma`s that follow
 /// (`wgmma.fence`). Every thread of the warpgroup calls it, after pinning ([`Accumulator::pin`])

@@ -68,7 +68,9 @@ use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a};
 use crate::attention::mask::Mask;
 use crate::attention::schedule::{KeyBlock, QueryBlock};
 use crate::hw::{self, FragA, HalfFloat, LOG2_E, SharedMemory};
-use crate::layout::{AttentionShape, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_threads, row_length};
+use crate::layout::{
+    AttentionShape, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_backward_column_warps, mma_backward_threads, row_length,
+};
 use crate::sm80::pipeline::KvRing;
 
 kernel! {
@@ -151,39 +153,6 @@ pub unsafe fn flash_bwd_convert_dq_bf16(dq_accum: *const f32, dq: *mut u16, n: u
 }
 }
 
-kernel! {
-/// Widens `n` `f16` values to `f32`, `dst[i] = src[i]`, one per thread per trip of a grid-stride
-/// loop: the inputs of a 16-bit backward above the largest 16-bit backward head_dim, which runs
-/// on the `f32` kernels (`Context::flash_attention_backward`).
-///
-/// # Safety
-/// `src` holds `n` elements, `dst` `n` floats.
-pub unsafe fn flash_bwd_widen_f16(src: *const u16, dst: *mut f32, n: usize) {
-    unsafe { widen::<hw::F16>(src, dst, n) }
-}
-}
-
-kernel! {
-/// [`flash_bwd_widen_f16`] for `bf16`.
-///
-/// # Safety
-/// As [`flash_bwd_widen_f16`].
-pub unsafe fn flash_bwd_widen_bf16(src: *const u16, dst: *mut f32, n: usize) {
-    unsafe { widen::<hw::Bf16>(src, dst, n) }
-}
-}
-
-/// The body of the widening kernels.
-#[inline(always)]
-unsafe fn widen<T: HalfFloat>(src: *const u16, dst: *mut f32, n: usize) {
-    let mut i = hw::global_thread_idx();
-    while i < n {
-        // SAFETY: i < n.
-        unsafe { *dst.add(i) = T::unpack(*src.add(i) as u32).0 };
-        i += hw::grid_stride();
-    }
-}
-
 /// The body of the dQ conversion kernels.
 #[inline(always)]
 unsafe fn convert_dq<T: HalfFloat>(dq_accum: *const f32, dq: *mut u16, n: usize) {
@@ -202,6 +171,25 @@ unsafe fn convert_dq<T: HalfFloat>(dq_accum: *const f32, dq: *mut u16, n: usize)
         // SAFETY: tail + i < n.
         unsafe { *dq.add(tail + i) = T::pack(*dq_accum.add(tail + i), 0.0) as u16 };
     }
+}
+
+/// This warp's slice of the block's accumulators: its first row (16 rows a warp: keys in the
+/// K/V-outer kernels, queries in the dQ kernel) and its first column. Up to head_dim 128 a warp
+/// owns its rows' every column; above, warps `2i` and `2i + 1` share rows `16i ..` and own a half
+/// of the columns each ([`mma_backward_column_warps`]).
+#[inline(always)]
+fn warp_slice<const HEAD_DIM: usize>() -> (usize, usize) {
+    let split = mma_backward_column_warps(HEAD_DIM);
+    let warp = hw::warp_id();
+    (warp / split * MMA_WARP_ROWS, warp % split * (HEAD_DIM / split))
+}
+
+/// How many of this warp's columns, from `col0` on ([`warp_slice`]), lie inside rows of `d`
+/// elements: `d` itself where the warp owns whole rows.
+#[inline(always)]
+fn warp_columns<const HEAD_DIM: usize>(col0: usize, d: usize) -> usize {
+    let split = mma_backward_column_warps(HEAD_DIM);
+    if split == 1 { d } else { d.saturating_sub(col0).min(HEAD_DIM / split) }
 }
 
 /// Pointers of one backward problem, as the kernels receive them (16-bit tensors as raw bits).
@@ -226,9 +214,11 @@ const fn keeps_fragments(head_dim: usize) -> bool {
 
 /// The K/V-outer kernel body: dK and dV for `BLOCK_N` keys (and, with `ATOMIC_DQ`, their share
 /// of dQ into the `f32` accumulator `dq_accum`). `D_STEPS = HEAD_DIM / 16`,
-/// `M_TILES = BLOCK_M / 8`, `D_TILES = HEAD_DIM / 8` size the register arrays.
+/// `M_TILES = BLOCK_M / 8` and `D_TILES = HEAD_DIM / 8 / mma_backward_column_warps(HEAD_DIM)`
+/// (the warp's columns of dK and dV) size the register arrays.
 ///
-/// Grid: `(ceil(seqlen_k / BLOCK_N), num_heads_kv, batch)`; block: `BLOCK_N / 16` warps; dynamic
+/// Grid: `(ceil(seqlen_k / BLOCK_N), num_heads_kv, batch)`; block:
+/// `layout::mma_backward_threads(BLOCK_N, HEAD_DIM)` threads; dynamic
 /// shared memory: `layout::mma_backward_kv_smem_bytes(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)` bytes.
 ///
 /// # Safety
@@ -259,10 +249,11 @@ pub(crate) unsafe fn flash_backward_kv_mma<
 ) {
     const {
         assert!(BLOCK_N.is_multiple_of(MMA_WARP_ROWS) && BLOCK_M.is_multiple_of(16));
-        assert!(D_STEPS * 16 == HEAD_DIM && M_TILES * 8 == BLOCK_M && D_TILES * 8 == HEAD_DIM);
+        assert!(D_STEPS * 16 == HEAD_DIM && M_TILES * 8 == BLOCK_M);
+        assert!(D_TILES * 8 * mma_backward_column_warps(HEAD_DIM) == HEAD_DIM && D_TILES.is_multiple_of(2));
         assert!(STAGES >= 2);
     };
-    let threads = mma_threads(BLOCK_N);
+    let threads = mma_backward_threads(BLOCK_N, HEAD_DIM);
     let scale_log2 = scale * LOG2_E;
     let keep_fragments = keeps_fragments(HEAD_DIM);
     let block = KeyBlock::current::<BLOCK_M, BLOCK_N>(&shape, &mask);
@@ -272,7 +263,8 @@ pub(crate) unsafe fn flash_backward_kv_mma<
     let d = row_length::<HEAD_DIM, PADDED>(&shape);
     let kv_offset = block.first_row_offset(&shape, d);
     let lane = FragmentLane::current();
-    let warp_key = hw::warp_id() * MMA_WARP_ROWS; // the warp's first key in the block
+    // The warp's first key in the block, and the first of its columns of dK and dV.
+    let (warp_key, col0) = warp_slice::<HEAD_DIM>();
 
     let stride = HEAD_DIM + MMA_SMEM_PAD;
     let mut smem = SharedMemory::new();
@@ -381,20 +373,23 @@ pub(crate) unsafe fn flash_backward_kv_mma<
             // dV += Pᵀ·dO and dK += dSᵀ·Q (scaled at the end): A operands from registers, B
             // operands the chunk's fragments read the other way round.
             let (p, ds) = (pack_a::<T>(pt[0], pt[1]), pack_a::<T>(ds_t[0], ds_t[1]));
-            for step in 0..D_STEPS {
-                // dO and Q as B operands with the chunk's queries as the k index.
+            for step in 0..D_TILES / 2 {
+                // dO and Q as B operands with the chunk's queries as the k index (the warp's
+                // columns: all of them, or its half of a wide head).
+                let col = col0 + 16 * step;
                 let (do_b, q_b) = if keep_fragments {
                     (hw::transpose_b(do_frags[step]), hw::transpose_b(q_frags[step]))
                 } else {
-                    (do_tile.fragments_b_transposed(q0, 16 * step), q_tile.fragments_b_transposed(q0, 16 * step))
+                    (do_tile.fragments_b_transposed(q0, col), q_tile.fragments_b_transposed(q0, col))
                 };
                 for half in 0..2 {
                     dv_acc[2 * step + half] = T::mma(p, do_b[half], dv_acc[2 * step + half]);
                     dk_acc[2 * step + half] = T::mma(ds, q_b[half], dk_acc[2 * step + half]);
                 }
             }
-            if ATOMIC_DQ {
-                // dQ needs every key of the block: publish the warp's rows of dSᵀ.
+            if ATOMIC_DQ && col0 == 0 {
+                // dQ needs every key of the block: publish the warp's rows of dSᵀ (of a pair of
+                // warps that share the keys, the first: their dSᵀ is the same).
                 for half in 0..2 {
                     for r in 0..2 {
                         let value = T::pack(ds_t[half][2 * r], ds_t[half][2 * r + 1]);
@@ -437,30 +432,31 @@ pub(crate) unsafe fn flash_backward_kv_mma<
     }
 
     // Every warp is done reading K and V (dQ reads all their rows): the warps can stage their
-    // own rows of dK and dV there.
+    // own rows (and columns) of dK and dV there.
     hw::sync_threads();
+    let cols = warp_columns::<HEAD_DIM>(col0, d);
     // SAFETY: rows kv_start .. kv_start + kv_rows of dK and dV exist.
     unsafe {
         let (dk_rows, dv_rows) = (dk.add(kv_offset), dv.add(kv_offset));
-        store_warp_rows::<T, HEAD_DIM, D_TILES, 1>(
+        store_warp_rows::<T, D_TILES, 1>(
             &[dk_acc],
             [[scale; 2]],
             k_tile,
-            warp_key,
+            (warp_key, col0),
             dk_rows,
             (0, d),
-            kv_rows,
+            (kv_rows, cols),
             lane,
         );
         hw::sync_warp();
-        store_warp_rows::<T, HEAD_DIM, D_TILES, 1>(
+        store_warp_rows::<T, D_TILES, 1>(
             &[dv_acc],
             [[1.0; 2]],
             v_tile,
-            warp_key,
+            (warp_key, col0),
             dv_rows,
             (0, d),
-            kv_rows,
+            (kv_rows, cols),
             lane,
         );
     }
@@ -468,9 +464,10 @@ pub(crate) unsafe fn flash_backward_kv_mma<
 
 /// The deterministic dQ kernel body: `BLOCK_M` queries of one query head, looping over key tiles
 /// like the forward pass (K/V ring of `STAGES` slots, hidden tiles skipped). `N_TILES =
-/// BLOCK_N / 8`.
+/// BLOCK_N / 8`; `D_TILES` the warp's columns of dQ, as in [`flash_backward_kv_mma`].
 ///
-/// Grid: `(ceil(seqlen_q / BLOCK_M), num_heads_q, batch)`; block: `BLOCK_M / 16` warps; dynamic
+/// Grid: `(ceil(seqlen_q / BLOCK_M), num_heads_q, batch)`; block:
+/// `layout::mma_backward_threads(BLOCK_M, HEAD_DIM)` threads; dynamic
 /// shared memory: `layout::mma_backward_dq_smem_bytes(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)` bytes.
 ///
 /// # Safety
@@ -496,10 +493,11 @@ pub(crate) unsafe fn flash_backward_q_mma<
 ) {
     const {
         assert!(BLOCK_M.is_multiple_of(MMA_WARP_ROWS) && BLOCK_N.is_multiple_of(16));
-        assert!(D_STEPS * 16 == HEAD_DIM && N_TILES * 8 == BLOCK_N && D_TILES * 8 == HEAD_DIM);
+        assert!(D_STEPS * 16 == HEAD_DIM && N_TILES * 8 == BLOCK_N);
+        assert!(D_TILES * 8 * mma_backward_column_warps(HEAD_DIM) == HEAD_DIM && D_TILES.is_multiple_of(2));
         assert!(STAGES >= 2);
     };
-    let threads = mma_threads(BLOCK_M);
+    let threads = mma_backward_threads(BLOCK_M, HEAD_DIM);
     let scale_log2 = scale * LOG2_E;
     let keep_fragments = keeps_fragments(HEAD_DIM);
     let block = QueryBlock::current::<BLOCK_M>(&shape);
@@ -508,7 +506,11 @@ pub(crate) unsafe fn flash_backward_q_mma<
     let d = row_length::<HEAD_DIM, PADDED>(&shape);
     let first_row = block.first_row_offset(d);
     let lane = FragmentLane::current();
-    let warp_row = hw::warp_id() * MMA_WARP_ROWS;
+    // The warp's first query in the block, and the first of its columns of dQ.
+    let (warp_row, col0) = warp_slice::<HEAD_DIM>();
+    // A wide head's Q and dO fragments (head_dim / 2 registers a thread for both) do not fit next
+    // to dQ's: they are read from shared memory at every use instead.
+    let keep_q = mma_backward_column_warps(HEAD_DIM) == 1;
 
     let stride = HEAD_DIM + MMA_SMEM_PAD;
     let mut smem = SharedMemory::new();
@@ -542,8 +544,12 @@ pub(crate) unsafe fn flash_backward_q_mma<
     }
     hw::cp_async_wait(STAGES - 2);
     hw::sync_threads();
-    let q_frag: [FragA; D_STEPS] = core::array::from_fn(|ks| q_tile.fragment_a(warp_row, 16 * ks));
-    let do_frag: [FragA; D_STEPS] = core::array::from_fn(|ks| do_tile.fragment_a(warp_row, 16 * ks));
+    let kept = |tile: hw::SharedTile16| -> [FragA; D_STEPS] {
+        core::array::from_fn(|ks| if keep_q { tile.fragment_a(warp_row, 16 * ks) } else { [0; 4] })
+    };
+    let (q_kept, do_kept) = (kept(q_tile), kept(do_tile));
+    let q_frag = |ks: usize| if keep_q { q_kept[ks] } else { q_tile.fragment_a(warp_row, 16 * ks) };
+    let do_frag = |ks: usize| if keep_q { do_kept[ks] } else { do_tile.fragment_a(warp_row, 16 * ks) };
 
     let mut acc = [[0.0f32; 4]; D_TILES];
     for tile in 0..kv_tiles {
@@ -565,9 +571,10 @@ pub(crate) unsafe fn flash_backward_q_mma<
                     k_frags[ks] = k_frag;
                 }
                 let v_frags = v_tile.fragments_b(k0, 16 * ks);
+                let (q_a, do_a) = (q_frag(ks), do_frag(ks));
                 for half in 0..2 {
-                    s[half] = T::mma(q_frag[ks], k_frag[half], s[half]);
-                    dp[half] = T::mma(do_frag[ks], v_frags[half], dp[half]);
+                    s[half] = T::mma(q_a, k_frag[half], s[half]);
+                    dp[half] = T::mma(do_a, v_frags[half], dp[half]);
                 }
             }
             // dS = P ∘ (dP − D), P recomputed from the LSE.
@@ -588,11 +595,11 @@ pub(crate) unsafe fn flash_backward_q_mma<
             }
             // dQ += dS·K (scaled at the end), dS straight from registers.
             let a = pack_a::<T>(ds[0], ds[1]);
-            for step in 0..D_STEPS {
+            for step in 0..D_TILES / 2 {
                 let k = if keep_fragments {
                     hw::transpose_b(k_frags[step])
                 } else {
-                    k_tile.fragments_b_transposed(k0, 16 * step)
+                    k_tile.fragments_b_transposed(k0, col0 + 16 * step)
                 };
                 for half in 0..2 {
                     acc[2 * step + half] = T::mma(a, k[half], acc[2 * step + half]);
@@ -601,14 +608,25 @@ pub(crate) unsafe fn flash_backward_q_mma<
         }
     }
 
-    // The warp's own rows of the Q tile are free (only it read them): stage dQ there, once
-    // every lane is past its last read.
-    hw::sync_warp();
+    // The warp's own rows of the Q tile are free (only it read them, or only it and its partner
+    // of a wide head): stage dQ there, once every lane (of both) is past its last read.
+    if keep_q {
+        hw::sync_warp();
+    } else {
+        hw::sync_threads();
+    }
     // SAFETY: rows q_start .. q_start + q_rows of dQ exist.
     unsafe {
         let dst = dq.add(first_row);
-        store_warp_rows::<T, HEAD_DIM, D_TILES, 1>(&[acc], [[scale; 2]], q_tile, warp_row, dst, (0, d), q_rows, lane);
+        let (rows, valid) = ((warp_row, col0), (q_rows, warp_columns::<HEAD_DIM>(col0, d)));
+        store_warp_rows::<T, D_TILES, 1>(&[acc], [[scale; 2]], q_tile, rows, dst, (0, d), valid, lane);
     }
+}
+
+/// The fragments of one warp's columns of the backward's accumulators at `head_dim` (8 columns
+/// each): all of them, or half above head_dim 128 ([`warp_slice`]).
+const fn column_tiles(head_dim: usize) -> usize {
+    head_dim / 8 / mma_backward_column_warps(head_dim)
 }
 
 /// Three entries per tile and format: `flash_bwd_{dtype}_…` (dK, dV, atomic dQ),
@@ -637,7 +655,7 @@ macro_rules! flash_backward_mma_instance {
             $atomic,
             [dq_accum: *mut f32, dk: *mut u16, dv: *mut u16],
             |x, shape, mask, scale| flash_backward_kv_mma::<
-                hw::$format, $m, $n, $d, $s, $padded, { $d / 16 }, { $m / 8 }, { $d / 8 }, true
+                hw::$format, $m, $n, $d, $s, $padded, { $d / 16 }, { $m / 8 }, { column_tiles($d) }, true
             >(x, dq_accum, dk, dv, shape, mask, scale)
         );
         flash_backward_mma_instance!(@entry
@@ -646,7 +664,7 @@ macro_rules! flash_backward_mma_instance {
             $dkdv,
             [dk: *mut u16, dv: *mut u16],
             |x, shape, mask, scale| flash_backward_kv_mma::<
-                hw::$format, $m, $n, $d, $s, $padded, { $d / 16 }, { $m / 8 }, { $d / 8 }, false
+                hw::$format, $m, $n, $d, $s, $padded, { $d / 16 }, { $m / 8 }, { column_tiles($d) }, false
             >(x, core::ptr::null_mut(), dk, dv, shape, mask, scale)
         );
         flash_backward_mma_instance!(@entry
@@ -655,7 +673,7 @@ macro_rules! flash_backward_mma_instance {
             $dq,
             [dq: *mut u16],
             |x, shape, mask, scale| flash_backward_q_mma::<
-                hw::$format, $m, $n, $d, $s, $padded, { $d / 16 }, { $n / 8 }, { $d / 8 }
+                hw::$format, $m, $n, $d, $s, $padded, { $d / 16 }, { $n / 8 }, { column_tiles($d) }
             >(x, dq, shape, mask, scale)
         );
     };

@@ -202,14 +202,14 @@ pub(crate) unsafe fn flash_forward_mma<
     let inv_sum: [[f32; 2]; WARP_TILES] = core::array::from_fn(|r| finished[r].0);
     // SAFETY: rows q_start .. q_start + q_rows of O exist.
     unsafe {
-        store_warp_rows::<T, HEAD_DIM, D_TILES, WARP_TILES>(
+        store_warp_rows::<T, D_TILES, WARP_TILES>(
             &acc,
             inv_sum,
             q_tile,
-            warp_row,
+            (warp_row, 0),
             o_head,
             (q_start, d),
-            q_rows,
+            (q_rows, d),
             lane,
         )
     };

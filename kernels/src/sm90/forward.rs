@@ -44,7 +44,10 @@ use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a, scale_row
 use crate::attention::mask::Mask;
 use crate::attention::schedule::{ForwardOrder, PersistentUnits};
 use crate::attention::softmax::{NEGATED_HALF2, RowSoftmax, positive_factor};
-use crate::configs::{SM90_FORWARD_REGISTERS_M64, SM90_FORWARD_REGISTERS_M128, SM90_FORWARD_REGISTERS_M192};
+use crate::configs::{
+    SM90_FORWARD_REGISTERS_M64, SM90_FORWARD_REGISTERS_M128, SM90_FORWARD_REGISTERS_M128_WIDE,
+    SM90_FORWARD_REGISTERS_M192,
+};
 use crate::hw::{
     self, Accumulator, FragA, FragC, HalfFloat, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, TensorMaps, WARPGROUP_THREADS,
     advance_descriptor, fence_mbarrier_init, fence_proxy_async, k_major_descriptor, mbarrier_arrive,
@@ -560,6 +563,8 @@ unsafe fn flash_forward_wgmma<
     // (The budgets must be immediates, so the choice is spelled out per block size.)
     let producer = if BLOCK_M == 64 {
         take_role::<{ SM90_FORWARD_REGISTERS_M64.0 }, { SM90_FORWARD_REGISTERS_M64.1 }>()
+    } else if BLOCK_M == 128 && D > 192 {
+        take_role::<{ SM90_FORWARD_REGISTERS_M128_WIDE.0 }, { SM90_FORWARD_REGISTERS_M128_WIDE.1 }>()
     } else if BLOCK_M == 128 {
         take_role::<{ SM90_FORWARD_REGISTERS_M128.0 }, { SM90_FORWARD_REGISTERS_M128.1 }>()
     } else {
