@@ -127,7 +127,15 @@ impl Target<'_> {
     }
 
     /// [`Context::dq_accumulation_for`](crate::Context::dq_accumulation_for) on this target.
+    /// Above head_dim 128 the 16-bit backward takes atomic dQ too: there the dQ kernel's second
+    /// pass over S and dP, which both warps of a slice pair compute, costs more than the K/V-outer
+    /// kernel's atomic adds (at [2, 16, 4096, 256] bf16 on an H200, 95.9 TFLOP/s atomic against
+    /// 79.8 deterministic; level with it at 192: PERFORMANCE.md, issue 21).
     pub(crate) fn dq_accumulation(&self, dtype: DType, head_dim: usize) -> DqAccumulation {
+        let padded = TileConfig::padded_head_dim(FlashKernel::Backward, dtype, head_dim).unwrap_or(head_dim);
+        if dtype != DType::F32 && padded > 128 {
+            return DqAccumulation::Atomic;
+        }
         let tile = TileConfig::default_backward_for_dtype(dtype, head_dim);
         match self.hopper_backward(dtype, head_dim, tile, DqAccumulation::Atomic) {
             Some(_) => DqAccumulation::Atomic,

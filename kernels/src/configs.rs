@@ -108,7 +108,9 @@ macro_rules! sm80_backward_tiles {
 /// 192) keep the tensor cores busier than two taking ping-pong turns, but make fewer, longer
 /// blocks, which lose where the grid is only a few waves deep; the host picks by grid size. At
 /// head_dim 128 the products dominate, registers allow only two consumers, and the turns only add
-/// waiting.
+/// waiting. Above 128 the K/V tiles shrink so that two stages fit beside Q and the S and P
+/// registers beside O (`head_dim / 2` a thread): 96 keys at 192, 64 at 256 (80, FlashAttention-3's
+/// choice there, spills in the consumers).
 #[allow(unused_macros)] // used on nvptx64 only
 macro_rules! sm90_forward_configs {
     ($instance:ident) => {

@@ -217,8 +217,9 @@ impl Context {
     }
 
     /// The faster dQ mode for `dtype` and `head_dim` on this context: [`DqAccumulation::Atomic`]
-    /// where the Hopper backward runs (it has no deterministic mode), otherwise
-    /// [`DqAccumulation::fastest_for`].
+    /// where the Hopper backward runs (it has no deterministic mode) and for a 16-bit head_dim
+    /// above 128 (two warps share each slice there, and a second pass over S and dP costs more
+    /// than the atomic adds), otherwise [`DqAccumulation::fastest_for`].
     pub fn dq_accumulation_for(&self, dtype: DType, head_dim: usize) -> DqAccumulation {
         self.target().dq_accumulation(dtype, head_dim)
     }

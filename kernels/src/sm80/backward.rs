@@ -20,6 +20,21 @@
 //! head_dim 128 keeping them would cost 64 registers next to the 128 of dK and dV, so it reads
 //! them a second time with `ldmatrix.trans` instead (`keeps_fragments`).
 //!
+//! ## Wide heads (head_dim above 128)
+//!
+//! A warp keeps dK and dV of its 16 keys in registers, `head_dim` `f32` values a thread for the
+//! two: 128 at head_dim 128, with the fragments and scores beside them, and too many above. So
+//! above 128 two warps share each 16-row slice ([`warp_slice`]): warps `2i` and `2i + 1` own
+//! the same 16 keys, and each accumulates half of the columns of dK and dV (96 or 128 a
+//! thread at 192 or 256). Both compute the slice's Sᵀ and dPᵀ over the whole head_dim, so the
+//! products over head_dim are done twice: at 256, 6 products of a 16 × 16 × 128 size where an
+//! unsplit kernel would do 4, which costs a third of the tensor-core work for a kernel that
+//! fits. The dQ kernel splits its rows of dQ the same way, and reads Q and dO from shared memory
+//! at every use instead of keeping them in registers. In atomic mode only the first warp of a
+//! pair publishes dSᵀ (the two compute the same values). FlashAttention-2 spreads the columns of
+//! dK and dV over its warps in the same spirit (its `AtomLayoutNdKV`); FlashAttention-3 does it
+//! on Hopper with two consumer warpgroups.
+//!
 //! ## Shared memory of the K/V-outer kernel (16-bit rows padded by 8 elements; `layout::mma_backward_kv_smem_bytes`)
 //!
 //! | tile | shape | written by | read by |
@@ -35,8 +50,9 @@
 //! ## Kernels
 //!
 //! * `flash_backward_kv_mma` (`flash_bwd_{f16,bf16}_…` and `flash_bwd_dkdv_{f16,bf16}_…`): one
-//!   block per `BLOCK_N` keys of one key/value head, `BLOCK_N / 16` warps, warp `w` owning keys
-//!   `16w .. 16w + 16` and their rows of dK and dV in registers. It loops over the query tiles of
+//!   block per `BLOCK_N` keys of one key/value head, `BLOCK_N / 16` warps (twice as many above
+//!   head_dim 128), warp `w` owning keys `16w .. 16w + 16` and their rows of dK and dV in
+//!   registers. It loops over the query tiles of
 //!   every query head of its group (grouped-query attention needs no atomics for dK and dV), the
 //!   Q/dO tiles streamed through a `STAGES`-slot `cp.async` ring as in the forward pass. With
 //!   atomic dQ, the warps then share dSᵀ through shared memory and add dQ = scale · dS·K into an
@@ -177,12 +193,14 @@ unsafe fn convert_dq<T: HalfFloat>(dq_accum: *const f32, dq: *mut u16, n: usize)
 /// K/V-outer kernels, queries in the dQ kernel) and its first column. Up to head_dim 128 a warp
 /// owns its rows' every column; above, warps `2i` and `2i + 1` share rows `16i ..` and own a half
 /// of the columns each ([`mma_backward_column_warps`]).
+// ANCHOR: warp_slice
 #[inline(always)]
 fn warp_slice<const HEAD_DIM: usize>() -> (usize, usize) {
     let split = mma_backward_column_warps(HEAD_DIM);
     let warp = hw::warp_id();
     (warp / split * MMA_WARP_ROWS, warp % split * (HEAD_DIM / split))
 }
+// ANCHOR_END: warp_slice
 
 /// How many of this warp's columns, from `col0` on ([`warp_slice`]), lie inside rows of `d`
 /// elements: `d` itself where the warp owns whole rows.
