@@ -288,3 +288,25 @@ fn emulated_tensor_core_forward_and_backward() {
     }
     report("emulated_tensor_core_forward_and_backward", cases);
 }
+
+/// The wide-head backward (above head_dim 128: two warps share each 16-row slice, half of the
+/// columns each) in both dQ modes, exact and padded instances, with ragged lengths: the pair's
+/// column split, the first warp's dSᵀ for the atomic dQ, and the per-warp column range of the
+/// epilogue (at 136 on the 192 kernels the second warp of a pair owns columns 96–191, of which
+/// 40 are real; 250 is not a multiple of 8, so its rows are written element by element).
+#[test]
+fn emulated_wide_head_backward_in_both_modes() {
+    let ctx = emulator();
+    let mut cases = 0;
+    for (head_dim, seqlen_q, seqlen_k) in [(192, 33, 45), (136, 20, 37), (256, 40, 17), (250, 9, 70)] {
+        let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q, seqlen_k, head_dim };
+        let fwd = TileConfig::default_for_dtype(attn_host::DType::Bf16, head_dim);
+        let bwd = TileConfig::default_backward_for_dtype(attn_host::DType::Bf16, head_dim);
+        for mode in [DqAccumulation::Atomic, DqAccumulation::Deterministic] {
+            let causal = if cases % 2 == 0 { Causal::BottomRight } else { Causal::None };
+            check16::<attn_host::bf16>(ctx, shape, fwd, Some((bwd, mode)), options(causal), 40 + cases, Inputs::Normal);
+            cases += 1;
+        }
+    }
+    report("emulated_wide_head_backward_in_both_modes", cases);
+}

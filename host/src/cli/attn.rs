@@ -18,7 +18,7 @@
 //!   agree). Inputs of another type are rounded to it first (f32 files run in f16, say), and
 //!   `--check` compares against the reference on those rounded inputs. `f32` runs the CUDA-core
 //!   kernels (flash: head_dim 1 to 256; naive: any head_dim), `f16`/`bf16` the tensor-core
-//!   flash kernels (head_dim 1 to 256; the backward above 128 on the `f32` kernels, widened);
+//!   flash kernels (head_dim 1 to 256, forward and backward);
 //!   the naive kernels are `f32` only.
 //! * Outputs: O and dQ, dK, dV in the run's element type; LSE always `f32`, the natural-log
 //!   logsumexp of each score row, ln Σ_j exp(scale · q·k_j) (−∞ for a row that sees no key),

@@ -51,7 +51,7 @@ pub struct Args {
     /// Key/value sequence length; defaults to --seqlen.
     #[arg(long)]
     pub seqlen_k: Option<usize>,
-    /// Head dimension: 1 to 256, each run on the next compiled one (the 16-bit backward above 128 on the f32 kernels, widened).
+    /// Head dimension: 1 to 256, each run on the next compiled one.
     #[arg(long)]
     pub head_dim: Option<usize>,
     /// Query rows per flash block (Br), given together with --block-n; default: tuned per head_dim,
@@ -565,8 +565,8 @@ fn tensor_core_rows<T: Element>(
     let rounded: [Vec<f32>; 4] = inputs.host.each_ref().map(|x| to_f32_vec(&from_f32_slice::<T>(x)));
     let part = CheckedPart::new(&rounded, &shape);
     let tolerance = Tolerance::of(dtype);
-    // The forward's result, and the backward's (a head_dim the backward does not take, above 128
-    // in 16 bits, costs only the backward row).
+    // The forward's result, and the backward's (a backward that cannot run, on a GPU whose shared
+    // memory its tile does not fit, costs only the backward row).
     type Measured = (f64, Checked);
     let result = (|| -> Result<(Measured, Result<Measured>)> {
         let shapes = [shape.q_shape(), shape.kv_shape(), shape.kv_shape(), shape.q_shape()];

@@ -196,7 +196,7 @@ unsafe fn convert_dq<T: HalfFloat>(dq_accum: *const f32, dq: *mut u16, n: usize)
 // ANCHOR: warp_slice
 #[inline(always)]
 fn warp_slice<const HEAD_DIM: usize>() -> (usize, usize) {
-    let split = mma_backward_column_warps(HEAD_DIM);
+    let split = const { mma_backward_column_warps(HEAD_DIM) };
     let warp = hw::warp_id();
     (warp / split * MMA_WARP_ROWS, warp % split * (HEAD_DIM / split))
 }
@@ -206,7 +206,7 @@ fn warp_slice<const HEAD_DIM: usize>() -> (usize, usize) {
 /// elements: `d` itself where the warp owns whole rows.
 #[inline(always)]
 fn warp_columns<const HEAD_DIM: usize>(col0: usize, d: usize) -> usize {
-    let split = mma_backward_column_warps(HEAD_DIM);
+    let split = const { mma_backward_column_warps(HEAD_DIM) };
     if split == 1 { d } else { d.saturating_sub(col0).min(HEAD_DIM / split) }
 }
 
@@ -271,7 +271,7 @@ pub(crate) unsafe fn flash_backward_kv_mma<
         assert!(D_TILES * 8 * mma_backward_column_warps(HEAD_DIM) == HEAD_DIM && D_TILES.is_multiple_of(2));
         assert!(STAGES >= 2);
     };
-    let threads = mma_backward_threads(BLOCK_N, HEAD_DIM);
+    let threads = const { mma_backward_threads(BLOCK_N, HEAD_DIM) };
     let scale_log2 = scale * LOG2_E;
     let keep_fragments = keeps_fragments(HEAD_DIM);
     let block = KeyBlock::current::<BLOCK_M, BLOCK_N>(&shape, &mask);
@@ -515,7 +515,7 @@ pub(crate) unsafe fn flash_backward_q_mma<
         assert!(D_TILES * 8 * mma_backward_column_warps(HEAD_DIM) == HEAD_DIM && D_TILES.is_multiple_of(2));
         assert!(STAGES >= 2);
     };
-    let threads = mma_backward_threads(BLOCK_M, HEAD_DIM);
+    let threads = const { mma_backward_threads(BLOCK_M, HEAD_DIM) };
     let scale_log2 = scale * LOG2_E;
     let keep_fragments = keeps_fragments(HEAD_DIM);
     let block = QueryBlock::current::<BLOCK_M>(&shape);
@@ -528,7 +528,7 @@ pub(crate) unsafe fn flash_backward_q_mma<
     let (warp_row, col0) = warp_slice::<HEAD_DIM>();
     // A wide head's Q and dO fragments (head_dim / 2 registers a thread for both) do not fit next
     // to dQ's: they are read from shared memory at every use instead.
-    let keep_q = mma_backward_column_warps(HEAD_DIM) == 1;
+    let keep_q = const { mma_backward_column_warps(HEAD_DIM) == 1 };
 
     let stride = HEAD_DIM + MMA_SMEM_PAD;
     let mut smem = SharedMemory::new();
