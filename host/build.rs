@@ -154,7 +154,12 @@ fn registry_source(entries: &[String]) -> String {
     let mut all = Vec::new();
     let mut flash = String::new();
     let mut hopper = String::new();
+    let mut decoders = Vec::new();
     for name in entries {
+        if let Some(decoder) = decoder_instance(name) {
+            decoders.push(decoder);
+            continue;
+        }
         match flash_instance(name) {
             Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages, hopper: false, padded, .. }) => {
                 writeln!(
@@ -189,6 +194,18 @@ fn registry_source(entries: &[String]) -> String {
             }
         }
     }
+    // In the order of preference per head_dim: the deeper ring first (`Context::decode_plan`
+    // takes the first that fits the device's shared memory).
+    decoders.sort_by_key(|d| (d.dtype, d.head_dim, std::cmp::Reverse(d.stages)));
+    let decode: String = decoders
+        .iter()
+        .map(|DecoderName { dtype, head_dim, stages, blocks_per_sm, entry }| {
+            format!(
+                "    DecodeInstance {{ dtype: DType::{dtype}, head_dim: {head_dim}, stages: {stages}, \
+                 blocks_per_sm: {blocks_per_sm}, entry: {entry:?} }},\n"
+            )
+        })
+        .collect();
     // The Hopper kernels exist only as PTX: the emulator does not model their asynchronous units.
     let emulated: String = entries
         .iter()
@@ -202,10 +219,34 @@ fn registry_source(entries: &[String]) -> String {
          pub const FLASH_INSTANCES: &[FlashInstance] = &[\n{flash}];\n\n\
          /// Every compiled Hopper (sm_90a) FlashAttention instance.\n\
          pub const HOPPER_INSTANCES: &[HopperInstance] = &[\n{hopper}];\n\n\
+         /// Every compiled KV-cache decoder, by element type and head_dim, the deeper ring first.\n\
+         pub const DECODE_INSTANCES: &[DecodeInstance] = &[\n{decode}];\n\n\
          /// The CPU emulator's entry for a kernel of the PTX, by its `.entry` name.\n\
          pub fn emulated(name: &str) -> Option<&'static attn_kernels::emu::HostKernel> {{\n    match name {{\n{emulated}        _ => None,\n    }}\n}}\n",
         all.join(", ")
     )
+}
+
+/// What the name of a KV-cache decoder instance says: `decode_fwd_{dtype}_d{head_dim}_s{stages}`
+/// (`kernels/src/sm80/decode.rs`), and the blocks per SM its launch bounds keep room for.
+struct DecoderName {
+    dtype: &'static str,
+    head_dim: usize,
+    stages: usize,
+    blocks_per_sm: u32,
+    entry: String,
+}
+
+/// Parses a decoder's entry name; `None` for any other kernel (the merge and append kernels of
+/// level 10 have single instances).
+fn decoder_instance(name: &str) -> Option<DecoderName> {
+    let rest = name.strip_prefix("decode_fwd_")?;
+    let (dtype, dims) = rest.split_once("_d")?;
+    let (_, dtype) = DTYPES.iter().find(|(d, _)| *d == dtype)?;
+    let (head_dim, stages) = dims.split_once("_s")?;
+    let number = |part: &str| part.parse().unwrap_or_else(|_| fail(&format!("unexpected kernel name {name}")));
+    let blocks_per_sm = configs::LAUNCH_BOUNDS.iter().find(|(n, _, _)| *n == name).map_or(1, |b| b.2);
+    Some(DecoderName { dtype, head_dim: number(head_dim), stages: number(stages), blocks_per_sm, entry: name.into() })
 }
 
 /// What the name of a FlashAttention instance says.

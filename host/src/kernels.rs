@@ -171,6 +171,25 @@ impl HopperInstance {
     }
 }
 
+/// One compiled KV-cache decoder (level 10, `kernels/src/sm80/decode.rs`; entry names
+/// `decode_fwd_{f16,bf16}_d{head_dim}_s{stages}`): split-KV over a (paged) cache, four warps
+/// taking turns over 16-key tiles, each with a `stages`-slot `cp.async` ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeInstance {
+    /// Element type of Q, the cache and O (`f16` or `bf16`).
+    pub dtype: DType,
+    /// Head dimension the instance is specialised for (it also runs the smaller ones down to the
+    /// previous compiled one, with zero columns that never touch device memory).
+    pub head_dim: usize,
+    /// Slots of each warp's K/V ring.
+    pub stages: usize,
+    /// Blocks per SM that its launch bounds (`kernels/src/configs.rs`, `LAUNCH_BOUNDS`) keep room
+    /// for (1 where it has none).
+    pub blocks_per_sm: u32,
+    /// `.entry` name in the PTX.
+    pub entry: &'static str,
+}
+
 /// The compiled Hopper instance of `kernel` for this element type, tile, head dimension and
 /// turn-taking, if any.
 pub fn hopper_instance(
@@ -285,8 +304,8 @@ impl TileConfig {
         compiled_values(|i| i.kernel == kernel && i.dtype == dtype, |i| i.head_dim)
     }
 
-    /// The largest head_dim that `kernel` takes at `dtype`: its largest compiled one (256 for the
-    /// forward passes, 128 for the 16-bit backward).
+    /// The largest head_dim that `kernel` takes at `dtype`: its largest compiled one (256 for
+    /// every pass and type today).
     pub fn max_head_dim(kernel: FlashKernel, dtype: DType) -> usize {
         Self::compiled_head_dims_of(kernel, dtype).last().copied().unwrap_or(0)
     }

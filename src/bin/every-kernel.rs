@@ -11,10 +11,10 @@ use std::process::ExitCode;
 
 use attn_host::check::{lse_error, random_normal, relative_l2_error};
 use attn_host::dtype::{from_f32_slice, to_f32_vec};
-use attn_host::kernels::{FLASH_INSTANCES, entry};
+use attn_host::kernels::{DECODE_INSTANCES, FLASH_INSTANCES, entry};
 use attn_host::{
-    AttentionOptions, AttentionShape, Causal, Context, DType, DeviceTensor, DqAccumulation, Element,
-    FlashKernel as Family, Result, TileConfig, cpu,
+    AttentionOptions, AttentionShape, Causal, Context, DType, DecodeOptions, DeviceTensor, DqAccumulation, Element,
+    FlashKernel as Family, KvCache, Layout, Result, TileConfig, cpu,
 };
 
 fn main() -> ExitCode {
@@ -110,9 +110,14 @@ fn run() -> Result<()> {
 
     tensor_core_kernels::<attn_host::f16>(&ctx, &mut launched)?;
     tensor_core_kernels::<attn_host::bf16>(&ctx, &mut launched)?;
+    let mut decoders = BTreeSet::new();
+    decoder_kernels::<attn_host::f16>(&ctx, &mut launched, &mut decoders)?;
+    decoder_kernels::<attn_host::bf16>(&ctx, &mut launched, &mut decoders)?;
 
+    // Every kernel, but of the decoders only those a decoding step picks on this device (the
+    // deepest ring that fits; `RUST_ATTENTION_DECODE_STAGES` runs the others).
     let all: BTreeSet<&'static str> =
-        entry::ALL.iter().copied().chain(FLASH_INSTANCES.iter().map(|i| i.entry)).collect();
+        entry::ALL.iter().copied().chain(FLASH_INSTANCES.iter().map(|i| i.entry)).chain(decoders).collect();
     let missed: Vec<_> = all.difference(&launched).collect();
     if !missed.is_empty() {
         return Err(attn_host::Error::Shape(format!("kernels never launched: {missed:?}")));
@@ -174,6 +179,102 @@ fn tensor_core_kernels<T: Element>(ctx: &Context, launched: &mut BTreeSet<&'stat
     launched.extend(match dtype {
         DType::Bf16 => [entry::FLASH_BWD_PREPROCESS_BF16, entry::FLASH_BWD_CONVERT_DQ_BF16],
         _ => [entry::FLASH_BWD_PREPROCESS_F16, entry::FLASH_BWD_CONVERT_DQ_F16],
+    });
+    Ok(())
+}
+
+/// A decoding step (level 10) at every compiled decoder head_dim and 3 less (padding columns),
+/// contiguous token-major cache, GQA, two sequences of different lengths, bottom-right causal
+/// over two queries, two new K/V rows appended, unsplit and split in 3 (the merge): O and LSE
+/// against `cpu::decode`. Adds the decoders that ran to `decoders`.
+fn decoder_kernels<T: Element>(
+    ctx: &Context,
+    launched: &mut BTreeSet<&'static str>,
+    decoders: &mut BTreeSet<&'static str>,
+) -> Result<()> {
+    let (hq, hkv, sq, new, capacity, layout) = (4, 2, 2, 2, 320, Layout::Bshd);
+    let cached = [37usize, 290];
+    let batch = cached.len();
+    let o_tolerance = if T::DTYPE == DType::Bf16 { 1e-2 } else { 3e-3 };
+    let round = |x: Vec<f32>| to_f32_vec(&from_f32_slice::<T>(&x));
+    let mut dims: Vec<usize> = DECODE_INSTANCES.iter().filter(|i| i.dtype == T::DTYPE).map(|i| i.head_dim).collect();
+    dims.dedup();
+    for d in dims.iter().flat_map(|&d| [d, d - 3]) {
+        let seed = 1000 * d as u64;
+        let q_logical = round(random_normal(batch * hq * sq * d, seed));
+        let seqs: Vec<cpu::SequenceKv> = cached
+            .iter()
+            .enumerate()
+            .map(|(b, &c)| {
+                let len = c + new;
+                let k = round(random_normal(hkv * len * d, seed + 2 * b as u64 + 1));
+                cpu::SequenceKv { k, v: round(random_normal(hkv * len * d, seed + 2 * b as u64 + 2)), len }
+            })
+            .collect();
+        // Q, the cache (each sequence's first `cached` keys) and the new rows, token-major.
+        let mut q = vec![0.0f32; q_logical.len()];
+        let (mut k_cache, mut v_cache) =
+            (vec![0.0f32; batch * capacity * hkv * d], vec![0.0; batch * capacity * hkv * d]);
+        let (mut k_new, mut v_new) = (vec![0.0f32; batch * new * hkv * d], vec![0.0; batch * new * hkv * d]);
+        for b in 0..batch {
+            for c in 0..d {
+                for h in 0..hq {
+                    for t in 0..sq {
+                        q[layout.offset((sq, hq, d), (b, t, h, c))] = q_logical[((b * hq + h) * sq + t) * d + c];
+                    }
+                }
+                let seq = &seqs[b];
+                for h in 0..hkv {
+                    for t in 0..seq.len {
+                        let (k, v) = (seq.k[(h * seq.len + t) * d + c], seq.v[(h * seq.len + t) * d + c]);
+                        if t < cached[b] {
+                            let at = layout.offset((capacity, hkv, d), (b, t, h, c));
+                            (k_cache[at], v_cache[at]) = (k, v);
+                        } else {
+                            let at = layout.offset((new, hkv, d), (b, t - cached[b], h, c));
+                            (k_new[at], v_new[at]) = (k, v);
+                        }
+                    }
+                }
+            }
+        }
+        let params = cpu::Params { scale: 1.0 / (d as f64).sqrt(), causal: Causal::BottomRight };
+        let reference = cpu::decode(&q_logical, &seqs, (hq, hkv, sq, d), params)?;
+        let upload = |x: &[f32], s: usize, h: usize| ctx.upload(&from_f32_slice::<T>(x), &layout.shape(batch, s, h, d));
+        let (qd, kn, vn) = (upload(&q, sq, hq)?, upload(&k_new, new, hkv)?, upload(&v_new, new, hkv)?);
+        let lens: Vec<i32> = cached.iter().map(|&c| c as i32).collect();
+        let lens = ctx.upload(&lens, &[batch])?;
+        for splits in [1, 3] {
+            // A fresh cache for each step: the append writes into it.
+            let (mut kc, mut vc) = (upload(&k_cache, capacity, hkv)?, upload(&v_cache, capacity, hkv)?);
+            let mut cache = KvCache { k: &mut kc, v: &mut vc, seqlens: Some(&lens), block_table: None };
+            let options =
+                DecodeOptions { causal: Causal::BottomRight, layout, num_splits: Some(splits), ..Default::default() };
+            let plan = ctx.decode_plan(&qd, &cache, Some((&kn, &vn)), &options)?;
+            let out = ctx.attention_with_kv_cache(&qd, &mut cache, Some((&kn, &vn)), &options)?;
+            // O back in the reference's head-major order.
+            let o_host = to_f32_vec(&out.o.to_host()?);
+            let mut o = vec![0.0f32; o_host.len()];
+            for b in 0..batch {
+                for h in 0..hq {
+                    for t in 0..sq {
+                        for c in 0..d {
+                            o[((b * hq + h) * sq + t) * d + c] = o_host[layout.offset((sq, hq, d), (b, t, h, c))];
+                        }
+                    }
+                }
+            }
+            let what = format!("{} decoder d{d} ({}, splits {splits})", T::DTYPE, plan.entry);
+            within(&format!("{what} O"), relative_l2_error(&o, &reference.o), o_tolerance)?;
+            within(&format!("{what} LSE"), lse_error(&out.lse.to_host()?, &reference.lse), 1e-4)?;
+            launched.insert(plan.entry);
+            decoders.insert(plan.entry);
+        }
+    }
+    launched.extend([entry::DECODE_APPEND_KV]);
+    launched.extend(match T::DTYPE {
+        DType::Bf16 => [entry::DECODE_MERGE_BF16],
+        _ => [entry::DECODE_MERGE_F16],
     });
     Ok(())
 }

@@ -8,7 +8,7 @@ use super::AttentionOutput;
 use super::args::{flash_config, one_dim};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use crate::kernels::entry;
+use crate::kernels::{DECODE_INSTANCES, entry};
 use crate::layout::{
     DECODE_MERGE_COLUMNS, DECODE_MERGE_THREADS, DECODE_THREADS, DecodeShape, decode_partial_stride, decode_smem_bytes,
 };
@@ -139,24 +139,12 @@ impl DecodePlan {
     }
 }
 
-/// The decoders compiled for `dtype`: (head_dim, stages, entry), in the order of preference
-/// per head_dim (the first that fits the device runs; [`decode_stages_override`] picks another).
-fn decoders(dtype: DType) -> &'static [(usize, usize, &'static str)] {
-    match dtype {
-        DType::F16 => &[
-            (64, 3, entry::DECODE_FWD_F16_D64_S3),
-            (128, 3, entry::DECODE_FWD_F16_D128_S3),
-            (128, 2, entry::DECODE_FWD_F16_D128_S2),
-            (256, 3, entry::DECODE_FWD_F16_D256_S3),
-        ],
-        DType::Bf16 => &[
-            (64, 3, entry::DECODE_FWD_BF16_D64_S3),
-            (128, 3, entry::DECODE_FWD_BF16_D128_S3),
-            (128, 2, entry::DECODE_FWD_BF16_D128_S2),
-            (256, 3, entry::DECODE_FWD_BF16_D256_S3),
-        ],
-        DType::F32 => &[],
-    }
+/// The decoders compiled for `dtype` (the registry's [`DECODE_INSTANCES`], generated from the
+/// PTX): (head_dim, stages, entry), ascending by head_dim and in the order of preference per
+/// head_dim, the deeper ring first (the first that fits the device runs;
+/// [`decode_stages_override`] picks another).
+fn decoders(dtype: DType) -> impl Iterator<Item = (usize, usize, &'static str)> + Clone {
+    DECODE_INSTANCES.iter().filter(move |d| d.dtype == dtype).map(|d| (d.head_dim, d.stages, d.entry))
 }
 
 /// `RUST_ATTENTION_DECODE_STAGES=N`: run the decoder whose ring has `N` stages where one is
@@ -401,14 +389,12 @@ impl Context {
             Causal::TopLeft => (1, 0),
             Causal::BottomRight => (1, 1),
         };
-        let compiled_for = |&&(d, _, _): &&(usize, usize, &str)| d >= head_dim;
-        let smallest = decoders(T::DTYPE).iter().find(compiled_for).map(|&(d, _, _)| d);
-        let forced = decode_stages_override()
-            .filter(|&f| decoders(T::DTYPE).iter().any(|&(d, s, _)| Some(d) == smallest && s == f));
+        let smallest = decoders(T::DTYPE).map(|(d, _, _)| d).find(|&d| d >= head_dim);
+        let forced =
+            decode_stages_override().filter(|&f| decoders(T::DTYPE).any(|(d, s, _)| Some(d) == smallest && s == f));
         let (compiled, stages, entry, smem) = decoders(T::DTYPE)
-            .iter()
-            .filter(|&&(d, s, _)| Some(d) == smallest && forced.is_none_or(|f| f == s))
-            .map(|&(d, s, e)| (d, s, e, decode_smem_bytes(d, s)))
+            .filter(|&(d, s, _)| Some(d) == smallest && forced.is_none_or(|f| f == s))
+            .map(|(d, s, e)| (d, s, e, decode_smem_bytes(d, s)))
             .find(|&(_, _, _, smem)| smem <= self.device().max_shared_memory_per_block)
             .ok_or_else(|| Error::SharedMemory {
                 kernel: "decoder".into(),

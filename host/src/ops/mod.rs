@@ -68,7 +68,7 @@ impl Context {
     /// [`TileConfig::default_for_dtype`]).
     ///
     /// On the sm_90a path ([`Context::kernel_path`]) a 16-bit forward pass of a head_dim that is a
-    /// multiple of 8 up to 128 given the default tile runs the Hopper kernel instead
+    /// multiple of 8 up to 256 given the default tile runs the Hopper kernel instead
     /// ([`Context::flash_attention_forward_hopper`]); [`Context::forward_kernel_entry`] names the
     /// kernel a call runs.
     ///
@@ -225,15 +225,17 @@ impl Context {
     }
 
     /// A short name of the kernel [`Context::flash_attention_backward`] runs, for tables:
-    /// `sm_90a m64_n128_s2`, `sm_80 m64_n128_s2` or `emulated m64_n128_s2` (see
-    /// [`Context::forward_kernel_label`]).
+    /// `sm_90a m64_n128_s2`, `sm_80 m64_n128_s2` or `emulated m64_n128_s2`, with ` on d192`
+    /// where the head_dim runs on a larger compiled one (see [`Context::forward_kernel_label`]).
     pub fn backward_kernel_label(&self, dtype: DType, head_dim: usize, tile: TileConfig, dq: DqAccumulation) -> String {
+        let on = |compiled: usize| if compiled == head_dim { String::new() } else { format!(" on d{compiled}") };
+        let padded = TileConfig::padded_head_dim(FlashKernel::Backward, dtype, head_dim).unwrap_or(head_dim);
         if self.is_emulated() {
-            return format!("emulated {tile}");
+            return format!("emulated {tile}{}", on(padded));
         }
         match self.target().hopper_backward(dtype, head_dim, tile, dq) {
-            Some(kernel) => format!("{} {}", KernelPath::Sm90a, kernel.config_name()),
-            None => format!("{} {tile}", KernelPath::Sm80),
+            Some(kernel) => format!("{} {}{}", KernelPath::Sm90a, kernel.config_name(), on(kernel.head_dim)),
+            None => format!("{} {tile}{}", KernelPath::Sm80, on(padded)),
         }
     }
 

@@ -117,7 +117,7 @@ impl Context {
 
     /// FlashAttention backward on Hopper (`kernels/src/sm90/backward.rs`: FlashAttention-2's
     /// Algorithm 2 with FlashAttention-3's structure): dQ, dK, dV for `f16`/`bf16` tensors of
-    /// any head_dim that is a multiple of 8 up to 128 (compiled for 64 and 128, as the forward),
+    /// any head_dim that is a multiple of 8 up to 128 (compiled for 64 and 128),
     /// with the shapes, masks, GQA and scale of
     /// [`Context::flash_attention_backward`]. A block owns 128 keys (two consumer warpgroups of
     /// 64) and loops over query tiles of 64 rows that a producer warpgroup loads with TMA; dQ is
