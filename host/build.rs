@@ -199,10 +199,9 @@ fn registry_source(entries: &[String]) -> String {
     decoders.sort_by_key(|d| (d.dtype, d.head_dim, std::cmp::Reverse(d.stages)));
     let decode: String = decoders
         .iter()
-        .map(|DecoderName { dtype, head_dim, stages, blocks_per_sm, entry }| {
+        .map(|DecoderName { dtype, head_dim, stages, entry }| {
             format!(
-                "    DecodeInstance {{ dtype: DType::{dtype}, head_dim: {head_dim}, stages: {stages}, \
-                 blocks_per_sm: {blocks_per_sm}, entry: {entry:?} }},\n"
+                "    DecodeInstance {{ dtype: DType::{dtype}, head_dim: {head_dim}, stages: {stages}, entry: {entry:?} }},\n"
             )
         })
         .collect();
@@ -228,12 +227,11 @@ fn registry_source(entries: &[String]) -> String {
 }
 
 /// What the name of a KV-cache decoder instance says: `decode_fwd_{dtype}_d{head_dim}_s{stages}`
-/// (`kernels/src/sm80/decode.rs`), and the blocks per SM its launch bounds keep room for.
+/// (`kernels/src/sm80/decode.rs`). (Its resident blocks per SM the host asks the driver for.)
 struct DecoderName {
     dtype: &'static str,
     head_dim: usize,
     stages: usize,
-    blocks_per_sm: u32,
     entry: String,
 }
 
@@ -245,8 +243,7 @@ fn decoder_instance(name: &str) -> Option<DecoderName> {
     let (_, dtype) = DTYPES.iter().find(|(d, _)| *d == dtype)?;
     let (head_dim, stages) = dims.split_once("_s")?;
     let number = |part: &str| part.parse().unwrap_or_else(|_| fail(&format!("unexpected kernel name {name}")));
-    let blocks_per_sm = configs::LAUNCH_BOUNDS.iter().find(|(n, _, _)| *n == name).map_or(1, |b| b.2);
-    Some(DecoderName { dtype, head_dim: number(head_dim), stages: number(stages), blocks_per_sm, entry: name.into() })
+    Some(DecoderName { dtype, head_dim: number(head_dim), stages: number(stages), entry: name.into() })
 }
 
 /// What the name of a FlashAttention instance says.

@@ -183,9 +183,6 @@ pub struct DecodeInstance {
     pub head_dim: usize,
     /// Slots of each warp's K/V ring.
     pub stages: usize,
-    /// Blocks per SM that its launch bounds (`kernels/src/configs.rs`, `LAUNCH_BOUNDS`) keep room
-    /// for (1 where it has none).
-    pub blocks_per_sm: u32,
     /// `.entry` name in the PTX.
     pub entry: &'static str,
 }

@@ -14,7 +14,7 @@ use crate::device::DeviceInfo;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kernels::{self, FlashKernel, HopperInstance};
-use crate::layout::DecodeShape;
+use crate::layout::{self, DecodeShape};
 use crate::problem::{AttentionShape, Causal, DqAccumulation, TileConfig};
 
 /// Which kernels run a context's 16-bit FlashAttention passes with the built-in tiles.
@@ -133,7 +133,7 @@ impl Target<'_> {
     /// 79.8 deterministic; level with it at 192: PERFORMANCE.md, issue 21).
     pub(crate) fn dq_accumulation(&self, dtype: DType, head_dim: usize) -> DqAccumulation {
         let padded = TileConfig::padded_head_dim(FlashKernel::Backward, dtype, head_dim).unwrap_or(head_dim);
-        if dtype != DType::F32 && padded > 128 {
+        if dtype != DType::F32 && layout::mma_backward_column_warps(padded) > 1 {
             return DqAccumulation::Atomic;
         }
         let tile = TileConfig::default_backward_for_dtype(dtype, head_dim);

@@ -278,6 +278,12 @@ pub const fn mma_backward_column_warps(head_dim: usize) -> usize {
     if head_dim > 128 { 2 } else { 1 }
 }
 
+/// The columns of the tensor-core backward's accumulators that one warp owns at `head_dim`:
+/// all of them, or a half above 128 ([`mma_backward_column_warps`]).
+pub const fn mma_backward_warp_columns(head_dim: usize) -> usize {
+    head_dim / mma_backward_column_warps(head_dim)
+}
+
 /// Threads per block of a tensor-core backward kernel whose warps own `rows` rows (keys for the
 /// K/V-outer kernels, queries for the dQ kernel) at `head_dim`: one warp per m-tile, times
 /// [`mma_backward_column_warps`].

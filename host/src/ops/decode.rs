@@ -8,7 +8,7 @@ use super::AttentionOutput;
 use super::args::{flash_config, one_dim};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use crate::kernels::{DECODE_INSTANCES, entry};
+use crate::kernels::{DECODE_INSTANCES, DecodeInstance, entry};
 use crate::layout::{
     DECODE_MERGE_COLUMNS, DECODE_MERGE_THREADS, DECODE_THREADS, DecodeShape, decode_partial_stride, decode_smem_bytes,
 };
@@ -140,11 +140,11 @@ impl DecodePlan {
 }
 
 /// The decoders compiled for `dtype` (the registry's [`DECODE_INSTANCES`], generated from the
-/// PTX): (head_dim, stages, entry), ascending by head_dim and in the order of preference per
+/// PTX), ascending by head_dim and in the order of preference per
 /// head_dim, the deeper ring first (the first that fits the device runs;
 /// [`decode_stages_override`] picks another).
-fn decoders(dtype: DType) -> impl Iterator<Item = (usize, usize, &'static str)> + Clone {
-    DECODE_INSTANCES.iter().filter(move |d| d.dtype == dtype).map(|d| (d.head_dim, d.stages, d.entry))
+fn decoders(dtype: DType) -> impl Iterator<Item = &'static DecodeInstance> + Clone {
+    DECODE_INSTANCES.iter().filter(move |d| d.dtype == dtype)
 }
 
 /// `RUST_ATTENTION_DECODE_STAGES=N`: run the decoder whose ring has `N` stages where one is
@@ -389,13 +389,13 @@ impl Context {
             Causal::TopLeft => (1, 0),
             Causal::BottomRight => (1, 1),
         };
-        let smallest = decoders(T::DTYPE).map(|(d, _, _)| d).find(|&d| d >= head_dim);
-        let forced =
-            decode_stages_override().filter(|&f| decoders(T::DTYPE).any(|(d, s, _)| Some(d) == smallest && s == f));
-        let (compiled, stages, entry, smem) = decoders(T::DTYPE)
-            .filter(|&(d, s, _)| Some(d) == smallest && forced.is_none_or(|f| f == s))
-            .map(|(d, s, e)| (d, s, e, decode_smem_bytes(d, s)))
-            .find(|&(_, _, _, smem)| smem <= self.device().max_shared_memory_per_block)
+        let smallest = decoders(T::DTYPE).map(|d| d.head_dim).find(|&d| d >= head_dim);
+        let forced = decode_stages_override()
+            .filter(|&f| decoders(T::DTYPE).any(|d| Some(d.head_dim) == smallest && d.stages == f));
+        let (decoder, smem) = decoders(T::DTYPE)
+            .filter(|d| Some(d.head_dim) == smallest && forced.is_none_or(|f| f == d.stages))
+            .map(|d| (d, decode_smem_bytes(d.head_dim, d.stages)))
+            .find(|&(_, smem)| smem <= self.device().max_shared_memory_per_block)
             .ok_or_else(|| Error::SharedMemory {
                 kernel: "decoder".into(),
                 block_m: 16,
@@ -406,6 +406,7 @@ impl Context {
                 device: self.device().name.clone(),
                 fitting: "none".into(),
             })?;
+        let (compiled, stages, entry) = (decoder.head_dim, decoder.stages, decoder.entry);
         let mut shape = DecodeShape {
             batch,
             num_heads_q,

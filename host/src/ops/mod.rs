@@ -120,7 +120,7 @@ impl Context {
         causal: Causal,
         tile: TileConfig,
     ) -> String {
-        let on = |compiled: usize| if compiled == shape.head_dim { String::new() } else { format!(" on d{compiled}") };
+        let on = |compiled: usize| compiled_suffix(shape.head_dim, compiled);
         let padded = TileConfig::padded_head_dim(FlashKernel::Forward, dtype, shape.head_dim).unwrap_or(shape.head_dim);
         if self.is_emulated() {
             return format!("emulated {tile}{}", on(padded));
@@ -228,7 +228,7 @@ impl Context {
     /// `sm_90a m64_n128_s2`, `sm_80 m64_n128_s2` or `emulated m64_n128_s2`, with ` on d192`
     /// where the head_dim runs on a larger compiled one (see [`Context::forward_kernel_label`]).
     pub fn backward_kernel_label(&self, dtype: DType, head_dim: usize, tile: TileConfig, dq: DqAccumulation) -> String {
-        let on = |compiled: usize| if compiled == head_dim { String::new() } else { format!(" on d{compiled}") };
+        let on = |compiled: usize| compiled_suffix(head_dim, compiled);
         let padded = TileConfig::padded_head_dim(FlashKernel::Backward, dtype, head_dim).unwrap_or(head_dim);
         if self.is_emulated() {
             return format!("emulated {tile}{}", on(padded));
@@ -332,6 +332,12 @@ impl Context {
         }
         Ok(shape)
     }
+}
+
+/// The part of a kernel label that says a problem of `head_dim` runs on the larger `compiled`
+/// head_dim (` on d96`); empty when they are the same.
+fn compiled_suffix(head_dim: usize, compiled: usize) -> String {
+    if compiled == head_dim { String::new() } else { format!(" on d{compiled}") }
 }
 
 /// Checks, without a device, that the backward takes `head_dim` at `dtype` with the built-in

@@ -85,7 +85,8 @@ use crate::attention::mask::Mask;
 use crate::attention::schedule::{KeyBlock, QueryBlock};
 use crate::hw::{self, FragA, HalfFloat, LOG2_E, SharedMemory};
 use crate::layout::{
-    AttentionShape, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_backward_column_warps, mma_backward_threads, row_length,
+    AttentionShape, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_backward_column_warps, mma_backward_threads,
+    mma_backward_warp_columns, row_length,
 };
 use crate::sm80::pipeline::KvRing;
 
@@ -196,9 +197,9 @@ unsafe fn convert_dq<T: HalfFloat>(dq_accum: *const f32, dq: *mut u16, n: usize)
 // ANCHOR: warp_slice
 #[inline(always)]
 fn warp_slice<const HEAD_DIM: usize>() -> (usize, usize) {
-    let split = const { mma_backward_column_warps(HEAD_DIM) };
+    let (split, columns) = const { (mma_backward_column_warps(HEAD_DIM), mma_backward_warp_columns(HEAD_DIM)) };
     let warp = hw::warp_id();
-    (warp / split * MMA_WARP_ROWS, warp % split * (HEAD_DIM / split))
+    (warp / split * MMA_WARP_ROWS, warp % split * columns)
 }
 // ANCHOR_END: warp_slice
 
@@ -206,8 +207,8 @@ fn warp_slice<const HEAD_DIM: usize>() -> (usize, usize) {
 /// elements: `d` itself where the warp owns whole rows.
 #[inline(always)]
 fn warp_columns<const HEAD_DIM: usize>(col0: usize, d: usize) -> usize {
-    let split = const { mma_backward_column_warps(HEAD_DIM) };
-    if split == 1 { d } else { d.saturating_sub(col0).min(HEAD_DIM / split) }
+    let columns = const { mma_backward_warp_columns(HEAD_DIM) };
+    if columns == HEAD_DIM { d } else { d.saturating_sub(col0).min(columns) }
 }
 
 /// Pointers of one backward problem, as the kernels receive them (16-bit tensors as raw bits).
@@ -644,7 +645,7 @@ pub(crate) unsafe fn flash_backward_q_mma<
 /// The fragments of one warp's columns of the backward's accumulators at `head_dim` (8 columns
 /// each): all of them, or half above head_dim 128 ([`warp_slice`]).
 const fn column_tiles(head_dim: usize) -> usize {
-    head_dim / 8 / mma_backward_column_warps(head_dim)
+    mma_backward_warp_columns(head_dim) / 8
 }
 
 /// Three entries per tile and format: `flash_bwd_{dtype}_…` (dK, dV, atomic dQ),
