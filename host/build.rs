@@ -169,14 +169,24 @@ fn registry_source(entries: &[String]) -> String {
                 )
                 .unwrap()
             }
-            Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages, hopper: true, pingpong, .. }) => {
+            Some(FlashName {
+                variant,
+                dtype,
+                block_m,
+                block_n,
+                head_dim,
+                stages,
+                hopper: true,
+                hopper_variant,
+                ..
+            }) => {
                 // The blocks per SM its launch bounds promise (ptxas keeps the registers to that).
                 let blocks_per_sm =
                     configs::LAUNCH_BOUNDS.iter().find(|(n, _, _)| *n == name.as_str()).map_or(1, |b| b.2);
                 writeln!(
                     hopper,
                     "    HopperInstance {{ kernel: FlashKernel::{variant}, dtype: DType::{dtype}, block_m: {block_m}, \
-                 block_n: {block_n}, head_dim: {head_dim}, stages: {stages}, pingpong: {pingpong}, \
+                 block_n: {block_n}, head_dim: {head_dim}, stages: {stages}, variant: HopperVariant::{hopper_variant}, \
                  blocks_per_sm: {blocks_per_sm}, entry: {name:?} }},"
                 )
                 .unwrap()
@@ -256,22 +266,26 @@ struct FlashName {
     stages: usize,
     /// A Hopper kernel (`hopper_` prefix).
     hopper: bool,
-    /// A Hopper forward whose consumers take turns (`_pingpong` suffix).
-    pingpong: bool,
+    /// The `HopperVariant` of a Hopper kernel: `PingPong` (`_pingpong` suffix, a forward whose
+    /// consumers take turns), `Deterministic` (`_deterministic`, a backward that adds dQ in a
+    /// fixed order), else `Plain`.
+    hopper_variant: &'static str,
     /// Runs head dims below `head_dim` too: `_padded` tensor-core instances, every `f32` one.
     padded: bool,
 }
 
-/// Parses `[hopper_]{family}_{dtype}_m{block_m}_n{block_n}_d{head_dim}[_s{stages}][_pingpong|_padded]`;
+/// Parses `[hopper_]{family}_{dtype}_m{block_m}_n{block_n}_d{head_dim}[_s{stages}][_pingpong|_deterministic|_padded]`;
 /// `None` for other kernels.
 fn flash_instance(name: &str) -> Option<FlashName> {
     let (hopper, rest) = match name.strip_prefix("hopper_") {
         Some(rest) => (true, rest),
         None => (false, name),
     };
-    let (pingpong, rest) = match rest.strip_suffix("_pingpong") {
-        Some(rest) if hopper => (true, rest),
-        _ => (false, rest),
+    let suffixes = [("_pingpong", "PingPong"), ("_deterministic", "Deterministic")];
+    let found = suffixes.iter().find_map(|(suffix, variant)| Some((*variant, rest.strip_suffix(suffix)?)));
+    let (hopper_variant, rest) = match found {
+        Some(found) if hopper => found,
+        _ => ("Plain", rest),
     };
     let (padded_suffix, rest) = match rest.strip_suffix("_padded") {
         Some(rest) => (true, rest),
@@ -295,7 +309,7 @@ fn flash_instance(name: &str) -> Option<FlashName> {
         _ => fail(&format!("unexpected kernel name {name}")),
     };
     let padded = padded_suffix || *dtype == "F32";
-    Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages, hopper, pingpong, padded })
+    Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages, hopper, hopper_variant, padded })
 }
 
 /// The architecture of module group `group`.

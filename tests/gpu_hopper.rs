@@ -246,29 +246,51 @@ fn sm90a_context(ctx: &Context) -> Context {
     Context::new(ctx.device().ordinal).unwrap().with_kernel_path(KernelPath::Sm90a).unwrap()
 }
 
-/// The Hopper backward (called directly, outputs poisoned with NaN) after the Hopper forward, on
-/// fresh inputs of `shape`, against the float64 reference on the same rounded inputs.
-fn check_hopper_backward<T: Element>(ctx: &Context, shape: AttentionShape, options: AttentionOptions, seed: u64) {
+/// The Hopper backward in dQ mode `dq` (called directly, outputs poisoned with NaN) after the
+/// Hopper forward, on fresh inputs of `shape`, against the float64 reference on the same rounded
+/// inputs.
+fn check_hopper_backward<T: Element>(
+    ctx: &Context,
+    shape: AttentionShape,
+    options: AttentionOptions,
+    dq: DqAccumulation,
+    seed: u64,
+) {
     let problem = Problem16::<T>::new(ctx, shape, seed, Inputs::Normal);
-    let [q, k, v, d_o] = &problem.device;
+    let [q, k, v, _] = &problem.device;
     let fwd = ctx.flash_attention_forward_hopper(q, k, v, &options).unwrap();
+    let grads = hopper_gradients(ctx, &problem, &fwd, options, dq);
+    let [qh, kh, vh, doh] = &problem.host;
+    let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal };
+    let reference = cpu::attention_backward(qh, kh, vh, doh, &shape, params).unwrap();
+    let (_, tolerance) = tolerances(T::DTYPE);
+    for (name, got, want) in
+        [("dQ", &grads[0], &reference.dq), ("dK", &grads[1], &reference.dk), ("dV", &grads[2], &reference.dv)]
+    {
+        let err = relative_l2_error(&to_f32_vec(got), want);
+        assert!(err <= tolerance, "{} {dq:?} {options:?} on {shape:?}: {name} relative L2 error {err:.3e}", T::DTYPE);
+    }
+}
+
+/// dQ, dK and dV of one call of the Hopper backward on `problem` (outputs poisoned with NaN
+/// first), copied to the host.
+fn hopper_gradients<T: Element>(
+    ctx: &Context,
+    problem: &Problem16<T>,
+    fwd: &AttentionOutput<T>,
+    options: AttentionOptions,
+    dq: DqAccumulation,
+) -> [Vec<T>; 3] {
+    let [q, k, v, d_o] = &problem.device;
+    let shape = problem.shape;
     let nan = T::from_f32(f32::NAN);
     let mut grads = Gradients {
         dq: ctx.full(&shape.q_shape(), nan).unwrap(),
         dk: ctx.full(&shape.kv_shape(), nan).unwrap(),
         dv: ctx.full(&shape.kv_shape(), nan).unwrap(),
     };
-    ctx.flash_attention_backward_hopper_into(q, k, v, &fwd.o, &fwd.lse, d_o, &mut grads, &options).unwrap();
-    let [qh, kh, vh, doh] = &problem.host;
-    let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal };
-    let reference = cpu::attention_backward(qh, kh, vh, doh, &shape, params).unwrap();
-    let (_, tolerance) = tolerances(T::DTYPE);
-    for (name, got, want) in
-        [("dQ", &grads.dq, &reference.dq), ("dK", &grads.dk, &reference.dk), ("dV", &grads.dv, &reference.dv)]
-    {
-        let err = relative_l2_error(&to_f32_vec(&got.to_host().unwrap()), want);
-        assert!(err <= tolerance, "{} {options:?} on {shape:?}: {name} relative L2 error {err:.3e}", T::DTYPE);
-    }
+    ctx.flash_attention_backward_hopper_into(q, k, v, &fwd.o, &fwd.lse, d_o, &mut grads, &options, dq).unwrap();
+    [grads.dq.to_host().unwrap(), grads.dk.to_host().unwrap(), grads.dv.to_host().unwrap()]
 }
 
 #[test]
@@ -295,9 +317,53 @@ fn hopper_backward_matches_the_reference() {
         ];
         for (i, (shape, options)) in cases.into_iter().enumerate() {
             let seed = 500 + (head_dim + i) as u64;
-            check_hopper_backward::<f16>(ctx, shape, options, seed);
-            check_hopper_backward::<bf16>(ctx, shape, options, seed + 1);
+            for dq in [DqAccumulation::Atomic, DqAccumulation::Deterministic] {
+                check_hopper_backward::<f16>(ctx, shape, options, dq, seed);
+                check_hopper_backward::<bf16>(ctx, shape, options, dq, seed + 1);
+            }
         }
+    }
+}
+
+/// The deterministic Hopper backward gives the same bits on every run: dQ (whose tiles the key
+/// blocks add in turns) as well as dK and dV, on grids where many key blocks add to each dQ
+/// tile at once (8192 keys: 64 key blocks a head), with and without a causal mask, GQA, both
+/// head dims and types. Its dQ also matches the atomic mode's to within rounding.
+#[test]
+fn hopper_deterministic_backward_is_bit_identical() {
+    let Some(ctx) = hopper("hopper_deterministic_backward_is_bit_identical") else { return };
+    fn runs<T: Element>(ctx: &Context, shape: AttentionShape, options: AttentionOptions, seed: u64) {
+        let problem = Problem16::<T>::new(ctx, shape, seed, Inputs::Normal);
+        let [q, k, v, _] = &problem.device;
+        let fwd = ctx.flash_attention_forward_hopper(q, k, v, &options).unwrap();
+        let bits =
+            |grads: &[Vec<T>; 3]| grads.each_ref().map(|g| g.iter().map(|x| x.to_f32().to_bits()).collect::<Vec<_>>());
+        let first = hopper_gradients(ctx, &problem, &fwd, options, DqAccumulation::Deterministic);
+        for run in 1..4 {
+            let again = hopper_gradients(ctx, &problem, &fwd, options, DqAccumulation::Deterministic);
+            for (i, name) in ["dQ", "dK", "dV"].iter().enumerate() {
+                let differing = bits(&first)[i].iter().zip(&bits(&again)[i]).filter(|(a, b)| a != b).count();
+                assert_eq!(
+                    differing,
+                    0,
+                    "{} {options:?} on {shape:?}, run {run}: {differing} elements of {name} differ",
+                    T::DTYPE
+                );
+            }
+        }
+        let atomic = hopper_gradients(ctx, &problem, &fwd, options, DqAccumulation::Atomic);
+        let err = relative_l2_error(
+            &to_f32_vec(&atomic[0]),
+            &to_f32_vec(&first[0]).iter().map(|&x| x as f64).collect::<Vec<_>>(),
+        );
+        assert!(err <= 1e-2, "{} {options:?} on {shape:?}: dQ atomic against deterministic {err:.3e}", T::DTYPE);
+    }
+    for head_dim in [64, 128] {
+        let shape = gqa(1, 4, 2, 8192, 8192, head_dim);
+        runs::<f16>(ctx, shape, AttentionOptions::default(), 31 + head_dim as u64);
+        runs::<bf16>(ctx, shape, AttentionOptions::causal(Causal::TopLeft), 37 + head_dim as u64);
+        let ragged = gqa(2, 6, 3, 1000, 1500, head_dim);
+        runs::<bf16>(ctx, ragged, AttentionOptions::causal(Causal::BottomRight), 41 + head_dim as u64);
     }
 }
 
@@ -318,8 +384,10 @@ fn hopper_padded_head_dims_match_the_reference() {
             let seed = 900 + (10 * head_dim + i) as u64;
             check_hopper_forward::<f16>(ctx, shape, options, seed);
             check_hopper_forward::<bf16>(ctx, shape, options, seed + 1);
-            check_hopper_backward::<f16>(ctx, shape, options, seed + 2);
-            check_hopper_backward::<bf16>(ctx, shape, options, seed + 3);
+            // Each case in one dQ mode, the modes alternating.
+            let dq = if i % 2 == 0 { DqAccumulation::Atomic } else { DqAccumulation::Deterministic };
+            check_hopper_backward::<f16>(ctx, shape, options, dq, seed + 2);
+            check_hopper_backward::<bf16>(ctx, shape, options, dq, seed + 3);
         }
     }
     // Above 128 the Hopper forward runs on the 192 and 256 kernels (the backward on sm_80).
@@ -352,11 +420,11 @@ fn the_kernel_path_picks_the_backward_kernel() {
         let tile = TileConfig::default_backward_for_dtype(DType::Bf16, head_dim);
         let mode = sm90a.dq_accumulation_for(DType::Bf16, head_dim);
         let label = sm90a.backward_kernel_label(DType::Bf16, head_dim, tile, mode);
-        // The Hopper backward, with the atomic dQ it needs.
+        // The Hopper backward, with atomic dQ by default ...
         assert!(label.starts_with("sm_90a") && mode == DqAccumulation::Atomic, "{label} {mode:?}");
-        // A deterministic dQ is never the Hopper kernel's.
+        // ... and its deterministic instance for a deterministic dQ.
         let label = sm90a.backward_kernel_label(DType::Bf16, head_dim, tile, DqAccumulation::Deterministic);
-        assert!(label.starts_with("sm_80"), "{label}");
+        assert!(label.starts_with("sm_90a") && label.contains("_deterministic"), "{label}");
     }
     // Through the public entry point, poisoned outputs, against the reference.
     for head_dim in [64, 128] {
@@ -368,7 +436,9 @@ fn the_kernel_path_picks_the_backward_kernel() {
         );
         let options = AttentionOptions::causal(Causal::TopLeft);
         let seed = 77 + head_dim as u64;
-        check16::<bf16>(&sm90a, shape, fwd, Some((bwd, DqAccumulation::Atomic)), options, seed, Inputs::Normal);
+        for dq in [DqAccumulation::Atomic, DqAccumulation::Deterministic] {
+            check16::<bf16>(&sm90a, shape, fwd, Some((bwd, dq)), options, seed, Inputs::Normal);
+        }
     }
 }
 

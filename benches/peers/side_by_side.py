@@ -15,9 +15,11 @@ to the GPU machine works the same way.)
 
 Shapes are `BxHxNxD` or `BxHqxHkvxNxD` (GQA), then `:dtype`, then `:causal` for a causal
 (top-left) mask: seqlen_q = seqlen_k = N. Presets: `models` (issue 20: ViT-B/16, ViT-L/14,
-GPT-2, Llama-3-70B prefill, and the two benchmark shapes) and `head-dims` (issue 21).
+GPT-2, Llama-3-70B prefill, and the two benchmark shapes), `head-dims` (issue 21) and
+`backward` (issue 23: the two benchmark shapes and Llama's GQA, each with and without a mask).
 `--persistent` also times our forward with the Hopper forward's persistent grid forced off and
-on (RUST_ATTENTION_PERSISTENT=0/1), in extra columns. FLOPs: forward 4·B·Hq·N²·D, halved when
+on (RUST_ATTENTION_PERSISTENT=0/1), in extra columns; `--deterministic` our backward with
+`--dq deterministic` (bit-identical dQ), next to our default mode, with its ratio to it. FLOPs: forward 4·B·Hq·N²·D, halved when
 causal; backward 2.5× forward. GQA peers run with `enable_gqa=True`.
 
 The first call of our binary also compiles its PTX for the GPU (the driver caches the result;
@@ -38,6 +40,8 @@ PRESETS = {
               "8x12x197x64:f16,4x16x4096x64:f16,2x16x8192x128:bf16",
     "head-dims": "4x16x4096x40:f16,4x16x4096x80:f16,4x16x4096x96:f16,4x16x4096x160:f16,"
                  "4x16x4096x192:f16,2x16x4096x256:bf16,4x16x4096x64:f16,2x16x8192x128:bf16",
+    "backward": "4x16x4096x64:f16,4x16x4096x64:f16:causal,2x16x8192x128:bf16,2x16x8192x128:bf16:causal,"
+                "1x64x8x16384x128:bf16,1x64x8x16384x128:bf16:causal",
 }
 
 
@@ -57,13 +61,14 @@ def flops(b, hq, n, d, causal, pass_):
     return f * (2.5 if pass_ == "backward" else 1)
 
 
-def ours(binary, case, warmup, repeats, env=None, forward_only=False):
+def ours(binary, case, warmup, repeats, env=None, forward_only=False, dq=None):
     """{pass: (TFLOP/s, kernel label)} of our kernels; a pass that fails or is not taken is left out."""
     b, hq, hkv, n, d, dtype, causal = case
     result = {}
     for only in ((True,) if forward_only else (False, True)):
         args = [binary, "attn", "--random", f"{b}x{hq}x{hkv}x{n}x{n}x{d}", "--dtype", dtype,
                 "--causal", "top-left" if causal else "none", "--warmup", str(warmup), "--repeats", str(repeats)]
+        args += ["--dq", dq] if dq else []
         run = subprocess.run(args + (["--forward-only"] if only else []), capture_output=True, text=True,
                              env={**os.environ, **(env or {})})
         # Table rows: | flash forward f16 (sm_90a m128_n128_s2) | 0.871 | 473.26 |
@@ -120,6 +125,7 @@ def main():
     p.add_argument("--preset", choices=sorted(PRESETS), default="models")
     p.add_argument("--shapes", help="comma list of shapes (see above), in place of the preset's")
     p.add_argument("--persistent", action="store_true", help="also time our forward with the persistent grid off and on")
+    p.add_argument("--deterministic", action="store_true", help="also time our backward with deterministic dQ")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
     args = p.parse_args()
@@ -131,10 +137,16 @@ def main():
             for flag in ("0", "1"):
                 got = ours(args.ours, c, args.warmup, args.repeats, {"RUST_ATTENTION_PERSISTENT": flag}, True)
                 grids[(c, flag)] = got.get("forward", (None, ""))[0]
+    deterministic = {}
+    if args.deterministic:
+        for c in cases:
+            deterministic[c] = ours(args.ours, c, args.warmup, args.repeats, dq="deterministic").get("backward")
     theirs = peers(cases, args.warmup, args.repeats)
     extra = " fwd plain grid | fwd persistent |" if args.persistent else ""
+    extra += " bwd deterministic (kernel) | ÷ default | ÷ cuDNN |" if args.deterministic else ""
     print(f"| shape [B, Hq, Hkv, N, D] | dtype | mask | pass | ours (kernel) | cuDNN | FA2 | ours ÷ cuDNN |{extra}")
-    print("|---|---|---|---|---|---:|---:|---:|" + ("---:|---:|" if args.persistent else ""))
+    print("|---|---|---|---|---|---:|---:|---:|" + ("---:|---:|" if args.persistent else "")
+          + ("---|---:|---:|" if args.deterministic else ""))
     cell = lambda x: f"{x:.1f}" if x is not None else "—"
     for c in cases:
         b, hq, hkv, n, d, dtype, causal = c
@@ -145,6 +157,13 @@ def main():
             more = ""
             if args.persistent:
                 more = (f" {cell(grids[(c, '0')])} | {cell(grids[(c, '1')])} |" if pass_ == "forward" else " | |")
+            if args.deterministic:
+                det, det_kernel = deterministic.get(c) or (None, "not taken")
+                if pass_ == "backward":
+                    more += (f" {cell(det)} ({det_kernel}) | {f'{det / tf:.2f}' if det and tf else '—'} "
+                             f"| {f'{det / cudnn:.2f}' if det and cudnn else '—'} |")
+                else:
+                    more += " | | |"
             print(f"| [{b}, {hq}, {hkv}, {n}, {d}] | {dtype} | {'causal' if causal else 'none'} | {pass_} "
                   f"| {cell(tf)} ({kernel}) | {cell(cudnn)} | {cell(fa2)} | {ratio} |{more}")
 

@@ -138,11 +138,11 @@ pub fn flash_instance(
 
 /// One compiled Hopper (`sm_90a`) FlashAttention kernel, parsed from its name
 /// (`hopper_flash_fwd_f16_m192_n128_d64_s2`, `hopper_flash_fwd_f16_m128_n128_d64_s2_pingpong`,
-/// `hopper_flash_bwd_bf16_m64_n128_d128_s2`): producer and consumer warpgroups, tiles loaded by
-/// TMA into a ring of `stages` slots.
+/// `hopper_flash_bwd_bf16_m64_n128_d128_s2`, `hopper_flash_bwd_bf16_m64_n128_d128_s2_deterministic`):
+/// producer and consumer warpgroups, tiles loaded by TMA into a ring of `stages` slots.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HopperInstance {
-    /// Which kernel: [`FlashKernel::Forward`] or [`FlashKernel::Backward`] (dK, dV and atomic dQ).
+    /// Which kernel: [`FlashKernel::Forward`] or [`FlashKernel::Backward`] (dK, dV and dQ).
     pub kernel: FlashKernel,
     /// Element type of Q, K, V, O and the gradients (`f16` or `bf16`).
     pub dtype: DType,
@@ -154,8 +154,9 @@ pub struct HopperInstance {
     pub head_dim: usize,
     /// Slots of the TMA ring.
     pub stages: usize,
-    /// Whether the consumer warpgroups take turns to issue their products (FA3's ping-pong).
-    pub pingpong: bool,
+    /// What sets it apart beyond its tile: the forward's ping-pong turns, the backward's
+    /// deterministic dQ.
+    pub variant: HopperVariant,
     /// Blocks per SM that its launch bounds (`kernels/src/configs.rs`, `LAUNCH_BOUNDS`) keep
     /// room for: the resident blocks a persistent grid plans with.
     pub blocks_per_sm: usize,
@@ -164,10 +165,35 @@ pub struct HopperInstance {
 }
 
 impl HopperInstance {
-    /// The configuration as the entry names it: `m128_n128_s2`, with `_pingpong` when it applies.
+    /// The configuration as the entry names it: `m128_n128_s2`, with the variant's suffix
+    /// (`_pingpong`, `_deterministic`) when it has one.
     pub fn config_name(&self) -> String {
-        let turns = if self.pingpong { "_pingpong" } else { "" };
-        format!("m{}_n{}_s{}{turns}", self.block_m, self.block_n, self.stages)
+        format!("m{}_n{}_s{}{}", self.block_m, self.block_n, self.stages, self.variant.suffix())
+    }
+}
+
+/// The variants of a Hopper kernel of one tile, named by a suffix of the entry name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum HopperVariant {
+    /// No suffix.
+    Plain,
+    /// `_pingpong` (forward): the consumer warpgroups take turns to issue their products
+    /// (FlashAttention-3's ping-pong scheduling).
+    PingPong,
+    /// `_deterministic` (backward): dQ tiles are added in a fixed order (key blocks take turns at
+    /// a counter per tile), so that dQ is bit-identical from run to run
+    /// ([`DqAccumulation::Deterministic`](crate::DqAccumulation::Deterministic)).
+    Deterministic,
+}
+
+impl HopperVariant {
+    /// The entry-name suffix.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Self::Plain => "",
+            Self::PingPong => "_pingpong",
+            Self::Deterministic => "_deterministic",
+        }
     }
 }
 
@@ -188,14 +214,14 @@ pub struct DecodeInstance {
 }
 
 /// The compiled Hopper instance of `kernel` for this element type, tile, head dimension and
-/// turn-taking, if any.
+/// variant, if any.
 pub fn hopper_instance(
     kernel: FlashKernel,
     dtype: DType,
     (block_m, block_n): (usize, usize),
     head_dim: usize,
     stages: usize,
-    pingpong: bool,
+    variant: HopperVariant,
 ) -> Option<&'static HopperInstance> {
     let padded = hopper_head_dim(kernel, head_dim)?;
     HOPPER_INSTANCES.iter().find(|i| {
@@ -205,7 +231,7 @@ pub fn hopper_instance(
             && i.block_n == block_n
             && i.head_dim == padded
             && i.stages == stages
-            && i.pingpong == pingpong
+            && i.variant == variant
     })
 }
 

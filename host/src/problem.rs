@@ -112,9 +112,31 @@ pub enum DqAccumulation {
     /// order on every run, so the last bits of dQ can differ between runs (dK and dV never do).
     #[default]
     Atomic,
-    /// A second kernel, outer loop over query tiles, recomputes P and dS and sums dQ in a fixed
-    /// order: bit-identical results on every run, at the cost of recomputing the tiles.
+    /// dQ summed in a fixed order: bit-identical results on every run. The sm_80 kernels run a
+    /// second kernel, outer loop over query tiles, that recomputes P and dS; the Hopper kernel
+    /// adds each dQ tile in turns, key block after key block (FlashAttention-3's way).
     Deterministic,
+}
+
+impl DqAccumulation {
+    /// The mode's name on the command line and in tables: `atomic`, `deterministic`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Atomic => "atomic",
+            Self::Deterministic => "deterministic",
+        }
+    }
+}
+
+impl std::str::FromStr for DqAccumulation {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        [Self::Atomic, Self::Deterministic]
+            .into_iter()
+            .find(|mode| mode.name() == s)
+            .ok_or_else(|| format!("`{s}` is not one of atomic, deterministic"))
+    }
 }
 
 /// Tile sizes of the FlashAttention kernels: `block_m` query rows per block (the paper's Br),

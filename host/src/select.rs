@@ -13,7 +13,7 @@ use attn_kernels::attention::schedule::BalancedRows;
 use crate::device::DeviceInfo;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::kernels::{self, FlashKernel, HopperInstance};
+use crate::kernels::{self, FlashKernel, HopperInstance, HopperVariant};
 use crate::layout::{self, DecodeShape};
 use crate::problem::{AttentionShape, Causal, DqAccumulation, TileConfig};
 
@@ -109,8 +109,8 @@ impl Target<'_> {
 
     /// The Hopper backward kernel that [`Context::flash_attention_backward`] runs in place of the
     /// sm_80 ones: on the sm_90a path, for `f16`/`bf16` and the head dimensions it has, when
-    /// `tile` is the built-in default ([`TileConfig::default_backward_for_dtype`]) and dQ is
-    /// accumulated with atomics.
+    /// `tile` is the built-in default ([`TileConfig::default_backward_for_dtype`]); the
+    /// deterministic instance for [`DqAccumulation::Deterministic`].
     ///
     /// [`Context::flash_attention_backward`]: crate::Context::flash_attention_backward
     pub(crate) fn hopper_backward(
@@ -120,10 +120,8 @@ impl Target<'_> {
         tile: TileConfig,
         dq: DqAccumulation,
     ) -> Option<&'static HopperInstance> {
-        let wanted = self.path == KernelPath::Sm90a
-            && dq == DqAccumulation::Atomic
-            && tile == TileConfig::default_backward_for_dtype(dtype, head_dim);
-        wanted.then(|| HopperBackward::for_problem(dtype, head_dim).ok()).flatten()
+        let wanted = self.path == KernelPath::Sm90a && tile == TileConfig::default_backward_for_dtype(dtype, head_dim);
+        wanted.then(|| HopperBackward::for_problem(dtype, head_dim, dq).ok()).flatten()
     }
 
     /// [`Context::dq_accumulation_for`](crate::Context::dq_accumulation_for) on this target.
@@ -298,24 +296,24 @@ impl HopperForward {
         // one for short sequences at head_dim 64 (two blocks per SM; "short" reaches further
         // under a causal mask); two without turns at every other head_dim.
         let short = shape.seqlen_k <= if causal == Causal::None { Self::SHORT_KEYS } else { Self::SHORT_CAUSAL_KEYS };
-        let (mut block_m, mut pingpong) = match (padded, short, rows_192) {
-            (64, true, _) => (64, false),
-            (64, false, true) => (192, false),
-            (64, false, false) => (128, true),
-            _ => (128, false),
+        let (mut block_m, mut variant) = match (padded, short, rows_192) {
+            (64, true, _) => (64, HopperVariant::Plain),
+            (64, false, true) => (192, HopperVariant::Plain),
+            (64, false, false) => (128, HopperVariant::PingPong),
+            _ => (128, HopperVariant::Plain),
         };
         // Keys per tile: 128 up to head_dim 128, fewer above (the configuration table's).
         let block_n = kernels::hopper_forward_block_n(padded).unwrap_or(128);
         // A measurement may ask for another compiled block_m (the head_dim-64 block_m 128 is the
         // ping-pong one).
         if let Some(wanted) = block_m_override().filter(|&m| m != block_m) {
-            let turns = wanted == 128 && padded == 64;
+            let turns = if wanted == 128 && padded == 64 { HopperVariant::PingPong } else { HopperVariant::Plain };
             if kernels::hopper_instance(FlashKernel::Forward, dtype, (wanted, block_n), head_dim, 2, turns).is_some() {
-                (block_m, pingpong) = (wanted, turns);
+                (block_m, variant) = (wanted, turns);
             }
         }
         let tile = (block_m, block_n);
-        kernels::hopper_instance(FlashKernel::Forward, dtype, tile, head_dim, 2, pingpong).ok_or_else(|| {
+        kernels::hopper_instance(FlashKernel::Forward, dtype, tile, head_dim, 2, variant).ok_or_else(|| {
             Error::HeadDimNotCompiled {
                 head_dim,
                 allowed: format!(
@@ -384,16 +382,21 @@ impl HopperBackward {
     /// Threads per block: a producer and two consumer warpgroups.
     pub(crate) const THREADS: usize = 384;
 
-    /// The kernel for `dtype` and `head_dim`.
+    /// The kernel for `dtype`, `head_dim` and the dQ mode: dQ tiles added as they come
+    /// ([`DqAccumulation::Atomic`]) or in turns ([`DqAccumulation::Deterministic`]).
     ///
     /// # Errors
     /// As [`HopperForward::for_problem`].
-    pub(crate) fn for_problem(dtype: DType, head_dim: usize) -> Result<&'static HopperInstance> {
+    pub(crate) fn for_problem(dtype: DType, head_dim: usize, dq: DqAccumulation) -> Result<&'static HopperInstance> {
         if dtype == DType::F32 {
             return Err(Error::Shape("the Hopper backward takes f16 or bf16 tensors".into()));
         }
         let tile = (Self::BLOCK_M, Self::BLOCK_N);
-        kernels::hopper_instance(FlashKernel::Backward, dtype, tile, head_dim, 2, false).ok_or_else(|| {
+        let variant = match dq {
+            DqAccumulation::Atomic => HopperVariant::Plain,
+            DqAccumulation::Deterministic => HopperVariant::Deterministic,
+        };
+        kernels::hopper_instance(FlashKernel::Backward, dtype, tile, head_dim, 2, variant).ok_or_else(|| {
             Error::HeadDimNotCompiled {
                 head_dim,
                 allowed: format!(
@@ -575,7 +578,8 @@ mod tests {
                 // The entry names the configuration the host launches it with.
                 let (m, n, stages) = (forward.block_m, forward.block_n, forward.stages);
                 assert!(forward.entry.contains(&format!("_m{m}_n{n}_d{head_dim}_s{stages}")), "{}", forward.entry);
-                assert_eq!(forward.entry.ends_with("_pingpong"), forward.pingpong, "{}", forward.entry);
+                let pingpong = forward.variant == HopperVariant::PingPong;
+                assert_eq!(forward.entry.ends_with("_pingpong"), pingpong, "{}", forward.entry);
                 let deep = head_dim == 64 && blocks >= waves(HopperForward::waves_for_192_rows(causal));
                 assert_eq!(forward.block_m, if deep { 192 } else { 128 }, "{}", forward.entry);
                 // Up to 1024 keys under a causal mask, one consumer too.
@@ -595,14 +599,18 @@ mod tests {
                 }
 
                 // (The Hopper backward stops at head_dim 128.)
-                let Ok(backward) = HopperBackward::for_problem(dtype, head_dim) else {
-                    assert!(head_dim > 128, "no Hopper backward at head_dim {head_dim}");
-                    continue;
-                };
-                assert_eq!(MODULE_ARCHS[module_of(backward.entry)], "sm_90a", "{}", backward.entry);
-                assert_eq!(max_threads(backward.entry), Some(HopperBackward::THREADS), "{}", backward.entry);
-                let smem = hopper_backward_smem_bytes(head_dim, backward.stages);
-                assert!(smem <= HOPPER_SHARED_MEMORY, "{}: {smem} bytes", backward.entry);
+                for dq in [DqAccumulation::Atomic, DqAccumulation::Deterministic] {
+                    let Ok(backward) = HopperBackward::for_problem(dtype, head_dim, dq) else {
+                        assert!(head_dim > 128, "no Hopper backward at head_dim {head_dim}");
+                        continue;
+                    };
+                    assert_eq!(MODULE_ARCHS[module_of(backward.entry)], "sm_90a", "{}", backward.entry);
+                    assert_eq!(max_threads(backward.entry), Some(HopperBackward::THREADS), "{}", backward.entry);
+                    let smem = hopper_backward_smem_bytes(head_dim, backward.stages);
+                    assert!(smem <= HOPPER_SHARED_MEMORY, "{}: {smem} bytes", backward.entry);
+                    let deterministic = dq == DqAccumulation::Deterministic;
+                    assert_eq!(backward.entry.ends_with("_deterministic"), deterministic, "{}", backward.entry);
+                }
             }
         }
     }
@@ -613,7 +621,7 @@ mod tests {
             HopperForward::for_problem(DType::F32, &shape_of(64, 1), Causal::None, H200_SMS),
             Err(Error::Shape(_))
         ));
-        assert!(matches!(HopperBackward::for_problem(DType::F32, 128), Err(Error::Shape(_))));
+        assert!(matches!(HopperBackward::for_problem(DType::F32, 128, DqAccumulation::Atomic), Err(Error::Shape(_))));
         assert!(matches!(
             HopperForward::for_problem(DType::F16, &shape_of(100, 1), Causal::None, H200_SMS),
             Err(Error::HeadDimNotCompiled { head_dim: 100, .. })
@@ -623,7 +631,7 @@ mod tests {
             Err(Error::HeadDimNotCompiled { head_dim: 264, .. })
         ));
         assert!(matches!(
-            HopperBackward::for_problem(DType::Bf16, 256),
+            HopperBackward::for_problem(DType::Bf16, 256, DqAccumulation::Deterministic),
             Err(Error::HeadDimNotCompiled { head_dim: 256, .. })
         ));
     }

@@ -169,7 +169,8 @@ macro_rules! sm80_padded_backward_tiles {
 }
 
 /// Calls `$instance!(dtype, Format, head_dim, stages)` for every compiled Hopper backward
-/// configuration (level 9; 64 queries by 128 keys per tile).
+/// configuration (level 9; 64 queries by 128 keys per tile), each compiled twice: with dQ added
+/// in any order and in a fixed one (`_deterministic`).
 #[allow(unused_macros)] // used on nvptx64 only
 macro_rules! sm90_backward_configs {
     ($instance:ident) => {
@@ -235,6 +236,10 @@ pub const LAUNCH_BOUNDS: &[(&str, u32, u32)] = &[
     ("hopper_flash_bwd_bf16_m64_n128_d64_s2", 384, 1),
     ("hopper_flash_bwd_f16_m64_n128_d128_s2", 384, 1),
     ("hopper_flash_bwd_bf16_m64_n128_d128_s2", 384, 1),
+    ("hopper_flash_bwd_f16_m64_n128_d64_s2_deterministic", 384, 1),
+    ("hopper_flash_bwd_bf16_m64_n128_d64_s2_deterministic", 384, 1),
+    ("hopper_flash_bwd_f16_m64_n128_d128_s2_deterministic", 384, 1),
+    ("hopper_flash_bwd_bf16_m64_n128_d128_s2_deterministic", 384, 1),
     ("decode_fwd_f16_d128_s2", 128, 3),
     ("decode_fwd_bf16_d128_s2", 128, 3),
     ("flash_fwd_f16_m64_n32_d128_s2", 128, 3),

@@ -25,7 +25,8 @@
 //!   `[batch, num_heads_q, seqlen_q]`. Written under the names `o`, `lse`, `dq`, `dk`, `dv` to one
 //!   `.safetensors` file, or to a directory of `.npy` files (`o.npy`, …; `o.bf16.npy` for bf16).
 //! * Tiles: the tuned defaults ([`TileConfig::default_for_dtype`],
-//!   [`TileConfig::default_backward_for_dtype`]); dQ mode: [`Context::dq_accumulation_for`].
+//!   [`TileConfig::default_backward_for_dtype`]); dQ mode: `--dq`, by default
+//!   [`Context::dq_accumulation_for`].
 //! * `--device`: a CUDA ordinal, `cpu-emulated` (the kernels' own code on the CPU emulator: slow,
 //!   for small inputs), or `cpu` (the CPU reference, the plain formula in `f64`, its results
 //!   rounded to the run's type). With a CUDA ordinal and no GPU on the machine, the job says so
@@ -45,7 +46,9 @@ use crate::check::{Checked, Measured, Output, Tolerance, gradient_error, lse_err
 use crate::dtype::{DType, Element};
 use crate::io::{self, HostTensor};
 use crate::timing::{tflops, time_gpu};
-use crate::{AttentionOptions, AttentionShape, Context, Error, FlashKernel, KernelPath, Result, TileConfig, cpu};
+use crate::{
+    AttentionOptions, AttentionShape, Context, DqAccumulation, Error, FlashKernel, KernelPath, Result, TileConfig, cpu,
+};
 
 /// The `attn` subcommand's flags.
 #[derive(clap::Args, Debug)]
@@ -113,6 +116,10 @@ pub struct Args {
     /// $RUST_ATTENTION_KERNELS says).
     #[arg(long)]
     pub kernels: Option<KernelPath>,
+    /// How the 16-bit flash backward sums dQ: `atomic` or `deterministic` (bit-identical on
+    /// every run); default: the faster on this GPU (`Context::dq_accumulation_for`).
+    #[arg(long)]
+    pub dq: Option<DqAccumulation>,
     /// Timed repeats per kernel (the median is printed).
     #[arg(long, default_value_t = 10)]
     pub repeats: usize,
@@ -359,13 +366,13 @@ pub fn run(args: &Args) -> Result<()> {
         (None, _, _) => cpu_rows(&rounded, &shape, &options, dtype, flops)?,
         (Some(ctx), KernelChoice::Naive, _) => naive_rows(ctx, &rounded, &options, (warmup, repeats), flops)?,
         (Some(ctx), KernelChoice::Flash, DType::F32) => {
-            flash_rows::<f32>(ctx, &rounded, &options, (warmup, repeats), flops)?
+            flash_rows::<f32>(ctx, &rounded, &options, args.dq, (warmup, repeats), flops)?
         }
         (Some(ctx), KernelChoice::Flash, DType::F16) => {
-            flash_rows::<crate::f16>(ctx, &rounded, &options, (warmup, repeats), flops)?
+            flash_rows::<crate::f16>(ctx, &rounded, &options, args.dq, (warmup, repeats), flops)?
         }
         (Some(ctx), KernelChoice::Flash, DType::Bf16) => {
-            flash_rows::<crate::bf16>(ctx, &rounded, &options, (warmup, repeats), flops)?
+            flash_rows::<crate::bf16>(ctx, &rounded, &options, args.dq, (warmup, repeats), flops)?
         }
     };
 
@@ -428,6 +435,7 @@ fn flash_rows<T: Element>(
     ctx: &Context,
     rounded: &[HostTensor],
     options: &AttentionOptions,
+    dq: Option<DqAccumulation>,
     (warmup, repeats): (usize, usize),
     flops: f64,
 ) -> Result<Vec<Row>> {
@@ -448,7 +456,7 @@ fn flash_rows<T: Element>(
     }];
     if let Some(d_o) = device.get(3) {
         let tile = TileConfig::default_backward_for_dtype(dtype, d);
-        let mode = ctx.dq_accumulation_for(dtype, d);
+        let mode = dq.unwrap_or(ctx.dq_accumulation_for(dtype, d));
         let (o, lse) = (&out.o, &out.lse);
         let mut grads = ctx.flash_attention_backward(q, k, v, o, lse, d_o, options, tile, mode)?;
         let backward = time_gpu(ctx, warmup, repeats, || {

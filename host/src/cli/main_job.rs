@@ -596,10 +596,12 @@ fn tensor_core_rows<T: Element>(
         Ok(((forward_ms, forward_errors), backward))
     })();
     let checked = part.heads_checked(&shape);
-    // One `f32` per query row (LSE, or D in the backward); a 16-bit backward with atomic dQ also
-    // accumulates dQ in an `f32` copy.
+    // One `f32` per query row (LSE, or D in the backward); a 16-bit backward with atomic dQ, or
+    // the Hopper one, also accumulates dQ in an `f32` copy.
     let row_bytes = shape.lse_bytes();
-    let dq_copy_bytes = if mode == DqAccumulation::Atomic { shape.q_shape().iter().product::<usize>() * 4 } else { 0 };
+    let hopper = ctx.target().hopper_backward(dtype, shape.head_dim, backward_tile, mode).is_some();
+    let f32_copy = mode == DqAccumulation::Atomic || hopper;
+    let dq_copy_bytes = if f32_copy { shape.q_shape().iter().product::<usize>() * 4 } else { 0 };
     let empty = String::new;
     let mut row = |i: usize, result: Result<Measured>| match result {
         Ok((ms, errors)) => {

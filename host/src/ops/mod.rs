@@ -163,11 +163,12 @@ impl Context {
     /// [`TileConfig::default_backward_for_dtype`].
     ///
     /// Extra device memory, all O(seqlen): one `f32` per query row (D = rowsum(dO ∘ O)); with
-    /// 16-bit types and atomic dQ also an `f32` copy of dQ to accumulate into.
+    /// 16-bit types and atomic dQ, or on the Hopper kernel, also an `f32` copy of dQ to
+    /// accumulate into.
     ///
-    /// On the sm_90a path ([`Context::kernel_path`]) a 16-bit backward pass with the default tile and [`DqAccumulation::Atomic`] runs the Hopper kernel instead
-    /// ([`Context::flash_attention_backward_hopper`]); [`Context::dq_accumulation_for`] gives the
-    /// mode that is fastest on this context.
+    /// On the sm_90a path ([`Context::kernel_path`]) a 16-bit backward pass with the default tile
+    /// runs the Hopper kernel instead ([`Context::flash_attention_backward_hopper`]), in either dQ
+    /// mode; [`Context::dq_accumulation_for`] gives the mode that is fastest on this context.
     ///
     /// # Errors
     /// As [`Context::flash_attention_forward`]; the backward kernels need more shared memory per
@@ -217,7 +218,7 @@ impl Context {
     }
 
     /// The faster dQ mode for `dtype` and `head_dim` on this context: [`DqAccumulation::Atomic`]
-    /// where the Hopper backward runs (it has no deterministic mode) and for a 16-bit head_dim
+    /// where the Hopper backward runs (its deterministic mode waits for turns) and for a 16-bit head_dim
     /// above 128 (two warps share each slice there, and a second pass over S and dP costs more
     /// than the atomic adds), otherwise [`DqAccumulation::fastest_for`].
     pub fn dq_accumulation_for(&self, dtype: DType, head_dim: usize) -> DqAccumulation {

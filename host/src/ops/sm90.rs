@@ -14,10 +14,10 @@ use super::args::{ProblemArgs, flash_config};
 use super::{AttentionOutput, Gradients};
 use crate::dtype::Element;
 use crate::error::Result;
-use crate::kernels::HopperInstance;
+use crate::kernels::{HopperInstance, HopperVariant};
 use crate::layout::{hopper_backward_smem_bytes, hopper_forward_smem_bytes, hopper_forward_threads};
-use crate::problem::{AttentionOptions, AttentionShape, check_flash_grid};
-use crate::runtime::{Context, DeviceTensor, KernelArg};
+use crate::problem::{AttentionOptions, AttentionShape, DqAccumulation, check_flash_grid};
+use crate::runtime::{Context, DeviceTensor, KernelArg, NullPointer};
 use crate::select::{HopperBackward, HopperForward};
 
 /// Bytes of one row of a 128-byte swizzled box: the inner box dimension of the Hopper kernels'
@@ -121,13 +121,18 @@ impl Context {
     /// with the shapes, masks, GQA and scale of
     /// [`Context::flash_attention_backward`]. A block owns 128 keys (two consumer warpgroups of
     /// 64) and loops over query tiles of 64 rows that a producer warpgroup loads with TMA; dQ is
-    /// added to an `f32` copy by TMA's atomic reductions (as [`DqAccumulation::Atomic`]: the
-    /// last bits of dQ may differ between runs) and rounded at the end. On the sm_90a path
-    /// [`Context::flash_attention_backward`] runs this kernel for its default tile and atomic dQ.
+    /// added to an `f32` copy by TMA's atomic reductions and rounded at the end. With
+    /// [`DqAccumulation::Atomic`] the blocks add in whatever order they come, so the last bits of
+    /// dQ may differ between runs; with [`DqAccumulation::Deterministic`] they take turns per dQ
+    /// tile, in key-block order, and dQ is bit-identical on every run (dK and dV always are). On
+    /// the sm_90a path [`Context::flash_attention_backward`] runs this kernel for its default
+    /// tile, in either mode.
     ///
-    /// Extra device memory: D (one `f32` per query row) and the `f32` copy of dQ.
+    /// Extra device memory: D (one `f32` per query row), the `f32` copy of dQ, and for the
+    /// deterministic mode one `u32` turn counter per 64 query rows.
     ///
     /// [`DqAccumulation::Atomic`]: crate::DqAccumulation::Atomic
+    /// [`DqAccumulation::Deterministic`]: crate::DqAccumulation::Deterministic
     ///
     /// # Errors
     /// As [`Context::flash_attention_forward_hopper`].
@@ -141,11 +146,12 @@ impl Context {
         lse: &DeviceTensor<f32>,
         d_o: &DeviceTensor<T>,
         options: &AttentionOptions,
+        dq: DqAccumulation,
     ) -> Result<Gradients<T>> {
         let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
-        HopperBackward::for_problem(T::DTYPE, shape.head_dim)?;
+        HopperBackward::for_problem(T::DTYPE, shape.head_dim, dq)?;
         let mut grads = self.alloc_gradients(&shape)?;
-        self.flash_attention_backward_hopper_into(q, k, v, o, lse, d_o, &mut grads, options)?;
+        self.flash_attention_backward_hopper_into(q, k, v, o, lse, d_o, &mut grads, options, dq)?;
         Ok(grads)
     }
 
@@ -161,9 +167,10 @@ impl Context {
         d_o: &DeviceTensor<T>,
         grads: &mut Gradients<T>,
         options: &AttentionOptions,
+        dq: DqAccumulation,
     ) -> Result<()> {
         let shape = self.check_backward(q, k, v, o, lse, d_o, grads)?;
-        let kernel = HopperBackward::for_problem(T::DTYPE, shape.head_dim)?;
+        let kernel = HopperBackward::for_problem(T::DTYPE, shape.head_dim, dq)?;
         self.launch_hopper_backward(kernel, &shape, q, k, v, o, lse, d_o, grads, options)
     }
 
@@ -206,8 +213,23 @@ impl Context {
             HopperBackward::THREADS,
             hopper_backward_smem_bytes(kernel.head_dim, kernel.stages),
         );
+        // The deterministic kernel's turn counters, one per dQ tile of 64 query rows, zeroed
+        // (the kernel reads them as `u32`); the other kernel reads none.
+        let turns = match kernel.variant {
+            HopperVariant::Deterministic => {
+                let tiles = shape.batch * shape.num_heads_q * shape.seqlen_q.div_ceil(m);
+                let mut turns = self.alloc_output::<i32>(&[tiles])?;
+                self.fill_zeros(&mut turns)?;
+                Some(turns)
+            }
+            _ => None,
+        };
+        let turns_arg: &dyn KernelArg = match &turns {
+            Some(turns) => turns,
+            None => &NullPointer("i32"),
+        };
         let args = ProblemArgs::new(&shape, options);
-        let head: [&dyn KernelArg; 5] = [&maps, lse, &delta, &grads.dk, &grads.dv];
+        let head: [&dyn KernelArg; 6] = [&maps, lse, &delta, &grads.dk, &grads.dv, turns_arg];
         self.launch(kernel.entry, config, &args.with_mask(&head, &[&scale]))?;
         self.round_to(&accum, &mut grads.dq)
     }

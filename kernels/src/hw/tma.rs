@@ -1,7 +1,8 @@
 //! Level 0 for Hopper (sm_90a only), the asynchronous copy units: TMA loads and reductions of
 //! boxes described by host-made tensor maps ([`TensorMaps`]), the `mbarrier`s they complete on, the
-//! bulk groups of reductions, and the proxy fences between ordinary stores and the async proxy.
-//! The contracts table of [`super::warpgroup`] says who calls what.
+//! bulk groups of reductions, the proxy fences between ordinary stores and the async proxy, and
+//! the release/acquire counter with which blocks take turns at a reduction ([`wait_for_turn`],
+//! [`pass_turn`]). The contracts table of [`super::warpgroup`] says who calls what.
 
 use core::arch::asm;
 
@@ -195,6 +196,54 @@ pub fn bulk_wait_group_read<const PENDING: u32>() {
 pub fn bulk_wait_group<const PENDING: u32>() {
     // SAFETY: waiting only.
     unsafe { asm!("cp.async.bulk.wait_group {n};", n = const PENDING, options(nostack)) };
+}
+
+/// Orders this thread's accesses to global memory through the async proxy (TMA loads and
+/// reductions) with its ordinary ones (`fence.proxy.async.global`): what one proxy did before
+/// the fence is seen by what the other does after it.
+#[inline(always)]
+pub fn fence_proxy_async_global() {
+    // SAFETY: a fence, no operands.
+    unsafe { asm!("fence.proxy.async.global;", options(nostack)) };
+}
+
+/// Waits until the `u32` turn counter at `counter` (global memory) reaches `turn`, reading it
+/// with acquire semantics at GPU scope (`ld.acquire.gpu`), then fences the async proxy: the
+/// reductions that the blocks before this one completed (and announced with [`pass_turn`])
+/// are then ordered before this thread's next TMA reduction. How the deterministic Hopper
+/// backward adds dQ tiles in a fixed order (FlashAttention-3 takes turns the same way).
+///
+/// # Safety
+/// `counter` points to a `u32` in global memory that only [`pass_turn`] changes; whoever holds
+/// turns below `turn` runs (or ran) to its [`pass_turn`], so the wait ends. One thread calls it.
+#[inline(always)]
+pub unsafe fn wait_for_turn(counter: *const u32, turn: u32) {
+    loop {
+        let seen: u32;
+        // SAFETY: the caller's contract.
+        unsafe {
+            asm!("ld.acquire.gpu.global.u32 {v}, [{p}];", v = out(reg32) seen, p = in(reg64) counter as u64,
+                options(nostack))
+        };
+        if seen >= turn {
+            break;
+        }
+    }
+    fence_proxy_async_global();
+}
+
+/// Ends this thread's turn at `counter` ([`wait_for_turn`]): waits until its bulk reductions are
+/// complete ([`bulk_wait_group`]), fences the async proxy, and adds 1 to the counter with release
+/// semantics at GPU scope (`red.release.gpu`), so that the next in turn sees the sums.
+///
+/// # Safety
+/// As [`wait_for_turn`]; this thread holds the turn. One thread calls it.
+#[inline(always)]
+pub unsafe fn pass_turn(counter: *mut u32) {
+    bulk_wait_group::<0>();
+    fence_proxy_async_global();
+    // SAFETY: the caller's contract.
+    unsafe { asm!("red.release.gpu.global.add.u32 [{p}], 1;", p = in(reg64) counter as u64, options(nostack)) };
 }
 
 /// Asks TMA for the box at (`x`, `y`) (elements; x is the innermost dimension) of

@@ -34,6 +34,8 @@
 //! | [`tma_load_2d`] | one thread | nothing by itself: completion is the `mbarrier`'s phase flipping |
 //! | [`tma_load_3d`] | one thread | as [`tma_load_2d`] |
 //! | [`tma_reduce_add_3d`] | one thread, after the writers' [`fence_proxy_async`] and a barrier | nothing by itself: [`bulk_commit_group`] closes its group, [`bulk_wait_group_read`] frees its source, [`bulk_wait_group`] completes it |
+//! | [`wait_for_turn`] | one thread, before a reduction that must come after other blocks' | the reductions of the turns before it (their [`pass_turn`]) before its own |
+//! | [`pass_turn`] | the thread that waited for the turn, after its reductions were committed | completes them, then lets the next turn begin |
 //! | [`mbarrier_wait`] | every consumer | returns once the phase of the given parity completed: the copy's bytes are visible to the waiting thread |
 //! | [`mbarrier_arrive`] | each consumer thread, once per phase, after its last read of the slot | counts one arrival: the producer waiting on the phase may overwrite the slot |
 //! | [`named_barrier_sync`] | every thread of the part of the block named by the thread count | a `__syncthreads` for that part only (the producer warpgroup never waits on it) |

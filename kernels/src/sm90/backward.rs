@@ -14,9 +14,10 @@
 //! * dQ = scale · dS·K needs dS with the queries as rows, which no thread holds: each consumer
 //!   writes its rows of dSᵀ to shared memory (row-major by key), which `wgmma` reads as an
 //!   MN-major A operand ([`Accumulator::mma_mn_major`]). Its share of the tile's dQ goes to a
-//!   staging tile in shared memory, and one thread asks TMA to add that tile to an
-//!   `f32` copy of dQ in device memory (`cp.reduce.async.bulk.tensor`, FA3's way); a last kernel
-//!   rounds the copy to 16 bits.
+//!   staging tile in shared memory, and a *dQ warp* of the producer warpgroup, one per consumer,
+//!   asks TMA to add that tile to an `f32` copy of dQ in device memory
+//!   (`cp.reduce.async.bulk.tensor`), while the consumer goes on with the next tile
+//!   (FA3's way; [`produce_dq`]). A last kernel rounds the copy to 16 bits.
 //!
 //! Which share: at head_dim 64 each consumer adds its own 64 keys' contribution to all of dQ's
 //! columns; it reads only the dSᵀ rows it wrote, so the consumers never wait for each other and
@@ -29,6 +30,32 @@
 //! after every Sᵀ they stalled each tile), no register spills (the per-tile addresses are
 //! recomputed, see [`crate::hw::opaque`]), TMA's reduction in place of 16
 //! atomics per thread and tile, and the causal limit applied by selects rather than branches.
+//!
+//! **Deterministic dQ** (`DETERMINISTIC`): the additions to an element of dQ are atomic, but their
+//! order is the order in which the blocks happen to reach a tile, so the last bits of dQ differ
+//! from run to run. The deterministic instances fix the order: every dQ tile has a turn counter
+//! in device memory, and the dQ warps add to the tile in key-block order, consumer 0 before
+//! consumer 1 where both add to the same columns ([`turn`]). A dQ warp waits for its turn
+//! ([`wait_for_turn`]), adds, waits until the addition is complete and passes the turn on
+//! ([`pass_turn`]). The GPU starts blocks in index order and the grid runs key blocks of a head in
+//! increasing order (with or without a causal mask, [`KeyBlock::hopper_backward`]), so a block
+//! only ever waits for blocks that started before it: no deadlock. The consumers do not wait
+//! unless their dQ warp is still holding the staging tile.
+//!
+//! Who does what (384 threads):
+//!
+//! | warps | role |
+//! |---|---|
+//! | 0 (one thread) | TMA loads: K and V once, Q and dO of every query tile ([`produce_tiles`]) |
+//! | 1 | LSE·log₂e and D of every query tile into its slot ([`produce_statistics`]) |
+//! | 2, 3 (one thread each) | consumer 0's, consumer 1's dQ share added to device memory ([`produce_dq`]) |
+//! | 4–7, 8–11 | consumers 0 and 1: 64 keys each, dK and dV in registers ([`consume`]) |
+//!
+//! Shared memory ([`SharedTiles`]; at head_dim 128 and two stages 194 KiB): K and V 32 KiB each,
+//! two slots of Q and dO 16 KiB each, two dSᵀ buffers of 16 KiB, two dQ staging tiles of 16 KiB
+//! (`f32`), the statistics (512 bytes a slot) and the `mbarrier`s. Legend: Sᵀ, dPᵀ, Pᵀ, dSᵀ are
+//! `keys × queries` (the transposes of the paper's S, dP, P, dS); "column block" is 64 columns
+//! of head_dim, one 128-byte swizzled box of 16-bit values.
 //!
 //! Grouped-query attention: a block owns a key block of one key/value head and loops over the
 //! query tiles of every query head of its group, so dK and dV are complete when it ends.
@@ -46,8 +73,8 @@ use crate::hw::{
     self, Accumulator, FragC, HalfFloat, LOG2_E, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, TensorMaps, WARPGROUP_THREADS,
     advance_descriptor, bulk_commit_group, bulk_wait_group, bulk_wait_group_read, fence_mbarrier_init,
     fence_proxy_async, k_major_descriptor, load_shared_f32x2, mbarrier_arrive, mbarrier_arrive_expect_tx,
-    mbarrier_init, mbarrier_wait, mn_major_descriptor, named_barrier_sync, opaque, store_shared_f32x2,
-    store_shared_u32, tma_reduce_add_3d, warpgroup_id, wgmma_commit, wgmma_fence, wgmma_wait,
+    mbarrier_init, mbarrier_wait, mn_major_descriptor, named_barrier_sync, opaque, pass_turn, store_shared_f32x2,
+    store_shared_u32, tma_reduce_add_3d, wait_for_turn, warpgroup_id, wgmma_commit, wgmma_fence, wgmma_wait,
 };
 use crate::layout::{AttentionShape, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS};
 use crate::sm90::pipeline::{
@@ -72,7 +99,7 @@ const DQ_BOX_BYTES: u32 = (BLOCK_M * SWIZZLE_ROW_BYTES) as u32;
 /// buffers (`BLOCK_N × BLOCK_M`), a dQ staging tile per consumer (`BLOCK_M × 64` `f32`),
 /// `STAGES` slots of the tile's statistics (`BLOCK_M` values of
 /// LSE·log₂e, then `BLOCK_M` of D, `f32`), then the `mbarrier`s. Tiles are `D / 64` swizzled
-/// column blocks.
+/// column blocks. (`crate::layout::hopper_backward_smem_bytes` adds the same up.)
 #[derive(Clone, Copy)]
 struct SharedTiles<const D: usize, const STAGES: usize> {
     base: u32,
@@ -134,8 +161,9 @@ impl<const D: usize, const STAGES: usize> SharedTiles<D, STAGES> {
         self.lse(stage) + Self::STATISTICS_BYTES / 2
     }
 
-    /// Barrier `i` of `[K and V full, Q full × STAGES, dO full × STAGES, Q and dO empty × STAGES]`.
-    /// "dO full" also waits for the tile's statistics.
+    /// Barrier `i` of `[K and V full, Q full × STAGES, dO full × STAGES, Q and dO empty × STAGES,
+    /// dQ staged × CONSUMERS, dQ staging free × CONSUMERS]`. "dO full" also waits for the tile's
+    /// statistics.
     #[inline(always)]
     fn barrier(self, i: usize) -> u32 {
         self.lse(STAGES) + 8 * i as u32
@@ -160,6 +188,38 @@ impl<const D: usize, const STAGES: usize> SharedTiles<D, STAGES> {
     fn q_empty(self, stage: usize) -> u32 {
         self.barrier(1 + 2 * STAGES + stage)
     }
+
+    /// Consumer `index` wrote its dQ share to its staging tile (all 128 threads arrive).
+    #[inline(always)]
+    fn dq_full(self, index: usize) -> u32 {
+        self.barrier(1 + 3 * STAGES + index)
+    }
+
+    /// Consumer `index`'s staging tile may be overwritten (its dQ warp arrives).
+    #[inline(always)]
+    fn dq_empty(self, index: usize) -> u32 {
+        self.barrier(1 + 3 * STAGES + CONSUMERS + index)
+    }
+}
+
+/// Which part of a query tile's dQ consumer `index` computes at head_dim `D`: its first key
+/// (of the block's `BLOCK_N`), how many keys, and which column block of 64. At head_dim 64 each
+/// consumer multiplies its own 64 keys into all of dQ's columns, reading only the dSᵀ rows it
+/// wrote; at 128 each multiplies all 128 keys into its own 64 columns (see the module docs).
+#[inline(always)]
+const fn dq_share<const D: usize>(index: usize) -> (usize, usize, usize) {
+    if D / SWIZZLE_COLUMNS == CONSUMERS { (0, BLOCK_N, index) } else { (index * WARPGROUP_ROWS, WARPGROUP_ROWS, 0) }
+}
+
+/// The turn of consumer `index` of key block `key_block` at every dQ tile it adds to
+/// (deterministic mode): key blocks in increasing order, and where both consumers add to the
+/// same columns (head_dim 64), consumer 0 before consumer 1. Every key block before this one
+/// adds to each tile this one does (a key block sees the query tiles from its first one on, and
+/// earlier key blocks start no later), two turns each, so the turn is a plain count.
+#[inline(always)]
+const fn turn<const D: usize>(key_block: usize, index: usize) -> u32 {
+    let shares_columns = dq_share::<D>(0).2 == dq_share::<D>(1).2;
+    (CONSUMERS * key_block + if shares_columns { index } else { 0 }) as u32
 }
 
 /// The producer's TMA work: K and V once, then Q and dO of every query tile the block
@@ -244,6 +304,63 @@ unsafe fn produce_statistics<const D: usize, const STAGES: usize>(
     }
 }
 
+// ANCHOR: dq_warp
+/// A dQ warp (one thread of it): for every query tile, waits until consumer `index` has staged
+/// its share of dQ, asks TMA to add it to the `f32` dQ in device memory, and frees the staging
+/// tile as soon as TMA has read it. With `DETERMINISTIC` the additions take turns ([`turn`]):
+/// the thread waits for its turn at the tile's counter in `turns` before the addition, and
+/// passes it on once the addition is complete.
+///
+/// # Safety
+/// One thread of warpgroup 0 calls it per consumer, after the barriers were initialised; map 4
+/// is dQ's; with `DETERMINISTIC`, `turns` holds `[batch, num_heads_q, tiles]` `u32` counters,
+/// zero before the launch.
+#[inline(always)]
+unsafe fn produce_dq<const D: usize, const STAGES: usize, const DETERMINISTIC: bool>(
+    smem: SharedTiles<D, STAGES>,
+    maps: TensorMaps,
+    shape: &AttentionShape,
+    block: &KeyBlock,
+    index: usize,
+    turns: *mut u32,
+) {
+    let column_block = dq_share::<D>(index).2;
+    let my_turn = turn::<D>(block.k_start / BLOCK_N, index);
+    let staging = smem.dq_staging(index);
+    for step in 0..block.steps() {
+        let (_, parity) = ring_slot(step, 1);
+        let (q_head, tile) = block.step(step);
+        let head = block.batch * shape.num_heads_q + q_head;
+        // SAFETY: address arithmetic; the counter exists when DETERMINISTIC.
+        let counter = unsafe { turns.add(head * block.tiles + tile) };
+        // SAFETY: initialised barriers; the counter as the contract says.
+        unsafe {
+            mbarrier_wait(smem.dq_full(index), parity);
+            if DETERMINISTIC {
+                wait_for_turn(counter, my_turn);
+            }
+        }
+        for dq_box in 0..SWIZZLE_COLUMNS / DQ_BOX_COLUMNS {
+            let x = (column_block * SWIZZLE_COLUMNS + dq_box * DQ_BOX_COLUMNS) as i32;
+            let source = staging + dq_box as u32 * DQ_BOX_BYTES;
+            // SAFETY: the consumer wrote and fenced the staging tile before its arrival.
+            unsafe { tma_reduce_add_3d(maps.get(4), x, (tile * BLOCK_M) as i32, head as i32, source) };
+        }
+        bulk_commit_group();
+        bulk_wait_group_read::<0>();
+        // SAFETY: initialised barrier; TMA no longer reads the staging tile.
+        unsafe { mbarrier_arrive(smem.dq_empty(index)) };
+        if DETERMINISTIC {
+            // SAFETY: this thread holds the turn.
+            unsafe { pass_turn(counter) };
+        }
+    }
+    // The block's shared memory must outlive the last reduction's reads (and its writes are
+    // complete before the kernel is).
+    bulk_wait_group::<0>();
+}
+// ANCHOR_END: dq_warp
+
 /// Issues `acc = A·Bᵀ` over the head dimension (not committed): A is this warpgroup's 64 rows of
 /// K or V (`a_rows`, a descriptor of the block's swizzled tile, `BLOCK_N` rows per column block)
 /// and B the query tile's Q or dO (`b_tile`, `BLOCK_M` rows per column block), both K-major. The
@@ -276,14 +393,11 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
     shape: &AttentionShape,
     mask: Mask,
     scale: f32,
-    maps: TensorMaps,
     (dk, dv): (*mut u16, *mut u16),
 ) where
     [FragC; D_TILES]: Accumulator,
 {
     let index = warpgroup_id() - 1;
-    // The thread that hands the warpgroup's dQ tiles to TMA.
-    let leader = hw::thread_idx_x().is_multiple_of(WARPGROUP_THREADS);
     let k_first = block.k_start + index * WARPGROUP_ROWS;
     let c = scale * LOG2_E;
 
@@ -308,7 +422,7 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         let k_rows = k_major_descriptor(smem.k() + rows_offset);
         let v_rows = k_major_descriptor(smem.v() + rows_offset);
         let (stage, parity) = ring_slot(step, STAGES);
-        let (q_head, tile) = block.step(step);
+        let (_, tile) = block.step(step);
         let q_start = tile * BLOCK_M;
         // SAFETY: initialised barriers.
         unsafe {
@@ -394,22 +508,16 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         }
         fence_proxy_async();
         // Which dSᵀ rows and which of dQ's column blocks (64 columns of head_dim) this warpgroup
-        // takes (see the module docs): with one column block each warpgroup reads only its own
-        // rows of dSᵀ, and a barrier of its own 128 threads publishes them, so the consumers
-        // never wait for each other; with two, each reads both warpgroups' rows, published by a
-        // barrier of all consumers. The barrier also frees the staging tile: its previous copy
-        // finished reading it before the leader passed the barrier.
-        if leader {
-            bulk_wait_group_read::<0>();
-        }
-        let split_columns = D / SWIZZLE_COLUMNS == CONSUMERS;
-        let (first_key, keys, column_block) = if split_columns {
+        // takes ([`dq_share`]): with one column block each warpgroup reads only its own rows of
+        // dSᵀ, and a barrier of its own 128 threads publishes them, so the consumers never wait
+        // for each other; with two, each reads both warpgroups' rows, published by a barrier of
+        // all consumers.
+        let (first_key, keys, column_block) = dq_share::<D>(index);
+        if keys == BLOCK_N {
             named_barrier_sync(ALL_CONSUMERS, (CONSUMERS * WARPGROUP_THREADS) as u32);
-            (0, BLOCK_N, index)
         } else {
             named_barrier_sync(1 + index as u32, WARPGROUP_THREADS as u32);
-            (index * WARPGROUP_ROWS, WARPGROUP_ROWS, 0)
-        };
+        }
 
         // dQ += scale · dS·K for the column block: dS (queries × keys, read MN-major from dSᵀ)
         // times K (keys × columns, MN-major).
@@ -433,42 +541,32 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         // ANCHOR: dq_reduce
         // The block's share of dQ goes to device memory through TMA: each thread
         // writes its fragments to the staging tile (two boxes of 32 `f32` columns, swizzled as
-        // TMA expects), and one thread asks for the tile to be added to dQ, element by element
-        // and atomically, skipping rows past seqlen_q. That is one request per tile instead of
-        // 16 atomics per thread, whose queue filled up and stalled the warps.
+        // TMA expects), and the dQ warp asks for the tile to be added to dQ, element by element
+        // and atomically, skipping rows past seqlen_q ([`produce_dq`]). That is one request per
+        // tile instead of 16 atomics per thread, whose queue filled up and stalled the warps,
+        // and the consumer does not wait for it: only, a tile later, for the staging tile to be
+        // free again (it is, unless a deterministic turn held it up).
         let staging = smem.dq_staging(index);
+        // SAFETY: initialised barrier; the first tile finds the staging tile free.
+        unsafe { wait_slot_free(smem.dq_empty(index), step, 1, ring_slot(step, 1).1) };
         for h in 0..2 {
             let row = 16 * warp + lane.half_row(h);
             for (j, frag) in dq.iter().enumerate() {
                 let column = 8 * j + 2 * t;
                 let offset = (column / DQ_BOX_COLUMNS) as u32 * DQ_BOX_BYTES
                     + swizzled_offset(row, 4 * (column % DQ_BOX_COLUMNS));
-                // SAFETY: inside the staging tile, which the barrier above freed.
+                // SAFETY: inside the staging tile, which its dQ warp freed.
                 unsafe { store_shared_f32x2(staging + offset, [frag[2 * h] * scale, frag[2 * h + 1] * scale]) };
             }
         }
         fence_proxy_async();
-        named_barrier_sync(1 + index as u32, WARPGROUP_THREADS as u32);
-        if leader {
-            let head = (block.batch * shape.num_heads_q + q_head) as i32;
-            for dq_box in 0..SWIZZLE_COLUMNS / DQ_BOX_COLUMNS {
-                let x = (column_block * SWIZZLE_COLUMNS + dq_box * DQ_BOX_COLUMNS) as i32;
-                let source = staging + dq_box as u32 * DQ_BOX_BYTES;
-                // SAFETY: the staging tile was written and published above; map 4 is dQ's.
-                unsafe { tma_reduce_add_3d(maps.get(4), x, q_start as i32, head, source) };
-            }
-            bulk_commit_group();
-        }
+        // SAFETY: initialised barrier (128 arrivals: release semantics publish the stores).
+        unsafe { mbarrier_arrive(smem.dq_full(index)) };
         // ANCHOR_END: dq_reduce
         dv_acc.pin();
         dk_acc.pin();
         // Q and dO of this slot are no longer read (dV and dK finished with the first wait).
         unsafe { mbarrier_arrive(smem.q_empty(stage)) };
-    }
-
-    // The last dQ tile must be read before the block's shared memory goes away.
-    if leader {
-        bulk_wait_group::<0>();
     }
 
     // dK = scale · Σ dSᵀ·Q and dV, for the keys that exist.
@@ -493,15 +591,23 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
 /// (boxes of 64 columns by 64 rows for Q and dO, 128 for K and V) and of the `f32` dQ
 /// accumulator (Q's shape, zeroed; boxes of 32 columns by 64 rows), which the kernel adds to;
 /// `lse` and `delta` hold `[batch, num_heads_q, seqlen_q]` `f32`, `dk` and `dv` K's shape in 16
-/// bits; `shape.head_dim == D`; the launch as above.
+/// bits; with `DETERMINISTIC`, `dq_turns` holds `[batch, num_heads_q, ceil(seqlen_q / 64)]`
+/// zeroed `u32` counters (else it is not read); `shape.head_dim == D`; the launch as above.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn flash_backward_wgmma<T: HalfFloat, const D: usize, const STAGES: usize, const D_TILES: usize>(
+unsafe fn flash_backward_wgmma<
+    T: HalfFloat,
+    const D: usize,
+    const STAGES: usize,
+    const D_TILES: usize,
+    const DETERMINISTIC: bool,
+>(
     maps: *const u8,
     lse: *const f32,
     delta: *const f32,
     dk: *mut u16,
     dv: *mut u16,
+    dq_turns: *mut u32,
     shape: AttentionShape,
     mask: Mask,
     scale: f32,
@@ -520,42 +626,59 @@ unsafe fn flash_backward_wgmma<T: HalfFloat, const D: usize, const STAGES: usize
                 mbarrier_init(smem.do_full(stage), 1 + 32);
                 mbarrier_init(smem.q_empty(stage), (CONSUMERS * WARPGROUP_THREADS) as u32);
             }
+            for index in 0..CONSUMERS {
+                mbarrier_init(smem.dq_full(index), WARPGROUP_THREADS as u32);
+                mbarrier_init(smem.dq_empty(index), 1);
+            }
         }
         fence_mbarrier_init();
     }
     hw::sync_threads();
     if take_role::<{ SM90_BACKWARD_REGISTERS.0 }, { SM90_BACKWARD_REGISTERS.1 }>() {
         // SAFETY: the barriers are initialised; the maps and pointers are the host's.
-        match hw::warp_id() {
-            0 if hw::lane_id() == 0 => unsafe { produce_tiles(smem, TensorMaps(maps), &shape, &block) },
-            1 => unsafe { produce_statistics(smem, &shape, &block, lse, delta) },
+        // Warp 0 loads tiles, warp 1 the statistics, warps 2 and 3 add dQ (one per consumer).
+        let maps = TensorMaps(maps);
+        match (hw::warp_id(), hw::lane_id()) {
+            (0, 0) => unsafe { produce_tiles(smem, maps, &shape, &block) },
+            (1, _) => unsafe { produce_statistics(smem, &shape, &block, lse, delta) },
+            (warp @ 2..4, 0) => unsafe {
+                produce_dq::<D, STAGES, DETERMINISTIC>(smem, maps, &shape, &block, warp - 2, dq_turns)
+            },
             _ => {}
         }
     } else {
         // SAFETY: the launch contract.
-        unsafe { consume::<T, D, STAGES, D_TILES>(smem, &block, &shape, mask, scale, TensorMaps(maps), (dk, dv)) };
+        unsafe { consume::<T, D, STAGES, D_TILES>(smem, &block, &shape, mask, scale, (dk, dv)) };
     }
 }
 
-/// One entry, `hopper_flash_bwd_{f16,bf16}_m64_n128_d{D}_s{STAGES}`;
+/// Two entries per configuration: `hopper_flash_bwd_{f16,bf16}_m64_n128_d{D}_s{STAGES}` (dQ
+/// added in whatever order the blocks come) and the same with `_deterministic` (in turns);
 /// `sm90_backward_configs!` (in [`crate::configs`]) lists the configurations.
 macro_rules! flash_backward_wgmma_instance {
     ($dtype:ident, $format:ident, $d:literal, $stages:literal) => {
+        flash_backward_wgmma_instance!(@entry $format, false,
+            ${concat(hopper_flash_bwd_, $dtype, _m64_n128_d, $d, _s, $stages)}, $d, $stages);
+        flash_backward_wgmma_instance!(@entry $format, true,
+            ${concat(hopper_flash_bwd_, $dtype, _m64_n128_d, $d, _s, $stages, _deterministic)}, $d, $stages);
+    };
+    (@entry $format:ident, $deterministic:literal, $name:ident, $d:literal, $stages:literal) => {
         attention_kernel! {
         /// FlashAttention backward on Hopper (sm_90a); see the module docs.
         ///
         /// # Safety
         /// As `flash_backward_wgmma`.
-        fn ${concat(hopper_flash_bwd_, $dtype, _m64_n128_d, $d, _s, $stages)}(
+        fn $name(
             maps: *const u8,
             lse: *const f32,
             delta: *const f32,
             dk: *mut u16,
             dv: *mut u16,
+            dq_turns: *mut u32,
         ) |shape, mask, scale| {
             unsafe {
-                flash_backward_wgmma::<hw::$format, $d, $stages, { $d / 8 }>(
-                    maps, lse, delta, dk, dv, shape, mask, scale,
+                flash_backward_wgmma::<hw::$format, $d, $stages, { $d / 8 }, $deterministic>(
+                    maps, lse, delta, dk, dv, dq_turns, shape, mask, scale,
                 )
             }
         }
