@@ -278,7 +278,7 @@ fn emulated_tensor_core_forward_and_backward() {
     for scale in [-0.3, 0.0] {
         let shape =
             AttentionShape { batch: 1, num_heads_q: 1, num_heads_kv: 1, seqlen_q: 40, seqlen_k: 70, head_dim: 64 };
-        let options = attn_host::AttentionOptions { scale: Some(scale), causal: Causal::TopLeft };
+        let options = attn_host::AttentionOptions { scale: Some(scale), causal: Causal::TopLeft, ..Default::default() };
         let (fwd, bwd) = (
             TileConfig::default_for_dtype(attn_host::DType::F16, 64),
             TileConfig::default_backward_for_dtype(attn_host::DType::F16, 64),
@@ -309,4 +309,54 @@ fn emulated_wide_head_backward_in_both_modes() {
         }
     }
     report("emulated_wide_head_backward_in_both_modes", cases);
+}
+
+/// The one-call API (`Context::attention`, `Context::attention_backward`) on the emulator: it
+/// picks the tile and dQ mode itself, for `f32` and `bf16`, GQA, both causal alignments, a
+/// head_dim between the compiled ones, and a deterministic backward, against the float64
+/// reference on the same (rounded) inputs.
+#[test]
+fn emulated_one_call_attention_and_backward() {
+    use attn_host::dtype::{from_f32_slice, to_f32_vec};
+    use attn_host::{AttentionOptions, Element, bf16};
+    fn run<T: Element>(ctx: &Context, shape: AttentionShape, options: AttentionOptions, seed: u64) {
+        let sizes = [shape.q_shape(), shape.kv_shape(), shape.kv_shape(), shape.q_shape()];
+        // Inputs rounded to T, so that the reference sees what the kernels see.
+        let host: Vec<Vec<f32>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| to_f32_vec(&from_f32_slice::<T>(&random_normal(s.iter().product(), seed + i as u64))))
+            .collect();
+        let device: Vec<_> =
+            host.iter().zip(&sizes).map(|(x, s)| ctx.upload(&from_f32_slice::<T>(x), s).unwrap()).collect();
+        let forward = ctx.attention(&device[0], &device[1], &device[2], &options).unwrap();
+        let grads = ctx.attention_backward(&forward, &device[3]).unwrap();
+        let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal };
+        let forward_reference = cpu::attention(&host[0], &host[1], &host[2], &shape, params).unwrap();
+        let reference = cpu::attention_backward(&host[0], &host[1], &host[2], &host[3], &shape, params).unwrap();
+        let tolerance = if T::DTYPE == attn_host::DType::F32 { 1e-4 } else { 2e-2 };
+        let outputs = [
+            ("O", to_f32_vec(&forward.o().to_host().unwrap()), &forward_reference.o),
+            ("dQ", to_f32_vec(&grads.dq.to_host().unwrap()), &reference.dq),
+            ("dK", to_f32_vec(&grads.dk.to_host().unwrap()), &reference.dk),
+            ("dV", to_f32_vec(&grads.dv.to_host().unwrap()), &reference.dv),
+        ];
+        for (name, got, want) in outputs {
+            let err = relative_l2_error(&got, want);
+            assert!(err <= tolerance, "{} {options:?} on {shape:?}: {name} relative L2 error {err:.3e}", T::DTYPE);
+        }
+    }
+    let ctx = emulator();
+    let shape = |seqlen_q, seqlen_k, head_dim| AttentionShape {
+        batch: 1,
+        num_heads_q: 4,
+        num_heads_kv: 2,
+        seqlen_q,
+        seqlen_k,
+        head_dim,
+    };
+    run::<f32>(ctx, shape(37, 50, 32), AttentionOptions::causal(Causal::BottomRight), 1);
+    run::<bf16>(ctx, shape(40, 29, 40), AttentionOptions::causal(Causal::TopLeft).deterministic(), 11);
+    run::<bf16>(ctx, shape(33, 33, 64), AttentionOptions::with_scale(-0.2), 21);
+    report("emulated_one_call_attention_and_backward", 3);
 }

@@ -113,7 +113,7 @@ fn large_logits_do_not_overflow() {
     let shape = mha(1, 2, 150, 64);
     let ints = |n: usize, salt: u64| -> Vec<f32> { (0..n).map(|i| (hashed(i, salt) * 2.0).round()).collect() };
     let (q, k, v) = (ints(150 * 128, 6), ints(150 * 128, 7), random_normal(150 * 128, 8));
-    let options = AttentionOptions { scale: Some(500.0), causal: Causal::TopLeft };
+    let options = AttentionOptions { scale: Some(500.0), causal: Causal::TopLeft, ..Default::default() };
     let params = cpu::Params { scale: 500.0, causal: Causal::TopLeft };
     let reference = cpu::attention(&q, &k, &v, &shape, params).unwrap();
     let max_logit = reference.lse.iter().fold(0.0f64, |m, x| m.max(x.abs()));
@@ -152,7 +152,7 @@ fn scale_zero_gives_the_mean_of_v() {
     let Some(ctx) = gpu("scale_zero_gives_the_mean_of_v") else { return };
     let shape = mha(1, 1, 9, 32);
     let problem = Problem::new(ctx, shape, 400);
-    let options = AttentionOptions { scale: Some(0.0), causal: Causal::TopLeft };
+    let options = AttentionOptions { scale: Some(0.0), causal: Causal::TopLeft, ..Default::default() };
     for kernel in [Kernel::Naive, Kernel::Flash(TileConfig::new(16, 16), DqAccumulation::Atomic)] {
         let o = problem.forward(ctx, kernel, &options).o.to_host().unwrap();
         let v = &problem.host[2];

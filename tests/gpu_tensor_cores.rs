@@ -65,7 +65,7 @@ fn random_case<T: Element>(
 fn tensor_core_forward_and_backward_match_cpu_on_random_problems() {
     let Some(ctx) = gpu("tensor_core_forward_and_backward_match_cpu_on_random_problems") else { return };
     proptest!(gpu_proptest_config(48), |(shape in shapes(), causal in masks(), scale in scales(), bf in any::<bool>(), picks in (0usize..64, 0usize..64), deterministic in any::<bool>(), seed in any::<u32>())| {
-        let (seed, options) = (seed as u64 * 4, AttentionOptions { scale, causal });
+        let (seed, options) = (seed as u64 * 4, AttentionOptions { scale, causal, ..Default::default() });
         if bf {
             random_case::<bf16>(ctx, shape, options, picks, deterministic, seed);
         } else {
@@ -112,7 +112,7 @@ fn tensor_cores_with_logits_in_the_hundreds() {
         for causal in [Causal::None, Causal::BottomRight] {
             let shape =
                 AttentionShape { batch: 1, num_heads_q: 4, num_heads_kv: 2, seqlen_q: 300, seqlen_k: 517, head_dim };
-            let options = AttentionOptions { scale: Some(1.0), causal };
+            let options = AttentionOptions { scale: Some(1.0), causal, ..Default::default() };
             for (i, mode) in [DqAccumulation::Atomic, DqAccumulation::Deterministic].into_iter().enumerate() {
                 let bwd = (TileConfig::default_backward_for_dtype(DType::F16, head_dim), mode);
                 let fwd = TileConfig::default_for_dtype(DType::F16, head_dim);

@@ -91,7 +91,7 @@ pub use error::{Error, Result};
 /// the tensor-core kernels.
 pub use half::{bf16, f16};
 pub use kernels::FlashKernel;
-pub use ops::{AttentionOutput, DecodeOptions, DecodePlan, DescriptorOffsets, Gradients, KvCache, Layout};
+pub use ops::{Attention, AttentionOutput, DecodeOptions, DecodePlan, DescriptorOffsets, Gradients, KvCache, Layout};
 pub use problem::{AttentionOptions, AttentionShape, Causal, DqAccumulation, TileConfig};
 pub use runtime::{Context, DeviceTensor, TensorMap, timing};
 pub use select::KernelPath;

@@ -63,9 +63,20 @@ pub struct AttentionOptions {
     pub scale: Option<f32>,
     /// Causal mask; see [`Causal`].
     pub causal: Causal,
+    /// Whether [`Context::attention_backward`](crate::Context::attention_backward) sums dQ in a
+    /// fixed order ([`DqAccumulation::Deterministic`]: bit-identical on every run) rather than
+    /// in the faster mode. The forward passes are deterministic either way; the calls with an
+    /// explicit dQ mode ([`Context::flash_attention_backward`](crate::Context::flash_attention_backward))
+    /// take theirs instead.
+    pub deterministic: bool,
 }
 
 impl AttentionOptions {
+    /// These options with a deterministic backward pass ([`AttentionOptions::deterministic`]).
+    pub fn deterministic(self) -> Self {
+        Self { deterministic: true, ..self }
+    }
+
     /// Options with an explicit softmax scale.
     pub fn with_scale(scale: f32) -> Self {
         Self { scale: Some(scale), ..Self::default() }

@@ -109,8 +109,11 @@ impl Target<'_> {
 
     /// The Hopper backward kernel that [`Context::flash_attention_backward`] runs in place of the
     /// sm_80 ones: on the sm_90a path, for `f16`/`bf16` and the head dimensions it has, when
-    /// `tile` is the built-in default ([`TileConfig::default_backward_for_dtype`]); the
-    /// deterministic instance for [`DqAccumulation::Deterministic`].
+    /// `tile` is the built-in default ([`TileConfig::default_backward_for_dtype`]), for atomic
+    /// dQ; for [`DqAccumulation::Deterministic`] only where
+    /// [`HopperBackward::DETERMINISTIC_ENV`] is `1` (until the deterministic Hopper kernel has
+    /// been measured on a GPU, the sm_80 deterministic kernels stay the default; PERFORMANCE.md,
+    /// issue 23).
     ///
     /// [`Context::flash_attention_backward`]: crate::Context::flash_attention_backward
     pub(crate) fn hopper_backward(
@@ -120,7 +123,9 @@ impl Target<'_> {
         tile: TileConfig,
         dq: DqAccumulation,
     ) -> Option<&'static HopperInstance> {
-        let wanted = self.path == KernelPath::Sm90a && tile == TileConfig::default_backward_for_dtype(dtype, head_dim);
+        let wanted = self.path == KernelPath::Sm90a
+            && tile == TileConfig::default_backward_for_dtype(dtype, head_dim)
+            && (dq == DqAccumulation::Atomic || deterministic_hopper_override());
         wanted.then(|| HopperBackward::for_problem(dtype, head_dim, dq).ok()).flatten()
     }
 
@@ -326,11 +331,13 @@ impl HopperForward {
 }
 
 /// The grid of a Hopper forward launch ([`HopperForward::grid`]): `blocks` blocks share out
-/// `units` work units (query blocks of every head) as the kernel's `PersistentUnits` says.
+/// `units` work units (query blocks of every head) as the kernel's `PersistentUnits` says,
+/// drawing them from a counter (`dynamic`) or in the static snake order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct ForwardGrid {
     pub(crate) units: usize,
     pub(crate) blocks: usize,
+    pub(crate) dynamic: bool,
 }
 
 impl ForwardGrid {
@@ -341,16 +348,25 @@ impl ForwardGrid {
 }
 
 impl HopperForward {
-    /// The grid for `kernel` on `shape` on a GPU of `sm_count` SMs: persistent (as many blocks as
-    /// are resident at once, `sm_count × kernel.blocks_per_sm`, each taking units in turn) when
-    /// the units are more than that, else one block per unit; [`Self::PERSISTENT_ENV`] can
-    /// override it. Persistent blocks overlap one unit's epilogue with the next one's loads
-    /// (PERFORMANCE.md, issue 20, has the measurements behind the choice).
-    pub(crate) fn grid(kernel: &HopperInstance, shape: &AttentionShape, sm_count: usize) -> ForwardGrid {
+    /// The grid for `kernel` on `shape` under `causal` on a GPU of `sm_count` SMs: persistent
+    /// (as many blocks as are resident at once, `sm_count × kernel.blocks_per_sm`, each taking
+    /// units in turn) when the units are more than that, else one block per unit;
+    /// [`Self::PERSISTENT_ENV`] can override it. Persistent blocks overlap one unit's epilogue
+    /// with the next one's loads. A persistent grid under a causal mask, whose units differ in
+    /// length, draws them dynamically from a counter; without a mask the static snake order
+    /// balances as well and needs no counter (PERFORMANCE.md, issue 20, has the measurements
+    /// behind the choices).
+    pub(crate) fn grid(
+        kernel: &HopperInstance,
+        shape: &AttentionShape,
+        causal: Causal,
+        sm_count: usize,
+    ) -> ForwardGrid {
         let units = shape.seqlen_q.div_ceil(kernel.block_m) * shape.num_heads_q * shape.batch;
         let persistent = persistent_override().unwrap_or(true);
         let resident = (sm_count * kernel.blocks_per_sm).max(1);
-        ForwardGrid { units, blocks: if persistent { units.min(resident) } else { units } }
+        let blocks = if persistent { units.min(resident) } else { units };
+        ForwardGrid { units, blocks, dynamic: blocks < units && causal != Causal::None }
     }
 }
 
@@ -363,6 +379,12 @@ fn persistent_override() -> Option<bool> {
         Ok("0") => Some(false),
         _ => None,
     })
+}
+
+/// Whether [`HopperBackward::DETERMINISTIC_ENV`] is `1`, read once.
+fn deterministic_hopper_override() -> bool {
+    static OVERRIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OVERRIDE.get_or_init(|| std::env::var(HopperBackward::DETERMINISTIC_ENV).as_deref() == Ok("1"))
 }
 
 /// [`HopperForward::BLOCK_M_ENV`], read once.
@@ -381,6 +403,15 @@ impl HopperBackward {
     pub(crate) const BLOCK_N: usize = 128;
     /// Threads per block: a producer and two consumer warpgroups.
     pub(crate) const THREADS: usize = 384;
+
+    /// The environment variable that lets [`Context::flash_attention_backward`] run the
+    /// deterministic Hopper kernel for [`DqAccumulation::Deterministic`] on the sm_90a path:
+    /// `1`; otherwise that mode runs the sm_80 deterministic kernels. (The kernel itself is
+    /// [`Context::flash_attention_backward_hopper`]'s with a deterministic `dq`.)
+    ///
+    /// [`Context::flash_attention_backward`]: crate::Context::flash_attention_backward
+    /// [`Context::flash_attention_backward_hopper`]: crate::Context::flash_attention_backward_hopper
+    pub const DETERMINISTIC_ENV: &'static str = "RUST_ATTENTION_HOPPER_DETERMINISTIC";
 
     /// The kernel for `dtype`, `head_dim` and the dQ mode: dQ tiles added as they come
     /// ([`DqAccumulation::Atomic`]) or in turns ([`DqAccumulation::Deterministic`]).
@@ -478,11 +509,31 @@ mod tests {
                 let blocks = blocks.min(units);
                 let mut seen = vec![0; units];
                 for block in 0..blocks {
-                    for unit in PersistentUnits::of_block(block, blocks, units) {
+                    for unit in PersistentUnits::of_block(block, blocks, units, std::ptr::null_mut()) {
                         seen[unit] += 1;
                     }
                 }
                 assert!(seen.iter().all(|&n| n == 1), "{units} units, {blocks} blocks");
+                // Dynamic: the blocks draw tickets in an order of their own (here the block
+                // after the one that drew last, skipping the ones that are done).
+                let mut counter = 0u32;
+                let counter: *mut u32 = &mut counter;
+                let mut grid: Vec<_> =
+                    (0..blocks).map(|b| PersistentUnits::of_block(b, blocks, units, counter)).collect();
+                let mut seen = vec![0; units];
+                let mut running: Vec<usize> = (0..blocks).collect();
+                let mut turn = 0;
+                while !running.is_empty() {
+                    let at = (turn * 7) % running.len();
+                    match grid[running[at]].next() {
+                        Some(unit) => seen[unit] += 1,
+                        None => {
+                            running.remove(at);
+                        }
+                    }
+                    turn += 1;
+                }
+                assert!(seen.iter().all(|&n| n == 1), "dynamic: {units} units, {blocks} blocks");
             }
         }
         // The host's unit count is the kernel's, for every block_m it launches.
@@ -496,7 +547,7 @@ mod tests {
                     192 => ForwardOrder::<192>::new(&shape, false).units(),
                     other => panic!("block_m {other} missing from this test"),
                 };
-                let grid = HopperForward::grid(kernel, &shape, H200_SMS);
+                let grid = HopperForward::grid(kernel, &shape, Causal::None, H200_SMS);
                 assert_eq!(grid.units, device, "{}", kernel.entry);
                 assert!(grid.blocks >= 1 && grid.blocks <= grid.units, "{}", kernel.entry);
             }

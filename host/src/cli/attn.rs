@@ -323,7 +323,7 @@ pub fn run(args: &Args) -> Result<()> {
             "the naive kernels take f32 only; for {dtype} use --kernel flash (the tensor-core kernels), or --dtype f32"
         )));
     }
-    let options = AttentionOptions { scale: args.scale, causal: args.causal.into() };
+    let options = AttentionOptions { scale: args.scale, causal: args.causal.into(), ..Default::default() };
     options.checked_scale(shape.head_dim)?;
     if let Some(out) = &args.out {
         io::check_output_path(out)?;

@@ -209,7 +209,8 @@ pub(super) fn run(mut args: Args) -> Result<()> {
     for case in &cases {
         let shape = case.shape;
         AttentionShape::from_qkv(&shape.q_shape(), &shape.kv_shape(), &shape.kv_shape())?;
-        AttentionOptions { scale: args.scale, causal: case.causal }.checked_scale(shape.head_dim)?;
+        AttentionOptions { scale: args.scale, causal: case.causal, ..Default::default() }
+            .checked_scale(shape.head_dim)?;
         for &dtype in &args.dtype {
             let d = shape.head_dim;
             for (kernel, pass) in
@@ -404,7 +405,7 @@ fn run_case(
     verdicts: &mut Verdicts,
 ) -> Result<()> {
     let shape = case.shape;
-    let options = AttentionOptions { scale: args.scale, causal: case.causal };
+    let options = AttentionOptions { scale: args.scale, causal: case.causal, ..Default::default() };
     let tile_for = |pass| args.tile(DType::F32, shape.head_dim, case.causal, pass);
     let (tile, backward_tile) = (tile_for(Pass::Forward), tile_for(Pass::Backward));
     let inputs = Inputs::new(ctx, &shape)?;
@@ -533,7 +534,7 @@ fn tensor_core_rows<T: Element>(
     verdicts: &mut Verdicts,
 ) -> Vec<[String; 7]> {
     let (shape, dtype) = (case.shape, T::DTYPE);
-    let options = AttentionOptions { scale: args.scale, causal: case.causal };
+    let options = AttentionOptions { scale: args.scale, causal: case.causal, ..Default::default() };
     let tile_for = |pass| args.tile(dtype, shape.head_dim, case.causal, pass);
     let (mut tile, mut backward_tile) = (tile_for(Pass::Forward), tile_for(Pass::Backward));
     let mut mode = args.dq_mode(ctx, dtype, shape.head_dim, case.causal);
@@ -698,7 +699,8 @@ fn run_cpu_only(args: &Args, cases: &[Case]) -> Result<()> {
         let k = random_normal(kv_shape.iter().product(), 2);
         let v = random_normal(kv_shape.iter().product(), 3);
         let params = cpu::Params {
-            scale: AttentionOptions { scale: args.scale, causal: case.causal }.scale_for(shape.head_dim) as f64,
+            scale: AttentionOptions { scale: args.scale, causal: case.causal, ..Default::default() }
+                .scale_for(shape.head_dim) as f64,
             causal: case.causal,
         };
         let tile = args.tile(DType::F32, shape.head_dim, case.causal, Pass::Forward);

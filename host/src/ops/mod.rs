@@ -15,6 +15,7 @@
 //! Nothing below this layer imports it.
 
 mod args;
+mod attention;
 mod decode;
 mod naive;
 mod probes;
@@ -32,6 +33,7 @@ use crate::problem::{AttentionOptions, AttentionShape, Causal, DqAccumulation, T
 use crate::runtime::{Context, DeviceTensor};
 use crate::select::{HopperForward, KernelPath};
 use args::{grid_stride_blocks, one_dim};
+pub use attention::Attention;
 
 /// The outputs of an attention forward pass: O in the inputs' element type, LSE always `f32`.
 #[derive(Debug)]
@@ -127,8 +129,12 @@ impl Context {
         }
         match self.target().hopper_forward(dtype, shape, causal, tile) {
             Some(kernel) => {
-                let grid = HopperForward::grid(kernel, shape, self.device().sm_count);
-                let persistent = if grid.persistent() { " persistent" } else { "" };
+                let grid = HopperForward::grid(kernel, shape, causal, self.device().sm_count);
+                let persistent = match (grid.persistent(), grid.dynamic) {
+                    (true, true) => " persistent dynamic",
+                    (true, false) => " persistent",
+                    (false, _) => "",
+                };
                 format!("{} {}{persistent}{}", KernelPath::Sm90a, kernel.config_name(), on(kernel.head_dim))
             }
             None => format!("{} {tile}{}", KernelPath::Sm80, on(padded)),
@@ -167,8 +173,10 @@ impl Context {
     /// accumulate into.
     ///
     /// On the sm_90a path ([`Context::kernel_path`]) a 16-bit backward pass with the default tile
-    /// runs the Hopper kernel instead ([`Context::flash_attention_backward_hopper`]), in either dQ
-    /// mode; [`Context::dq_accumulation_for`] gives the mode that is fastest on this context.
+    /// and [`DqAccumulation::Atomic`] runs the Hopper kernel instead
+    /// ([`Context::flash_attention_backward_hopper`]), and so does
+    /// [`DqAccumulation::Deterministic`] where `RUST_ATTENTION_HOPPER_DETERMINISTIC` is `1`;
+    /// [`Context::dq_accumulation_for`] gives the mode that is fastest on this context.
     ///
     /// # Errors
     /// As [`Context::flash_attention_forward`]; the backward kernels need more shared memory per

@@ -38,7 +38,8 @@ impl Context {
     /// heads fill at least one block of 192 rows, else two taking ping-pong turns; with at most 256
     /// keys (1024 under a causal mask) one (block_m = 64), two blocks per SM
     /// (`HopperForward::for_problem`). The grid is persistent where the query blocks outnumber
-    /// the blocks that fit on the GPU at once (`HopperForward::grid`). On the sm_90a path
+    /// the blocks that fit on the GPU at once (`HopperForward::grid`), drawing its units from a
+    /// counter under a causal mask (dynamic scheduling). On the sm_90a path
     /// [`Context::flash_attention_forward`] runs this kernel for its default tile.
     ///
     /// # Errors
@@ -104,14 +105,16 @@ impl Context {
             self.attention_tensor_map(k, s.num_heads_kv, s.seqlen_k, n, s)?,
             self.attention_tensor_map(v, s.num_heads_kv, s.seqlen_k, n, s)?,
         ])?;
-        let grid = HopperForward::grid(kernel, &shape, self.device().sm_count);
+        let grid = HopperForward::grid(kernel, &shape, options.causal, self.device().sm_count);
         let config = flash_config(
             (grid.blocks, 1, 1),
             hopper_forward_threads(kernel.block_m),
             hopper_forward_smem_bytes(kernel.block_m, kernel.block_n, kernel.head_dim, kernel.stages),
         );
+        // A dynamic grid's ticket counter.
+        let counter = self.zeroed_counters(grid.dynamic.then_some(1))?;
         let args = ProblemArgs::new(&shape, options);
-        let head: [&dyn KernelArg; 3] = [&maps, &out.o, &out.lse];
+        let head: [&dyn KernelArg; 4] = [&maps, &out.o, &out.lse, counters_arg(&counter)];
         self.launch(kernel.entry, config, &args.with_mask(&head, &[&scale_log2]))
     }
 
@@ -126,7 +129,8 @@ impl Context {
     /// dQ may differ between runs; with [`DqAccumulation::Deterministic`] they take turns per dQ
     /// tile, in key-block order, and dQ is bit-identical on every run (dK and dV always are). On
     /// the sm_90a path [`Context::flash_attention_backward`] runs this kernel for its default
-    /// tile, in either mode.
+    /// tile with atomic dQ, and with deterministic dQ where `RUST_ATTENTION_HOPPER_DETERMINISTIC`
+    /// is `1` (the sm_80 deterministic kernels otherwise, until this one is measured).
     ///
     /// Extra device memory: D (one `f32` per query row), the `f32` copy of dQ, and for the
     /// deterministic mode one `u32` turn counter per 64 query rows.
@@ -213,25 +217,26 @@ impl Context {
             HopperBackward::THREADS,
             hopper_backward_smem_bytes(kernel.head_dim, kernel.stages),
         );
-        // The deterministic kernel's turn counters, one per dQ tile of 64 query rows, zeroed
-        // (the kernel reads them as `u32`); the other kernel reads none.
-        let turns = match kernel.variant {
-            HopperVariant::Deterministic => {
-                let tiles = shape.batch * shape.num_heads_q * shape.seqlen_q.div_ceil(m);
-                let mut turns = self.alloc_output::<i32>(&[tiles])?;
-                self.fill_zeros(&mut turns)?;
-                Some(turns)
-            }
-            _ => None,
-        };
-        let turns_arg: &dyn KernelArg = match &turns {
-            Some(turns) => turns,
-            None => &NullPointer("i32"),
-        };
+        // The deterministic kernel's turn counters, one per dQ tile of 64 query rows.
+        let tiles = shape.batch * shape.num_heads_q * shape.seqlen_q.div_ceil(m);
+        let turns = self.zeroed_counters((kernel.variant == HopperVariant::Deterministic).then_some(tiles))?;
         let args = ProblemArgs::new(&shape, options);
-        let head: [&dyn KernelArg; 6] = [&maps, lse, &delta, &grads.dk, &grads.dv, turns_arg];
+        let head: [&dyn KernelArg; 6] = [&maps, lse, &delta, &grads.dk, &grads.dv, counters_arg(&turns)];
         self.launch(kernel.entry, config, &args.with_mask(&head, &[&scale]))?;
         self.round_to(&accum, &mut grads.dq)
+    }
+
+    /// `count` zeroed `u32` counters in device memory, through which a kernel's blocks take
+    /// turns or draw work (held as `i32`, which has the same bits); `None` for a kernel that
+    /// reads none.
+    fn zeroed_counters(&self, count: Option<usize>) -> Result<Option<DeviceTensor<i32>>> {
+        count
+            .map(|count| {
+                let mut counters = self.alloc_output::<i32>(&[count])?;
+                self.fill_zeros(&mut counters)?;
+                Ok(counters)
+            })
+            .transpose()
     }
 
     /// The tensor map of one `[batch, heads, seqlen, head_dim]` attention tensor for the Hopper
@@ -252,5 +257,14 @@ impl Context {
         let strides = [(d * bytes) as u64, (seqlen * d * bytes) as u64];
         let box_dims = [(SWIZZLE_ROW_BYTES / bytes) as u32, box_rows as u32, 1];
         self.encode_tensor_map(tensor, &dims, &strides, &box_dims, CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B)
+    }
+}
+
+/// The kernel argument for [`Context::zeroed_counters`]' result: the counters, or a null pointer.
+fn counters_arg(counters: &Option<DeviceTensor<i32>>) -> &dyn KernelArg {
+    static NONE: NullPointer = NullPointer("i32");
+    match counters {
+        Some(counters) => counters,
+        None => &NONE,
     }
 }

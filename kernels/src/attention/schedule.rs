@@ -235,11 +235,20 @@ impl KeyBlock {
 // ANCHOR: persistent_units
 /// The work units one block of a *persistent* grid takes (FlashAttention-3's forward on Hopper
 /// runs this way): a one-dimensional grid of `G` blocks, at most as many as fit on the GPU at
-/// once, goes through `units` work units in rounds of `G`. Round `r` gives block `b` unit
-/// `r · G + b` when `r` is even and `r · G + (G − 1 − b)` when it is odd (a *snake* order), so
-/// that, where units come longest first (the causal forward), a block that drew one of the longer
-/// units of a round draws one of the shorter of the next, and the blocks' totals stay close.
-/// Each round covers its `G` places once, so every unit goes to exactly one block.
+/// once, goes through `units` work units. Block `b` takes unit `b` first; after that, either
+///
+/// * **static** (no counter): round `r` gives block `b` unit `r · G + b` when `r` is even and
+///   `r · G + (G − 1 − b)` when it is odd (a *snake* order). Each round covers its `G` places
+///   once, so every unit goes to exactly one block. For units of one length (no mask) that is
+///   all it takes, with no shared state;
+/// * **dynamic** (a counter in device memory, zero at launch): a block that starts a unit draws
+///   the ticket for its next one, `G +` the counter's old value (an atomic add), so units go to
+///   whichever block is free first, in the order they are numbered. Where units come longest
+///   first (the causal forward) that is the "longest processing time first" list schedule,
+///   within a unit of the best (FlashAttention-3's dynamic scheduler works so); the snake is
+///   not: the causal order is longest first only within an L2 section of heads, and where a
+///   round straddles two sections the long units of the next one pile onto the same blocks. The
+///   ticket is drawn a unit ahead, so its latency hides behind the unit's work.
 ///
 /// Why persistent: a block that stays resident overlaps the next unit's loads (Q, the first K/V
 /// tiles) with the current one's last products and its epilogue, which a block that ends cannot.
@@ -251,19 +260,24 @@ pub struct PersistentUnits {
     blocks: usize,
     units: usize,
     round: usize,
+    /// The grid's ticket counter (dynamic), or null (static).
+    counter: *mut u32,
+    /// Dynamic: the unit this block takes next, drawn when it took the current one.
+    ticket: usize,
 }
 
 impl PersistentUnits {
-    /// This block's units of `units` in all (grid `(G, 1, 1)`).
+    /// This block's units of `units` in all (grid `(G, 1, 1)`): dynamic with the ticket counter
+    /// `counter` (a `u32` in device memory, zero at launch, one per grid), static when it is null.
     #[inline(always)]
-    pub fn current(units: usize) -> Self {
-        Self::of_block(hw::block_idx().0, hw::grid_dim_x(), units)
+    pub fn current(units: usize, counter: *mut u32) -> Self {
+        Self::of_block(hw::block_idx().0, hw::grid_dim_x(), units, counter)
     }
 
-    /// The units of block `block` of a grid of `blocks`.
+    /// The units of block `block` of a grid of `blocks` (dynamic or static as in `current`).
     #[inline(always)]
-    pub fn of_block(block: usize, blocks: usize, units: usize) -> Self {
-        Self { block, blocks, units, round: 0 }
+    pub fn of_block(block: usize, blocks: usize, units: usize, counter: *mut u32) -> Self {
+        Self { block, blocks, units, round: 0, counter, ticket: 0 }
     }
 }
 
@@ -272,10 +286,20 @@ impl Iterator for PersistentUnits {
 
     #[inline(always)]
     fn next(&mut self) -> Option<usize> {
-        let place = if self.round % 2 == 0 { self.block } else { self.blocks - 1 - self.block };
-        let unit = self.round * self.blocks + place;
+        let unit = if self.round == 0 {
+            self.block
+        } else if self.counter.is_null() {
+            let place = if self.round % 2 == 0 { self.block } else { self.blocks - 1 - self.block };
+            self.round * self.blocks + place
+        } else {
+            self.ticket
+        };
+        if !self.counter.is_null() && unit < self.units {
+            // SAFETY: a dynamic grid's counter (see `current`).
+            self.ticket = self.blocks + unsafe { hw::atomic_fetch_add_u32(self.counter, 1) } as usize;
+        }
         self.round += 1;
-        // A unit past the end ends the block: later rounds would be further past it.
+        // A unit past the end ends the block: later rounds (or tickets) would be further past it.
         (unit < self.units).then_some(unit)
     }
 }

@@ -753,6 +753,11 @@ pub(crate) fn cp_async_wait<const PENDING: usize>() {}
 ///
 /// # Safety
 /// `ptr` points to a live, 4-byte aligned `f32`.
+pub(crate) unsafe fn atomic_fetch_add_u32(ptr: *mut u32, value: u32) -> u32 {
+    // SAFETY: the caller's contract; u32 and AtomicU32 have the same size and alignment.
+    unsafe { &*(ptr as *const AtomicU32) }.fetch_add(value, Ordering::Relaxed)
+}
+
 pub(crate) unsafe fn atomic_add(ptr: *mut f32, value: f32) {
     // SAFETY: f32 and AtomicU32 have the same size and alignment.
     let word = unsafe { &*(ptr as *const AtomicU32) };

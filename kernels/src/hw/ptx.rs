@@ -68,6 +68,17 @@ pub unsafe fn atomic_add(ptr: *mut f32, value: f32) {
     };
 }
 
+#[inline(always)]
+pub unsafe fn atomic_fetch_add_u32(ptr: *mut u32, value: u32) -> u32 {
+    let old: u32;
+    // SAFETY: the caller guarantees the address (a generic one).
+    unsafe {
+        core::arch::asm!("atom.relaxed.gpu.add.u32 {old}, [{ptr}], {value};", old = out(reg32) old,
+            ptr = in(reg64) ptr, value = in(reg32) value)
+    };
+    old
+}
+
 const FULL_MASK: u32 = 0xffff_ffff;
 
 #[inline(always)]

@@ -133,6 +133,17 @@ pub unsafe fn atomic_add(ptr: *mut f32, value: f32) {
     unsafe { backend::atomic_add(ptr, value) }
 }
 
+/// Adds `value` to the `u32` at `ptr` and returns what was there before (`atom.add.u32`, relaxed,
+/// GPU scope): a ticket dispenser, e.g. for the next unit of a persistent grid.
+///
+/// # Safety
+/// `ptr` points to a `u32` in global memory.
+#[inline(always)]
+pub unsafe fn atomic_fetch_add_u32(ptr: *mut u32, value: u32) -> u32 {
+    // SAFETY: the caller's contract.
+    unsafe { backend::atomic_fetch_add_u32(ptr, value) }
+}
+
 /// Four `f32` that load and store as one 16-byte access (`ld.v4.f32`), which moves a quarter of
 /// the instructions of four scalar accesses. The address must be 16-byte aligned.
 #[derive(Clone, Copy)]

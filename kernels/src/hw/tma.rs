@@ -214,7 +214,7 @@ pub fn fence_proxy_async_global() {
 /// backward adds dQ tiles in a fixed order (FlashAttention-3 takes turns the same way).
 ///
 /// # Safety
-/// `counter` points to a `u32` in global memory that only [`pass_turn`] changes; whoever holds
+/// `counter` (a generic address) points to a `u32` in global memory that only [`pass_turn`] changes; whoever holds
 /// turns below `turn` runs (or ran) to its [`pass_turn`], so the wait ends. One thread calls it.
 #[inline(always)]
 pub unsafe fn wait_for_turn(counter: *const u32, turn: u32) {
@@ -222,7 +222,7 @@ pub unsafe fn wait_for_turn(counter: *const u32, turn: u32) {
         let seen: u32;
         // SAFETY: the caller's contract.
         unsafe {
-            asm!("ld.acquire.gpu.global.u32 {v}, [{p}];", v = out(reg32) seen, p = in(reg64) counter as u64,
+            asm!("ld.acquire.gpu.u32 {v}, [{p}];", v = out(reg32) seen, p = in(reg64) counter as u64,
                 options(nostack))
         };
         if seen >= turn {
@@ -243,7 +243,7 @@ pub unsafe fn pass_turn(counter: *mut u32) {
     bulk_wait_group::<0>();
     fence_proxy_async_global();
     // SAFETY: the caller's contract.
-    unsafe { asm!("red.release.gpu.global.add.u32 [{p}], 1;", p = in(reg64) counter as u64, options(nostack)) };
+    unsafe { asm!("red.release.gpu.add.u32 [{p}], 1;", p = in(reg64) counter as u64, options(nostack)) };
 }
 
 /// Asks TMA for the box at (`x`, `y`) (elements; x is the innermost dimension) of

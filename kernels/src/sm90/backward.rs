@@ -14,10 +14,10 @@
 //! * dQ = scale · dS·K needs dS with the queries as rows, which no thread holds: each consumer
 //!   writes its rows of dSᵀ to shared memory (row-major by key), which `wgmma` reads as an
 //!   MN-major A operand ([`Accumulator::mma_mn_major`]). Its share of the tile's dQ goes to a
-//!   staging tile in shared memory, and a *dQ warp* of the producer warpgroup, one per consumer,
-//!   asks TMA to add that tile to an `f32` copy of dQ in device memory
-//!   (`cp.reduce.async.bulk.tensor`), while the consumer goes on with the next tile
-//!   (FA3's way; [`produce_dq`]). A last kernel rounds the copy to 16 bits.
+//!   staging tile in shared memory, and one thread asks TMA to add that tile to an `f32` copy of
+//!   dQ in device memory (`cp.reduce.async.bulk.tensor`, FA3's way; [`add_dq_tile`]): the
+//!   consumer's first thread in the atomic instances, a *dQ warp* of the producer warpgroup in
+//!   the deterministic ones ([`produce_dq`], below). A last kernel rounds the copy to 16 bits.
 //!
 //! Which share: at head_dim 64 each consumer adds its own 64 keys' contribution to all of dQ's
 //! columns; it reads only the dSᵀ rows it wrote, so the consumers never wait for each other and
@@ -34,13 +34,16 @@
 //! **Deterministic dQ** (`DETERMINISTIC`): the additions to an element of dQ are atomic, but their
 //! order is the order in which the blocks happen to reach a tile, so the last bits of dQ differ
 //! from run to run. The deterministic instances fix the order: every dQ tile has a turn counter
-//! in device memory, and the dQ warps add to the tile in key-block order, consumer 0 before
-//! consumer 1 where both add to the same columns ([`turn`]). A dQ warp waits for its turn
-//! ([`wait_for_turn`]), adds, waits until the addition is complete and passes the turn on
-//! ([`pass_turn`]). The GPU starts blocks in index order and the grid runs key blocks of a head in
-//! increasing order (with or without a causal mask, [`KeyBlock::hopper_backward`]), so a block
-//! only ever waits for blocks that started before it: no deadlock. The consumers do not wait
-//! unless their dQ warp is still holding the staging tile.
+//! in device memory, and the additions to a tile come in key-block order, consumer 0 before
+//! consumer 1 where both add to the same columns ([`turn`]). A consumer hands its staged share
+//! to a dQ warp (warps 2 and 3, one per consumer), which waits for the turn
+//! ([`wait_for_turn`]), adds, frees the staging tile once TMA has read it, waits until the
+//! addition is complete and passes the turn on ([`pass_turn`]); the consumer goes on and waits
+//! only if the staging tile is still held when its next share is ready. The GPU starts blocks
+//! in index order and the grid runs key blocks of a head in increasing order (with or without a
+//! causal mask, [`KeyBlock::hopper_backward`]), so a block only ever waits for blocks that
+//! started before it: no deadlock. (FlashAttention-3's deterministic backward takes turns the
+//! same way.)
 //!
 //! Who does what (384 threads):
 //!
@@ -48,7 +51,7 @@
 //! |---|---|
 //! | 0 (one thread) | TMA loads: K and V once, Q and dO of every query tile ([`produce_tiles`]) |
 //! | 1 | LSE·log₂e and D of every query tile into its slot ([`produce_statistics`]) |
-//! | 2, 3 (one thread each) | consumer 0's, consumer 1's dQ share added to device memory ([`produce_dq`]) |
+//! | 2, 3 (one thread each; deterministic instances) | consumer 0's, consumer 1's dQ share added to device memory in turns ([`produce_dq`]) |
 //! | 4–7, 8–11 | consumers 0 and 1: 64 keys each, dK and dV in registers ([`consume`]) |
 //!
 //! Shared memory ([`SharedTiles`]; at head_dim 128 and two stages 194 KiB): K and V 32 KiB each,
@@ -304,19 +307,37 @@ unsafe fn produce_statistics<const D: usize, const STAGES: usize>(
     }
 }
 
+/// Asks TMA to add the staging tile at `staging` (`BLOCK_M` rows × 64 `f32` columns, two
+/// swizzled boxes of [`DQ_BOX_COLUMNS`]) to column block `column_block` of query tile `tile` of
+/// head `head` (`batch · num_heads_q + q_head`) of the `f32` dQ, element by element and
+/// atomically, skipping rows past seqlen_q; one bulk group.
+///
+/// # Safety
+/// One thread calls it; the staging tile was written, fenced ([`fence_proxy_async`]) and
+/// published to this thread; map 4 is dQ's.
+#[inline(always)]
+unsafe fn add_dq_tile(maps: TensorMaps, staging: u32, column_block: usize, tile: usize, head: usize) {
+    for dq_box in 0..SWIZZLE_COLUMNS / DQ_BOX_COLUMNS {
+        let x = (column_block * SWIZZLE_COLUMNS + dq_box * DQ_BOX_COLUMNS) as i32;
+        let source = staging + dq_box as u32 * DQ_BOX_BYTES;
+        // SAFETY: the caller's contract.
+        unsafe { tma_reduce_add_3d(maps.get(4), x, (tile * BLOCK_M) as i32, head as i32, source) };
+    }
+    bulk_commit_group();
+}
+
 // ANCHOR: dq_warp
-/// A dQ warp (one thread of it): for every query tile, waits until consumer `index` has staged
-/// its share of dQ, asks TMA to add it to the `f32` dQ in device memory, and frees the staging
-/// tile as soon as TMA has read it. With `DETERMINISTIC` the additions take turns ([`turn`]):
-/// the thread waits for its turn at the tile's counter in `turns` before the addition, and
-/// passes it on once the addition is complete.
+/// The deterministic instances' dQ warp (one thread of it): for every query tile, waits until
+/// consumer `index` has staged its share of dQ, waits for its turn at the tile's counter in
+/// `turns` ([`turn`]), asks TMA to add the share to the `f32` dQ in device memory, frees the
+/// staging tile as soon as TMA has read it, and passes the turn on once the addition is
+/// complete.
 ///
 /// # Safety
 /// One thread of warpgroup 0 calls it per consumer, after the barriers were initialised; map 4
-/// is dQ's; with `DETERMINISTIC`, `turns` holds `[batch, num_heads_q, tiles]` `u32` counters,
-/// zero before the launch.
+/// is dQ's; `turns` holds `[batch, num_heads_q, tiles]` `u32` counters, zero before the launch.
 #[inline(always)]
-unsafe fn produce_dq<const D: usize, const STAGES: usize, const DETERMINISTIC: bool>(
+unsafe fn produce_dq<const D: usize, const STAGES: usize>(
     smem: SharedTiles<D, STAGES>,
     maps: TensorMaps,
     shape: &AttentionShape,
@@ -331,28 +352,21 @@ unsafe fn produce_dq<const D: usize, const STAGES: usize, const DETERMINISTIC: b
         let (_, parity) = ring_slot(step, 1);
         let (q_head, tile) = block.step(step);
         let head = block.batch * shape.num_heads_q + q_head;
-        // SAFETY: address arithmetic; the counter exists when DETERMINISTIC.
+        // SAFETY: inside the counters (the contract).
         let counter = unsafe { turns.add(head * block.tiles + tile) };
         // SAFETY: initialised barriers; the counter as the contract says.
         unsafe {
             mbarrier_wait(smem.dq_full(index), parity);
-            if DETERMINISTIC {
-                wait_for_turn(counter, my_turn);
-            }
+            wait_for_turn(counter, my_turn);
         }
-        for dq_box in 0..SWIZZLE_COLUMNS / DQ_BOX_COLUMNS {
-            let x = (column_block * SWIZZLE_COLUMNS + dq_box * DQ_BOX_COLUMNS) as i32;
-            let source = staging + dq_box as u32 * DQ_BOX_BYTES;
-            // SAFETY: the consumer wrote and fenced the staging tile before its arrival.
-            unsafe { tma_reduce_add_3d(maps.get(4), x, (tile * BLOCK_M) as i32, head as i32, source) };
-        }
-        bulk_commit_group();
+        // SAFETY: the consumer wrote and fenced the staging tile before its arrival.
+        unsafe { add_dq_tile(maps, staging, column_block, tile, head) };
         bulk_wait_group_read::<0>();
-        // SAFETY: initialised barrier; TMA no longer reads the staging tile.
-        unsafe { mbarrier_arrive(smem.dq_empty(index)) };
-        if DETERMINISTIC {
-            // SAFETY: this thread holds the turn.
-            unsafe { pass_turn(counter) };
+        // SAFETY: initialised barrier; TMA no longer reads the staging tile; this thread holds
+        // the turn.
+        unsafe {
+            mbarrier_arrive(smem.dq_empty(index));
+            pass_turn(counter);
         }
     }
     // The block's shared memory must outlive the last reduction's reads (and its writes are
@@ -387,17 +401,20 @@ unsafe fn issue_transposed_product<T: HalfFloat, const D: usize>(acc: &mut [Frag
 /// Every thread of one consumer warpgroup calls it; the pointers hold the tensors of `shape`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TILES: usize>(
+unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TILES: usize, const DETERMINISTIC: bool>(
     smem: SharedTiles<D, STAGES>,
     block: &KeyBlock,
     shape: &AttentionShape,
     mask: Mask,
     scale: f32,
+    maps: TensorMaps,
     (dk, dv): (*mut u16, *mut u16),
 ) where
     [FragC; D_TILES]: Accumulator,
 {
     let index = warpgroup_id() - 1;
+    // The thread that hands the warpgroup's dQ tiles to TMA (atomic instances).
+    let leader = hw::thread_idx_x().is_multiple_of(WARPGROUP_THREADS);
     let k_first = block.k_start + index * WARPGROUP_ROWS;
     let c = scale * LOG2_E;
 
@@ -422,7 +439,7 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         let k_rows = k_major_descriptor(smem.k() + rows_offset);
         let v_rows = k_major_descriptor(smem.v() + rows_offset);
         let (stage, parity) = ring_slot(step, STAGES);
-        let (_, tile) = block.step(step);
+        let (q_head, tile) = block.step(step);
         let q_start = tile * BLOCK_M;
         // SAFETY: initialised barriers.
         unsafe {
@@ -511,7 +528,11 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         // takes ([`dq_share`]): with one column block each warpgroup reads only its own rows of
         // dSᵀ, and a barrier of its own 128 threads publishes them, so the consumers never wait
         // for each other; with two, each reads both warpgroups' rows, published by a barrier of
-        // all consumers.
+        // all consumers. In the atomic instances the barrier also frees the staging tile: the
+        // leader's previous addition finished reading it before the leader passed the barrier.
+        if !DETERMINISTIC && leader {
+            bulk_wait_group_read::<0>();
+        }
         let (first_key, keys, column_block) = dq_share::<D>(index);
         if keys == BLOCK_N {
             named_barrier_sync(ALL_CONSUMERS, (CONSUMERS * WARPGROUP_THREADS) as u32);
@@ -541,32 +562,49 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         // ANCHOR: dq_reduce
         // The block's share of dQ goes to device memory through TMA: each thread
         // writes its fragments to the staging tile (two boxes of 32 `f32` columns, swizzled as
-        // TMA expects), and the dQ warp asks for the tile to be added to dQ, element by element
-        // and atomically, skipping rows past seqlen_q ([`produce_dq`]). That is one request per
-        // tile instead of 16 atomics per thread, whose queue filled up and stalled the warps,
-        // and the consumer does not wait for it: only, a tile later, for the staging tile to be
-        // free again (it is, unless a deterministic turn held it up).
+        // TMA expects), and one thread asks for the tile to be added to dQ, element by element
+        // and atomically, skipping rows past seqlen_q ([`add_dq_tile`]). That is one request per
+        // tile instead of 16 atomics per thread, whose queue filled up and stalled the warps.
+        // The atomic instances' leader asks right away; the deterministic instances hand the
+        // tile to their dQ warp ([`produce_dq`]), which may have to wait for its turn, and the
+        // consumer goes on (only a tile later it waits for the staging tile to be free again).
         let staging = smem.dq_staging(index);
-        // SAFETY: initialised barrier; the first tile finds the staging tile free.
-        unsafe { wait_slot_free(smem.dq_empty(index), step, 1, ring_slot(step, 1).1) };
+        if DETERMINISTIC {
+            // SAFETY: initialised barrier; the first tile finds the staging tile free.
+            unsafe { wait_slot_free(smem.dq_empty(index), step, 1, ring_slot(step, 1).1) };
+        }
         for h in 0..2 {
             let row = 16 * warp + lane.half_row(h);
             for (j, frag) in dq.iter().enumerate() {
                 let column = 8 * j + 2 * t;
                 let offset = (column / DQ_BOX_COLUMNS) as u32 * DQ_BOX_BYTES
                     + swizzled_offset(row, 4 * (column % DQ_BOX_COLUMNS));
-                // SAFETY: inside the staging tile, which its dQ warp freed.
+                // SAFETY: inside the staging tile, which the barrier or the wait above freed.
                 unsafe { store_shared_f32x2(staging + offset, [frag[2 * h] * scale, frag[2 * h + 1] * scale]) };
             }
         }
         fence_proxy_async();
-        // SAFETY: initialised barrier (128 arrivals: release semantics publish the stores).
-        unsafe { mbarrier_arrive(smem.dq_full(index)) };
+        if DETERMINISTIC {
+            // SAFETY: initialised barrier (128 arrivals: release semantics publish the stores).
+            unsafe { mbarrier_arrive(smem.dq_full(index)) };
+        } else {
+            named_barrier_sync(1 + index as u32, WARPGROUP_THREADS as u32);
+            if leader {
+                let head = block.batch * shape.num_heads_q + q_head;
+                // SAFETY: the staging tile was written and published above; map 4 is dQ's.
+                unsafe { add_dq_tile(maps, staging, column_block, tile, head) };
+            }
+        }
         // ANCHOR_END: dq_reduce
         dv_acc.pin();
         dk_acc.pin();
         // Q and dO of this slot are no longer read (dV and dK finished with the first wait).
         unsafe { mbarrier_arrive(smem.q_empty(stage)) };
+    }
+
+    // The last dQ tile must be read before the block's shared memory goes away.
+    if !DETERMINISTIC && leader {
+        bulk_wait_group::<0>();
     }
 
     // dK = scale · Σ dSᵀ·Q and dV, for the keys that exist.
@@ -615,6 +653,7 @@ unsafe fn flash_backward_wgmma<
     [FragC; D_TILES]: Accumulator,
 {
     let smem = SharedTiles::<D, STAGES>::new();
+    let maps = TensorMaps(maps);
     let block = KeyBlock::hopper_backward::<BLOCK_M, BLOCK_N>(&shape, &mask);
     if hw::thread_idx_x() == 0 {
         // SAFETY: one thread initialises the barriers before the block barrier below.
@@ -627,8 +666,10 @@ unsafe fn flash_backward_wgmma<
                 mbarrier_init(smem.q_empty(stage), (CONSUMERS * WARPGROUP_THREADS) as u32);
             }
             for index in 0..CONSUMERS {
-                mbarrier_init(smem.dq_full(index), WARPGROUP_THREADS as u32);
-                mbarrier_init(smem.dq_empty(index), 1);
+                if DETERMINISTIC {
+                    mbarrier_init(smem.dq_full(index), WARPGROUP_THREADS as u32);
+                    mbarrier_init(smem.dq_empty(index), 1);
+                }
             }
         }
         fence_mbarrier_init();
@@ -636,19 +677,19 @@ unsafe fn flash_backward_wgmma<
     hw::sync_threads();
     if take_role::<{ SM90_BACKWARD_REGISTERS.0 }, { SM90_BACKWARD_REGISTERS.1 }>() {
         // SAFETY: the barriers are initialised; the maps and pointers are the host's.
-        // Warp 0 loads tiles, warp 1 the statistics, warps 2 and 3 add dQ (one per consumer).
-        let maps = TensorMaps(maps);
+        // Warp 0 loads tiles, warp 1 the statistics; in the deterministic instances warps 2 and
+        // 3 add dQ (one per consumer).
         match (hw::warp_id(), hw::lane_id()) {
             (0, 0) => unsafe { produce_tiles(smem, maps, &shape, &block) },
             (1, _) => unsafe { produce_statistics(smem, &shape, &block, lse, delta) },
-            (warp @ 2..4, 0) => unsafe {
-                produce_dq::<D, STAGES, DETERMINISTIC>(smem, maps, &shape, &block, warp - 2, dq_turns)
+            (warp @ 2..4, 0) if DETERMINISTIC => unsafe {
+                produce_dq::<D, STAGES>(smem, maps, &shape, &block, warp - 2, dq_turns)
             },
             _ => {}
         }
     } else {
         // SAFETY: the launch contract.
-        unsafe { consume::<T, D, STAGES, D_TILES>(smem, &block, &shape, mask, scale, (dk, dv)) };
+        unsafe { consume::<T, D, STAGES, D_TILES, DETERMINISTIC>(smem, &block, &shape, mask, scale, maps, (dk, dv)) };
     }
 }
 

@@ -36,7 +36,9 @@
 //!   barrier, and the K/V ring runs on across units, so that the producer loads the next unit's Q
 //!   and first K/V tiles while the consumers finish the current unit's last P·V and store its O.
 //!   For short sequences, where a unit is only one or two K/V tiles, that hidden start is most
-//!   of the gain (PERFORMANCE.md, issue 20). The host picks the grid (`select.rs`).
+//!   of the gain (PERFORMANCE.md, issue 20). Under a causal mask the units differ in length and
+//!   the blocks draw them from a counter in device memory (dynamic scheduling), otherwise in a
+//!   fixed snake order. The host picks the grid (`select.rs`).
 //!
 //! Each consumer warp's `wgmma` accumulator has the m16n8 layout of `mma.sync`
 //! ([`Accumulator`]), so level 5's [`RowSoftmax`] and [`pack_a`] apply unchanged.
@@ -508,7 +510,9 @@ unsafe fn negate_rows<const BLOCK_M: usize, const D: usize>(rows: *mut u8) {
 /// # Safety
 /// `maps` holds the three tensor maps of Q, K and V (see [`TensorMaps`]) in device memory;
 /// `o` and `lse` hold `[batch, num_heads_q, seqlen_q, D]` 16-bit values and
-/// `[batch, num_heads_q, seqlen_q]` `f32`; `shape.head_dim == D`; the launch as above.
+/// `[batch, num_heads_q, seqlen_q]` `f32`; `unit_counter` is null (static units) or a `u32` in
+/// device memory, zero at launch (dynamic units, [`PersistentUnits`]); `shape.head_dim == D`;
+/// the launch as above.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn flash_forward_wgmma<
@@ -525,6 +529,7 @@ unsafe fn flash_forward_wgmma<
     maps: *const u8,
     o: *mut u16,
     lse: *mut f32,
+    unit_counter: *mut u32,
     shape: AttentionShape,
     mask: Mask,
     scale_log2: f32,
@@ -541,7 +546,7 @@ unsafe fn flash_forward_wgmma<
         }
     }
     let order = ForwardOrder::<BLOCK_M>::new(&shape, mask.causal);
-    let units = PersistentUnits::current(order.units());
+    let units = PersistentUnits::current(order.units(), unit_counter);
     let smem = SharedTiles::<BLOCK_M, D, BLOCK_N, STAGES>::new();
     let consumer_threads = (BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS) as u32;
 
@@ -618,6 +623,7 @@ macro_rules! flash_forward_wgmma_instance {
             maps: *const u8,
             o: *mut u16,
             lse: *mut f32,
+            unit_counter: *mut u32,
         ) |shape, mask, scale_log2| {
             unsafe {
                 flash_forward_wgmma::<
@@ -630,7 +636,7 @@ macro_rules! flash_forward_wgmma_instance {
                     { $block_n / 16 },
                     { $d / 8 },
                     $pingpong,
-                >(maps, o, lse, shape, mask, scale_log2)
+                >(maps, o, lse, unit_counter, shape, mask, scale_log2)
             }
         }
         }
