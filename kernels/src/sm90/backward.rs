@@ -665,8 +665,9 @@ unsafe fn flash_backward_wgmma<
                 mbarrier_init(smem.do_full(stage), 1 + 32);
                 mbarrier_init(smem.q_empty(stage), (CONSUMERS * WARPGROUP_THREADS) as u32);
             }
-            for index in 0..CONSUMERS {
-                if DETERMINISTIC {
+            if DETERMINISTIC {
+                // A consumer's 128 threads stage its dQ share; its dQ warp frees the tile.
+                for index in 0..CONSUMERS {
                     mbarrier_init(smem.dq_full(index), WARPGROUP_THREADS as u32);
                     mbarrier_init(smem.dq_empty(index), 1);
                 }
