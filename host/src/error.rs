@@ -6,8 +6,11 @@ use cudarc::driver::DriverError;
 /// there is a choice, the values that are allowed.
 ///
 /// Fields carry the values the message names; they are there for programs that react to them.
+///
+/// New variants may come (`#[non_exhaustive]`): a `match` outside this crate needs a `_` arm.
 #[derive(Debug, thiserror::Error)]
 #[allow(missing_docs)] // the fields are described by each variant's message
+#[non_exhaustive]
 pub enum Error {
     /// The CUDA driver library (`libcuda.so` / `nvcuda.dll`) could not be loaded: no NVIDIA
     /// driver is installed on this machine.

@@ -39,10 +39,17 @@
 //! | [`cpu`] | rayon references in `f64`: the plain formula (forward and backward) and a tiled FlashAttention |
 //! | [`check`], [`timing`] | error metrics and seeded inputs; CUDA-event timing |
 //! | [`Context::has_hopper_kernels`], [`TensorMap`] | the Hopper (`sm_90a`) path: tensor maps for TMA and probes of `wgmma` and TMA |
-//! | [`tune`] | tile-size sweeps (time, registers, shared memory, occupancy) and the tuned-tiles cache |
-//! | [`io`] | tensors in `.npy` and `.safetensors` files ([`io::HostTensor`]), to and from device tensors |
+//! | `tune` (feature `tune`) | tile-size sweeps (time, registers, shared memory, occupancy) and the tuned-tiles cache |
+//! | `io` (feature `io`) | tensors in `.npy` and `.safetensors` files (`io::HostTensor`), to and from device tensors |
 //! | [`Error`] | every failure, typed; no function here panics on bad input |
-//! | [`vit`] | a Vision Transformer's first attention layer on a real photo, with these kernels; attention maps as pictures |
+//! | `vit` (feature `vit`) | a Vision Transformer's first attention layer on a real photo, with these kernels; attention maps as pictures |
+//! | `cli` (feature `cli`) | the `rust-attention` command line |
+//!
+//! **Features.** `io`, `tune`, `vit` and `cli` (which takes the other three) hold what only the
+//! command line and the demos need, with their dependencies (clap, comfy-table, indicatif,
+//! image, npyz, safetensors); `dynamic-loading` and `cuda-12080` choose how cudarc finds the
+//! driver and for which CUDA API it is built. All are on by default; a library that depends on
+//! this crate can turn them off (`default-features = false`) and choose cudarc's linking itself.
 
 #![warn(missing_docs)]
 
@@ -76,12 +83,16 @@ mod runtime;
 // Ops.
 mod ops;
 
-// Top.
+// Top. (`io`, `tune`, `vit` and `cli` are features, on by default: the core needs none of them.)
 pub mod check;
+#[cfg(feature = "cli")]
 pub mod cli;
 pub mod cpu;
+#[cfg(feature = "io")]
 pub mod io;
+#[cfg(feature = "tune")]
 pub mod tune;
+#[cfg(feature = "vit")]
 pub mod vit;
 
 pub use device::{Device, DeviceInfo};

@@ -354,6 +354,7 @@ fn compiled_suffix(head_dim: usize, compiled: usize) -> String {
 ///
 /// # Errors
 /// [`Error::HeadDimNotCompiled`] naming the range.
+#[cfg(feature = "cli")]
 pub(crate) fn check_backward_head_dim(dtype: DType, head_dim: usize) -> Result<()> {
     TileConfig::default_backward_for_dtype(dtype, head_dim).compiled_entry_for(
         FlashKernel::Backward,
