@@ -177,3 +177,39 @@ fn one_query_one_key_smallest_head_dim() {
         }
     }
 }
+
+/// Interop with code that owns its CUDA objects: a context on the caller's stream, inputs that
+/// are the caller's cudarc buffers, outputs handed back as cudarc buffers; the one-call API on
+/// them matches the same call on uploaded copies bit for bit. A buffer of the wrong length is
+/// refused; one made through another `CudaContext` object of the same device (a framework's, say)
+/// is taken.
+#[test]
+fn a_context_on_the_callers_stream_takes_the_callers_buffers() {
+    let Some(ctx) = gpu("a_context_on_the_callers_stream_takes_the_callers_buffers") else { return };
+    let stream = ctx.cuda_stream().unwrap().context().new_stream().unwrap();
+    let theirs = Context::on_stream(stream.clone()).unwrap();
+    let shape = mha(1, 2, 77, 64);
+    let count = |dims: [usize; 4]| dims.iter().product();
+    let (q_host, k_host) = (random_normal(count(shape.q_shape()), 5), random_normal(count(shape.kv_shape()), 6));
+    let wrap = |values: &[f32], dims: &[usize]| {
+        let slice = stream.clone_htod(values).unwrap();
+        theirs.tensor_from_cuda_slice(slice, dims).unwrap()
+    };
+    let (q, k) = (wrap(&q_host, &shape.q_shape()), wrap(&k_host, &shape.kv_shape()));
+    let options = AttentionOptions::causal(Causal::TopLeft);
+    let forward = theirs.attention(&q, &k, &k, &options).unwrap();
+    let o = forward.o().to_host().unwrap();
+    let (q2, k2) = (ctx.upload(&q_host, &shape.q_shape()).unwrap(), ctx.upload(&k_host, &shape.kv_shape()).unwrap());
+    let expected = ctx.attention(&q2, &k2, &k2, &options).unwrap().o().to_host().unwrap();
+    assert_eq!(o, expected, "the same call on the caller's stream and buffers gives other bits");
+    // The output as a cudarc buffer again, readable on the caller's stream.
+    let output = forward.output.o.into_cuda_slice().unwrap();
+    assert_eq!(stream.clone_dtoh(&output).unwrap(), o);
+    // Refused: a buffer of the wrong length, and one of another CUDA context.
+    let short = stream.clone_htod(&q_host[1..]).unwrap();
+    assert!(matches!(theirs.tensor_from_cuda_slice(short, &shape.q_shape()), Err(Error::Length { .. })));
+    let framework = cudarc::driver::CudaContext::new(0).unwrap().default_stream();
+    let theirs_too = framework.clone_htod(&q_host).unwrap();
+    let q3 = theirs.tensor_from_cuda_slice(theirs_too, &shape.q_shape()).unwrap();
+    assert_eq!(q3.to_host().unwrap(), q_host);
+}

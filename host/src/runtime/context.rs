@@ -13,7 +13,7 @@ use cudarc::driver::sys::{
     CUdevice_attribute, CUfunction_attribute, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill,
     CUtensorMapInterleave, CUtensorMapL2promotion, CUtensorMapSwizzle,
 };
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig};
 use cudarc::nvrtc::Ptx;
 
 use super::kernel_arg::KernelArg;
@@ -86,6 +86,25 @@ impl Context {
             return Err(Error::NoDevice { ordinal, count });
         }
         let cuda = CudaContext::new(ordinal).during(format!("creating a context on device {ordinal}"))?;
+        let stream = cuda.new_stream().during("creating a stream")?;
+        Self::with_cuda(cuda, stream)
+    }
+
+    /// A context whose operations all run on the caller's `stream` (and its CUDA context), so
+    /// that they are ordered with the caller's own work on it: a framework's current stream, for
+    /// instance. Tensors the caller made on the same CUDA context can join it
+    /// ([`Context::tensor_from_cuda_slice`]).
+    ///
+    /// # Errors
+    /// As [`Context::new`].
+    pub fn on_stream(stream: Arc<CudaStream>) -> Result<Self> {
+        Self::with_cuda(stream.context().clone(), stream)
+    }
+
+    /// [`Context::new`] and [`Context::on_stream`] on the CUDA context `cuda` and `stream`: reads
+    /// the device, loads the modules it runs.
+    fn with_cuda(cuda: Arc<CudaContext>, stream: Arc<CudaStream>) -> Result<Self> {
+        let ordinal = cuda.ordinal();
         let attribute = |attribute| cuda.attribute(attribute).during("reading device attributes");
         let info = DeviceInfo {
             ordinal,
@@ -115,7 +134,6 @@ impl Context {
                     .during(format!("loading the kernels' PTX module ({group}, {arch})")),
             })
             .collect::<Result<Vec<_>>>()?;
-        let stream = cuda.new_stream().during("creating a stream")?;
         let preferred = if hopper { KernelPath::Sm90a } else { KernelPath::Sm80 };
         let context = Self {
             id: next_context_id(),
@@ -364,6 +382,33 @@ impl Context {
     pub fn full<T: Scalar>(&self, shape: &[usize], value: T) -> Result<DeviceTensor<T>> {
         let n = element_count(shape)?;
         self.upload(&vec![value; n], shape)
+    }
+
+    /// A tensor of `shape` over `slice`, device memory the caller allocated with cudarc on this
+    /// context's CUDA context (on any of its streams: cudarc orders the slice's uses across
+    /// streams; another `CudaContext` object of the same device's primary context counts as the
+    /// same context). The tensor owns the slice from then on; [`DeviceTensor::into_cuda_slice`] gives
+    /// it back. Row-major, as every tensor here.
+    ///
+    /// # Errors
+    /// [`Error::Length`] when `slice` does not hold `shape`'s elements; [`Error::Shape`] on the
+    /// emulator, or for a slice of another CUDA context (another device).
+    pub fn tensor_from_cuda_slice<T: Scalar>(&self, slice: CudaSlice<T>, shape: &[usize]) -> Result<DeviceTensor<T>> {
+        let n = element_count(shape)?;
+        let Backend::Cuda { cuda, .. } = &self.backend else {
+            return Err(Error::Shape("a CUDA buffer was given to the CPU emulator".into()));
+        };
+        if slice.context().cu_ctx() != cuda.cu_ctx() {
+            return Err(Error::Shape(format!(
+                "the buffer belongs to another CUDA context (device {}) than this context's (device {})",
+                slice.context().ordinal(),
+                self.info.ordinal
+            )));
+        }
+        if slice.len() != n {
+            return Err(Error::Length { expected: n, got: slice.len() });
+        }
+        Ok(DeviceTensor::from_storage(Storage::Cuda(slice), shape, self.id()))
     }
 
     /// A new device tensor whose contents are unspecified; for outputs a kernel overwrites whole.

@@ -135,6 +135,15 @@ impl<T: Scalar> DeviceTensor<T> {
         }
     }
 
+    /// The device buffer itself, the tensor consumed (`None` on the emulator): the other way of
+    /// [`Context::tensor_from_cuda_slice`](crate::Context::tensor_from_cuda_slice).
+    pub fn into_cuda_slice(self) -> Option<CudaSlice<T>> {
+        match self.storage {
+            Storage::Cuda(slice) => Some(slice),
+            Storage::Host(_) => None,
+        }
+    }
+
     /// [`DeviceTensor::cuda_slice`], writable.
     pub fn cuda_slice_mut(&mut self) -> Option<&mut CudaSlice<T>> {
         match &mut self.storage {
