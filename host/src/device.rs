@@ -70,3 +70,74 @@ impl std::fmt::Display for DeviceInfo {
         )
     }
 }
+
+/// A smaller GPU's limits, imposed on a bigger one: so that an H200 runs what an RTX 4090 or an
+/// A100 would (the tiles that fit its shared memory, the sm_80 kernels only), and the tests, the
+/// main job and the benches can be checked for those GPUs on the one machine there is
+/// ([`GpuProfile::ENV`]; [`GpuProfile::apply`]). A profile limits; it does not make the device
+/// slower or smaller in any other way (SM count, memory, clocks and L2 stay the device's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GpuProfile {
+    /// The name `RUST_ATTENTION_GPU_PROFILE` takes: `rtx3090`, `rtx4090`, `l4`, `a100`, `t4`.
+    pub name: &'static str,
+    /// The GPU it stands for.
+    pub gpu: &'static str,
+    /// Its compute capability: below 9.0 the sm_90a kernels are hidden, below 8.0 the context is
+    /// refused (as on the real GPU: the kernels are compiled for sm_80 and newer).
+    pub compute_capability: (i32, i32),
+    /// Its largest dynamic shared memory per block (opt-in), in bytes.
+    pub max_shared_memory_per_block: usize,
+}
+
+impl GpuProfile {
+    /// The environment variable that puts every new context (GPU or emulator) under a profile:
+    /// one of the [`GpuProfile::ALL`] names.
+    pub const ENV: &'static str = "RUST_ATTENTION_GPU_PROFILE";
+
+    /// The named profiles (shared memory per block from NVIDIA's tuning guides: 99 KiB on
+    /// compute capability 8.6 and 8.9, 163 KiB on 8.0, 64 KiB on 7.5).
+    pub const ALL: [Self; 5] = [
+        Self::new("rtx3090", "GeForce RTX 3090", (8, 6), 99 * 1024),
+        Self::new("rtx4090", "GeForce RTX 4090", (8, 9), 99 * 1024),
+        Self::new("l4", "L4", (8, 9), 99 * 1024),
+        Self::new("a100", "A100", (8, 0), 163 * 1024),
+        Self::new("t4", "T4", (7, 5), 64 * 1024),
+    ];
+
+    const fn new(name: &'static str, gpu: &'static str, compute_capability: (i32, i32), smem: usize) -> Self {
+        Self { name, gpu, compute_capability, max_shared_memory_per_block: smem }
+    }
+
+    /// The profile [`GpuProfile::ENV`] names, if it is set.
+    ///
+    /// # Errors
+    /// A message listing the names, for a value that is none of them.
+    pub fn from_env() -> Result<Option<Self>, String> {
+        match std::env::var(Self::ENV) {
+            Ok(name) => name.parse().map(Some),
+            Err(_) => Ok(None),
+        }
+    }
+
+    /// `info` under this profile: the smaller of the two shared-memory limits, the profile's
+    /// compute capability, and a name that says both ("NVIDIA H200 as A100").
+    pub fn apply(&self, info: &DeviceInfo) -> DeviceInfo {
+        DeviceInfo {
+            name: format!("{} as {}", info.name, self.gpu),
+            compute_capability: self.compute_capability,
+            max_shared_memory_per_block: info.max_shared_memory_per_block.min(self.max_shared_memory_per_block),
+            ..info.clone()
+        }
+    }
+}
+
+impl std::str::FromStr for GpuProfile {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL.into_iter().find(|p| p.name == s).ok_or_else(|| {
+            let names: Vec<_> = Self::ALL.iter().map(|p| p.name).collect();
+            format!("unknown GPU profile {s:?}; use one of {}", names.join(", "))
+        })
+    }
+}

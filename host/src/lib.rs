@@ -95,7 +95,7 @@ pub mod tune;
 #[cfg(feature = "vit")]
 pub mod vit;
 
-pub use device::{Device, DeviceInfo};
+pub use device::{Device, DeviceInfo, GpuProfile};
 pub use dtype::{DType, Element, Scalar};
 pub use error::{Error, Result};
 /// The 16-bit float types of the `half` crate, re-exported: tensors of [`struct@f16`] or [`struct@bf16`] run on

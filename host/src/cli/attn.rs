@@ -444,7 +444,7 @@ fn flash_rows<T: Element>(
     let (q, k, v) = (&device[0], &device[1], &device[2]);
     let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
     let d = shape.head_dim;
-    let tile = TileConfig::default_for_dtype(dtype, d);
+    let tile = ctx.default_tile(dtype, d);
     let mut out = ctx.flash_attention_forward(q, k, v, options, tile)?;
     let forward =
         time_gpu(ctx, warmup, repeats, || ctx.flash_attention_forward_into(q, k, v, &mut out, options, tile))?;
@@ -455,8 +455,8 @@ fn flash_rows<T: Element>(
         outputs: vec![HostTensor::from_device("o", &out.o)?, HostTensor::from_device("lse", &out.lse)?],
     }];
     if let Some(d_o) = device.get(3) {
-        let tile = TileConfig::default_backward_for_dtype(dtype, d);
         let mode = dq.unwrap_or(ctx.dq_accumulation_for(dtype, d));
+        let tile = ctx.default_backward_tile(dtype, d, mode);
         let (o, lse) = (&out.o, &out.lse);
         let mut grads = ctx.flash_attention_backward(q, k, v, o, lse, d_o, options, tile, mode)?;
         let backward = time_gpu(ctx, warmup, repeats, || {

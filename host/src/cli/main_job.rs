@@ -147,6 +147,30 @@ impl Args {
         }
     }
 
+    /// `tile` ([`Args::tile`]) on `ctx`: where it is the built-in default, the context's default
+    /// instead, which fits the device's shared memory (`Context::default_tile`; the same tile on
+    /// an H200); a tile from the flags or the tuned file stays as it is.
+    fn fit(
+        &self,
+        ctx: &Context,
+        tile: TileConfig,
+        dtype: DType,
+        head_dim: usize,
+        pass: Pass,
+        dq: DqAccumulation,
+    ) -> TileConfig {
+        match pass {
+            _ if self.block_m.is_some() => tile,
+            Pass::Forward if tile == TileConfig::default_for_dtype(dtype, head_dim) => {
+                ctx.default_tile(dtype, head_dim)
+            }
+            Pass::Backward if tile == TileConfig::default_backward_for_dtype(dtype, head_dim) => {
+                ctx.default_backward_tile(dtype, head_dim, dq)
+            }
+            _ => tile,
+        }
+    }
+
     /// The dQ mode of the 16-bit backward rows: the tuned one for the tuned tile, else the
     /// measured faster mode for the type.
     fn dq_mode(&self, ctx: &Context, dtype: DType, head_dim: usize, causal: Causal) -> DqAccumulation {
@@ -406,8 +430,12 @@ fn run_case(
 ) -> Result<()> {
     let shape = case.shape;
     let options = AttentionOptions { scale: args.scale, causal: case.causal, ..Default::default() };
-    let tile_for = |pass| args.tile(DType::F32, shape.head_dim, case.causal, pass);
-    let (tile, backward_tile) = (tile_for(Pass::Forward), tile_for(Pass::Backward));
+    // The f32 rows run both dQ modes on one backward tile: one that fits the deterministic
+    // mode's kernels fits the atomic one's too.
+    let d = shape.head_dim;
+    let tile_for = |pass, dq| args.fit(ctx, args.tile(DType::F32, d, case.causal, pass), DType::F32, d, pass, dq);
+    let (tile, backward_tile) =
+        (tile_for(Pass::Forward, DqAccumulation::Atomic), tile_for(Pass::Backward, DqAccumulation::Deterministic));
     let inputs = Inputs::new(ctx, &shape)?;
     let [q, k, v, d_o] = &inputs.device;
     let part = CheckedPart::new(&inputs.host, &shape);
@@ -538,6 +566,8 @@ fn tensor_core_rows<T: Element>(
     let tile_for = |pass| args.tile(dtype, shape.head_dim, case.causal, pass);
     let (mut tile, mut backward_tile) = (tile_for(Pass::Forward), tile_for(Pass::Backward));
     let mut mode = args.dq_mode(ctx, dtype, shape.head_dim, case.causal);
+    tile = args.fit(ctx, tile, dtype, shape.head_dim, Pass::Forward, mode);
+    backward_tile = args.fit(ctx, backward_tile, dtype, shape.head_dim, Pass::Backward, mode);
     // `--tune` measures the sm_80 tiles only; where this context runs a Hopper kernel (which the
     // built-in tile selects), that kernel is the faster, so a tuned tile does not replace it.
     if args.block_m.is_none() {

@@ -7,7 +7,7 @@
 use super::{AttentionOutput, Gradients};
 use crate::dtype::Element;
 use crate::error::Result;
-use crate::problem::{AttentionOptions, AttentionShape, DqAccumulation, TileConfig};
+use crate::problem::{AttentionOptions, AttentionShape, DqAccumulation};
 use crate::runtime::{Context, DeviceTensor};
 
 /// The result of [`Context::attention`]: O and the logsumexp, and the inputs and options that
@@ -45,7 +45,8 @@ impl Context {
     /// Attention forward, O = softmax(Q Kᵀ · scale) V (FlashAttention: the score matrix never
     /// reaches device memory), with the kernels, tile and path this context runs fastest: the
     /// Hopper kernels on an sm_90a context, the `mma.sync` tensor-core kernels for `f16`/`bf16`
-    /// elsewhere, the CUDA-core kernels for `f32`, or the same kernels on the CPU emulator.
+    /// elsewhere, the CUDA-core kernels for `f32`, or the same kernels on the CPU emulator; the
+    /// tile is [`Context::default_tile`], which fits the device's shared memory.
     ///
     /// Q is `[batch, num_heads_q, seqlen_q, head_dim]`, K and V `[batch, num_heads_kv, seqlen_k,
     /// head_dim]` (grouped-query attention when `num_heads_kv` divides `num_heads_q`), contiguous,
@@ -82,7 +83,7 @@ impl Context {
         options: &AttentionOptions,
     ) -> Result<Attention<'a, T>> {
         let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
-        let tile = TileConfig::default_for_dtype(T::DTYPE, shape.head_dim);
+        let tile = self.default_tile(T::DTYPE, shape.head_dim);
         let output = self.flash_attention_forward(q, k, v, options, tile)?;
         Ok(Attention { output, q, k, v, options: *options })
     }
@@ -105,11 +106,11 @@ impl Context {
     ) -> Result<Gradients<T>> {
         let Attention { output, q, k, v, options } = forward;
         let head_dim = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?.head_dim;
-        let tile = TileConfig::default_backward_for_dtype(T::DTYPE, head_dim);
         let dq = match options.deterministic {
             true => DqAccumulation::Deterministic,
             false => self.dq_accumulation_for(T::DTYPE, head_dim),
         };
+        let tile = self.default_backward_tile(T::DTYPE, head_dim, dq);
         self.flash_attention_backward(q, k, v, &output.o, &output.lse, d_o, options, tile, dq)
     }
 }

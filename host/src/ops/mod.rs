@@ -233,6 +233,19 @@ impl Context {
         self.target().dq_accumulation(dtype, head_dim)
     }
 
+    /// The forward tile this context runs when none is given ([`Context::attention`], the
+    /// command line): [`TileConfig::default_for_dtype`] (the H200's fastest) where this device's
+    /// shared memory holds it, else the compiled tile that fits with the most work per block.
+    pub fn default_tile(&self, dtype: DType, head_dim: usize) -> TileConfig {
+        self.target().forward_tile(dtype, head_dim)
+    }
+
+    /// As [`Context::default_tile`] for the backward pass in dQ mode `dq` (every kernel of the
+    /// mode must fit): [`TileConfig::default_backward_for_dtype`] where it does.
+    pub fn default_backward_tile(&self, dtype: DType, head_dim: usize, dq: DqAccumulation) -> TileConfig {
+        self.target().backward_tile(dtype, head_dim, dq)
+    }
+
     /// A short name of the kernel [`Context::flash_attention_backward`] runs, for tables:
     /// `sm_90a m64_n128_s2`, `sm_80 m64_n128_s2` or `emulated m64_n128_s2`, with ` on d192`
     /// where the head_dim runs on a larger compiled one (see [`Context::forward_kernel_label`]).

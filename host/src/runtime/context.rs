@@ -19,7 +19,7 @@ use cudarc::nvrtc::Ptx;
 use super::kernel_arg::KernelArg;
 use super::tensor::{DeviceTensor, HostBuffer, Storage, element_count};
 use super::tensor_map::{TensorMapCache, TensorMaps};
-use crate::device::{Device, DeviceInfo};
+use crate::device::{Device, DeviceInfo, GpuProfile};
 use crate::dtype::{DType, Element, Scalar};
 use crate::error::{During, Error, Result};
 use crate::kernels;
@@ -73,8 +73,9 @@ impl Context {
     ///
     /// # Errors
     /// [`Error::NoDriver`] without an NVIDIA driver, [`Error::NoDevice`] for a missing ordinal,
-    /// [`Error::UnsupportedDevice`] below compute capability 8.0, [`Error::Argument`] for an
-    /// unknown value of [`KernelPath::ENV`], [`Error::Unsupported`] when it asks for `sm90a` off
+    /// [`Error::UnsupportedDevice`] below compute capability 8.0 (the device's, or its
+    /// [`GpuProfile`]'s), [`Error::Argument`] for an unknown value of [`KernelPath::ENV`] or
+    /// [`GpuProfile::ENV`], [`Error::Unsupported`] when it asks for `sm90a` off
     /// Hopper, [`Error::Driver`] otherwise.
     pub fn new(ordinal: usize) -> Result<Self> {
         // SAFETY: only tries to open the library; no CUDA call is made.
@@ -116,6 +117,11 @@ impl Context {
             )? as usize,
             total_memory: cuda.total_mem().during("reading the memory size")?,
         };
+        // A smaller GPU's limits, where the environment asks for them (`GpuProfile`).
+        let info = match GpuProfile::from_env().map_err(|e| Error::Argument(format!("{}: {e}", GpuProfile::ENV)))? {
+            Some(profile) => profile.apply(&info),
+            None => info,
+        };
         if info.compute_capability < MIN_COMPUTE_CAPABILITY {
             let (major, minor) = info.compute_capability;
             return Err(Error::UnsupportedDevice { name: info.name, major, minor, needed: "8.0 (Ampere)" });
@@ -154,6 +160,10 @@ impl Context {
     /// thread (see [`Device::CpuEmulated`]). It needs no GPU and never fails to open. It reports
     /// itself as a device with one SM, so that grid-stride kernels launch few blocks, and with a
     /// Hopper's 227 KiB of shared memory per block, so that every compiled tile runs.
+    ///
+    /// Under a [`GpuProfile`] ([`GpuProfile::ENV`]) it takes the profile's shared memory per
+    /// block and name (not its compute capability: the emulator runs the sm_80 kernels whatever
+    /// the profile); an unknown profile name is ignored here (a GPU context reports it).
     pub fn cpu_emulated() -> Self {
         let info = DeviceInfo {
             ordinal: 0,
@@ -162,6 +172,10 @@ impl Context {
             sm_count: 1,
             max_shared_memory_per_block: 227 * 1024,
             total_memory: 0,
+        };
+        let info = match GpuProfile::from_env() {
+            Ok(Some(profile)) => DeviceInfo { compute_capability: MIN_COMPUTE_CAPABILITY, ..profile.apply(&info) },
+            _ => info,
         };
         Self { id: next_context_id(), backend: Backend::Emulated, info, kernel_path: KernelPath::Sm80 }
     }
