@@ -727,6 +727,18 @@ mod profile_tests {
     use super::*;
     use crate::device::GpuProfile;
 
+    /// The device the profiles are applied to.
+    fn h200() -> DeviceInfo {
+        DeviceInfo {
+            ordinal: 0,
+            name: "NVIDIA H200".into(),
+            compute_capability: (9, 0),
+            sm_count: 132,
+            max_shared_memory_per_block: 227 * 1024,
+            total_memory: 141 << 30,
+        }
+    }
+
     /// Under every GPU profile the context can open (compute capability 8.0 and newer), the
     /// default tile of every pass fits: for each element type, a spread of head dims (compiled
     /// ones, padded ones between them, the extremes) and both dQ modes — except the known gap:
@@ -738,14 +750,7 @@ mod profile_tests {
     /// defaults are the built-in tiles.
     #[test]
     fn default_tiles_fit_every_profile() {
-        let h200 = DeviceInfo {
-            ordinal: 0,
-            name: "NVIDIA H200".into(),
-            compute_capability: (9, 0),
-            sm_count: 132,
-            max_shared_memory_per_block: 227 * 1024,
-            total_memory: 141 << 30,
-        };
+        let h200 = h200();
         let head_dims = [1, 8, 17, 32, 40, 64, 72, 80, 96, 100, 120, 128, 136, 160, 192, 200, 248, 256];
         let mut failures = Vec::new();
         for profile in GpuProfile::ALL.iter().filter(|p| p.compute_capability >= (8, 0)) {
@@ -790,14 +795,7 @@ mod profile_tests {
 
     #[test]
     fn profiles_cap_shared_memory_and_name_themselves() {
-        let device = DeviceInfo {
-            ordinal: 0,
-            name: "NVIDIA H200".into(),
-            compute_capability: (9, 0),
-            sm_count: 132,
-            max_shared_memory_per_block: 227 * 1024,
-            total_memory: 141 << 30,
-        };
+        let device = h200();
         let a100: GpuProfile = "a100".parse().unwrap();
         let limited = a100.apply(&device);
         assert_eq!((limited.max_shared_memory_per_block, limited.compute_capability), (163 * 1024, (8, 0)));
