@@ -182,7 +182,7 @@ pub enum HopperVariant {
     PingPong,
     /// `_deterministic` (backward): dQ tiles are added in a fixed order (key blocks take turns at
     /// a counter per tile), so that dQ is bit-identical from run to run
-    /// ([`DqAccumulation::Deterministic`](crate::DqAccumulation::Deterministic)).
+    /// ([`crate::DqAccumulation::Deterministic`]).
     Deterministic,
 }
 

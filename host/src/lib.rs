@@ -6,6 +6,25 @@
 //! this crate builds and its CPU parts run on machines without a GPU).
 //!
 //! ```no_run
+//! use attn_host::{AttentionOptions, Causal, Context, check};
+//!
+//! # fn main() -> attn_host::Result<()> {
+//! let ctx = Context::new(0)?; // or Context::cpu_emulated()
+//! let shape = [2, 8, 1024, 64]; // [batch, heads, seqlen, head_dim]
+//! let n = shape.iter().product();
+//! let q = ctx.upload(&check::random_normal(n, 1), &shape)?;
+//! let k = ctx.upload(&check::random_normal(n, 2), &shape)?;
+//! let v = ctx.upload(&check::random_normal(n, 3), &shape)?;
+//! // One call each way: the context picks the kernels, the tile and the dQ mode.
+//! let forward = ctx.attention(&q, &k, &v, &AttentionOptions::causal(Causal::TopLeft))?;
+//! let d_o = ctx.upload(&check::random_normal(n, 4), &shape)?;
+//! let grads = ctx.attention_backward(&forward, &d_o)?;
+//! # Ok(()) }
+//! ```
+//!
+//! The same with explicit tiles and dQ mode (for measurements, and as the guide's levels do):
+//!
+//! ```no_run
 //! use attn_host::{AttentionOptions, Causal, Context, DqAccumulation, TileConfig, check};
 //!
 //! # fn main() -> attn_host::Result<()> {
@@ -30,8 +49,9 @@
 //!
 //! | item | what |
 //! |---|---|
-//! | [`Context`] | one device, its stream, the loaded kernels; [`DeviceInfo`]; or the CPU emulator ([`Context::cpu_emulated`], [`Device`]) |
+//! | [`Context`] | one device, its stream (or the caller's: [`Context::on_stream`]), the loaded kernels; [`DeviceInfo`], [`GpuProfile`]; or the CPU emulator ([`Context::cpu_emulated`], [`Device`]) |
 //! | [`DeviceTensor`] | a buffer of [`Element`]s (`f32`, [`struct@f16`], [`struct@bf16`]; [`DType`]) in device memory with its shape |
+//! | [`Context::attention`], [`Context::attention_backward`] ([`Attention`]) | the one-call API: kernels, tile ([`Context::default_tile`]) and dQ mode chosen for the device |
 //! | [`Context::vector_add`], [`Context::attention_naive`], [`Context::flash_attention_forward`] | the forward operations |
 //! | [`Context::attention_naive_backward`], [`Context::flash_attention_backward`] | the backward operations ([`Gradients`], [`DqAccumulation`]) |
 //! | [`AttentionShape`], [`AttentionOptions`], [`Causal`], [`TileConfig`] | the problem, its options and mask, the tile sizes (and pipeline stages of the tensor-core kernels) |

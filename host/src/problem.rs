@@ -112,8 +112,9 @@ impl AttentionOptions {
 }
 
 /// How the FlashAttention backward pass accumulates dQ. Which is faster depends on the kernels:
-/// [`DqAccumulation::fastest_for`] gives the measured choice per element type
-/// ([`crate::select`]).
+/// [`DqAccumulation::fastest_for`] gives the measured choice per element type, and
+/// [`Context::dq_accumulation_for`](crate::Context::dq_accumulation_for) the one for a device
+/// (`select.rs`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DqAccumulation {
