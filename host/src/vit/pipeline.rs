@@ -351,7 +351,7 @@ fn flash_attention<T: Element>(
     options: &AttentionOptions,
     repeats: Repeats,
 ) -> Result<AttentionRows> {
-    let tile = TileConfig::default_for_dtype(T::DTYPE, qkv.shape.head_dim);
+    let tile = ctx.default_tile(T::DTYPE, qkv.shape.head_dim);
     // Checked before uploading anything, so a head_dim without kernels costs nothing.
     tile.validate_kernel(crate::FlashKernel::Forward, T::DTYPE, qkv.shape.head_dim, ctx.device())?;
     let ([q, k, v], mut out) = upload_poisoned::<T>(ctx, qkv)?;
