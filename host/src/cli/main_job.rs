@@ -132,43 +132,40 @@ struct Case {
 }
 
 impl Args {
-    /// The flash tile for `dtype`, `head_dim`, the mask and the pass: the flags', else the one
-    /// tuned on this device (`--tune`), else the built-in default.
-    fn tile(&self, dtype: DType, head_dim: usize, causal: Causal, pass: Pass) -> TileConfig {
+    /// The flash tile the flags or the tuned file (`--tune`) give for `dtype`, `head_dim`, the
+    /// mask and the pass, if any.
+    fn chosen_tile(&self, dtype: DType, head_dim: usize, causal: Causal, pass: Pass) -> Option<TileConfig> {
         if let (Some(m), Some(n)) = (self.block_m, self.block_n) {
-            return TileConfig::new(m, n).with_stages(if dtype == DType::F32 { 1 } else { self.stages });
+            return Some(TileConfig::new(m, n).with_stages(if dtype == DType::F32 { 1 } else { self.stages }));
         }
-        if let Some(tuned) = self.tuned.as_ref().and_then(|t| t.tile(pass, dtype, head_dim, causal)) {
-            return tuned.tile;
-        }
-        match pass {
-            Pass::Forward => TileConfig::default_for_dtype(dtype, head_dim),
-            Pass::Backward => TileConfig::default_backward_for_dtype(dtype, head_dim),
-        }
+        Some(self.tuned.as_ref()?.tile(pass, dtype, head_dim, causal)?.tile)
     }
 
-    /// `tile` ([`Args::tile`]) on `ctx`: where it is the built-in default, the context's default
-    /// instead, which fits the device's shared memory (`Context::default_tile`; the same tile on
-    /// an H200); a tile from the flags or the tuned file stays as it is.
-    fn fit(
+    /// [`Args::chosen_tile`], else the built-in default (for the checks that run before a
+    /// device is open, and the CPU-only job).
+    fn tile(&self, dtype: DType, head_dim: usize, causal: Causal, pass: Pass) -> TileConfig {
+        self.chosen_tile(dtype, head_dim, causal, pass).unwrap_or(match pass {
+            Pass::Forward => TileConfig::default_for_dtype(dtype, head_dim),
+            Pass::Backward => TileConfig::default_backward_for_dtype(dtype, head_dim),
+        })
+    }
+
+    /// [`Args::chosen_tile`], else `ctx`'s default, which fits the device's shared memory
+    /// (`Context::default_tile`, `default_backward_tile` for dQ mode `dq`; the built-in tile on
+    /// an H200).
+    fn tile_on(
         &self,
         ctx: &Context,
-        tile: TileConfig,
         dtype: DType,
         head_dim: usize,
+        causal: Causal,
         pass: Pass,
         dq: DqAccumulation,
     ) -> TileConfig {
-        match pass {
-            _ if self.block_m.is_some() => tile,
-            Pass::Forward if tile == TileConfig::default_for_dtype(dtype, head_dim) => {
-                ctx.default_tile(dtype, head_dim)
-            }
-            Pass::Backward if tile == TileConfig::default_backward_for_dtype(dtype, head_dim) => {
-                ctx.default_backward_tile(dtype, head_dim, dq)
-            }
-            _ => tile,
-        }
+        self.chosen_tile(dtype, head_dim, causal, pass).unwrap_or_else(|| match pass {
+            Pass::Forward => ctx.default_tile(dtype, head_dim),
+            Pass::Backward => ctx.default_backward_tile(dtype, head_dim, dq),
+        })
     }
 
     /// The dQ mode of the 16-bit backward rows: the tuned one for the tuned tile, else the
@@ -433,7 +430,7 @@ fn run_case(
     // The f32 rows run both dQ modes on one backward tile: one that fits the deterministic
     // mode's kernels fits the atomic one's too.
     let d = shape.head_dim;
-    let tile_for = |pass, dq| args.fit(ctx, args.tile(DType::F32, d, case.causal, pass), DType::F32, d, pass, dq);
+    let tile_for = |pass, dq| args.tile_on(ctx, DType::F32, d, case.causal, pass, dq);
     let (tile, backward_tile) =
         (tile_for(Pass::Forward, DqAccumulation::Atomic), tile_for(Pass::Backward, DqAccumulation::Deterministic));
     let inputs = Inputs::new(ctx, &shape)?;
@@ -563,11 +560,9 @@ fn tensor_core_rows<T: Element>(
 ) -> Vec<[String; 7]> {
     let (shape, dtype) = (case.shape, T::DTYPE);
     let options = AttentionOptions { scale: args.scale, causal: case.causal, ..Default::default() };
-    let tile_for = |pass| args.tile(dtype, shape.head_dim, case.causal, pass);
-    let (mut tile, mut backward_tile) = (tile_for(Pass::Forward), tile_for(Pass::Backward));
     let mut mode = args.dq_mode(ctx, dtype, shape.head_dim, case.causal);
-    tile = args.fit(ctx, tile, dtype, shape.head_dim, Pass::Forward, mode);
-    backward_tile = args.fit(ctx, backward_tile, dtype, shape.head_dim, Pass::Backward, mode);
+    let tile_for = |pass| args.tile_on(ctx, dtype, shape.head_dim, case.causal, pass, mode);
+    let (mut tile, mut backward_tile) = (tile_for(Pass::Forward), tile_for(Pass::Backward));
     // `--tune` measures the sm_80 tiles only; where this context runs a Hopper kernel (which the
     // built-in tile selects), that kernel is the faster, so a tuned tile does not replace it.
     if args.block_m.is_none() {

@@ -2,7 +2,7 @@
 //!
 //! | file | who runs it | what |
 //! |---|---|---|
-//! | [`thread`] | one thread | its indices in the block and the grid, fast `exp2`/`log2`, `fma`, `f32` atomics, 16-byte loads and stores ([`F32x4`]) |
+//! | [`thread`] | one thread | its indices in the block and the grid, fast `exp2`/`log2`, `fma`, atomics (`f32` adds, `u32` tickets), 16-byte loads and stores ([`F32x4`]) |
 //! | [`warp`] | 32 threads that issue together | the warp barrier, shuffles, votes, reductions over groups of lanes |
 //! | [`block`] | the threads of one multiprocessor's block | the block barrier, dynamic shared memory and `f32` tiles carved from it ([`SharedTile`]), cooperative copies, `cp.async` commit groups |
 //! | [`mma`] | a warp, on the tensor cores | `mma.sync` m16n8k16 fragments ([`FragA`], [`FragB`], [`FragC`]), 16-bit tiles read with `ldmatrix` ([`SharedTile16`]), `movmatrix`, the formats [`F16`] and [`Bf16`] |

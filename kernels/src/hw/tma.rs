@@ -214,8 +214,9 @@ pub fn fence_proxy_async_global() {
 /// backward adds dQ tiles in a fixed order (FlashAttention-3 takes turns the same way).
 ///
 /// # Safety
-/// `counter` (a generic address) points to a `u32` in global memory that only [`pass_turn`] changes; whoever holds
-/// turns below `turn` runs (or ran) to its [`pass_turn`], so the wait ends. One thread calls it.
+/// `counter` (a generic address) points to a `u32` in global memory that only [`pass_turn`]
+/// changes; whoever holds turns below `turn` runs (or ran) to its [`pass_turn`], so the wait
+/// ends. One thread calls it.
 #[inline(always)]
 pub unsafe fn wait_for_turn(counter: *const u32, turn: u32) {
     loop {
