@@ -317,18 +317,12 @@ fn emulated_wide_head_backward_in_both_modes() {
 /// reference on the same (rounded) inputs.
 #[test]
 fn emulated_one_call_attention_and_backward() {
-    use attn_host::dtype::{from_f32_slice, to_f32_vec};
+    use attn_host::dtype::to_f32_vec;
     use attn_host::{AttentionOptions, Element, bf16};
+    use common::tensor_cores::Problem16;
     fn run<T: Element>(ctx: &Context, shape: AttentionShape, options: AttentionOptions, seed: u64) {
-        let sizes = [shape.q_shape(), shape.kv_shape(), shape.kv_shape(), shape.q_shape()];
         // Inputs rounded to T, so that the reference sees what the kernels see.
-        let host: Vec<Vec<f32>> = sizes
-            .iter()
-            .enumerate()
-            .map(|(i, s)| to_f32_vec(&from_f32_slice::<T>(&random_normal(s.iter().product(), seed + i as u64))))
-            .collect();
-        let device: Vec<_> =
-            host.iter().zip(&sizes).map(|(x, s)| ctx.upload(&from_f32_slice::<T>(x), s).unwrap()).collect();
+        let Problem16 { host, device, .. } = Problem16::<T>::new(ctx, shape, seed, Inputs::Normal);
         let forward = ctx.attention(&device[0], &device[1], &device[2], &options).unwrap();
         let grads = ctx.attention_backward(&forward, &device[3]).unwrap();
         let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal };
