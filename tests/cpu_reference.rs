@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use common::gqa as shape;
 
 fn params(scale: f64, causal: Causal) -> cpu::Params {
-    cpu::Params { scale, causal }
+    cpu::Params { scale, causal, window: None }
 }
 
 fn masks() -> impl Strategy<Value = Causal> {

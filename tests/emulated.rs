@@ -325,7 +325,11 @@ fn emulated_one_call_attention_and_backward() {
         let Problem16 { host, device, .. } = Problem16::<T>::new(ctx, shape, seed, Inputs::Normal);
         let forward = ctx.attention(&device[0], &device[1], &device[2], &options).unwrap();
         let grads = ctx.attention_backward(&forward, &device[3]).unwrap();
-        let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal };
+        let params = cpu::Params {
+            scale: options.scale_for(shape.head_dim) as f64,
+            causal: options.causal,
+            window: options.window,
+        };
         let forward_reference = cpu::attention(&host[0], &host[1], &host[2], &shape, params).unwrap();
         let reference = cpu::attention_backward(&host[0], &host[1], &host[2], &host[3], &shape, params).unwrap();
         let tolerance = if T::DTYPE == attn_host::DType::F32 { 1e-4 } else { 2e-2 };
@@ -353,4 +357,46 @@ fn emulated_one_call_attention_and_backward() {
     run::<bf16>(ctx, shape(40, 29, 40), AttentionOptions::causal(Causal::TopLeft).deterministic(), 11);
     run::<bf16>(ctx, shape(33, 33, 64), AttentionOptions::with_scale(-0.2), 21);
     report("emulated_one_call_attention_and_backward", 3);
+}
+
+/// Sliding windows (local attention) through the kernels' own source: windows narrower than a
+/// tile and wider than several, open on one side, both alignments, combined with a causal mask,
+/// and on lengths where some rows' windows hold no key; the f32 flash kernels (both dQ modes),
+/// the tensor-core kernels and the naive kernels, against the float64 reference. Tiles of 16
+/// keys over 100 keys with a window of 9: most tiles of a row block are skipped at both ends.
+#[test]
+fn emulated_sliding_windows_in_every_family() {
+    use attn_host::{AttentionOptions, SlidingWindow};
+    let ctx = emulator();
+    let mut cases = 0;
+    let windows = [
+        (AttentionOptions::default().with_window(SlidingWindow::new(Some(8), Some(0))), 96, 100),
+        (AttentionOptions::default().with_window(SlidingWindow::new(Some(20), Some(5)).top_left()), 70, 50),
+        (AttentionOptions::causal(Causal::BottomRight).with_window(SlidingWindow::left(30)), 40, 90),
+        (AttentionOptions::default().with_window(SlidingWindow::new(None, Some(3))), 45, 37),
+        (AttentionOptions::default().with_window(SlidingWindow::new(Some(2), None)), 37, 45),
+        // More queries than keys, bottom-right: the first 30 rows' windows hold no key.
+        (AttentionOptions::default().with_window(SlidingWindow::new(Some(4), Some(4))), 60, 30),
+    ];
+    for (i, &(options, seqlen_q, seqlen_k)) in windows.iter().enumerate() {
+        let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q, seqlen_k, head_dim: 32 };
+        let (tile, mode) = if i % 2 == 0 {
+            (TileConfig::new(16, 16), DqAccumulation::Atomic)
+        } else {
+            (TileConfig::new(32, 16), DqAccumulation::Deterministic)
+        };
+        check(ctx, shape, Kernel::Flash(tile, mode), options, 300 + cases, true);
+        cases += 1;
+        let shape = AttentionShape { head_dim: 64, ..shape };
+        let (fwd, bwd) = (
+            TileConfig::default_for_dtype(attn_host::DType::F16, 64),
+            TileConfig::default_backward_for_dtype(attn_host::DType::F16, 64),
+        );
+        check16::<attn_host::f16>(ctx, shape, fwd, Some((bwd, mode)), options, 300 + cases, Inputs::Normal);
+        cases += 1;
+    }
+    let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q: 23, seqlen_k: 30, head_dim: 20 };
+    check(ctx, shape, Kernel::Naive, windows[0].0, 400, true);
+    cases += 1;
+    report("emulated_sliding_windows_in_every_family", cases);
 }

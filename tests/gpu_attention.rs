@@ -9,7 +9,7 @@ mod common;
 use attn_host::check::relative_l2_error;
 use attn_host::{AttentionOptions, AttentionShape, Causal, Context, DeviceTensor, DqAccumulation, TileConfig};
 use common::attention::{GRAD_TOLERANCE, Kernel, O_TOLERANCE, Problem, check};
-use common::{gpu, gpu_proptest_config, head_dims, mha};
+use common::{gpu, gpu_proptest_config, head_dims, mha, windows};
 use proptest::prelude::*;
 
 /// A shape in the test's range with any head_dim up to 256 ([`common::head_dims`]), seqlen_q and
@@ -50,9 +50,10 @@ fn fitting(ctx: &Context, tile: TileConfig, head_dim: usize) -> TileConfig {
 fn flash_forward_and_backward_match_cpu_on_random_problems() {
     let Some(ctx) = gpu("flash_forward_and_backward_match_cpu_on_random_problems") else { return };
     let modes = prop::sample::select(vec![DqAccumulation::Atomic, DqAccumulation::Deterministic]);
-    proptest!(gpu_proptest_config(48), |(shape in shapes(), tile in tiles(), causal in masks(), mode in modes, seed in any::<u32>())| {
+    proptest!(gpu_proptest_config(48), |(shape in shapes(), tile in tiles(), causal in masks(), window in windows(), mode in modes, seed in any::<u32>())| {
         let tile = fitting(ctx, tile, shape.head_dim);
-        check(ctx, shape, Kernel::Flash(tile, mode), AttentionOptions::causal(causal), seed as u64 * 4, true);
+        let options = AttentionOptions { causal, window, ..Default::default() };
+        check(ctx, shape, Kernel::Flash(tile, mode), options, seed as u64 * 4, true);
     });
 }
 

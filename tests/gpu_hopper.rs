@@ -14,7 +14,7 @@ use attn_host::check::{lse_error, random_normal, relative_l2_error};
 use attn_host::dtype::{from_f32_slice, to_f32_vec};
 use attn_host::{
     AttentionOptions, AttentionOutput, AttentionShape, Causal, Context, DType, DescriptorOffsets, Element, Gradients,
-    KernelPath, TileConfig, bf16, cpu, f16,
+    KernelPath, SlidingWindow, TileConfig, bf16, cpu, f16,
 };
 use common::tensor_cores::{Inputs, LSE_TOLERANCE, Problem16, check16, tolerances};
 use common::{gpu, gqa};
@@ -137,7 +137,8 @@ fn check_hopper_forward<T: Element>(ctx: &Context, shape: AttentionShape, option
     };
     ctx.flash_attention_forward_hopper_into(q, k, v, &mut out, &options).unwrap();
     let [qh, kh, vh, _] = &problem.host;
-    let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal };
+    let params =
+        cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal, window: options.window };
     let reference = cpu::attention(qh, kh, vh, &shape, params).unwrap();
     let o = to_f32_vec(&out.o.to_host().unwrap());
     let (err_o, err_lse) =
@@ -201,6 +202,17 @@ fn check_hopper_cases(ctx: &Context, head_dim: usize) {
         (deep_grid(head_dim), AttentionOptions::causal(Causal::BottomRight)),
         (deep_grid(head_dim), AttentionOptions { scale: Some(-0.2), causal: Causal::TopLeft, ..Default::default() }),
         (deep_causal_grid(head_dim), AttentionOptions::causal(Causal::BottomRight)),
+        // Sliding windows: narrower than a key tile (whole tiles skipped at both ends), wider
+        // than several, open on one side, top-left, with a causal mask, rows that see nothing.
+        (shape(2, 4, 2, 1000, 1000), AttentionOptions::default().with_window(SlidingWindow::left(100))),
+        (shape(1, 4, 4, 700, 900), AttentionOptions::default().with_window(SlidingWindow::new(Some(300), Some(40)))),
+        (
+            shape(1, 2, 1, 600, 400),
+            AttentionOptions::causal(Causal::TopLeft).with_window(SlidingWindow::left(7).top_left()),
+        ),
+        (shape(1, 2, 2, 500, 300), AttentionOptions::default().with_window(SlidingWindow::new(None, Some(20)))),
+        (shape(1, 2, 2, 300, 500), AttentionOptions::default().with_window(SlidingWindow::new(Some(130), None))),
+        (deep_grid(head_dim), AttentionOptions::default().with_window(SlidingWindow::left(255))),
     ];
     for (i, (shape, options)) in cases.into_iter().enumerate() {
         let seed = (head_dim + i) as u64;
@@ -261,7 +273,8 @@ fn check_hopper_backward<T: Element>(
     let fwd = ctx.flash_attention_forward_hopper(q, k, v, &options).unwrap();
     let grads = hopper_gradients(ctx, &problem, &fwd, options, dq);
     let [qh, kh, vh, doh] = &problem.host;
-    let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal };
+    let params =
+        cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal, window: options.window };
     let reference = cpu::attention_backward(qh, kh, vh, doh, &shape, params).unwrap();
     let (_, tolerance) = tolerances(T::DTYPE);
     for (name, got, want) in
@@ -314,6 +327,15 @@ fn hopper_backward_matches_the_reference() {
             // key/value head, a head's Q, dO and dQ come to 8 MiB (head_dim 64) or 16 MiB (128),
             // so the 16 key/value heads make 2 or 4 sections of the backward's 64 MiB.
             (shape(2, 128, 8, 1024, 256), AttentionOptions::causal(Causal::BottomRight)),
+            // Sliding windows (key blocks that visit only the query tiles of their window, and
+            // deterministic turns that count from a tile's first or last key block).
+            (shape(1, 4, 2, 1000, 1000), AttentionOptions::default().with_window(SlidingWindow::left(100))),
+            (
+                shape(1, 2, 2, 700, 900),
+                AttentionOptions::default().with_window(SlidingWindow::new(Some(300), Some(40))),
+            ),
+            (shape(1, 2, 1, 500, 300), AttentionOptions::default().with_window(SlidingWindow::new(Some(130), None))),
+            (shape(1, 2, 2, 600, 400), AttentionOptions::causal(Causal::TopLeft).with_window(SlidingWindow::left(7))),
         ];
         for (i, (shape, options)) in cases.into_iter().enumerate() {
             let seed = 500 + (head_dim + i) as u64;
@@ -365,6 +387,14 @@ fn hopper_deterministic_backward_is_bit_identical() {
         runs::<bf16>(ctx, shape, AttentionOptions::causal(Causal::TopLeft), 37 + head_dim as u64);
         let ragged = gqa(2, 6, 3, 1000, 1500, head_dim);
         runs::<bf16>(ctx, ragged, AttentionOptions::causal(Causal::BottomRight), 41 + head_dim as u64);
+        // More queries than keys, bottom-right: the first query tiles see no key (no turns).
+        let tall = gqa(1, 4, 2, 1500, 1000, head_dim);
+        runs::<f16>(ctx, tall, AttentionOptions::causal(Causal::BottomRight), 43 + head_dim as u64);
+        // Sliding windows, with and without a right edge: turns counted from each tile's last
+        // key block (decreasing) or its first (increasing).
+        runs::<bf16>(ctx, shape, AttentionOptions::default().with_window(SlidingWindow::left(1000)), 47);
+        let open_right = AttentionOptions::default().with_window(SlidingWindow::new(Some(700), None));
+        runs::<f16>(ctx, shape, open_right, 53 + head_dim as u64);
     }
 }
 
@@ -423,10 +453,10 @@ fn the_kernel_path_picks_the_backward_kernel() {
         let label = sm90a.backward_kernel_label(DType::Bf16, head_dim, tile, mode);
         // The Hopper backward, with atomic dQ by default ...
         assert!(label.starts_with("sm_90a") && mode == DqAccumulation::Atomic, "{label} {mode:?}");
-        // ... and for a deterministic dQ its deterministic instance where
-        // RUST_ATTENTION_HOPPER_DETERMINISTIC=1 asks for it, else the sm_80 kernels.
+        // ... and for a deterministic dQ its deterministic instance, unless
+        // RUST_ATTENTION_HOPPER_DETERMINISTIC=0 asks for the sm_80 kernels.
         let label = sm90a.backward_kernel_label(DType::Bf16, head_dim, tile, DqAccumulation::Deterministic);
-        let hopper = std::env::var("RUST_ATTENTION_HOPPER_DETERMINISTIC").as_deref() == Ok("1");
+        let hopper = std::env::var("RUST_ATTENTION_HOPPER_DETERMINISTIC").as_deref() != Ok("0");
         let expected = if hopper { "sm_90a m64_n128_s2_deterministic" } else { "sm_80" };
         assert!(label.starts_with(expected), "{label}");
     }

@@ -13,7 +13,7 @@ use attn_host::{
     f16,
 };
 use common::tensor_cores::{Inputs, Problem16, check16};
-use common::{gpu, gpu_proptest_config, head_dims};
+use common::{gpu, gpu_proptest_config, head_dims, windows};
 use proptest::prelude::*;
 
 fn masks() -> impl Strategy<Value = Causal> {
@@ -64,8 +64,8 @@ fn random_case<T: Element>(
 #[test]
 fn tensor_core_forward_and_backward_match_cpu_on_random_problems() {
     let Some(ctx) = gpu("tensor_core_forward_and_backward_match_cpu_on_random_problems") else { return };
-    proptest!(gpu_proptest_config(48), |(shape in shapes(), causal in masks(), scale in scales(), bf in any::<bool>(), picks in (0usize..64, 0usize..64), deterministic in any::<bool>(), seed in any::<u32>())| {
-        let (seed, options) = (seed as u64 * 4, AttentionOptions { scale, causal, ..Default::default() });
+    proptest!(gpu_proptest_config(48), |(shape in shapes(), causal in masks(), window in windows(), scale in scales(), bf in any::<bool>(), picks in (0usize..64, 0usize..64), deterministic in any::<bool>(), seed in any::<u32>())| {
+        let (seed, options) = (seed as u64 * 4, AttentionOptions { scale, causal, window, ..Default::default() });
         if bf {
             random_case::<bf16>(ctx, shape, options, picks, deterministic, seed);
         } else {

@@ -140,8 +140,7 @@ def main():
     deterministic = {}
     if args.deterministic:
         for c in cases:
-            hopper = {"RUST_ATTENTION_HOPPER_DETERMINISTIC": "1"}  # the Hopper kernel where it runs
-            deterministic[c] = ours(args.ours, c, args.warmup, args.repeats, hopper, dq="deterministic").get("backward")
+            deterministic[c] = ours(args.ours, c, args.warmup, args.repeats, dq="deterministic").get("backward")
     theirs = peers(cases, args.warmup, args.repeats)
     extra = " fwd plain grid | fwd persistent |" if args.persistent else ""
     extra += " bwd deterministic (kernel) | ÷ default | ÷ cuDNN |" if args.deterministic else ""

@@ -136,7 +136,7 @@ pub fn describe(shape: &AttentionShape, options: &AttentionOptions) -> String {
 
 /// The reference's parameters for `options`.
 pub fn params(options: &AttentionOptions, shape: &AttentionShape) -> cpu::Params {
-    cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal }
+    cpu::Params::of(options, shape.head_dim)
 }
 
 /// A device tensor back on the host, as `f32`.

@@ -9,7 +9,7 @@
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::problem::{AttentionShape, Causal, TileConfig};
+use crate::problem::{AttentionOptions, AttentionShape, Causal, SlidingWindow, TileConfig};
 
 /// C = A + B elementwise.
 ///
@@ -66,6 +66,21 @@ pub struct Params {
     pub scale: f64,
     /// Causal mask.
     pub causal: Causal,
+    /// Sliding window, intersected with the causal mask.
+    pub window: Option<SlidingWindow>,
+}
+
+impl Params {
+    /// The scale and mask of `options` for `head_dim`.
+    pub fn of(options: &AttentionOptions, head_dim: usize) -> Self {
+        Self { scale: options.scale_for(head_dim) as f64, causal: options.causal, window: options.window }
+    }
+
+    /// Whether query `i` sees key `j` ([`AttentionOptions::visible`]).
+    pub fn visible(&self, i: usize, j: usize, seqlen_q: usize, seqlen_k: usize) -> bool {
+        AttentionOptions { causal: self.causal, window: self.window, ..Default::default() }
+            .visible(i, j, seqlen_q, seqlen_k)
+    }
 }
 
 /// One head's view of the inputs: its Q rows and its (shared, under GQA) K and V rows.
@@ -93,7 +108,7 @@ fn probabilities(q_row: &[f32], i: usize, head: &Head, shape: &AttentionShape, p
         .chunks_exact(d)
         .enumerate()
         .map(|(j, k_row)| {
-            params.causal.visible(i, j, shape.seqlen_q, shape.seqlen_k).then(|| params.scale * dot(q_row, k_row))
+            params.visible(i, j, shape.seqlen_q, shape.seqlen_k).then(|| params.scale * dot(q_row, k_row))
         })
         .collect();
     let max = scores.iter().flatten().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -322,9 +337,8 @@ fn flash_block(
     for (tile_index, (k_tile, v_tile)) in head.k.chunks(block_n * d).zip(head.v.chunks(block_n * d)).enumerate() {
         for i in 0..rows {
             let q_row = &q_block[i * d..(i + 1) * d];
-            let visible = |j: usize| {
-                params.causal.visible(first_row + i, tile_index * block_n + j, shape.seqlen_q, shape.seqlen_k)
-            };
+            let visible =
+                |j: usize| params.visible(first_row + i, tile_index * block_n + j, shape.seqlen_q, shape.seqlen_k);
             let s: Vec<Option<f64>> = k_tile
                 .chunks_exact(d)
                 .enumerate()

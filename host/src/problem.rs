@@ -56,6 +56,57 @@ impl Causal {
     }
 }
 
+/// A sliding window (local attention; Longformer, Beltagy et al. 2020; Mistral's and Gemma's
+/// local layers): query `i` sees only the keys `j` with `i + d − left ≤ j ≤ i + d + right`,
+/// where the diagonal `d` is `seqlen_k − seqlen_q` (`bottom_right`, FlashAttention's alignment
+/// of windows, and decoding's) or 0 (top-left). `None` on a side leaves that side open
+/// (FlashAttention's `window_size` of −1).
+///
+/// It combines with [`Causal`] by intersection: a query sees a key only if both allow it. A
+/// causal sliding window of `w` keys (Mistral's `sliding_window = 4096`: the query and the
+/// 4095 before it) is [`SlidingWindow::left`]`(w − 1)`, with or without `Causal::BottomRight`.
+///
+/// The kernels visit only the key tiles inside some row's window, so a window of `w` keys costs
+/// time proportional to `w`, not to `seqlen_k`. A query whose window holds no key follows
+/// [`Causal`]'s empty-row convention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SlidingWindow {
+    /// Keys before the diagonal that a query sees; `None`: all of them.
+    pub left: Option<usize>,
+    /// Keys after the diagonal that a query sees; `None`: all of them, `Some(0)`: none (causal).
+    pub right: Option<usize>,
+    /// The diagonal of query `i` is key `i + seqlen_k − seqlen_q` (`true`) or key `i` (`false`).
+    pub bottom_right: bool,
+}
+
+impl SlidingWindow {
+    /// FlashAttention's `window_size = (left, right)`, aligned bottom-right as there.
+    pub fn new(left: Option<usize>, right: Option<usize>) -> Self {
+        Self { left, right, bottom_right: true }
+    }
+
+    /// A causal window: the diagonal key and the `left` keys before it, none after.
+    pub fn left(left: usize) -> Self {
+        Self::new(Some(left), Some(0))
+    }
+
+    /// The same window with its diagonal at the top-left corner (key `i` for query `i`).
+    pub fn top_left(self) -> Self {
+        Self { bottom_right: false, ..self }
+    }
+
+    /// The diagonal's offset `d` for `shape`'s lengths.
+    fn diagonal(&self, seqlen_q: usize, seqlen_k: usize) -> i128 {
+        if self.bottom_right { seqlen_k as i128 - seqlen_q as i128 } else { 0 }
+    }
+
+    /// Whether key `key` is in query `query`'s window (the definition above).
+    pub fn contains(&self, query: usize, key: usize, seqlen_q: usize, seqlen_k: usize) -> bool {
+        let (diagonal, key) = (query as i128 + self.diagonal(seqlen_q, seqlen_k), key as i128);
+        self.left.is_none_or(|l| key >= diagonal - l as i128) && self.right.is_none_or(|r| key <= diagonal + r as i128)
+    }
+}
+
 /// Options shared by every attention entry point.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct AttentionOptions {
@@ -63,6 +114,9 @@ pub struct AttentionOptions {
     pub scale: Option<f32>,
     /// Causal mask; see [`Causal`].
     pub causal: Causal,
+    /// Sliding window (local attention), intersected with the causal mask; see
+    /// [`SlidingWindow`]. `None`: every key the causal mask leaves.
+    pub window: Option<SlidingWindow>,
     /// Whether [`Context::attention_backward`](crate::Context::attention_backward) sums dQ in a
     /// fixed order ([`DqAccumulation::Deterministic`]: bit-identical on every run) rather than
     /// in the faster mode. The forward passes are deterministic either way; the calls with an
@@ -87,6 +141,51 @@ impl AttentionOptions {
         Self { causal, ..Self::default() }
     }
 
+    /// These options with a sliding window ([`AttentionOptions::window`]).
+    pub fn with_window(self, window: SlidingWindow) -> Self {
+        Self { window: Some(window), ..self }
+    }
+
+    /// Whether query `query` sees key `key`: the causal mask's and the window's definitions,
+    /// as the CPU references apply them.
+    pub fn visible(&self, query: usize, key: usize, seqlen_q: usize, seqlen_k: usize) -> bool {
+        self.causal.visible(query, key, seqlen_q, seqlen_k)
+            && self.window.is_none_or(|w| w.contains(query, key, seqlen_q, seqlen_k))
+    }
+
+    /// The kernels' three mask arguments (`attention_kernel!`, `attention::mask::Mask`): whether
+    /// keys right of a diagonal are hidden (0 or 1), that diagonal's offset (key `j` visible to
+    /// query `i` only if `j ≤ i + offset`) and the left edge's offset (only if `j ≥ i +
+    /// start_offset`; `Mask::NO_LEFT_EDGE` without one). Offsets are clamped to
+    /// `±(seqlen_q + seqlen_k)`, past which they change nothing, so that no window overflows;
+    /// the left edge never lies right of the diagonal (the kernels rely on it).
+    pub(crate) fn mask_args(&self, shape: &AttentionShape) -> (usize, isize, isize) {
+        use attn_kernels::attention::mask::Mask;
+        let (mut causal, mut offset) = self.causal.kernel_args(shape);
+        let mut start_offset = Mask::NO_LEFT_EDGE;
+        if let Some(window) = self.window {
+            let bound = (shape.seqlen_q + shape.seqlen_k) as i128;
+            let clamp = |x: i128| x.clamp(-bound, bound) as isize;
+            let diagonal = window.diagonal(shape.seqlen_q, shape.seqlen_k);
+            if let Some(right) = window.right {
+                let right_edge = clamp(diagonal + right as i128);
+                offset = if causal == 1 { offset.min(right_edge) } else { right_edge };
+                causal = 1;
+            }
+            if let Some(left) = window.left {
+                start_offset = clamp(diagonal - left as i128);
+            }
+            // A window whose left edge lies right of the causal mask's diagonal (the two aligned
+            // differently) leaves every row empty: say so in the plain form, a diagonal left of
+            // every key, so that the kernels skip every tile (a band of negative width would
+            // defeat their tile arithmetic).
+            if causal == 1 && start_offset > offset {
+                return (1, -(bound as isize), Mask::NO_LEFT_EDGE);
+            }
+        }
+        (causal, offset, start_offset)
+    }
+
     /// The scale to use for `head_dim`.
     pub fn scale_for(&self, head_dim: usize) -> f32 {
         self.scale.unwrap_or(1.0 / (head_dim as f32).sqrt())
@@ -103,10 +202,23 @@ impl AttentionOptions {
     }
 
     /// Floating-point operations of one forward pass in the field's convention: 4 · batch ·
-    /// heads · seqlen_q · seqlen_k · head_dim, halved for a causal mask. The backward pass counts
-    /// 2.5 times this.
+    /// heads · seqlen_q · seqlen_k · head_dim, halved for a causal mask; with a sliding window,
+    /// 4 · batch · heads · head_dim times the (query, key) pairs that are visible. The backward
+    /// pass counts 2.5 times this.
     pub fn forward_flops(&self, shape: &AttentionShape) -> f64 {
         let full = shape.forward_flops();
+        if self.window.is_some() {
+            let (causal, offset, start_offset) = self.mask_args(shape);
+            let mask = attn_kernels::attention::mask::Mask::from_args(
+                shape.seqlen_q,
+                shape.seqlen_k,
+                causal,
+                offset,
+                start_offset,
+            );
+            let pairs: usize = (0..shape.seqlen_q).map(|i| mask.key_limit(i).saturating_sub(mask.key_start(i))).sum();
+            return full * pairs as f64 / (shape.seqlen_q * shape.seqlen_k).max(1) as f64;
+        }
         if self.causal == Causal::None { full } else { full / 2.0 }
     }
 }
@@ -210,4 +322,117 @@ pub(crate) fn check_flash_grid(shape: &AttentionShape) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attn_kernels::attention::mask::Mask;
+    use attn_kernels::attention::schedule::KeyBlock;
+
+    /// Every small mask: causal or not, either alignment, every window side from open to 4 keys.
+    fn masks() -> Vec<AttentionOptions> {
+        let sides = [None, Some(0), Some(1), Some(2), Some(4)];
+        let mut all = Vec::new();
+        for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+            all.push(AttentionOptions::causal(causal));
+            for left in sides {
+                for right in sides {
+                    for bottom_right in [false, true] {
+                        let window = SlidingWindow { left, right, bottom_right };
+                        all.push(AttentionOptions::causal(causal).with_window(window));
+                    }
+                }
+            }
+        }
+        all
+    }
+
+    /// The kernels' mask (from the three arguments the host passes) is the definition, element
+    /// by element; the key ranges of query blocks and the query ranges of key blocks skip only
+    /// hidden tiles and skip the per-element mask only on fully visible ones.
+    #[test]
+    fn the_kernels_mask_is_the_definition_and_skips_only_hidden_tiles() {
+        for options in masks() {
+            for seqlen_q in 1..10 {
+                for seqlen_k in 1..10 {
+                    let shape =
+                        AttentionShape { batch: 1, num_heads_q: 1, num_heads_kv: 1, seqlen_q, seqlen_k, head_dim: 8 };
+                    let (causal, offset, start) = options.mask_args(&shape);
+                    let mask = Mask::from_args(seqlen_q, seqlen_k, causal, offset, start);
+                    let sees = |i: usize, j: usize| options.visible(i, j, seqlen_q, seqlen_k);
+                    let what = format!("{options:?} on {seqlen_q} × {seqlen_k}");
+                    for i in 0..seqlen_q {
+                        for j in 0..seqlen_k {
+                            assert_eq!(mask.visible(i, j), sees(i, j), "{what}: ({i}, {j})");
+                        }
+                    }
+                    for (bm, bn) in [(1, 1), (2, 3), (4, 2), (16, 16)] {
+                        for q_start in (0..seqlen_q).step_by(bm) {
+                            let rows = bm.min(seqlen_q - q_start);
+                            let keys = mask.keys_for(q_start, rows);
+                            let first = keys.first_tile(bn) * bn;
+                            let end = first + keys.tiles(bn) * bn;
+                            for j in 0..seqlen_k {
+                                let seen = (q_start..q_start + rows).any(|i| sees(i, j));
+                                assert!(!seen || (first..end).contains(&j), "{what}: block {q_start} skips key {j}");
+                            }
+                            for k_start in (first..end).step_by(bn) {
+                                let all = (q_start..q_start + rows)
+                                    .all(|i| (k_start..(k_start + bn).min(seqlen_k)).all(|j| sees(i, j)));
+                                let whole = k_start + bn <= seqlen_k;
+                                assert!(keys.needs_mask(k_start, bn) || (all && whole), "{what}: tile {k_start}");
+                            }
+                        }
+                        let key_block = |block| match (bm, bn) {
+                            (1, 1) => KeyBlock::new_for_tests::<1, 1>(&shape, &mask, block),
+                            (2, 3) => KeyBlock::new_for_tests::<2, 3>(&shape, &mask, block),
+                            (4, 2) => KeyBlock::new_for_tests::<4, 2>(&shape, &mask, block),
+                            _ => KeyBlock::new_for_tests::<16, 16>(&shape, &mask, block),
+                        };
+                        // The deterministic Hopper backward's turns (`sm90::backward::turn`): the
+                        // key blocks that visit a query tile are consecutive, from the block of
+                        // its first row's start to the block of its last row's limit.
+                        for tile in 0..seqlen_q.div_ceil(bm) {
+                            let visitors: Vec<usize> = (0..seqlen_k.div_ceil(bn))
+                                .filter(|&b| (key_block(b).first_tile..key_block(b).end_tile).contains(&tile))
+                                .collect();
+                            let (Some(&a), Some(&b)) = (visitors.first(), visitors.last()) else { continue };
+                            assert_eq!(visitors.len(), b - a + 1, "{what}: tile {tile}: {visitors:?}");
+                            let last_row = ((tile + 1) * bm).min(seqlen_q) - 1;
+                            if mask.causal {
+                                assert_eq!(b, (mask.key_limit(last_row) - 1) / bn, "{what}: tile {tile}");
+                            } else {
+                                assert_eq!(a, mask.key_start(tile * bm) / bn, "{what}: tile {tile}");
+                            }
+                        }
+                        for block in 0..seqlen_k.div_ceil(bn) {
+                            let kb = key_block(block);
+                            let (rows, keys) =
+                                (kb.first_tile * bm..kb.end_tile * bm, kb.k_start..kb.k_start + kb.k_rows);
+                            for i in 0..seqlen_q {
+                                let seen = keys.clone().any(|j| sees(i, j));
+                                assert!(!seen || rows.contains(&i), "{what}: key block {block} skips query {i}");
+                            }
+                            for q_start in rows.clone().step_by(bm) {
+                                let all =
+                                    (q_start..q_start + bm).all(|i| keys.clone().all(|j| i < seqlen_q && sees(i, j)));
+                                assert!(mask.tile_needs_mask(q_start, bm, kb.k_start, bn) || all, "{what}: {q_start}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_window_counts_only_its_visible_pairs() {
+        let shape =
+            AttentionShape { batch: 1, num_heads_q: 1, num_heads_kv: 1, seqlen_q: 100, seqlen_k: 100, head_dim: 64 };
+        let window = AttentionOptions::default().with_window(SlidingWindow::left(9));
+        // 10 keys for rows 9..100, 1..=9 for the first nine: 910 + 45 pairs of 10 000.
+        let expected = shape.forward_flops() * 955.0 / 10_000.0;
+        assert!((window.forward_flops(&shape) - expected).abs() < 1e-6 * expected);
+    }
 }

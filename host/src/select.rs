@@ -109,11 +109,9 @@ impl Target<'_> {
 
     /// The Hopper backward kernel that [`Context::flash_attention_backward`] runs in place of the
     /// sm_80 ones: on the sm_90a path, for `f16`/`bf16` and the head dimensions it has, when
-    /// `tile` is the built-in default ([`TileConfig::default_backward_for_dtype`]), for atomic
-    /// dQ; for [`DqAccumulation::Deterministic`] only where
-    /// [`HopperBackward::DETERMINISTIC_ENV`] is `1` (until the deterministic Hopper kernel has
-    /// been measured on a GPU, the sm_80 deterministic kernels stay the default; PERFORMANCE.md,
-    /// issue 23).
+    /// `tile` is the built-in default ([`TileConfig::default_backward_for_dtype`]), in either dQ
+    /// mode; [`HopperBackward::DETERMINISTIC_ENV`] `0` sends [`DqAccumulation::Deterministic`]
+    /// to the sm_80 deterministic kernels instead (PERFORMANCE.md, issue 23, compares them).
     ///
     /// [`Context::flash_attention_backward`]: crate::Context::flash_attention_backward
     pub(crate) fn hopper_backward(
@@ -125,7 +123,7 @@ impl Target<'_> {
     ) -> Option<&'static HopperInstance> {
         let wanted = self.path == KernelPath::Sm90a
             && tile == TileConfig::default_backward_for_dtype(dtype, head_dim)
-            && (dq == DqAccumulation::Atomic || deterministic_hopper_override());
+            && (dq == DqAccumulation::Atomic || !sm80_deterministic_override());
         wanted.then(|| HopperBackward::for_problem(dtype, head_dim, dq).ok()).flatten()
     }
 
@@ -415,10 +413,10 @@ fn persistent_override() -> Option<bool> {
     })
 }
 
-/// Whether [`HopperBackward::DETERMINISTIC_ENV`] is `1`, read once.
-fn deterministic_hopper_override() -> bool {
+/// Whether [`HopperBackward::DETERMINISTIC_ENV`] is `0`, read once.
+fn sm80_deterministic_override() -> bool {
     static OVERRIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OVERRIDE.get_or_init(|| std::env::var(HopperBackward::DETERMINISTIC_ENV).as_deref() == Ok("1"))
+    *OVERRIDE.get_or_init(|| std::env::var(HopperBackward::DETERMINISTIC_ENV).as_deref() == Ok("0"))
 }
 
 /// [`HopperForward::BLOCK_M_ENV`], read once.
@@ -438,10 +436,10 @@ impl HopperBackward {
     /// Threads per block: a producer and two consumer warpgroups.
     pub(crate) const THREADS: usize = 384;
 
-    /// The environment variable that lets [`Context::flash_attention_backward`] run the
-    /// deterministic Hopper kernel for [`DqAccumulation::Deterministic`] on the sm_90a path:
-    /// `1`; otherwise that mode runs the sm_80 deterministic kernels. (The kernel itself is
-    /// [`Context::flash_attention_backward_hopper`]'s with a deterministic `dq`.)
+    /// The environment variable that makes [`Context::flash_attention_backward`] run
+    /// [`DqAccumulation::Deterministic`] on the sm_80 deterministic kernels on the sm_90a path
+    /// too: `0` (a fallback and a point of comparison). Otherwise that mode runs the deterministic
+    /// Hopper kernel, [`Context::flash_attention_backward_hopper`]'s with a deterministic `dq`.
     ///
     /// [`Context::flash_attention_backward`]: crate::Context::flash_attention_backward
     /// [`Context::flash_attention_backward_hopper`]: crate::Context::flash_attention_backward_hopper

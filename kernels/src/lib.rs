@@ -109,7 +109,7 @@ macro_rules! kernel {
 /// kernel of every tier takes appended after its own, in this order:
 ///
 /// `batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim` (rebuilt into the body's
-/// [`layout::AttentionShape`]), `causal, causal_offset` (rebuilt into its
+/// [`layout::AttentionShape`]), `causal, causal_offset, window_offset` (rebuilt into its
 /// [`attention::mask::Mask`]) and the scale (`f32`, named by the caller: the forward kernels take
 /// `scale · log₂e`, the others `scale`). They arrive as plain integers rather than as structs:
 /// rustc warns that structs passed by value to `extern "gpu-kernel"` functions may not match what
@@ -133,10 +133,11 @@ macro_rules! attention_kernel {
             head_dim: usize,
             causal: usize,
             causal_offset: isize,
+            window_offset: isize,
             $scale: f32,
         ) {
             let $shape = $crate::layout::AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
-            let $mask = $crate::attention::mask::Mask::from_args(seqlen_q, seqlen_k, causal, causal_offset);
+            let $mask = $crate::attention::mask::Mask::from_args(seqlen_q, seqlen_k, causal, causal_offset, window_offset);
             $body
         }
         }

@@ -1,5 +1,5 @@
 //! Launches every kernel of the PTX module once, at small shapes chosen to be awkward (ragged
-//! tails in both sequence lengths, a causal mask with seqlen_q ≠ seqlen_k, a GQA group), and
+//! tails in both sequence lengths, a causal mask with seqlen_q ≠ seqlen_k or a sliding window, a GQA group), and
 //! checks every result against the CPU reference. It is the workload of `scripts/sanitize`
 //! (compute-sanitizer's memcheck, racecheck, synccheck and initcheck), and a quick smoke test for
 //! a new GPU. It fails unless it has launched every kernel the registry lists.
@@ -57,9 +57,9 @@ fn run() -> Result<()> {
     within("vector_add", relative_l2_error(&c, &cpu::vector_add(&a, &b)?), 1e-7)?;
     launched.insert(entry::VECTOR_ADD_F32);
 
-    for head_dim in TileConfig::compiled_head_dims_for(DType::F32) {
+    for (i, head_dim) in TileConfig::compiled_head_dims_for(DType::F32).into_iter().enumerate() {
         let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q: 37, seqlen_k: 45, head_dim };
-        let options = AttentionOptions::causal(Causal::BottomRight);
+        let options = mask(i);
         let host = [shape.q_shape(), shape.kv_shape(), shape.kv_shape(), shape.q_shape()]
             .iter()
             .enumerate()
@@ -72,7 +72,7 @@ fn run() -> Result<()> {
             ctx.upload(v, &shape.kv_shape())?,
             ctx.upload(d_o, &shape.q_shape())?,
         );
-        let params = cpu::Params { scale: options.scale_for(head_dim) as f64, causal: options.causal };
+        let params = cpu::Params::of(&options, head_dim);
         let forward = cpu::attention(q, k, v, &shape, params)?;
         let backward = cpu::attention_backward(q, k, v, d_o, &shape, params)?;
         let check_forward = |what: &str, out: &attn_host::AttentionOutput| -> Result<()> {
@@ -133,6 +133,17 @@ fn run() -> Result<()> {
     Ok(())
 }
 
+/// The mask of the `i`-th case: a bottom-right causal mask, or every other case a sliding
+/// window of 7 keys before and 3 after the diagonal (on 37 × 45, narrower than every key tile,
+/// so that tiles are skipped at both ends).
+fn mask(i: usize) -> AttentionOptions {
+    if i % 2 == 0 {
+        AttentionOptions::causal(Causal::BottomRight)
+    } else {
+        AttentionOptions::default().with_window(attn_host::SlidingWindow::new(Some(7), Some(3)))
+    }
+}
+
 /// Every tensor-core instance for `T` (forward tiles, backward tiles in both dQ modes), with the
 /// preprocessing and dQ-conversion kernels, on the same awkward shape, checked against the CPU
 /// reference on the rounded inputs at the tolerances of the tests.
@@ -142,9 +153,9 @@ fn tensor_core_kernels<T: Element>(ctx: &Context, launched: &mut BTreeSet<&'stat
     // Each compiled head_dim runs its exact instances, and 3 less its padded ones (with rows that
     // are not 16-byte aligned, the hardest case of the padded copies).
     let head_dims = TileConfig::compiled_head_dims_for(dtype).into_iter().flat_map(|d| [d, d - 3]);
-    for head_dim in head_dims {
+    for (i, head_dim) in head_dims.enumerate() {
         let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q: 37, seqlen_k: 45, head_dim };
-        let options = AttentionOptions::causal(Causal::BottomRight);
+        let options = mask(i);
         let shapes = [shape.q_shape(), shape.kv_shape(), shape.kv_shape(), shape.q_shape()];
         let host: Vec<Vec<f32>> = shapes
             .iter()
@@ -154,7 +165,7 @@ fn tensor_core_kernels<T: Element>(ctx: &Context, launched: &mut BTreeSet<&'stat
         let device: Vec<DeviceTensor<T>> =
             (0..4).map(|i| ctx.upload(&from_f32_slice::<T>(&host[i]), &shapes[i])).collect::<Result<_>>()?;
         let (q, k, v, d_o) = (&device[0], &device[1], &device[2], &device[3]);
-        let params = cpu::Params { scale: options.scale_for(head_dim) as f64, causal: options.causal };
+        let params = cpu::Params::of(&options, head_dim);
         let forward = cpu::attention(&host[0], &host[1], &host[2], &shape, params)?;
         let backward = cpu::attention_backward(&host[0], &host[1], &host[2], &host[3], &shape, params)?;
         let widened = |t: &DeviceTensor<T>| t.to_host().map(|x| to_f32_vec(&x));
@@ -241,7 +252,7 @@ fn decoder_kernels<T: Element>(
                 }
             }
         }
-        let params = cpu::Params { scale: 1.0 / (d as f64).sqrt(), causal: Causal::BottomRight };
+        let params = cpu::Params { scale: 1.0 / (d as f64).sqrt(), causal: Causal::BottomRight, window: None };
         let reference = cpu::decode(&q_logical, &seqs, (hq, hkv, sq, d), params)?;
         let upload = |x: &[f32], s: usize, h: usize| ctx.upload(&from_f32_slice::<T>(x), &layout.shape(batch, s, h, d));
         let (qd, kn, vn) = (upload(&q, sq, hq)?, upload(&k_new, new, hkv)?, upload(&v_new, new, hkv)?);

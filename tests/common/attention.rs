@@ -77,7 +77,7 @@ impl Problem {
     }
 
     pub fn params(&self, options: &AttentionOptions) -> cpu::Params {
-        cpu::Params { scale: options.scale_for(self.shape.head_dim) as f64, causal: options.causal }
+        cpu::Params::of(options, self.shape.head_dim)
     }
 }
 

@@ -103,8 +103,6 @@ extern "C" fn print_tally() {
     let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }
 
-/// proptest settings for GPU tests: enough cases to cover the shape space, no regression files
-/// written next to the sources (the bundled binaries run far from them).
 /// A head_dim from the whole range the flash forward takes (1 to 256): half the time one that
 /// models run or that sits awkwardly between the compiled ones (odd, not a multiple of 8, just
 /// past a compiled one), otherwise any.
@@ -117,6 +115,24 @@ pub fn head_dims() -> impl proptest::strategy::Strategy<Value = usize> {
     ]
 }
 
+/// A sliding window for property tests: none half the time; otherwise each side open or 0 to
+/// 300 keys (windows narrower than a tile and wider than several), either alignment.
+#[allow(dead_code)] // not every test binary draws windows
+pub fn windows() -> impl proptest::strategy::Strategy<Value = Option<attn_host::SlidingWindow>> {
+    use proptest::prelude::*;
+    let side = prop_oneof![Just(None), (0usize..=300).prop_map(Some)];
+    prop_oneof![
+        Just(None),
+        (side.clone(), side, any::<bool>()).prop_map(|(left, right, bottom_right)| Some(attn_host::SlidingWindow {
+            left,
+            right,
+            bottom_right
+        })),
+    ]
+}
+
+/// proptest settings for GPU tests: enough cases to cover the shape space, no regression files
+/// written next to the sources (the bundled binaries run far from them).
 pub fn gpu_proptest_config(cases: u32) -> Config {
     Config { cases, failure_persistence: None, ..Config::default() }
 }

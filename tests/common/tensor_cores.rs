@@ -106,7 +106,8 @@ pub fn check16<T: Element>(
     let (o_tolerance, grad_tolerance) = tolerances(dtype);
     let problem = Problem16::<T>::new(ctx, shape, seed, inputs);
     let [q, k, v, d_o] = &problem.host;
-    let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal };
+    let params =
+        cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal, window: options.window };
     let fwd = problem.forward(ctx, tile, &options);
     let reference = cpu::attention(q, k, v, &shape, params).unwrap();
     let o = to_f32_vec(&fwd.o.to_host().unwrap());

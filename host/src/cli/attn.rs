@@ -88,6 +88,11 @@ pub struct Args {
     /// Causal mask.
     #[arg(long, value_enum, default_value_t = CausalArg::None)]
     pub causal: CausalArg,
+    /// Sliding window LEFT,RIGHT (FlashAttention's window_size, aligned bottom-right): each
+    /// query sees LEFT keys before its diagonal and RIGHT after; -1 leaves a side open. Combines
+    /// with --causal (a key must pass both). Mistral's window of 4096: --window 4095,0.
+    #[arg(long, allow_hyphen_values = true)]
+    pub window: Option<super::WindowArg>,
     /// Softmax scale; default 1/sqrt(head_dim).
     #[arg(long, allow_negative_numbers = true)]
     pub scale: Option<f32>,
@@ -323,7 +328,12 @@ pub fn run(args: &Args) -> Result<()> {
             "the naive kernels take f32 only; for {dtype} use --kernel flash (the tensor-core kernels), or --dtype f32"
         )));
     }
-    let options = AttentionOptions { scale: args.scale, causal: args.causal.into(), ..Default::default() };
+    let options = AttentionOptions {
+        scale: args.scale,
+        causal: args.causal.into(),
+        window: args.window.map(|w| w.0),
+        ..Default::default()
+    };
     options.checked_scale(shape.head_dim)?;
     if let Some(out) = &args.out {
         io::check_output_path(out)?;
@@ -382,7 +392,7 @@ pub fn run(args: &Args) -> Result<()> {
     match &ctx {
         Some(ctx) if !ctx.is_emulated() => println!(
             "time: median of {repeats} runs after {warmup} warm-up runs (CUDA events); TFLOP/s counts the forward as \
-             4·B·Hq·Sq·Sk·D (half with a causal mask) and the backward as 2.5× that"
+             4·B·Hq·Sq·Sk·D (half with a causal mask; with a window, on the visible pairs) and the backward as 2.5× that"
         ),
         _ => println!("time: one run, host clock"),
     }
@@ -409,7 +419,7 @@ fn print_problem(inputs: &Inputs, shape: &AttentionShape, dtype: DType, args: &A
     let s = shape;
     let converted = if inputs.all().any(|i| i.tensor.dtype() != dtype) { " (inputs rounded to it)" } else { "" };
     println!(
-        "problem [B, Hq, Hkv, Sq, Sk, D] = [{}, {}, {}, {}, {}, {}], {dtype}{converted}, causal {}, scale {}",
+        "problem [B, Hq, Hkv, Sq, Sk, D] = [{}, {}, {}, {}, {}, {}], {dtype}{converted}, causal {}{}, scale {}",
         s.batch,
         s.num_heads_q,
         s.num_heads_kv,
@@ -417,6 +427,10 @@ fn print_problem(inputs: &Inputs, shape: &AttentionShape, dtype: DType, args: &A
         s.seqlen_k,
         s.head_dim,
         args.causal.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string()),
+        args.window.map_or_else(String::new, |w| {
+            let side = |x: Option<usize>| x.map_or("-1".to_string(), |n| n.to_string());
+            format!(", window {},{}", side(w.0.left), side(w.0.right))
+        }),
         AttentionOptions { scale: args.scale, ..Default::default() }.scale_for(s.head_dim)
     );
 }
@@ -524,7 +538,8 @@ fn cpu_rows(
     flops: f64,
 ) -> Result<Vec<Row>> {
     let values: Vec<Vec<f32>> = rounded.iter().map(HostTensor::to_f32).collect();
-    let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal };
+    let params =
+        cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal, window: options.window };
     let start = Instant::now();
     let forward = cpu::attention(&values[0], &values[1], &values[2], shape, params)?;
     let forward_ms = start.elapsed().as_secs_f64() * 1e3;
@@ -566,7 +581,8 @@ fn check(
 ) -> Result<Vec<Checked>> {
     let tolerance = Tolerance::of(dtype);
     let values: Vec<Vec<f32>> = rounded.iter().map(HostTensor::to_f32).collect();
-    let params = cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal };
+    let params =
+        cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal, window: options.window };
     let forward = cpu::attention(&values[0], &values[1], &values[2], shape, params)?;
     let backward = match values.get(3) {
         Some(d_o) => Some(cpu::attention_backward(&values[0], &values[1], &values[2], d_o, shape, params)?),

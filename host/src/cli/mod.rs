@@ -87,6 +87,28 @@ impl From<CausalArg> for Causal {
     }
 }
 
+/// `--window LEFT,RIGHT`: a sliding window as FlashAttention's `window_size` (aligned
+/// bottom-right; −1 leaves a side open), e.g. `4095,0` for Mistral's causal window of 4096.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WindowArg(pub crate::SlidingWindow);
+
+impl std::str::FromStr for WindowArg {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let side = |x: &str| -> std::result::Result<Option<usize>, String> {
+            match x.trim().parse::<i64>() {
+                Ok(-1) => Ok(None),
+                Ok(n) if n >= 0 => Ok(Some(n as usize)),
+                _ => Err(format!("{x:?} is not a window side: a count of keys (0 or more), or -1 for all")),
+            }
+        };
+        match s.split_once(',') {
+            Some((left, right)) => Ok(Self(crate::SlidingWindow::new(side(left)?, side(right)?))),
+            None => Err(format!("{s:?} is not LEFT,RIGHT (e.g. 4095,0; -1 leaves a side open)")),
+        }
+    }
+}
+
 /// Entry point of the `rust-attention` binary.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();

@@ -326,7 +326,11 @@ pub fn attention(
 
 fn cpu_attention(qkv: &Qkv, options: &AttentionOptions) -> Result<AttentionRows> {
     let start = Instant::now();
-    let params = cpu::Params { scale: options.checked_scale(qkv.shape.head_dim)? as f64, causal: options.causal };
+    let params = cpu::Params {
+        scale: options.checked_scale(qkv.shape.head_dim)? as f64,
+        causal: options.causal,
+        window: options.window,
+    };
     let reference = cpu::attention(&qkv.q, &qkv.k, &qkv.v, &qkv.shape, params)?;
     let ms = start.elapsed().as_secs_f64() * 1e3;
     let narrow = |x: &[f64]| x.iter().map(|&v| v as f32).collect();

@@ -8,22 +8,30 @@
 //!
 //! | kind | what the kernels do | how they know |
 //! |---|---|---|
-//! | hidden: no query of the tile sees any key of it | never load it | [`KeyRange::tiles`], [`Mask::first_query_seeing`] |
+//! | hidden: no query of the tile sees any key of it | never load it | [`KeyRange::first_tile`], [`KeyRange::tiles`], [`Mask::first_query_seeing`], [`Mask::query_end_seeing`] |
 //! | fully visible | no mask | [`KeyRange::needs_mask`] false, [`Mask::all_visible`] true |
-//! | partial (the causal diagonal, the ragged end of the keys, padding query rows) | mask element by element | [`KeyRange::needs_mask`], [`Mask::tile_needs_mask`], [`Mask::visible`] |
+//! | partial (the causal diagonal, a window's edges, the ragged end of the keys, padding query rows) | mask element by element | [`KeyRange::needs_mask`], [`Mask::tile_needs_mask`], [`Mask::visible`] |
 //!
-//! A new kind of mask is a change here (its `key_limit` and `first_query_seeing` answers), in
-//! the kernel-argument list of `attention_kernel!` (`lib.rs`), and on the host.
+//! What a query sees is a band: keys from `key_start(query)` up to (not including)
+//! `key_limit(query)`, both non-decreasing in the query. That one shape covers no mask, both
+//! causal alignments and sliding windows (local attention, Beltagy et al. 2020; Mistral, Gemma),
+//! and it is what lets whole tiles be skipped from both ends. A new kind of band is a change
+//! here, in the kernel-argument list of `attention_kernel!` (`lib.rs`), and on the host
+//! (`ProblemArgs`).
 
 // ANCHOR: mask
-/// Which keys each query may attend to (causal masking), and the sequence bounds.
+/// Which keys each query may attend to, and the sequence bounds.
 ///
-/// Key `j` is visible to query `i` iff `j < key_limit(i)`:
+/// Key `j` is visible to query `i` iff `key_start(i) ≤ j < key_limit(i)`:
 ///
-/// * not causal: every key, `key_limit(i) = seqlen_k`;
-/// * causal: keys `j ≤ i + offset`, where `offset = 0` aligns the mask to the top-left corner
-///   (PyTorch's `is_causal`) and `offset = seqlen_k − seqlen_q` to the bottom-right corner
-///   (FlashAttention ≥ 2.1). The host computes the offset.
+/// * upper edge: with `causal`, keys `j ≤ i + offset`, where `offset = 0` aligns the mask to the
+///   top-left corner (PyTorch's `is_causal`) and `offset = seqlen_k − seqlen_q` to the
+///   bottom-right corner (FlashAttention ≥ 2.1); a sliding window's right edge moves it further
+///   right. Without `causal`, every key up to `seqlen_k`.
+/// * lower edge: keys `j ≥ i + start_offset`, a sliding window's left edge; `start_offset =`
+///   [`Mask::NO_LEFT_EDGE`] when there is none. The host computes both offsets, and with
+///   `causal` never a `start_offset` above `offset` (so every row's band, before clamping to
+///   the sequence, holds at least its diagonal key).
 ///
 /// Queries at or past `seqlen_q` (padding rows of the last tile) see no key at all.
 #[derive(Clone, Copy)]
@@ -32,14 +40,28 @@ pub struct Mask {
     pub seqlen_k: usize,
     pub causal: bool,
     pub offset: isize,
+    pub start_offset: isize,
 }
 
 impl Mask {
-    /// The mask as kernels receive it: the sequence lengths, `causal` (0 or 1) and the causal
-    /// offset (see the type's docs).
+    /// `start_offset` of a mask without a left edge: far enough below zero that `query +
+    /// start_offset` is negative for every query, and far enough above `isize::MIN` that no sum
+    /// of it overflows.
+    pub const NO_LEFT_EDGE: isize = isize::MIN / 4;
+
+    /// The mask as kernels receive it: the sequence lengths, `causal` (0 or 1), the causal
+    /// offset and the left edge's offset (see the type's docs).
     #[inline(always)]
-    pub fn from_args(seqlen_q: usize, seqlen_k: usize, causal: usize, offset: isize) -> Self {
-        Self { seqlen_q, seqlen_k, causal: causal != 0, offset }
+    pub fn from_args(seqlen_q: usize, seqlen_k: usize, causal: usize, offset: isize, start_offset: isize) -> Self {
+        Self { seqlen_q, seqlen_k, causal: causal != 0, offset, start_offset }
+    }
+
+    /// The first key query `query` sees (keys before it are left of its window); `seqlen_k` at
+    /// most. Non-decreasing in `query`. Padding rows get the same formula (they see nothing
+    /// anyway: their `key_limit` is 0), which keeps it monotone across the sequence's end.
+    #[inline(always)]
+    pub fn key_start(&self, query: usize) -> usize {
+        (query as isize + self.start_offset).clamp(0, self.seqlen_k as isize) as usize
     }
 
     /// Number of keys query `query` sees: keys `0 .. key_limit(query)`. Non-decreasing in
@@ -68,17 +90,33 @@ impl Mask {
         }
     }
 
+    /// The end of the queries that see `key` (`0` if none does): queries at or past it have
+    /// their window's left edge beyond the key, and a block that owns this key can stop there.
+    #[inline(always)]
+    pub fn query_end_seeing(&self, key: usize) -> usize {
+        // key ≥ query + start_offset  ⇔  query ≤ key − start_offset
+        (key as isize - self.start_offset + 1).clamp(0, self.seqlen_q as isize) as usize
+    }
+
     /// Whether `key` is visible to `query`.
     #[inline(always)]
     pub fn visible(&self, query: usize, key: usize) -> bool {
-        key < self.key_limit(query)
+        self.key_start(query) <= key && key < self.key_limit(query)
     }
 
     /// The keys that query rows `q_start .. q_start + q_rows` (`q_rows ≥ 1`) visit.
     #[inline(always)]
     pub fn keys_for(&self, q_start: usize, q_rows: usize) -> KeyRange {
-        // The last row of the block sees the most keys, the first row the fewest.
-        KeyRange { end: self.key_limit(q_start + q_rows - 1), all_see: self.key_limit(q_start) }
+        // The last row of the block sees the most keys on the right and the first row the most
+        // on the left; the keys every row sees lie between the first row's limit and the last
+        // row's start.
+        let last = q_start + q_rows - 1;
+        KeyRange {
+            begin: self.key_start(q_start),
+            end: self.key_limit(last),
+            all_from: self.key_start(last),
+            all_see: self.key_limit(q_start),
+        }
     }
 
     /// Whether the tile of queries `q_start .. q_start + block_m` and keys `k_start .. k_start +
@@ -87,41 +125,58 @@ impl Mask {
     /// results that are stored (dK and dV sum over query rows).
     #[inline(always)]
     pub fn tile_needs_mask(&self, q_start: usize, block_m: usize, k_start: usize, block_n: usize) -> bool {
-        q_start + block_m > self.seqlen_q || k_start + block_n > self.key_limit(q_start)
+        q_start + block_m > self.seqlen_q || !self.all_visible(q_start, block_m, k_start, block_n)
     }
 
-    /// Whether query `q_start` — and so, the limit being non-decreasing, every later query of
-    /// a tile — sees all of keys `k_start .. k_start + keys`.
+    /// Whether every query of `q_start .. q_start + q_rows` (padding rows included, by the
+    /// formulas) sees all of keys `k_start .. k_start + keys`: the first query's limit is past
+    /// them and the last query's start before them (both edges being non-decreasing).
     #[inline(always)]
-    pub fn all_visible(&self, q_start: usize, k_start: usize, keys: usize) -> bool {
-        self.key_limit(q_start) >= k_start + keys
+    pub fn all_visible(&self, q_start: usize, q_rows: usize, k_start: usize, keys: usize) -> bool {
+        self.key_limit(q_start) >= k_start + keys && self.key_start(q_start + q_rows - 1) <= k_start
     }
 }
 // ANCHOR_END: mask
 
-/// The keys a block of query rows visits ([`Mask::keys_for`]): `0 .. end`, of which
-/// `0 .. all_see` are seen by every row of the block.
+/// The keys a block of query rows visits ([`Mask::keys_for`]): `begin .. end`, of which
+/// `all_from .. all_see` are seen by every row of the block.
 #[derive(Clone, Copy)]
 pub struct KeyRange {
+    /// Keys before `begin` are hidden from every row (left of every window).
+    pub begin: usize,
     /// Keys at or past `end` are hidden from every row: their tiles are never loaded.
     pub end: usize,
-    /// Keys before `all_see` are visible to every row.
+    /// Keys from `all_from` to `all_see` are visible to every row.
+    pub all_from: usize,
     pub all_see: usize,
 }
 
 impl KeyRange {
-    /// Key tiles of `block_n` keys to visit (tiles `0 .. tiles`).
+    /// The first key tile of `block_n` keys to visit.
     #[inline(always)]
-    pub fn tiles(self, block_n: usize) -> usize {
-        self.end.div_ceil(block_n)
+    pub fn first_tile(self, block_n: usize) -> usize {
+        self.begin / block_n
     }
 
-    /// Whether the key tile starting at `k_start` crosses some row's key limit (the causal
-    /// diagonal, the ragged end of the keys) and so pays for the per-element mask. Padding
-    /// query rows are not counted: kernels whose padding rows never reach a stored result use
-    /// this test.
+    /// Key tiles of `block_n` keys to visit: tiles `first_tile .. first_tile + tiles` (none when
+    /// no row sees a key).
+    #[inline(always)]
+    pub fn tiles(self, block_n: usize) -> usize {
+        self.end.div_ceil(block_n).saturating_sub(self.first_tile(block_n))
+    }
+
+    /// The first key of the `i`-th tile visited.
+    #[inline(always)]
+    pub fn tile_start(self, i: usize, block_n: usize) -> usize {
+        (self.first_tile(block_n) + i) * block_n
+    }
+
+    /// Whether the key tile starting at `k_start` crosses some row's key limit or key start
+    /// (the causal diagonal, a window's edges, the ragged end of the keys) and so pays for the
+    /// per-element mask. Padding query rows are not counted: kernels whose padding rows never
+    /// reach a stored result use this test.
     #[inline(always)]
     pub fn needs_mask(self, k_start: usize, block_n: usize) -> bool {
-        k_start + block_n > self.all_see
+        k_start + block_n > self.all_see || k_start < self.all_from
     }
 }

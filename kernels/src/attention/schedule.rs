@@ -149,8 +149,14 @@ pub struct KeyBlock {
     pub group: usize,
     /// The first query that sees a key of the block (causal masks skip the ones before).
     pub first_query: usize,
-    /// The query tile of that query, and the number of query tiles of a head.
+    /// The end of the queries that see a key of the block (a window's left edge skips the
+    /// ones from it on; `seqlen_q` without one). No query sees the block if it is at most
+    /// `first_query`.
+    pub query_end: usize,
+    /// The query tiles of `BLOCK_M` rows that hold those queries, `first_tile .. end_tile`,
+    /// and the number of query tiles of a head.
     pub first_tile: usize,
+    pub end_tile: usize,
     pub tiles: usize,
 }
 
@@ -165,9 +171,15 @@ impl KeyBlock {
     /// This block's keys in the Hopper backward's grid. Under a causal mask the first key blocks
     /// are seen by the most query tiles: the grid launches them first (longest first, see the
     /// module docs), by sections of key/value heads whose Q, dO and `f32` dQ add up to
-    /// [`BACKWARD_SECTION_BYTES`]. Without a mask it is the plain grid.
+    /// [`BACKWARD_SECTION_BYTES`]; with `shortest_first` (the deterministic backward under a
+    /// causal mask) each section runs its key blocks in the opposite order, last key block first.
+    /// Without a mask it is the plain grid.
     #[inline(always)]
-    pub fn hopper_backward<const BLOCK_M: usize, const BLOCK_N: usize>(shape: &AttentionShape, mask: &Mask) -> Self {
+    pub fn hopper_backward<const BLOCK_M: usize, const BLOCK_N: usize>(
+        shape: &AttentionShape,
+        mask: &Mask,
+        shortest_first: bool,
+    ) -> Self {
         let (x, y, z) = hw::block_idx();
         let (block, kv_head, batch) = if mask.causal {
             let blocks = shape.seqlen_k.div_ceil(BLOCK_N);
@@ -177,11 +189,21 @@ impl KeyBlock {
             let (rank, head) =
                 by_sections(linear, blocks, heads, heads_per_section(BACKWARD_SECTION_BYTES, head_bytes));
             let (batch, kv_head) = div_rem(head, shape.num_heads_kv);
-            (rank, kv_head, batch)
+            (if shortest_first { blocks - 1 - rank } else { rank }, kv_head, batch)
         } else {
             (x, y, z)
         };
         Self::new::<BLOCK_M, BLOCK_N>(shape, mask, block, kv_head, batch)
+    }
+
+    /// Key block `block` of head 0, for the host's tests of the schedule.
+    #[cfg(not(target_arch = "nvptx64"))]
+    pub fn new_for_tests<const BLOCK_M: usize, const BLOCK_N: usize>(
+        shape: &AttentionShape,
+        mask: &Mask,
+        block: usize,
+    ) -> Self {
+        Self::new::<BLOCK_M, BLOCK_N>(shape, mask, block, 0, 0)
     }
 
     #[inline(always)]
@@ -193,15 +215,23 @@ impl KeyBlock {
         batch: usize,
     ) -> Self {
         let k_start = block * BLOCK_N;
+        let k_rows = BLOCK_N.min(shape.seqlen_k - k_start);
         let first_query = mask.first_query_seeing(k_start);
+        let query_end = mask.query_end_seeing(k_start + k_rows - 1);
+        // A block that no query sees visits no tile (not the tile that holds row `seqlen_q`,
+        // whose rows would all be masked, and whose dQ it would then add to in some turn).
+        let (first_tile, end_tile) =
+            if first_query < query_end { (first_query / BLOCK_M, query_end.div_ceil(BLOCK_M)) } else { (0, 0) };
         Self {
             k_start,
-            k_rows: BLOCK_N.min(shape.seqlen_k - k_start),
+            k_rows,
             batch,
             kv_head,
             group: shape.group_size(),
             first_query,
-            first_tile: first_query / BLOCK_M,
+            query_end,
+            first_tile,
+            end_tile,
             tiles: shape.seqlen_q.div_ceil(BLOCK_M),
         }
     }
@@ -212,10 +242,10 @@ impl KeyBlock {
         ((self.batch * shape.num_heads_kv + self.kv_head) * shape.seqlen_k + self.k_start) * head_dim
     }
 
-    /// Query tiles visited per query head: tiles `first_tile .. tiles`.
+    /// Query tiles visited per query head: tiles `first_tile .. end_tile`.
     #[inline(always)]
     pub fn tiles_per_head(&self) -> usize {
-        self.tiles - self.first_tile
+        self.end_tile - self.first_tile
     }
 
     /// Query tiles visited in all: [`Self::tiles_per_head`] for each head of the group.

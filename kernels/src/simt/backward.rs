@@ -198,11 +198,12 @@ pub(crate) unsafe fn flash_backward_kv<
 
     let mut dk = [[F32x4::ZERO; DVEC]; KROWS];
     let mut dv = [[F32x4::ZERO; DVEC]; KROWS];
-    // Queries before `block.first_query` see none of this block's keys: their tiles are skipped.
+    // Queries before `block.first_query` or from `block.query_end` on see none of this block's
+    // keys: their tiles are skipped.
     for head in kv_head * block.group..(kv_head + 1) * block.group {
         let q_offset = shape.q_head_offset(batch, head);
         let row_offset = q_offset / d; // first query row of this head, in LSE and D
-        for q_start in (block.first_query..shape.seqlen_q).step_by(BLOCK_M) {
+        for q_start in (block.first_query..block.query_end).step_by(BLOCK_M) {
             let q_rows = BLOCK_M.min(shape.seqlen_q - q_start);
             // Nobody may still be reading the previous tiles.
             hw::sync_threads();
@@ -229,8 +230,8 @@ pub(crate) unsafe fn flash_backward_kv<
             // Pᵀ for this thread's key rows and query columns.
             let st = a_bt::<HEAD_DIM, KROWS, QCOLS>(k_tile, q_tile, first_key, lane);
             let mut pt = probabilities(st, scale_log2, |_, j| stats.load(0, lane + LANES * j));
-            // Tiles where some query cannot see some key (the causal diagonal, the ragged ends)
-            // pay for the per-element mask.
+            // Tiles where some query cannot see some key (the causal diagonal, a window's edges,
+            // the ragged ends) pay for the per-element mask.
             if mask.tile_needs_mask(q_start, BLOCK_M, kv_start, BLOCK_N) {
                 mask_tile(&mut pt, first_key, lane, 0.0, |r, c| mask.visible(q_start + c, kv_start + r));
             }
@@ -344,7 +345,7 @@ pub(crate) unsafe fn flash_backward_q<
 
     let mut dq = [[F32x4::ZERO; DVEC]; ROWS];
     let keys = mask.keys_for(q_start, q_rows);
-    for kv_start in (0..keys.end).step_by(BLOCK_N) {
+    for kv_start in (keys.tile_start(0, BLOCK_N)..keys.end).step_by(BLOCK_N) {
         // SAFETY: rows kv_start .. of this head exist; the first barrier inside also publishes Q
         // and dO on the first trip.
         unsafe {

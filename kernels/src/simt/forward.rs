@@ -117,9 +117,10 @@ pub(crate) unsafe fn flash_forward<
     let mut acc = [[F32x4::ZERO; DVEC]; ROWS];
 
     // ANCHOR: main_loop
-    // Keys past `keys.end` are hidden from every row (never loaded).
+    // Keys before the first tile of `keys.begin` or past `keys.end` are hidden from every row
+    // (never loaded).
     let keys = mask.keys_for(q_start, q_rows);
-    for kv_start in (0..keys.end).step_by(BLOCK_N) {
+    for kv_start in (keys.tile_start(0, BLOCK_N)..keys.end).step_by(BLOCK_N) {
         // Rows past the end of the sequence are zero-filled: their scores are masked to −∞
         // below, and a zero V row keeps 0 · (uninitialised shared memory, possibly NaN) out.
         // The first barrier inside also publishes Q on the first trip.
@@ -137,8 +138,8 @@ pub(crate) unsafe fn flash_forward<
         }
 
         let mut s = a_bt::<HEAD_DIM, ROWS, COLS>(q_tile, k_tile, first_row, lane).map(|r| r.map(|x| x * scale_log2));
-        // Only tiles that cross some row's key limit (the causal diagonal, the ragged end of
-        // the keys) pay for the per-element mask.
+        // Only tiles that cross some row's key limit or start (the causal diagonal, a window's
+        // edges, the ragged end of the keys) pay for the per-element mask.
         let masked = keys.needs_mask(kv_start, BLOCK_N);
         if masked {
             mask_tile(&mut s, first_row, lane, f32::NEG_INFINITY, |r, c| mask.visible(q_start + r, kv_start + c));

@@ -301,7 +301,8 @@ pub(crate) unsafe fn flash_backward_kv_mma<
     };
 
     // The work list: every query tile, of every query head of the group, that sees some key of
-    // this block (under a causal mask the tiles before `block.first_tile` see none of them).
+    // this block (tiles before `block.first_tile`, under a causal mask, and from
+    // `block.end_tile` on, past a window's left edge, see none of them).
     let steps = block.steps();
     // (query head, first query) of step `i`.
     let step = |i: usize| {
@@ -345,8 +346,8 @@ pub(crate) unsafe fn flash_backward_kv_mma<
         let (head, q_start) = step(i);
         let (q_tile, do_tile, stats_row) = slot(i);
 
-        // Tiles where some query cannot see some key (the causal diagonal, the ragged ends) pay
-        // for the per-element mask; it also zeroes padding queries and queries that see no key
+        // Tiles where some query cannot see some key (the causal diagonal, a window's edges, the
+        // ragged ends) pay for the per-element mask; it also zeroes padding queries and queries that see no key
         // (whose LSE is −∞, which would make P infinite).
         let masked = mask.tile_needs_mask(q_start, BLOCK_M, kv_start, BLOCK_N);
         // The tile's queries, 16 at a time: a chunk's Q and dO fragments are read from shared
@@ -543,7 +544,8 @@ pub(crate) unsafe fn flash_backward_q_mma<
     let padded = q_start + BLOCK_M > shape.seqlen_q;
     // SAFETY: the host sized the grid, so this head exists.
     let kv_heads = unsafe { (x.k.add(block.kv_offset), x.v.add(block.kv_offset)) };
-    let ring = KvRing::<BLOCK_N, HEAD_DIM, STAGES>::new(kv_ring, kv_heads, (shape.seqlen_k, d), kv_tiles, threads);
+    let tiles = (keys.first_tile(BLOCK_N), kv_tiles);
+    let ring = KvRing::<BLOCK_N, HEAD_DIM, STAGES>::new(kv_ring, kv_heads, (shape.seqlen_k, d), tiles, threads);
 
     // SAFETY: rows q_start .. q_start + q_rows of this head exist.
     unsafe {
@@ -573,7 +575,7 @@ pub(crate) unsafe fn flash_backward_q_mma<
     let mut acc = [[0.0f32; 4]; D_TILES];
     for tile in 0..kv_tiles {
         let (k_tile, v_tile) = ring.advance(tile);
-        let kv_start = tile * BLOCK_N;
+        let kv_start = keys.tile_start(tile, BLOCK_N);
 
         // Masked as in the forward pass, and wherever the block has padding rows: a hidden or
         // padding entry gets P = 0.

@@ -192,7 +192,7 @@ unsafe fn decode_forward<
         s.capacity
     };
     let offset = if s.bottom_right != 0 { seqlen_k as isize - s.seqlen_q as isize } else { 0 };
-    let mask = Mask::from_args(s.seqlen_q, seqlen_k, s.causal, offset);
+    let mask = Mask::from_args(s.seqlen_q, seqlen_k, s.causal, offset, Mask::NO_LEFT_EDGE);
     // The keys the block's rows visit, as for a block of consecutive queries from its first
     // query to its last.
     let (first_query, last_query) = rows.query_span();

@@ -123,11 +123,12 @@ pub(crate) unsafe fn flash_forward_mma<
     } else {
         smem.tile16(BLOCK_M, stride)
     };
-    // Keys past `keys.end` are hidden from every row (never loaded).
+    // Keys before the first tile of `keys.begin` or past `keys.end` are hidden from every row
+    // (never loaded).
     let keys = mask.keys_for(q_start, q_rows);
     let kv_tiles = keys.tiles(BLOCK_N);
-    let ring =
-        KvRing::<BLOCK_N, HEAD_DIM, STAGES>::new(kv_ring, (k_head, v_head), (shape.seqlen_k, d), kv_tiles, threads);
+    let kv = ((k_head, v_head), (shape.seqlen_k, d), (keys.first_tile(BLOCK_N), kv_tiles));
+    let ring = KvRing::<BLOCK_N, HEAD_DIM, STAGES>::new(kv_ring, kv.0, kv.1, kv.2, threads);
 
     // Prologue: Q travels in the first group, with K/V tile 0; tiles 1 .. STAGES − 1 follow.
     // SAFETY: rows q_start .. q_start + q_rows of this head exist.
@@ -147,7 +148,7 @@ pub(crate) unsafe fn flash_forward_mma<
     let mut acc = [[[0.0f32; 4]; D_TILES]; WARP_TILES];
     for tile in 0..kv_tiles {
         let (k_tile, v_tile) = ring.advance(tile);
-        let kv_start = tile * BLOCK_N;
+        let kv_start = keys.tile_start(tile, BLOCK_N);
 
         // S = Q·Kᵀ for the warp's rows and the tile's BLOCK_N keys; each K fragment read from
         // shared memory serves every m-tile of the warp.
@@ -163,8 +164,8 @@ pub(crate) unsafe fn flash_forward_mma<
                 }
             }
         }
-        // Only tiles that cross some row's key limit (the causal diagonal, the ragged end of the
-        // keys) pay for the per-element mask.
+        // Only tiles that cross some row's key limit or start (the causal diagonal, a window's
+        // edges, the ragged end of the keys) pay for the per-element mask.
         if keys.needs_mask(kv_start, BLOCK_N) {
             for r in 0..WARP_TILES {
                 let first = (q_start + warp_row + 16 * r, kv_start);

@@ -73,7 +73,8 @@ impl RingScope for WarpScope {
 }
 
 /// Consecutive key tiles of one head of a `[batch, heads, seqlen_k, head_dim]` tensor: tile `i`
-/// is keys `i·BLOCK_N ..`, rows `head_dim` elements apart.
+/// is keys `(first_tile + i)·BLOCK_N ..` (the first tile a window's left edge leaves; 0 without
+/// one), rows `head_dim` elements apart.
 #[derive(Clone, Copy)]
 pub struct HeadRows<const BLOCK_N: usize> {
     /// This head's K and V in global memory (16-bit elements, rows of `head_dim ≤ HEAD_DIM`:
@@ -83,12 +84,13 @@ pub struct HeadRows<const BLOCK_N: usize> {
     pub v_head: *const u16,
     pub seqlen_k: usize,
     pub head_dim: usize,
+    pub first_tile: usize,
 }
 
 impl<const BLOCK_N: usize> KvSource for HeadRows<BLOCK_N> {
     #[inline(always)]
     unsafe fn tile(self, i: usize) -> (*const u16, *const u16, usize) {
-        let kv_start = i * BLOCK_N;
+        let kv_start = (self.first_tile + i) * BLOCK_N;
         let valid = BLOCK_N.min(self.seqlen_k - kv_start);
         let rows = kv_start * self.head_dim;
         // SAFETY: tile `i` starts inside the head (the caller's contract).
@@ -127,17 +129,18 @@ pub struct KvRing<
 }
 
 impl<const BLOCK_N: usize, const HEAD_DIM: usize, const STAGES: usize> KvRing<BLOCK_N, HEAD_DIM, STAGES> {
-    /// The block's ring over key tiles `0 .. tiles` of one head (`k_head`, `v_head`, rows of
-    /// `head_dim` elements, `seqlen_k` of them).
+    /// The block's ring over key tiles `first_tile .. first_tile + tiles` of one head (`k_head`,
+    /// `v_head`, rows of `head_dim` elements, `seqlen_k` of them), the ring's tiles `0 .. tiles`.
     #[inline(always)]
     pub fn new(
         tile: SharedTile16,
         (k_head, v_head): (*const u16, *const u16),
         (seqlen_k, head_dim): (usize, usize),
-        tiles: usize,
+        (first_tile, tiles): (usize, usize),
         threads: usize,
     ) -> Self {
-        Self::with_source(tile, HeadRows { k_head, v_head, seqlen_k, head_dim }, tiles, BlockScope { threads })
+        let source = HeadRows { k_head, v_head, seqlen_k, head_dim, first_tile };
+        Self::with_source(tile, source, tiles, BlockScope { threads })
     }
 }
 

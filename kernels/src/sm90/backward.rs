@@ -34,15 +34,16 @@
 //! **Deterministic dQ** (`DETERMINISTIC`): the additions to an element of dQ are atomic, but their
 //! order is the order in which the blocks happen to reach a tile, so the last bits of dQ differ
 //! from run to run. The deterministic instances fix the order: every dQ tile has a turn counter
-//! in device memory, and the additions to a tile come in key-block order, consumer 0 before
-//! consumer 1 where both add to the same columns ([`turn`]). A consumer hands its staged share
+//! in device memory, and the additions to a tile come in the grid's key-block order (increasing,
+//! or under a causal mask decreasing), consumer 0 before consumer 1 where both add to the same
+//! columns ([`turn`]). A consumer hands its staged share
 //! to a dQ warp (warps 2 and 3, one per consumer), which waits for the turn
 //! ([`wait_for_turn`]), adds, frees the staging tile once TMA has read it, waits until the
 //! addition is complete and passes the turn on ([`pass_turn`]); the consumer goes on and waits
 //! only if the staging tile is still held when its next share is ready. The GPU starts blocks
-//! in index order and the grid runs key blocks of a head in increasing order (with or without a
-//! causal mask, [`KeyBlock::hopper_backward`]), so a block only ever waits for blocks that
-//! started before it: no deadlock. (FlashAttention-3's deterministic backward takes turns the
+//! in index order and the grid runs the key blocks of a head in that same order (the causal
+//! grid shortest first, [`KeyBlock::hopper_backward`]), so a block only ever waits for blocks
+//! that started before it: no deadlock. (FlashAttention-3's deterministic backward takes turns the
 //! same way.)
 //!
 //! Who does what (384 threads):
@@ -65,7 +66,7 @@
 //!
 //! Under a causal mask the grid runs its longest blocks first, the first key blocks of every
 //! head of an L2-sized section of heads ([`KeyBlock::hopper_backward`]; PERFORMANCE.md has the
-//! gain).
+//! gain); the deterministic instances run them shortest first, which their turns need ([`turn`]).
 
 use crate::attention::epilogue::store_fragment_pairs;
 use crate::attention::fragment::{FragmentLane, pack_a};
@@ -214,15 +215,34 @@ const fn dq_share<const D: usize>(index: usize) -> (usize, usize, usize) {
     if D / SWIZZLE_COLUMNS == CONSUMERS { (0, BLOCK_N, index) } else { (index * WARPGROUP_ROWS, WARPGROUP_ROWS, 0) }
 }
 
-/// The turn of consumer `index` of key block `key_block` at every dQ tile it adds to
-/// (deterministic mode): key blocks in increasing order, and where both consumers add to the
-/// same columns (head_dim 64), consumer 0 before consumer 1. Every key block before this one
-/// adds to each tile this one does (a key block sees the query tiles from its first one on, and
-/// earlier key blocks start no later), two turns each, so the turn is a plain count.
+/// The turn of consumer `index` of key block `key_block` at dQ tile `tile` (deterministic
+/// mode): the key blocks that add to a tile take turns in grid order, two turns each, and where
+/// both consumers add to the same columns (head_dim 64) consumer 0 goes before consumer 1.
+///
+/// * Without a mask every key block adds to every tile and the grid runs them in increasing
+///   order, so the turn of key block `j` is `2j` (`+ index`).
+/// * Under a causal mask tile `i` receives from key blocks `0 ..= last`, `last` the last one its
+///   last row sees, and the grid runs them shortest first ([`KeyBlock::hopper_backward`]), so
+///   the turn is `2 · (last − j)`. In increasing order key block `j`, whose first tile comes
+///   two after `j − 1`'s, would reach every tile two steps before `j − 1` does and wait for it
+///   there, at every tile (and with a group of query heads, longer at each head). Decreasing,
+///   `j + 1` reaches each tile before `j` does, and nobody waits.
+///
+/// Either way a block only waits for blocks that the grid started before it.
 #[inline(always)]
-const fn turn<const D: usize>(key_block: usize, index: usize) -> u32 {
+fn turn<const D: usize>(mask: &Mask, key_block: usize, tile: usize, index: usize) -> u32 {
     let shares_columns = dq_share::<D>(0).2 == dq_share::<D>(1).2;
-    (CONSUMERS * key_block + if shares_columns { index } else { 0 }) as u32
+    // The tile's rows (clipped to the sequence) see keys from its first row's start to its
+    // last row's limit; this block visits the tile, so it is among those key blocks.
+    let position = if mask.causal {
+        let last_row = ((tile + 1) * BLOCK_M).min(mask.seqlen_q) - 1;
+        let last_block = mask.key_limit(last_row).saturating_sub(1) / BLOCK_N;
+        last_block.saturating_sub(key_block)
+    } else {
+        // 0 without a window's left edge.
+        key_block.saturating_sub(mask.key_start(tile * BLOCK_M) / BLOCK_N)
+    };
+    (CONSUMERS * position + if shares_columns { index } else { 0 }) as u32
 }
 
 /// The producer's TMA work: K and V once, then Q and dO of every query tile the block
@@ -342,11 +362,12 @@ unsafe fn produce_dq<const D: usize, const STAGES: usize>(
     maps: TensorMaps,
     shape: &AttentionShape,
     block: &KeyBlock,
+    mask: &Mask,
     index: usize,
     turns: *mut u32,
 ) {
     let column_block = dq_share::<D>(index).2;
-    let my_turn = turn::<D>(block.k_start / BLOCK_N, index);
+    let key_block = block.k_start / BLOCK_N;
     let staging = smem.dq_staging(index);
     for step in 0..block.steps() {
         let (_, parity) = ring_slot(step, 1);
@@ -357,7 +378,7 @@ unsafe fn produce_dq<const D: usize, const STAGES: usize>(
         // SAFETY: initialised barriers; the counter as the contract says.
         unsafe {
             mbarrier_wait(smem.dq_full(index), parity);
-            wait_for_turn(counter, my_turn);
+            wait_for_turn(counter, turn::<D>(mask, key_block, tile, index));
         }
         // SAFETY: the consumer wrote and fenced the staging tile before its arrival.
         unsafe { add_dq_tile(maps, staging, column_block, tile, head) };
@@ -469,7 +490,7 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         // query does not see get P = 0 (only tiles that cross some query's limit check), and so
         // do queries past seqlen_q (their LSE is +∞). Sixteen queries (two fragments) at a time,
         // packed into the A operands right away, so that the f32 values die early.
-        let all_visible = mask.all_visible(q_start, k_first, WARPGROUP_ROWS);
+        let all_visible = mask.all_visible(q_start, BLOCK_M, k_first, WARPGROUP_ROWS);
         // This thread's two queries of fragment j are tile columns 8j + 2t and 8j + 2t + 1;
         // their statistics are a pair in the slot, published by "dO full".
         // SAFETY: inside the slot's 64 values.
@@ -480,16 +501,23 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
             for j in 2 * kk..2 * kk + 2 {
                 let (row_lse, row_delta) = (statistics(smem.lse(stage), j), statistics(smem.delta(stage), j));
                 for h in 0..2 {
-                    // The query's key limit, applied to every score by a select: a branch per
+                    // The query's band of keys, applied to every score by a select: a branch per
                     // score (what `if visible { exp2(…) }` compiles to) cost three more
-                    // instructions per score than the exponentials it skipped.
+                    // instructions per score than the exponentials it skipped. One unsigned
+                    // comparison tests both edges: key − start wraps to a huge value below the
+                    // start.
                     let query = q_start + 8 * j + 2 * t + h;
-                    let limit = if all_visible { usize::MAX } else { mask.key_limit(query) };
+                    let (start, width) = if all_visible {
+                        (0, usize::MAX)
+                    } else {
+                        let start = mask.key_start(query);
+                        (start, mask.key_limit(query).saturating_sub(start))
+                    };
                     // Entries h and h + 2: this query's column in key rows g and g + 8.
                     for r in 0..2 {
                         let e = h + 2 * r;
                         let p = hw::exp2(hw::fma(s[j][e], c, -row_lse[h]));
-                        let p = if key(e) < limit { p } else { 0.0 };
+                        let p = if key(e).wrapping_sub(start) < width { p } else { 0.0 };
                         s[j][e] = p;
                         dp[j][e] = p * (dp[j][e] - row_delta[h]);
                     }
@@ -654,7 +682,7 @@ unsafe fn flash_backward_wgmma<
 {
     let smem = SharedTiles::<D, STAGES>::new();
     let maps = TensorMaps(maps);
-    let block = KeyBlock::hopper_backward::<BLOCK_M, BLOCK_N>(&shape, &mask);
+    let block = KeyBlock::hopper_backward::<BLOCK_M, BLOCK_N>(&shape, &mask, DETERMINISTIC);
     if hw::thread_idx_x() == 0 {
         // SAFETY: one thread initialises the barriers before the block barrier below.
         unsafe {
@@ -684,7 +712,7 @@ unsafe fn flash_backward_wgmma<
             (0, 0) => unsafe { produce_tiles(smem, maps, &shape, &block) },
             (1, _) => unsafe { produce_statistics(smem, &shape, &block, lse, delta) },
             (warp @ 2..4, 0) if DETERMINISTIC => unsafe {
-                produce_dq::<D, STAGES>(smem, maps, &shape, &block, warp - 2, dq_turns)
+                produce_dq::<D, STAGES>(smem, maps, &shape, &block, &mask, warp - 2, dq_turns)
             },
             _ => {}
         }

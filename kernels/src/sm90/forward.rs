@@ -205,7 +205,8 @@ unsafe fn produce<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, co
     let (mut ring, mut local) = (0, 0);
     for unit in units {
         let block = order.block(shape, unit);
-        let kv_tiles = mask.keys_for(block.q_start, block.q_rows).tiles(BLOCK_N);
+        let keys = mask.keys_for(block.q_start, block.q_rows);
+        let kv_tiles = keys.tiles(BLOCK_N);
         let q_head = block.batch * shape.num_heads_q + block.head;
         let kv_head = (block.batch * shape.num_heads_kv + shape.kv_head(block.head)) as i32;
         // Q (and its unit) is a ring of one slot.
@@ -220,7 +221,7 @@ unsafe fn produce<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, co
         load(smem.q(), maps.get(0), BLOCK_M, block.q_start, q_head as i32, smem.q_full());
         for tile in 0..kv_tiles {
             let (stage, parity) = ring_slot(ring + tile, STAGES);
-            let first_key = tile * BLOCK_N;
+            let first_key = keys.tile_start(tile, BLOCK_N);
             // K is released as soon as its scores are done, V only after P·V, a step later.
             // SAFETY: initialised barriers.
             unsafe { wait_slot_free(smem.k_empty(stage), ring + tile, STAGES, parity) };
@@ -324,8 +325,10 @@ unsafe fn consume<
     }
     let c = positive_factor(scale_log2);
 
-    // The keys of the warpgroup's rows: tiles that end before every row's limit need no mask.
+    // The keys of the warpgroup's rows: tiles inside every row's band need no mask. The block's
+    // tiles start at the first tile its first row sees, as the producer's do.
     let keys = mask.keys_for(q_start + index * WARPGROUP_ROWS, WARPGROUP_ROWS);
+    let first_tile = mask.key_start(q_start) / BLOCK_N;
     // The descriptors of the first k-step of Q (this warpgroup's rows), and of K and V in
     // stage 0; every other operand is one of these, moved along ([`advance_descriptor`]).
     let q_descriptor = k_major_descriptor(smem.q() + q_rows_offset as u32);
@@ -361,7 +364,7 @@ unsafe fn consume<
     };
     // Scores of keys the row must not see become −∞ (only in tiles that cross a row's limit).
     let apply_mask = |s: &mut [FragC; N_TILES], tile: usize| {
-        let first_key = tile * BLOCK_N;
+        let first_key = (first_tile + tile) * BLOCK_N;
         if keys.needs_mask(first_key, BLOCK_N) {
             mask_fragments::<N_TILES, false>(s, rows.lane, f32::NEG_INFINITY, (rows.warp_row, first_key), &mask);
         }
