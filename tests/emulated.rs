@@ -400,3 +400,45 @@ fn emulated_sliding_windows_in_every_family() {
     cases += 1;
     report("emulated_sliding_windows_in_every_family", cases);
 }
+
+/// Right-edge-only windows over more keys than queries: key blocks past every query's right edge
+/// must write zero dK and dV (found on the H200 by the tensor-core proptest).
+#[test]
+fn emulated_right_edge_windows_past_the_last_query() {
+    use attn_host::{AttentionOptions, SlidingWindow};
+    let ctx = emulator();
+    let cases = [
+        (
+            AttentionOptions::causal(Causal::TopLeft).with_window(SlidingWindow::new(None, Some(42)).top_left()),
+            113,
+            341,
+            128,
+            (64, 32, 3),
+            (32, 64, 2),
+        ),
+        (
+            AttentionOptions::default().with_window(SlidingWindow::new(None, Some(82)).top_left()),
+            103,
+            341,
+            64,
+            (64, 32, 2),
+            (64, 64, 2),
+        ),
+        (AttentionOptions::causal(Causal::TopLeft), 113, 341, 128, (64, 32, 3), (32, 64, 2)),
+    ];
+    for (i, &(options, seqlen_q, seqlen_k, head_dim, f, b)) in cases.iter().enumerate() {
+        let shape = AttentionShape { batch: 1, num_heads_q: 1, num_heads_kv: 1, seqlen_q, seqlen_k, head_dim };
+        let fwd = TileConfig::new(f.0, f.1).with_stages(f.2);
+        let bwd = TileConfig::new(b.0, b.1).with_stages(b.2);
+        check16::<attn_host::f16>(
+            ctx,
+            shape,
+            fwd,
+            Some((bwd, DqAccumulation::Atomic)),
+            options,
+            500 + i as u64,
+            Inputs::Normal,
+        );
+    }
+    report("emulated_right_edge_windows_past_the_last_query", cases.len() as u64);
+}

@@ -137,7 +137,7 @@ fn run() -> Result<()> {
 /// window of 7 keys before and 3 after the diagonal (on 37 × 45, narrower than every key tile,
 /// so that tiles are skipped at both ends).
 fn mask(i: usize) -> AttentionOptions {
-    if i % 2 == 0 {
+    if i.is_multiple_of(2) {
         AttentionOptions::causal(Causal::BottomRight)
     } else {
         AttentionOptions::default().with_window(attn_host::SlidingWindow::new(Some(7), Some(3)))

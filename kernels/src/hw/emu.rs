@@ -26,7 +26,7 @@
 // matter next to a launch's cost.
 #![allow(clippy::result_large_err)]
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::panic::{AssertUnwindSafe, Location};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -164,6 +164,9 @@ pub enum EmuErrorKind {
     BarrierTimeout { site: String, arrived: usize, expected: usize },
     /// The kernel trapped or panicked.
     Panic(String),
+    /// A thread ended with `cp.async` copies it never waited for (`copies` of them): on the GPU
+    /// they land whenever they land, perhaps on shared memory the kernel has reused meanwhile.
+    UnwaitedCopies { copies: usize },
 }
 
 impl fmt::Display for EmuError {
@@ -198,6 +201,10 @@ impl fmt::Display for EmuError {
                 ": stuck at the barrier at {site}: {arrived} of {expected} threads arrived (a thread returned early or waits elsewhere)"
             ),
             EmuErrorKind::Panic(message) => write!(f, ": {message}"),
+            EmuErrorKind::UnwaitedCopies { copies } => write!(
+                f,
+                ": the thread ended with {copies} asynchronous copies it never waited for (cp.async.wait_group)"
+            ),
         }
     }
 }
@@ -248,11 +255,19 @@ fn run_block(
             // thread list says which one it stopped in.
             let name = format!("b{}.{}.{}t{thread}", block.0, block.1, block.2);
             let spawned = std::thread::Builder::new().name(name).spawn_scoped(scope, move || {
-                let ctx = ThreadCtx { thread, block_epoch: Cell::new(0), warp_epoch: Cell::new(0), state };
+                let ctx = ThreadCtx {
+                    thread,
+                    block_epoch: Cell::new(0),
+                    warp_epoch: Cell::new(0),
+                    copies: RefCell::new(AsyncCopies::default()),
+                    state,
+                };
                 CURRENT.with(|c| c.set(&ctx as *const ThreadCtx as *const ()));
                 let result = std::panic::catch_unwind(AssertUnwindSafe(|| (kernel.run)(args.0)));
                 CURRENT.with(|c| c.set(std::ptr::null()));
+                let unwaited = ctx.copies.borrow().pending();
                 match result {
+                    Ok(Ok(())) if unwaited > 0 => state.fail(thread, EmuErrorKind::UnwaitedCopies { copies: unwaited }),
                     Ok(Ok(())) => {}
                     Ok(Err(why)) => state.fail(thread, EmuErrorKind::BadLaunch(why)),
                     Err(payload) if payload.is::<Abort>() => {}
@@ -453,7 +468,33 @@ struct ThreadCtx<'a> {
     thread: usize,
     block_epoch: Cell<u64>,
     warp_epoch: Cell<u64>,
+    /// The thread's `cp.async` copies not yet done.
+    copies: RefCell<AsyncCopies>,
     state: &'a BlockState,
+}
+
+/// One `cp.async` not yet done: `bytes` bytes from `src` (or zeros, without `src`) to shared
+/// address `dst`.
+struct PendingCopy {
+    dst: u32,
+    src: Option<*const u8>,
+    bytes: usize,
+}
+
+/// A thread's asynchronous copies: those since its last commit, and its committed groups, oldest
+/// first. The emulator does a copy as late as the GPU may: when a wait lets no more groups stay
+/// pending. A kernel that reads a tile before waiting for its group reads the old contents, and
+/// one that ends with copies in flight is reported ([`EmuErrorKind::UnwaitedCopies`]).
+#[derive(Default)]
+struct AsyncCopies {
+    open: Vec<PendingCopy>,
+    groups: std::collections::VecDeque<Vec<PendingCopy>>,
+}
+
+impl AsyncCopies {
+    fn pending(&self) -> usize {
+        self.open.len() + self.groups.iter().map(Vec::len).sum::<usize>()
+    }
 }
 
 thread_local! {
@@ -718,36 +759,59 @@ pub(crate) fn pack_bf16x2(lo: f32, hi: f32) -> u32 {
     to_bf16(lo) | to_bf16(hi) << 16
 }
 
-/// `cp.async` of 16 bytes, done at once (the emulator has no asynchronous copy to wait for).
+/// `cp.async` of 16 bytes, queued in the thread's open copy group (see [`AsyncCopies`]).
 ///
 /// # Safety
-/// `src` is 16 readable bytes when `valid`; `dst` 16 writable bytes of shared memory (checked by
-/// the caller).
+/// `src` is 16 readable bytes when `valid`, until the copy is waited for; `dst` 16 writable
+/// bytes of shared memory (checked by the caller).
 pub(crate) unsafe fn cp_async_16(dst: u32, src: *const u16, valid: bool) {
-    let dst = shared_pointer(dst) as *mut u16;
-    // SAFETY: the caller's contract.
-    unsafe {
-        if valid {
-            std::ptr::copy_nonoverlapping(src, dst, 8);
-        } else {
-            std::ptr::write_bytes(dst, 0, 8);
-        }
-    }
+    queue_copy(PendingCopy { dst, src: valid.then_some(src as *const u8), bytes: 16 });
 }
 
-/// `cp.async` of 4 bytes, done at once.
+/// `cp.async` of 4 bytes, queued.
 ///
 /// # Safety
 /// As [`cp_async_16`], for 4 bytes.
 pub(crate) unsafe fn cp_async_4(dst: u32, src: *const f32, valid: bool) {
-    let dst = shared_pointer(dst) as *mut f32;
-    // SAFETY: the caller's contract.
-    unsafe { *dst = if valid { *src } else { 0.0 } }
+    queue_copy(PendingCopy { dst, src: valid.then_some(src as *const u8), bytes: 4 });
 }
 
-pub(crate) fn cp_async_commit() {}
+fn queue_copy(copy: PendingCopy) {
+    with_ctx(|c| c.copies.borrow_mut().open.push(copy));
+}
 
-pub(crate) fn cp_async_wait<const PENDING: usize>() {}
+/// `cp.async.commit_group`: the copies since the last commit become a group (perhaps empty).
+pub(crate) fn cp_async_commit() {
+    with_ctx(|c| {
+        let mut copies = c.copies.borrow_mut();
+        let group = std::mem::take(&mut copies.open);
+        copies.groups.push_back(group);
+    })
+}
+
+/// `cp.async.wait_group PENDING`: does the thread's oldest groups until at most `PENDING` stay
+/// pending, and records their bytes as the thread's writes from now (so a reader in another
+/// thread needs a barrier after this wait, as on the GPU).
+#[track_caller]
+pub(crate) fn cp_async_wait<const PENDING: usize>() {
+    let done: Vec<PendingCopy> = with_ctx(|c| {
+        let mut copies = c.copies.borrow_mut();
+        let keep = copies.groups.len().min(PENDING);
+        let finished = copies.groups.len() - keep;
+        copies.groups.drain(..finished).flatten().collect()
+    });
+    for copy in done {
+        let dst = shared_pointer(copy.dst);
+        check_shared(dst as *const f32, copy.bytes / 4, true);
+        // SAFETY: the contract of `cp_async_16` / `cp_async_4`, which queued the copy.
+        unsafe {
+            match copy.src {
+                Some(src) => std::ptr::copy_nonoverlapping(src, dst, copy.bytes),
+                None => std::ptr::write_bytes(dst, 0, copy.bytes),
+            }
+        }
+    }
+}
 
 /// `*ptr += value` atomically (the emulated `red.add.f32`).
 ///
