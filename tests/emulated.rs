@@ -442,3 +442,54 @@ fn emulated_right_edge_windows_past_the_last_query() {
     }
     report("emulated_right_edge_windows_past_the_last_query", cases.len() as u64);
 }
+
+/// Borrowed tensors (`Context::tensor_from_raw_parts`, what the PyTorch bridge passes): the
+/// kernels read and write the caller's memory in place, dropping the tensors frees nothing, and a
+/// misaligned address is refused with the reason.
+#[test]
+fn emulated_borrowed_tensors_read_and_write_the_callers_memory() {
+    use attn_host::{AttentionOptions, AttentionOutput};
+    let ctx = emulator();
+    let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q: 20, seqlen_k: 27, head_dim: 32 };
+    let (q_len, kv_len) = (shape.q_shape().iter().product::<usize>(), shape.kv_shape().iter().product::<usize>());
+    // Caller-owned buffers (16-byte aligned: a Vec of u128 holds them).
+    let buffer = |len: usize, seed: u64| {
+        let mut words = vec![0u128; len.div_ceil(4)];
+        let values = random_normal(len, seed);
+        // SAFETY: `words` holds at least `len` f32s.
+        unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), words.as_mut_ptr() as *mut f32, len) };
+        words
+    };
+    let (q, k, v) = (buffer(q_len, 1), buffer(kv_len, 2), buffer(kv_len, 3));
+    let (mut o, mut lse) = (vec![u128::MAX; q_len.div_ceil(4)], vec![u128::MAX; (q_len / 32).div_ceil(4)]);
+    let address = |words: &[u128]| words.as_ptr() as u64;
+    let options = AttentionOptions::causal(Causal::BottomRight);
+    {
+        // SAFETY: each buffer holds its shape's f32s and outlives the tensors.
+        let tensor =
+            |words: &[u128], dims: &[usize]| unsafe { ctx.tensor_from_raw_parts::<f32>(address(words), dims) }.unwrap();
+        let (qt, kt, vt) = (tensor(&q, &shape.q_shape()), tensor(&k, &shape.kv_shape()), tensor(&v, &shape.kv_shape()));
+        let mut out = AttentionOutput { o: tensor(&o, &shape.q_shape()), lse: tensor(&lse, &shape.lse_shape()) };
+        assert!(qt.is_borrowed() && out.o.is_borrowed());
+        ctx.flash_attention_forward_into(&qt, &kt, &vt, &mut out, &options, TileConfig::default_for(32)).unwrap();
+    } // the tensors are dropped here: the buffers must stay ours, and hold the results
+    let floats = |words: &[u128], len: usize| {
+        // SAFETY: `words` holds at least `len` initialised f32s.
+        unsafe { std::slice::from_raw_parts(words.as_ptr() as *const f32, len) }.to_vec()
+    };
+    let reference = cpu::attention(
+        &floats(&q, q_len),
+        &floats(&k, kv_len),
+        &floats(&v, kv_len),
+        &shape,
+        cpu::Params::of(&options, 32),
+    )
+    .unwrap();
+    assert!(relative_l2_error(&floats(&o, q_len), &reference.o) < 1e-5);
+    assert!(relative_l2_error(&floats(&lse, q_len / 32), &reference.lse) < 1e-5);
+    o[0] = 0;
+    lse[0] = 0; // still ours to write
+    // SAFETY: not dereferenced: the address is refused first.
+    let misaligned = unsafe { ctx.tensor_from_raw_parts::<f32>(address(&q) + 4, &[4]) };
+    assert!(misaligned.unwrap_err().to_string().contains("16-byte aligned"));
+}

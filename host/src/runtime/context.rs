@@ -102,6 +102,58 @@ impl Context {
         Self::with_cuda(stream.context().clone(), stream)
     }
 
+    /// This context's kernels on another `stream` of the same CUDA context: a framework's current
+    /// stream, which may change from call to call. The loaded modules are shared (nothing is
+    /// compiled again), so this is cheap; the new context has its own id, so it takes only the
+    /// tensors it makes itself (borrowed ones, for instance: [`Context::tensor_from_raw_parts`]).
+    ///
+    /// # Errors
+    /// [`Error::NotOnEmulator`] on the emulator; [`Error::Shape`] for a stream of another CUDA
+    /// context.
+    pub fn with_stream(&self, stream: Arc<CudaStream>) -> Result<Self> {
+        let Backend::Cuda { cuda, modules, .. } = &self.backend else {
+            return Err(Error::NotOnEmulator("CUDA streams"));
+        };
+        if stream.context().cu_ctx() != cuda.cu_ctx() {
+            return Err(Error::Shape(format!(
+                "the stream belongs to another CUDA context (device {}) than this context's (device {})",
+                stream.context().ordinal(),
+                self.info.ordinal
+            )));
+        }
+        Ok(Self {
+            id: next_context_id(),
+            backend: Backend::Cuda {
+                cuda: cuda.clone(),
+                stream,
+                modules: modules.clone(),
+                tensor_maps: Default::default(),
+                occupancy: Default::default(),
+            },
+            info: self.info.clone(),
+            kernel_path: self.kernel_path,
+        })
+    }
+
+    /// [`Context::with_stream`] for a raw `CUstream` (`cudaStream_t`) of this context's device,
+    /// such as `torch.cuda.current_stream().cuda_stream`; null is the legacy default stream.
+    /// The stream is borrowed: it is not destroyed with the context.
+    ///
+    /// # Safety
+    /// `cu_stream` is null or a live stream of this context's CUDA context (the device's primary
+    /// context, which the CUDA runtime and so PyTorch use), and outlives the context returned.
+    ///
+    /// # Errors
+    /// As [`Context::with_stream`].
+    pub unsafe fn with_raw_stream(&self, cu_stream: *mut std::ffi::c_void) -> Result<Self> {
+        let Backend::Cuda { cuda, .. } = &self.backend else {
+            return Err(Error::NotOnEmulator("CUDA streams"));
+        };
+        // SAFETY: the caller's contract.
+        let stream = unsafe { cuda.wrap_borrowed_stream(cu_stream as cudarc::driver::sys::CUstream) };
+        self.with_stream(stream)
+    }
+
     /// [`Context::new`] and [`Context::on_stream`] on the CUDA context `cuda` and `stream`: reads
     /// the device, loads the modules it runs.
     fn with_cuda(cuda: Arc<CudaContext>, stream: Arc<CudaStream>) -> Result<Self> {
@@ -423,6 +475,40 @@ impl Context {
             return Err(Error::Length { expected: n, got: slice.len() });
         }
         Ok(DeviceTensor::from_storage(Storage::Cuda(slice), shape, self.id()))
+    }
+
+    /// A tensor of `shape` over memory someone else owns and keeps (a PyTorch tensor's
+    /// `data_ptr()`, another library's buffer), which it reads and writes in place and never
+    /// frees: row-major and contiguous, `address` 16-byte aligned (the kernels copy rows 16 bytes
+    /// at a time, and TMA needs it). On a GPU `address` is device memory of this context's
+    /// device; on the emulator, host memory.
+    ///
+    /// # Safety
+    /// `address` holds `shape`'s elements of `T`, stays allocated while the tensor lives, and is
+    /// not used meanwhile by anyone else except in stream order with this context's stream
+    /// (nothing here synchronises with other streams).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for a null or misaligned address, or a shape whose size overflows.
+    pub unsafe fn tensor_from_raw_parts<T: Scalar>(&self, address: u64, shape: &[usize]) -> Result<DeviceTensor<T>> {
+        let n = element_count(shape)?;
+        n.checked_mul(size_of::<T>())
+            .filter(|&bytes| bytes <= isize::MAX as usize)
+            .ok_or_else(|| Error::Shape(format!("{shape:?} has more bytes than fit in memory")))?;
+        if address == 0 || !address.is_multiple_of(16) {
+            return Err(Error::Shape(format!(
+                "a tensor at address {address:#x} is not 16-byte aligned (copy it to a fresh buffer first)"
+            )));
+        }
+        let storage = match &self.backend {
+            // SAFETY: the caller's contract; the tensor is borrowed, so the slice is leaked, never freed.
+            Backend::Cuda { stream, .. } => Storage::Cuda(unsafe { stream.upgrade_device_ptr::<T>(address, n) }),
+            Backend::Emulated => {
+                let ptr = std::ptr::NonNull::new(address as *mut T).expect("checked non-null");
+                Storage::Host(HostBuffer::borrowed(ptr, n))
+            }
+        };
+        Ok(DeviceTensor::from_borrowed_storage(storage, shape, self.id()))
     }
 
     /// A new device tensor whose contents are unspecified; for outputs a kernel overwrites whole.

@@ -2,6 +2,7 @@
 //! shape, or, on the CPU emulator, its stand-in in host memory. The [`Context`](crate::Context) makes them
 //! ([`Context::upload`](crate::Context::upload), `runtime/context.rs`); this module does not know the context.
 
+use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 
 use cudarc::driver::CudaSlice;
@@ -13,13 +14,34 @@ use crate::error::{During, Error, Result};
 /// tensor-core kernels; `i32` for a KV cache's lengths and page table) on a [`Context`](crate::Context)'s device. Shapes are given outermost first, e.g.
 /// `[batch, heads, seqlen, head_dim]` for attention inputs (PyTorch's layout).
 ///
-/// The buffer is freed when the tensor is dropped. On a GPU, copies to and from the host go
-/// through the context's stream, so they are ordered after every kernel queued before them.
+/// The buffer is freed when the tensor is dropped, unless the tensor only borrows memory that
+/// someone else owns ([`Context::tensor_from_raw_parts`](crate::Context::tensor_from_raw_parts)).
+/// On a GPU, copies to and from the host go through the context's stream, so they are ordered
+/// after every kernel queued before them.
 pub struct DeviceTensor<T: Scalar = f32> {
-    storage: Storage<T>,
+    /// Dropped by hand (`Drop`): a borrowed buffer must not be freed.
+    storage: ManuallyDrop<Storage<T>>,
     shape: Vec<usize>,
     /// The [`Context`](crate::Context) that made it (its id).
     owner: u64,
+    /// Whether the memory belongs to someone else (a framework's tensor): never freed here.
+    borrowed: bool,
+}
+
+impl<T: Scalar> Drop for DeviceTensor<T> {
+    fn drop(&mut self) {
+        // SAFETY: `storage` is not used again.
+        let storage = unsafe { ManuallyDrop::take(&mut self.storage) };
+        match storage {
+            // `leak` gives the allocation up without freeing it (and releases the slice's
+            // stream and events).
+            Storage::Cuda(slice) if self.borrowed => {
+                slice.leak();
+            }
+            Storage::Host(buffer) if self.borrowed => std::mem::forget(buffer),
+            owned => drop(owned),
+        }
+    }
 }
 
 pub(crate) enum Storage<T: Scalar> {
@@ -40,6 +62,12 @@ unsafe impl<T: Send> Send for HostBuffer<T> {}
 unsafe impl<T: Sync> Sync for HostBuffer<T> {}
 
 impl<T> HostBuffer<T> {
+    /// A buffer over `len` elements at `ptr` that the caller owns (the tensor that holds it is
+    /// `borrowed` and forgets the buffer instead of dropping it).
+    pub(super) fn borrowed(ptr: NonNull<T>, len: usize) -> Self {
+        Self { ptr, len }
+    }
+
     pub(super) fn new(values: Vec<T>) -> Self {
         let len = values.len();
         let ptr = NonNull::new(Box::into_raw(values.into_boxed_slice()) as *mut T).expect("Box is never null");
@@ -82,7 +110,7 @@ impl<T: Scalar> DeviceTensor<T> {
 
     /// Number of elements (the product of the shape).
     pub fn len(&self) -> usize {
-        match &self.storage {
+        match &*self.storage {
             Storage::Cuda(data) => data.len(),
             Storage::Host(data) => data.len,
         }
@@ -100,7 +128,7 @@ impl<T: Scalar> DeviceTensor<T> {
 
     /// Copies the tensor to the host, waiting for every kernel queued before.
     pub fn to_host(&self) -> Result<Vec<T>> {
-        match &self.storage {
+        match &*self.storage {
             Storage::Cuda(data) => data.stream().clone_dtoh(data).during("copying a tensor to the host"),
             Storage::Host(data) => Ok(data.as_slice().to_vec()),
         }
@@ -114,7 +142,7 @@ impl<T: Scalar> DeviceTensor<T> {
         if values.len() != self.len() {
             return Err(Error::Length { expected: self.len(), got: values.len() });
         }
-        match &mut self.storage {
+        match &mut *self.storage {
             Storage::Cuda(data) => {
                 let stream = data.stream().clone();
                 stream.memcpy_htod(values, data).during("copying a tensor to the device")
@@ -129,24 +157,39 @@ impl<T: Scalar> DeviceTensor<T> {
     /// The device buffer, for use with other CUDA libraries (cuBLAS, NVRTC-compiled kernels) on
     /// the context's stream ([`Context::cuda_stream`](crate::Context::cuda_stream)); `None` on the emulator.
     pub fn cuda_slice(&self) -> Option<&CudaSlice<T>> {
-        match &self.storage {
+        match &*self.storage {
             Storage::Cuda(slice) => Some(slice),
             Storage::Host(_) => None,
         }
     }
 
-    /// The device buffer itself, the tensor consumed (`None` on the emulator): the other way of
+    /// The device buffer itself, the tensor consumed (`None` on the emulator, and for a tensor
+    /// that borrows its memory, which is dropped as usual then): the other way of
     /// [`Context::tensor_from_cuda_slice`](crate::Context::tensor_from_cuda_slice).
     pub fn into_cuda_slice(self) -> Option<CudaSlice<T>> {
-        match self.storage {
-            Storage::Cuda(slice) => Some(slice),
-            Storage::Host(_) => None,
+        if self.borrowed || !matches!(*self.storage, Storage::Cuda(_)) {
+            return None;
         }
+        let mut tensor = ManuallyDrop::new(self);
+        // SAFETY: `tensor` is never dropped, so its storage is taken once; its shape is dropped
+        // here, the rest is plain data.
+        let storage = unsafe { ManuallyDrop::take(&mut tensor.storage) };
+        drop(std::mem::take(&mut tensor.shape));
+        match storage {
+            Storage::Cuda(slice) => Some(slice),
+            Storage::Host(_) => unreachable!("checked above"),
+        }
+    }
+
+    /// Whether the tensor borrows memory it does not free
+    /// ([`Context::tensor_from_raw_parts`](crate::Context::tensor_from_raw_parts)).
+    pub fn is_borrowed(&self) -> bool {
+        self.borrowed
     }
 
     /// [`DeviceTensor::cuda_slice`], writable.
     pub fn cuda_slice_mut(&mut self) -> Option<&mut CudaSlice<T>> {
-        match &mut self.storage {
+        match &mut *self.storage {
             Storage::Cuda(slice) => Some(slice),
             Storage::Host(_) => None,
         }
@@ -166,7 +209,12 @@ impl<T: Scalar> DeviceTensor<T> {
 
     /// A tensor of `storage` with `shape`, made by the context with id `owner`.
     pub(super) fn from_storage(storage: Storage<T>, shape: &[usize], owner: u64) -> Self {
-        Self { storage, shape: shape.to_vec(), owner }
+        Self { storage: ManuallyDrop::new(storage), shape: shape.to_vec(), owner, borrowed: false }
+    }
+
+    /// [`DeviceTensor::from_storage`] over memory someone else owns: never freed.
+    pub(super) fn from_borrowed_storage(storage: Storage<T>, shape: &[usize], owner: u64) -> Self {
+        Self { storage: ManuallyDrop::new(storage), shape: shape.to_vec(), owner, borrowed: true }
     }
 }
 

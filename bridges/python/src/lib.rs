@@ -1,0 +1,310 @@
+//! The Rust half of the PyTorch bridge: the Python module `rust_attention._native`, which runs
+//! this project's attention kernels on memory PyTorch owns.
+//!
+//! The Python half (`python/rust_attention/__init__.py`) does everything that is about PyTorch:
+//! it checks and lays out the tensors, allocates the outputs with PyTorch's allocator, registers
+//! the `torch.library` custom ops with their autograd formula and fake (meta) kernels, and passes
+//! here only what a launch needs: the device (`-1` for the CPU emulator), the raw current stream
+//! (`torch.cuda.current_stream().cuda_stream`), the element type, the problem's sizes and each
+//! tensor's `data_ptr()`. This half wraps those pointers as borrowed [`DeviceTensor`]s
+//! ([`Context::tensor_from_raw_parts`]: read and written in place, never freed) on a context that
+//! runs on PyTorch's stream ([`Context::with_raw_stream`]), and queues the kernels: nothing
+//! synchronises, exactly as for a PyTorch kernel.
+//!
+//! One [`Context`] per device holds the loaded kernels; one more per (device, stream) shares them
+//! and keeps its own tensor-map cache. Both are made on first use and kept for the process.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use attn_host::{
+    AttentionOptions, AttentionOutput, AttentionShape, Causal, Context, DType, DeviceTensor, DqAccumulation, Element,
+    Error, Gradients, SlidingWindow, bf16, f16,
+};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+/// `(batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim)`, as Python passes it.
+type Sizes = (usize, usize, usize, usize, usize, usize);
+
+/// The mask, as Python passes it: whether it is causal; whether its diagonal (and a window's)
+/// is aligned to the bottom-right corner (FlashAttention's) rather than the top-left
+/// (PyTorch's `is_causal`); a sliding window's left and right reach, `-1` for no edge.
+#[derive(Clone, Copy)]
+struct MaskArgs {
+    causal: bool,
+    bottom_right: bool,
+    window_left: i64,
+    window_right: i64,
+}
+
+/// The contexts of this process: per device (`-1` the emulator), and per (device, stream).
+struct Contexts {
+    devices: HashMap<i64, Arc<Context>>,
+    streams: HashMap<(i64, usize), Arc<Context>>,
+}
+
+fn contexts() -> &'static Mutex<Contexts> {
+    static CONTEXTS: OnceLock<Mutex<Contexts>> = OnceLock::new();
+    CONTEXTS.get_or_init(|| Mutex::new(Contexts { devices: HashMap::new(), streams: HashMap::new() }))
+}
+
+/// The context for `device` on the raw CUDA stream `stream` (ignored on the emulator).
+fn context(device: i64, stream: usize) -> Result<Arc<Context>, Error> {
+    let mut all = contexts().lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(ctx) = all.streams.get(&(device, stream)) {
+        return Ok(ctx.clone());
+    }
+    let base = match all.devices.get(&device) {
+        Some(ctx) => ctx.clone(),
+        None => {
+            let ctx = Arc::new(if device < 0 {
+                Context::cpu_emulated()
+            } else {
+                let ctx = Context::new(device as usize)?;
+                // Every tensor of a call is used on the one stream the call runs on, in stream
+                // order, so cudarc's per-buffer events (made for work spread over several
+                // streams) would only cost two event creations per tensor per call.
+                if let Some(stream) = ctx.cuda_stream() {
+                    // SAFETY: no buffer of this context is shared between streams.
+                    unsafe { stream.context().disable_event_tracking() };
+                }
+                ctx
+            });
+            all.devices.insert(device, ctx.clone());
+            ctx
+        }
+    };
+    let ctx = if device < 0 {
+        base
+    } else {
+        // SAFETY: PyTorch's current stream of `device` lives as long as the process uses it,
+        // and it belongs to the device's primary context, which `Context::new` retains.
+        Arc::new(unsafe { base.with_raw_stream(stream as *mut std::ffi::c_void) }?)
+    };
+    all.streams.insert((device, stream), ctx.clone());
+    Ok(ctx)
+}
+
+/// A Python exception for `error`: `ValueError` for what the caller passed, `RuntimeError` for
+/// what the device said.
+fn to_py(error: Error) -> PyErr {
+    match error {
+        Error::Driver { .. } | Error::NoDriver | Error::NoDevice { .. } | Error::UnsupportedDevice { .. } => {
+            PyRuntimeError::new_err(error.to_string())
+        }
+        _ => PyValueError::new_err(error.to_string()),
+    }
+}
+
+fn shape_of(s: Sizes) -> AttentionShape {
+    let (batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim) = s;
+    AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim }
+}
+
+fn options_of(mask: MaskArgs, scale: Option<f32>, deterministic: bool) -> PyResult<AttentionOptions> {
+    let causal = match (mask.causal, mask.bottom_right) {
+        (false, _) => Causal::None,
+        (true, false) => Causal::TopLeft,
+        (true, true) => Causal::BottomRight,
+    };
+    let reach = |x: i64| match x {
+        -1 => Ok(None),
+        x => usize::try_from(x).map(Some).map_err(|_| PyValueError::new_err(format!("a window reach of {x}"))),
+    };
+    let mut options = AttentionOptions { scale, causal, ..Default::default() };
+    let (left, right) = (reach(mask.window_left)?, reach(mask.window_right)?);
+    if left.is_some() || right.is_some() {
+        let window = SlidingWindow::new(left, right);
+        options = options.with_window(if mask.bottom_right { window } else { window.top_left() });
+    }
+    options.deterministic = deterministic;
+    Ok(options)
+}
+
+/// A borrowed tensor of `shape` at `address`.
+fn borrow<T: Element>(ctx: &Context, address: u64, shape: &[usize]) -> Result<DeviceTensor<T>, Error> {
+    // SAFETY: the Python side passes the data_ptr() of a live, contiguous tensor of this shape
+    // and type on this device, kept alive across the call (and the queued kernels use it in
+    // stream order on PyTorch's current stream, as PyTorch's own kernels do).
+    unsafe { ctx.tensor_from_raw_parts::<T>(address, shape) }
+}
+
+/// Pointers of one forward call: Q, K, V in, O and LSE out.
+struct ForwardPointers {
+    q: u64,
+    k: u64,
+    v: u64,
+    o: u64,
+    lse: u64,
+}
+
+fn forward_typed<T: Element>(
+    ctx: &Context,
+    shape: AttentionShape,
+    p: &ForwardPointers,
+    options: &AttentionOptions,
+) -> Result<(), Error> {
+    let (q_shape, kv_shape) = (shape.q_shape(), shape.kv_shape());
+    let (q, k, v) =
+        (borrow::<T>(ctx, p.q, &q_shape)?, borrow::<T>(ctx, p.k, &kv_shape)?, borrow::<T>(ctx, p.v, &kv_shape)?);
+    let mut out =
+        AttentionOutput { o: borrow::<T>(ctx, p.o, &q_shape)?, lse: borrow::<f32>(ctx, p.lse, &shape.lse_shape())? };
+    let tile = ctx.default_tile(T::DTYPE, shape.head_dim);
+    ctx.flash_attention_forward_into(&q, &k, &v, &mut out, options, tile)
+}
+
+/// Pointers of one backward call: Q, K, V, O, LSE and dO in, dQ, dK and dV out.
+struct BackwardPointers {
+    forward: ForwardPointers,
+    d_o: u64,
+    dq: u64,
+    dk: u64,
+    dv: u64,
+}
+
+fn backward_typed<T: Element>(
+    ctx: &Context,
+    shape: AttentionShape,
+    p: &BackwardPointers,
+    options: &AttentionOptions,
+) -> Result<(), Error> {
+    let (q_shape, kv_shape) = (shape.q_shape(), shape.kv_shape());
+    let f = &p.forward;
+    let (q, k, v) =
+        (borrow::<T>(ctx, f.q, &q_shape)?, borrow::<T>(ctx, f.k, &kv_shape)?, borrow::<T>(ctx, f.v, &kv_shape)?);
+    let (o, lse, d_o) = (
+        borrow::<T>(ctx, f.o, &q_shape)?,
+        borrow::<f32>(ctx, f.lse, &shape.lse_shape())?,
+        borrow::<T>(ctx, p.d_o, &q_shape)?,
+    );
+    let mut grads = Gradients {
+        dq: borrow::<T>(ctx, p.dq, &q_shape)?,
+        dk: borrow::<T>(ctx, p.dk, &kv_shape)?,
+        dv: borrow::<T>(ctx, p.dv, &kv_shape)?,
+    };
+    let dq_mode = match options.deterministic {
+        true => DqAccumulation::Deterministic,
+        false => ctx.dq_accumulation_for(T::DTYPE, shape.head_dim),
+    };
+    let tile = ctx.default_backward_tile(T::DTYPE, shape.head_dim, dq_mode);
+    ctx.flash_attention_backward_into(&q, &k, &v, &o, &lse, &d_o, &mut grads, options, tile, dq_mode)
+}
+
+fn dtype_of(name: &str) -> PyResult<DType> {
+    match name {
+        "float32" => Ok(DType::F32),
+        "float16" => Ok(DType::F16),
+        "bfloat16" => Ok(DType::Bf16),
+        other => Err(PyValueError::new_err(format!("dtype {other} is not float32, float16 or bfloat16"))),
+    }
+}
+
+/// Attention forward on PyTorch's memory: O (`[B, Hq, Sq, D]`, the inputs' type) and LSE
+/// (`[B, Hq, Sq]` float32, natural log) written at `o` and `lse`, from contiguous Q `[B, Hq, Sq,
+/// D]` and K, V `[B, Hkv, Sk, D]` at `q`, `k`, `v`. Queued on `stream`; returns at once.
+#[pyfunction]
+#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, causal, bottom_right, window_left, window_right, scale=None))]
+#[allow(clippy::too_many_arguments)]
+fn forward(
+    py: Python<'_>,
+    device: i64,
+    stream: usize,
+    dtype: &str,
+    sizes: Sizes,
+    q: u64,
+    k: u64,
+    v: u64,
+    o: u64,
+    lse: u64,
+    causal: bool,
+    bottom_right: bool,
+    window_left: i64,
+    window_right: i64,
+    scale: Option<f32>,
+) -> PyResult<()> {
+    let dtype = dtype_of(dtype)?;
+    let options = options_of(MaskArgs { causal, bottom_right, window_left, window_right }, scale, false)?;
+    let pointers = ForwardPointers { q, k, v, o, lse };
+    py.detach(|| {
+        let ctx = context(device, stream)?;
+        let shape = shape_of(sizes);
+        match dtype {
+            DType::F32 => forward_typed::<f32>(&ctx, shape, &pointers, &options),
+            DType::F16 => forward_typed::<f16>(&ctx, shape, &pointers, &options),
+            DType::Bf16 => forward_typed::<bf16>(&ctx, shape, &pointers, &options),
+        }
+    })
+    .map_err(to_py)
+}
+
+/// Attention backward on PyTorch's memory: dQ, dK, dV written at `dq`, `dk`, `dv` (Q's and K's
+/// shapes and type) from the forward's inputs, O and LSE and from dO (O's shape). `deterministic`
+/// sums dQ in a fixed order, bit-identical on every run. Queued on `stream`; returns at once.
+#[pyfunction]
+#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, d_o, dq, dk, dv, causal, bottom_right, window_left, window_right, deterministic, scale=None))]
+#[allow(clippy::too_many_arguments)]
+fn backward(
+    py: Python<'_>,
+    device: i64,
+    stream: usize,
+    dtype: &str,
+    sizes: Sizes,
+    q: u64,
+    k: u64,
+    v: u64,
+    o: u64,
+    lse: u64,
+    d_o: u64,
+    dq: u64,
+    dk: u64,
+    dv: u64,
+    causal: bool,
+    bottom_right: bool,
+    window_left: i64,
+    window_right: i64,
+    deterministic: bool,
+    scale: Option<f32>,
+) -> PyResult<()> {
+    let dtype = dtype_of(dtype)?;
+    let options = options_of(MaskArgs { causal, bottom_right, window_left, window_right }, scale, deterministic)?;
+    let pointers = BackwardPointers { forward: ForwardPointers { q, k, v, o, lse }, d_o, dq, dk, dv };
+    py.detach(|| {
+        let ctx = context(device, stream)?;
+        let shape = shape_of(sizes);
+        match dtype {
+            DType::F32 => backward_typed::<f32>(&ctx, shape, &pointers, &options),
+            DType::F16 => backward_typed::<f16>(&ctx, shape, &pointers, &options),
+            DType::Bf16 => backward_typed::<bf16>(&ctx, shape, &pointers, &options),
+        }
+    })
+    .map_err(to_py)
+}
+
+/// The forward kernel a call would run, e.g. `sm_90a m128_n128_s2 persistent`, for logs and
+/// benchmarks.
+#[pyfunction]
+#[pyo3(signature = (device, dtype, sizes, causal, bottom_right))]
+fn forward_kernel(device: i64, dtype: &str, sizes: Sizes, causal: bool, bottom_right: bool) -> PyResult<String> {
+    let dtype = dtype_of(dtype)?;
+    let options = options_of(MaskArgs { causal, bottom_right, window_left: -1, window_right: -1 }, None, false)?;
+    let ctx = context(device, 0).map_err(to_py)?;
+    let shape = shape_of(sizes);
+    let tile = ctx.default_tile(dtype, shape.head_dim);
+    Ok(ctx.forward_kernel_label(dtype, &shape, options.causal, tile))
+}
+
+/// The device a context opens for `device` (`-1`: the CPU emulator), e.g. `NVIDIA H200`.
+#[pyfunction]
+fn device_name(device: i64) -> PyResult<String> {
+    Ok(context(device, 0).map_err(to_py)?.device().name.clone())
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(forward, m)?)?;
+    m.add_function(wrap_pyfunction!(backward, m)?)?;
+    m.add_function(wrap_pyfunction!(forward_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(device_name, m)?)?;
+    Ok(())
+}

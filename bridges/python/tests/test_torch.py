@@ -1,0 +1,234 @@
+"""Tests of the PyTorch bridge against PyTorch's own attention.
+
+    python -m unittest discover -s bridges/python/tests -v      # after installing the wheel
+
+On a machine without a GPU the CPU tensors run on the kernels' emulator (small shapes only); with
+a GPU every test also runs on CUDA tensors, and the training test runs. With REQUIRE_GPU=1 a
+missing GPU fails instead of skipping.
+
+The oracle, as in the Rust tests: float64 SDPA on the same inputs is the truth; our error must be
+within about twice that of PyTorch's own same-precision attention (the math backend), plus a
+small floor for errors at rounding level.
+"""
+import math
+import os
+import pathlib
+import unittest
+
+import torch
+import torch.nn.functional as F
+
+import rust_attention as ra
+
+HAS_GPU = torch.cuda.is_available()
+if os.environ.get("REQUIRE_GPU") == "1" and not HAS_GPU:
+    raise RuntimeError("REQUIRE_GPU=1, but torch.cuda.is_available() is False")
+DEVICES = ["cpu"] + (["cuda"] if HAS_GPU else [])
+if not HAS_GPU:
+    print("rust_attention tests: no GPU, CPU tensors only (the emulator); the training test is skipped")
+
+# The error a same-precision plain implementation may have, times two, plus a floor.
+FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+def reference_mask(sq, sk, is_causal, bottom_right, window):
+    """The boolean mask (True = visible) our options describe, for SDPA's attn_mask."""
+    i = torch.arange(sq).unsqueeze(1) + (sk - sq if bottom_right else 0)
+    j = torch.arange(sk).unsqueeze(0)
+    visible = torch.ones(sq, sk, dtype=torch.bool)
+    if is_causal:
+        visible &= j <= i
+    if window is not None:
+        left, right = window
+        if left is not None:
+            visible &= j >= i - left
+        if right is not None:
+            visible &= j <= i + right
+    return visible
+
+
+def sdpa(q, k, v, mask):
+    """PyTorch's math attention with `mask`; rows that see no key give 0 (as ours do), not NaN."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask.to(q.device), float("-inf"))
+    p = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(q.dtype)
+    return p @ v
+
+
+class Cases(unittest.TestCase):
+    def check(self, device, dtype, b, hq, hkv, sq, sk, d, is_causal=False, bottom_right=False, window=None,
+              layout="bhsd", deterministic=False):
+        g = torch.Generator().manual_seed(hash((b, hq, hkv, sq, sk, d, is_causal, bottom_right)) % 2**31)
+        make = lambda h, s: torch.randn(b, h, s, d, generator=g).to(device)
+        q64, k64, v64 = make(hq, sq), make(hkv, sk), make(hkv, sk)
+        do64 = make(hq, sq)
+        mask = reference_mask(sq, sk, is_causal, bottom_right, window)
+        # The truth (float64) and PyTorch's same-precision attention, with their gradients.
+        results = {}
+        for name, t in (("truth", torch.float64), ("plain", dtype)):
+            q, k, v = (x.to(t).requires_grad_() for x in (q64, k64, v64))
+            o = sdpa(q, k, v, mask)
+            o.backward(do64.to(t))
+            results[name] = (o, q.grad, k.grad, v.grad)
+        q, k, v = (x.to(dtype).requires_grad_() for x in (q64, k64, v64))
+        args = (q, k, v) if layout == "bhsd" else tuple(x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+        o = ra.attention(*args, is_causal=is_causal, causal_alignment="bottom-right" if bottom_right else "top-left",
+                         enable_gqa=hq != hkv, layout=layout, window=window, deterministic=deterministic)
+        if layout == "bshd":
+            self.assertEqual(o.shape, (b, sq, hq, d))
+            o.backward(do64.to(dtype).transpose(1, 2))
+            o = o.transpose(1, 2)
+            grads = [x.grad.transpose(1, 2) for x in args]
+        else:
+            o.backward(do64.to(dtype))
+            grads = [x.grad for x in args]
+        what = f"{device} {dtype} [{b},{hq},{hkv},{sq},{sk},{d}] causal={is_causal} br={bottom_right} w={window} {layout}"
+        for name, ours, plain, truth in zip(("O", "dQ", "dK", "dV"), (o, *grads), results["plain"], results["truth"]):
+            bound = 2 * rel(plain, truth) + FLOOR[dtype]
+            self.assertLessEqual(rel(ours, truth), bound, f"{what}: {name}")
+        return o, grads
+
+    def test_grid(self):
+        for device in DEVICES:
+            big = device == "cuda"
+            shapes = [(1, 2, 2, 1, 1, 8), (2, 4, 2, 17, 33, 64), (1, 2, 1, 45, 37, 128), (1, 2, 2, 23, 23, 96)]
+            if big:
+                shapes += [(2, 12, 12, 197, 197, 64), (1, 8, 2, 1023, 1023, 128), (2, 4, 4, 577, 300, 256),
+                           (1, 16, 4, 1, 4096, 128)]
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                for i, shape in enumerate(shapes):
+                    with self.subTest(device=device, dtype=dtype, shape=shape):
+                        self.check(device, dtype, *shape, is_causal=i % 2 == 1, bottom_right=i % 4 == 3)
+
+    def test_layouts_windows_and_determinism(self):
+        for device in DEVICES:
+            self.check(device, torch.float16, 2, 4, 2, 40, 40, 64, layout="bshd", is_causal=True)
+            self.check(device, torch.bfloat16, 1, 2, 2, 70, 90, 64, is_causal=True, bottom_right=True, window=(16, 0))
+            self.check(device, torch.float16, 1, 2, 1, 50, 50, 32, window=(None, 3))
+            runs = [self.check(device, torch.float16, 1, 4, 2, 96, 96, 64, is_causal=True, deterministic=True)[1][0]
+                    for _ in range(2)]
+            self.assertTrue(torch.equal(runs[0], runs[1]), f"{device}: deterministic dQ differs between runs")
+
+    def test_lse(self):
+        for device in DEVICES:
+            q, k, v = (torch.randn(1, 2, 30, 64, device=device) for _ in range(3))
+            o, lse = ra.attention(q, k, v, return_lse=True)
+            want = torch.logsumexp((q @ k.transpose(-1, -2)) / 8.0, dim=-1)
+            self.assertLess((lse - want).abs().max().item(), 1e-4)
+            self.assertFalse(lse.requires_grad)
+
+    def test_errors_say_why(self):
+        q = torch.randn(1, 4, 8, 64)
+        k = torch.randn(1, 2, 8, 64)
+        with self.assertRaisesRegex(ValueError, "enable_gqa"):
+            ra.attention(q, k, k)
+        with self.assertRaisesRegex(ValueError, "float64"):
+            ra.attention(q.double(), k.double(), k.double(), enable_gqa=True)
+        with self.assertRaisesRegex(ValueError, "head"):
+            ra.attention(torch.randn(1, 2, 8, 300), torch.randn(1, 2, 8, 300), torch.randn(1, 2, 8, 300))
+        with self.assertRaisesRegex(ValueError, "window"):
+            ra.attention(q, q, q, window=(-2, 0))
+
+    def test_compile(self):
+        for device in DEVICES:
+            # Inductor needs a compiler for CPU code; aot_eager traces the same graph (fake
+            # kernels, autograd formula) without generating code.
+            backend = "inductor" if device == "cuda" else "aot_eager"
+            q, k, v = (torch.randn(2, 4, 64, 64, device=device, dtype=torch.float16, requires_grad=True)
+                       for _ in range(3))
+
+            def f(q, k, v):
+                return (ra.attention(q, k, v, is_causal=True) * 2).sum()
+
+            torch._dynamo.reset()
+            compiled = torch.compile(f, backend=backend, fullgraph=True)
+            eager_grads = torch.autograd.grad(f(q, k, v), (q, k, v))
+            compiled_grads = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+            for a, b in zip(eager_grads, compiled_grads):
+                self.assertTrue(torch.allclose(a, b, atol=1e-3, rtol=1e-3), device)
+
+
+class TinyGpt(torch.nn.Module):
+    """A character-level GPT: `layers` pre-norm blocks of causal self-attention and an MLP."""
+
+    def __init__(self, vocab, width=256, heads=4, layers=4, context=256, attend=None):
+        super().__init__()
+        self.heads, self.attend = heads, attend
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.position = torch.nn.Parameter(torch.randn(context, width) * 0.02)
+        self.blocks = torch.nn.ModuleList()
+        for _ in range(layers):
+            self.blocks.append(torch.nn.ModuleDict({
+                "norm1": torch.nn.LayerNorm(width), "qkv": torch.nn.Linear(width, 3 * width),
+                "proj": torch.nn.Linear(width, width), "norm2": torch.nn.LayerNorm(width),
+                "mlp": torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                           torch.nn.Linear(4 * width, width)),
+            }))
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, tokens):
+        b, s = tokens.shape
+        x = self.embed(tokens) + self.position[:s]
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](blk["norm1"](x)).view(b, s, 3, self.heads, -1).unbind(2)  # BSHD
+            x = x + blk["proj"](self.attend(q, k, v).reshape(b, s, -1))
+            x = x + blk["mlp"](blk["norm2"](x))
+        return self.head(self.norm(x))
+
+
+def shipped_text():
+    """The project's own prose (the guide and the docs), as training text."""
+    root = pathlib.Path(__file__).resolve().parents[3]
+    files = sorted((root / "docs").rglob("*.md")) + [root / "README.md", root / "ARCHITECTURE.md"]
+    return "\n".join(p.read_text(encoding="utf-8") for p in files if p.exists())
+
+
+def train(attend, text, steps=300, seed=0):
+    """Loss per step of a TinyGpt trained on `text` (bf16 autocast, AdamW), from `seed`."""
+    torch.manual_seed(seed)
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text], device="cuda")
+    model = TinyGpt(len(chars), attend=attend).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - 257, (32,), device="cuda", generator=g)
+        batch = torch.stack([data[s:s + 257] for s in starts.tolist()])
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(batch[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@unittest.skipUnless(HAS_GPU, "needs a GPU")
+class Training(unittest.TestCase):
+    def test_loss_curves_match_sdpa(self):
+        text = shipped_text()
+        ours = train(lambda q, k, v: ra.attention(q, k, v, is_causal=True, layout="bshd"), text)
+        theirs = train(lambda q, k, v: F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2), text)
+        # Compare smoothed curves (mean of 20 steps): single steps differ by sampling noise of
+        # the rounding, not by the kernels.
+        smooth = lambda xs: [sum(xs[i:i + 20]) / 20 for i in range(0, len(xs), 20)]
+        worst = max(abs(a - b) / b for a, b in zip(smooth(ours), smooth(theirs)))
+        print(f"\nloss (mean of 20 steps), ours vs SDPA: " +
+              ", ".join(f"{a:.3f}/{b:.3f}" for a, b in list(zip(smooth(ours), smooth(theirs)))[::3]) +
+              f"; largest relative difference {worst:.4f}")
+        self.assertLess(worst, 0.01)
+        self.assertLess(ours[-1], 0.6 * ours[0], "the model did not learn")
+
+
+if __name__ == "__main__":
+    unittest.main()
