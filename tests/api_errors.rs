@@ -29,7 +29,14 @@ fn every_entry_point_rejects_bad_shapes_with_a_message() {
     // Q, K, V shapes.
     expect(ctx.flash_attention_forward(q, wrong_batch, wrong_batch, &opts, tile).map(drop), "batch");
     expect(ctx.flash_attention_forward(q, not_divisor, not_divisor, &opts, tile).map(drop), "not a multiple");
-    expect(ctx.flash_attention_forward(empty, k, v, &opts, tile).map(drop), "at least 1");
+    // Empty problems run (the empty-row convention), but Q and K must still agree on the batch,
+    // and K must have heads and every tensor a width.
+    expect(ctx.flash_attention_forward(empty, k, v, &opts, tile).map(drop), "agree on batch");
+    let no_heads = tensors(&ctx, &[&[1, 0, 6, 32]]);
+    expect(
+        ctx.flash_attention_forward(q, &no_heads[0], &no_heads[0], &opts, tile).map(drop),
+        "num_heads_kv and head_dim",
+    );
     expect(ctx.flash_attention_forward(q, k, q, &opts, tile).map(drop), "same shape");
     expect(ctx.attention_naive(wrong_dim, k, v, &opts).map(drop), "head_dim");
     // Outputs and gradients.

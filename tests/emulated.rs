@@ -493,3 +493,83 @@ fn emulated_borrowed_tensors_read_and_write_the_callers_memory() {
     let misaligned = unsafe { ctx.tensor_from_raw_parts::<f32>(address(&q) + 4, &[4]) };
     assert!(misaligned.unwrap_err().to_string().contains("16-byte aligned"));
 }
+
+/// Problems with more heads or batch entries than one grid holds run in chunks of the folded
+/// batch (`ops/chunks.rs`): here with the grid limit lowered to 3, a batch of 5 with 4 query and
+/// 2 key/value heads (10 folded sequences, 4 chunks), forward and backward in both dQ modes, in
+/// `f32` and `bf16`, against the float64 reference; a group larger than the limit is refused.
+#[test]
+fn emulated_problems_beyond_the_grid_limit_run_in_chunks() {
+    use attn_host::AttentionOptions;
+    let ctx = Context::cpu_emulated().with_grid_limit(3);
+    let shape = AttentionShape { batch: 5, num_heads_q: 4, num_heads_kv: 2, seqlen_q: 19, seqlen_k: 23, head_dim: 32 };
+    let options = AttentionOptions::causal(Causal::BottomRight);
+    check(&ctx, shape, Kernel::Flash(TileConfig::new(16, 16), DqAccumulation::Atomic), options, 700, true);
+    check(&ctx, shape, Kernel::Flash(TileConfig::new(16, 16), DqAccumulation::Deterministic), options, 701, true);
+    let shape16 = AttentionShape { head_dim: 64, ..shape };
+    let (fwd, bwd) = (
+        TileConfig::default_for_dtype(attn_host::DType::Bf16, 64),
+        TileConfig::default_backward_for_dtype(attn_host::DType::Bf16, 64),
+    );
+    check16::<attn_host::bf16>(&ctx, shape16, fwd, Some((bwd, DqAccumulation::Atomic)), options, 702, Inputs::Normal);
+    let wide_group = AttentionShape { num_heads_q: 8, num_heads_kv: 1, ..shape };
+    let n = |dims: [usize; 4]| dims.iter().product::<usize>();
+    let q = ctx.upload(&random_normal(n(wide_group.q_shape()), 1), &wide_group.q_shape()).unwrap();
+    let k = ctx.upload(&random_normal(n(wide_group.kv_shape()), 2), &wide_group.kv_shape()).unwrap();
+    let error = ctx.flash_attention_forward(&q, &k, &k, &options, TileConfig::new(16, 16)).unwrap_err();
+    assert!(error.to_string().contains("query heads per key/value head"), "{error}");
+    report("emulated_problems_beyond_the_grid_limit_run_in_chunks", 3);
+}
+
+/// Empty problems (a batch, head count or sequence length of 0) follow the empty-row convention
+/// with no kernel: O = 0 and LSE = −∞ for the rows of 0 keys, zero gradients, as the float64
+/// reference says, on every entry point (flash in each element type, both dQ modes, naive, the
+/// one-call API); outputs are poisoned first. num_heads_kv and head_dim of 0 stay errors.
+#[test]
+fn emulated_empty_problems_follow_the_empty_row_convention() {
+    use attn_host::AttentionOptions;
+    let ctx = emulator();
+    let base = AttentionShape { batch: 2, num_heads_q: 4, num_heads_kv: 2, seqlen_q: 9, seqlen_k: 11, head_dim: 32 };
+    let empties = [
+        AttentionShape { seqlen_k: 0, ..base },
+        AttentionShape { seqlen_q: 0, ..base },
+        AttentionShape { batch: 0, ..base },
+        AttentionShape { num_heads_q: 0, ..base },
+        AttentionShape { seqlen_q: 0, seqlen_k: 0, ..base },
+    ];
+    let mut cases = 0;
+    for (i, &shape) in empties.iter().enumerate() {
+        let options =
+            if i % 2 == 0 { AttentionOptions::causal(Causal::BottomRight) } else { AttentionOptions::default() };
+        let mode = if i % 2 == 0 { DqAccumulation::Atomic } else { DqAccumulation::Deterministic };
+        check(ctx, shape, Kernel::Flash(TileConfig::new(16, 16), mode), options, 800 + i as u64, true);
+        check(ctx, shape, Kernel::Naive, options, 810 + i as u64, true);
+        let shape16 = AttentionShape { head_dim: 64, ..shape };
+        let (fwd, bwd) = (
+            TileConfig::default_for_dtype(attn_host::DType::F16, 64),
+            TileConfig::default_backward_for_dtype(attn_host::DType::F16, 64),
+        );
+        check16::<attn_host::f16>(ctx, shape16, fwd, Some((bwd, mode)), options, 820 + i as u64, Inputs::Normal);
+        cases += 3;
+    }
+    // The one-call API on seqlen_k = 0: O = 0, LSE = −∞, dQ = 0.
+    let shape = empties[0];
+    let n = |dims: [usize; 4]| dims.iter().product::<usize>();
+    let q = ctx.upload(&random_normal(n(shape.q_shape()), 1), &shape.q_shape()).unwrap();
+    let kv = ctx.upload(&[], &shape.kv_shape()).unwrap();
+    let forward = ctx.attention(&q, &kv, &kv, &AttentionOptions::default()).unwrap();
+    assert!(forward.o().to_host().unwrap().iter().all(|&x| x == 0.0));
+    assert!(forward.lse().to_host().unwrap().iter().all(|&x| x == f32::NEG_INFINITY));
+    let grads = ctx.attention_backward(&forward, &q).unwrap();
+    assert!(grads.dq.to_host().unwrap().iter().all(|&x| x == 0.0) && grads.dk.is_empty());
+    // What must not be 0.
+    for (q_shape, kv_shape) in [([2, 4, 9, 32], [2, 0, 11, 32]), ([2, 4, 9, 0], [2, 2, 11, 0])] {
+        let (q, kv) = (
+            ctx.upload(&vec![0.0; n(q_shape)], &q_shape).unwrap(),
+            ctx.upload(&vec![0.0; n(kv_shape)], &kv_shape).unwrap(),
+        );
+        let error = ctx.attention(&q, &kv, &kv, &AttentionOptions::default()).unwrap_err();
+        assert!(error.to_string().contains("num_heads_kv and head_dim must be at least 1"), "{error}");
+    }
+    report("emulated_empty_problems_follow_the_empty_row_convention", cases + 1);
+}

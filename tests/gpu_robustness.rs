@@ -213,3 +213,41 @@ fn a_context_on_the_callers_stream_takes_the_callers_buffers() {
     let q3 = theirs.tensor_from_cuda_slice(theirs_too, &shape.q_shape()).unwrap();
     assert_eq!(q3.to_host().unwrap(), q_host);
 }
+
+/// Empty problems on the GPU (a sequence length, batch or head count of 0): no kernel runs, no
+/// zero-byte buffer is allocated, and the outputs follow the empty-row convention (O = 0, LSE =
+/// −∞ for rows of 0 keys, zero gradients), on the flash and naive paths, f32 and f16, both dQ
+/// modes and the one-call API.
+#[test]
+fn empty_problems_follow_the_empty_row_convention() {
+    let Some(ctx) = gpu("empty_problems_follow_the_empty_row_convention") else { return };
+    let base = AttentionShape { batch: 2, num_heads_q: 4, num_heads_kv: 2, seqlen_q: 9, seqlen_k: 11, head_dim: 64 };
+    for (i, shape) in [
+        AttentionShape { seqlen_k: 0, ..base },
+        AttentionShape { seqlen_q: 0, ..base },
+        AttentionShape { batch: 0, ..base },
+        AttentionShape { num_heads_q: 0, ..base },
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let options =
+            if i % 2 == 0 { AttentionOptions::causal(Causal::BottomRight) } else { AttentionOptions::default() };
+        for mode in [DqAccumulation::Atomic, DqAccumulation::Deterministic] {
+            check(ctx, shape, Kernel::Flash(TileConfig::default_for(64), mode), options, 900 + i as u64, true);
+        }
+        check(ctx, shape, Kernel::Naive, options, 910 + i as u64, true);
+        let n = |dims: [usize; 4]| dims.iter().product::<usize>();
+        let to16 = |x: Vec<f32>| attn_host::dtype::from_f32_slice::<attn_host::f16>(&x);
+        let q = ctx.upload(&to16(random_normal(n(shape.q_shape()), 1)), &shape.q_shape()).unwrap();
+        let kv = ctx.upload(&to16(random_normal(n(shape.kv_shape()), 2)), &shape.kv_shape()).unwrap();
+        let forward = ctx.attention(&q, &kv, &kv, &options).unwrap();
+        assert!(forward.o().to_host().unwrap().iter().all(|x| x.to_f32() == 0.0));
+        assert!(forward.lse().to_host().unwrap().iter().all(|&x| x == f32::NEG_INFINITY));
+        let grads = ctx.attention_backward(&forward, &q).unwrap();
+        for t in [&grads.dq, &grads.dk, &grads.dv] {
+            assert!(t.to_host().unwrap().iter().all(|x| x.to_f32() == 0.0));
+        }
+    }
+    ctx.synchronize().unwrap();
+}

@@ -106,12 +106,12 @@ pub fn shape(seqlen_q: usize, seqlen_k: usize, head_dim: usize) -> AttentionShap
     AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 2, seqlen_q, seqlen_k, head_dim }
 }
 
+/// Q, K, V and dO on the host (as `f32`) and on the device.
+pub type HostAndDevice<T> = ([Vec<f32>; 4], [DeviceTensor<T>; 4]);
+
 /// Fresh random Q, K, V and dO (standard normal, seeded by the clock or `EXAMPLE_SEED`), rounded to `T`: the values on the host (as
 /// `f32`, exactly what the device holds, for the reference) and on the device.
-pub fn inputs<T: Element>(
-    ctx: &Context,
-    shape: &AttentionShape,
-) -> attn_host::Result<([Vec<f32>; 4], [DeviceTensor<T>; 4])> {
+pub fn inputs<T: Element>(ctx: &Context, shape: &AttentionShape) -> attn_host::Result<HostAndDevice<T>> {
     let shapes = [shape.q_shape(), shape.kv_shape(), shape.kv_shape(), shape.q_shape()];
     // Fresh inputs each run (from the clock), unless EXAMPLE_SEED repeats a run: the seed is printed.
     let seed = std::env::var("EXAMPLE_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {

@@ -56,7 +56,8 @@ pub unsafe fn flash_forward(
     causal_offset: isize,
     scale_log2: f32,
 ) {
-    let mask = Mask::from_args(seqlen_q, seqlen_k, causal, causal_offset);
+    // A causal mask or none; no sliding window (no left edge).
+    let mask = Mask::from_args(seqlen_q, seqlen_k, causal, causal_offset, Mask::NO_LEFT_EDGE);
     let head = hw::block_idx().1;
     let query = hw::block_idx().0 * BLOCK_M + hw::thread_idx_x();
     // SAFETY (all pointer arithmetic below): offsets stay inside this head's rows.

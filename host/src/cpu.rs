@@ -22,11 +22,11 @@ pub fn vector_add(a: &[f32], b: &[f32]) -> Result<Vec<f64>> {
     Ok(a.par_iter().zip(b).map(|(&x, &y)| x as f64 + y as f64).collect())
 }
 
-/// Checks `shape` (as [`AttentionShape::from_qkv`] does) and that Q (and dO) hold
+/// Checks `shape` (as [`AttentionShape::from_qkv_allowing_empty`] does: empty problems are fine) and that Q (and dO) hold
 /// `shape.q_shape()` elements and K, V `shape.kv_shape()`.
 fn check_inputs(shape: &AttentionShape, q: &[f32], k: &[f32], v: &[f32], d_o: Option<&[f32]>) -> Result<()> {
     let (q_shape, kv_shape) = (shape.q_shape(), shape.kv_shape());
-    AttentionShape::from_qkv(&q_shape, &kv_shape, &kv_shape)?;
+    AttentionShape::from_qkv_allowing_empty(&q_shape, &kv_shape, &kv_shape)?;
     let (q_len, kv_len) = (q_shape.iter().product::<usize>(), kv_shape.iter().product::<usize>());
     for (got, expected) in
         [(q.len(), q_len), (k.len(), kv_len), (v.len(), kv_len), (d_o.map_or(q_len, <[f32]>::len), q_len)]
@@ -213,6 +213,10 @@ pub fn attention_backward(
     let mut dq = vec![0.0; q.len()];
     let mut dk = vec![0.0; k.len()];
     let mut dv = vec![0.0; v.len()];
+    if shape.is_empty() {
+        // No query sees a key: every gradient is 0.
+        return Ok(GradientReference { dq, dk, dv });
+    }
     let group = shape.group_size();
     // Chunks: dQ of the `group` query heads of one key/value head, and that head's dK and dV.
     dq.par_chunks_mut(group * shape.seqlen_q * d)
@@ -296,6 +300,10 @@ pub fn flash_attention(
     let d = shape.head_dim;
     let mut o = vec![0.0; shape.query_rows() * d];
     let mut lse = vec![0.0; shape.query_rows()];
+    if shape.is_empty() {
+        // Rows of no keys (if any): O = 0, LSE = −∞.
+        return Ok(Reference { o, lse: vec![f64::NEG_INFINITY; shape.query_rows()] });
+    }
     // Work items: one query block of one head. A head's rows are contiguous in O and LSE, but
     // blocks at the end of a head may be short, so chunk per head first.
     o.par_chunks_mut(shape.seqlen_q * d).zip(lse.par_chunks_mut(shape.seqlen_q)).enumerate().for_each(

@@ -8,7 +8,7 @@ pub use crate::layout::AttentionShape;
 
 /// CUDA's limit on the y and z dimensions of a grid; the flash kernel puts heads on y and the
 /// batch on z.
-const MAX_GRID_YZ: usize = 65_535;
+pub(crate) const MAX_GRID_YZ: usize = 65_535;
 
 /// Causal masking: which keys a query may attend to.
 ///
@@ -315,6 +315,11 @@ impl TileConfig {
 
 /// Checks the grid limits of the flash kernel (heads on grid y, batch on grid z).
 pub(crate) fn check_flash_grid(shape: &AttentionShape) -> Result<()> {
+    // The entry points write an empty problem's outputs without a kernel; a launcher reached
+    // with one is a bug of this crate, which CUDA would report as an invalid grid.
+    if shape.is_empty() {
+        return Err(Error::Shape(format!("an empty problem {shape:?} reached a kernel launch")));
+    }
     if shape.num_heads_q > MAX_GRID_YZ || shape.batch > MAX_GRID_YZ {
         return Err(Error::Shape(format!(
             "batch = {} and num_heads_q = {} must each be at most {MAX_GRID_YZ} (CUDA grid limit)",

@@ -40,9 +40,38 @@ impl AttentionShape {
     /// batch or head_dim of Q and K differ, or `num_heads_kv` does not divide `num_heads_q` (the
     /// host turns it into its `Error::Shape`, whose message says which).
     pub fn from_qkv(q: &[usize], k: &[usize], v: &[usize]) -> Result<Self, ShapeError> {
+        Self::parse(q, k, v, false)
+    }
+
+    /// [`AttentionShape::from_qkv`] that also takes empty problems: batch, num_heads_q, seqlen_q
+    /// and seqlen_k may be 0 (a sequence of length 0, as a batch of variable lengths can hold);
+    /// num_heads_kv and head_dim must still be at least 1. What the library's attention entry
+    /// points accept; an empty problem's outputs follow the empty-row convention ([`Self::is_empty`]).
+    ///
+    /// # Errors
+    /// As [`AttentionShape::from_qkv`], with [`ShapeError::NoHeadsOrWidth`] for the two sizes
+    /// that must not be 0.
+    pub fn from_qkv_allowing_empty(q: &[usize], k: &[usize], v: &[usize]) -> Result<Self, ShapeError> {
+        Self::parse(q, k, v, true)
+    }
+
+    /// Whether no query sees a key: batch, num_heads_q, seqlen_q or seqlen_k is 0. Then O is 0
+    /// and the LSE −∞ for every query row there is (none, unless only seqlen_k is 0), dQ, dK and
+    /// dV are 0, and no kernel runs.
+    pub const fn is_empty(&self) -> bool {
+        self.batch == 0 || self.num_heads_q == 0 || self.seqlen_q == 0 || self.seqlen_k == 0
+    }
+
+    fn parse(q: &[usize], k: &[usize], v: &[usize], allow_empty: bool) -> Result<Self, ShapeError> {
         let four = |tensor: Tensor, shape: &[usize]| -> Result<[usize; 4], ShapeError> {
             let shape: [usize; 4] = shape.try_into().map_err(|_| ShapeError::Rank { tensor, rank: shape.len() })?;
-            if shape.contains(&0) {
+            if allow_empty {
+                // K's heads (which Q's must be a multiple of) and every row's width.
+                let heads = if tensor == Tensor::Q { 1 } else { shape[1] };
+                if heads == 0 || shape[3] == 0 {
+                    return Err(ShapeError::NoHeadsOrWidth { tensor, shape });
+                }
+            } else if shape.contains(&0) {
                 return Err(ShapeError::EmptyDimension { tensor, shape });
             }
             Ok(shape)
@@ -158,6 +187,8 @@ pub enum ShapeError {
     Rank { tensor: Tensor, rank: usize },
     /// A dimension of the tensor is 0.
     EmptyDimension { tensor: Tensor, shape: [usize; 4] },
+    /// K or V has no heads, or a tensor's rows are 0 wide (where the other sizes may be 0).
+    NoHeadsOrWidth { tensor: Tensor, shape: [usize; 4] },
     /// K and V have different shapes.
     KvDiffer { k: [usize; 4], v: [usize; 4] },
     /// Q and K disagree on batch (dim 0) or head_dim (dim 3).
@@ -178,6 +209,11 @@ impl core::fmt::Display for ShapeError {
             Self::EmptyDimension { tensor, shape } => {
                 write!(f, "`{tensor}` has shape {shape:?}; every dimension must be at least 1")
             }
+            Self::NoHeadsOrWidth { tensor, shape } => write!(
+                f,
+                "`{tensor}` has shape {shape:?}; num_heads_kv and head_dim must be at least 1 (batch, num_heads_q \
+                 and the sequence lengths may be 0)"
+            ),
             Self::KvDiffer { k, v } => write!(f, "`k` {k:?} and `v` {v:?} must have the same shape"),
             Self::QkDisagree { q, k } => {
                 write!(f, "`q` {q:?} and `k` {k:?} must agree on batch (dim 0) and head_dim (dim 3)")

@@ -123,6 +123,20 @@ class Cases(unittest.TestCase):
             self.assertLess((lse - want).abs().max().item(), 1e-4)
             self.assertFalse(lse.requires_grad)
 
+    def test_empty_sequences(self):
+        for device in DEVICES:
+            q = torch.randn(2, 4, 7, 64, device=device, dtype=torch.float16, requires_grad=True)
+            k = torch.randn(2, 4, 0, 64, device=device, dtype=torch.float16, requires_grad=True)
+            o, lse = ra.attention(q, k, k, return_lse=True)
+            self.assertTrue(torch.equal(o, torch.zeros_like(o)))
+            self.assertTrue(torch.isneginf(lse).all())
+            o.sum().backward()
+            self.assertTrue(torch.equal(q.grad, torch.zeros_like(q)))
+            empty_q = torch.randn(2, 4, 0, 64, device=device, dtype=torch.float16, requires_grad=True)
+            kv = torch.randn(2, 4, 5, 64, device=device, dtype=torch.float16, requires_grad=True)
+            ra.attention(empty_q, kv, kv).sum().backward()
+            self.assertTrue(torch.equal(kv.grad, torch.zeros_like(kv)))
+
     def test_errors_say_why(self):
         q = torch.randn(1, 4, 8, 64)
         k = torch.randn(1, 2, 8, 64)

@@ -82,7 +82,7 @@ impl Context {
         v: &'a DeviceTensor<T>,
         options: &AttentionOptions,
     ) -> Result<Attention<'a, T>> {
-        let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
+        let shape = AttentionShape::from_qkv_allowing_empty(q.shape(), k.shape(), v.shape())?;
         let tile = self.default_tile(T::DTYPE, shape.head_dim);
         let output = self.flash_attention_forward(q, k, v, options, tile)?;
         Ok(Attention { output, q, k, v, options: *options })
@@ -105,7 +105,7 @@ impl Context {
         d_o: &DeviceTensor<T>,
     ) -> Result<Gradients<T>> {
         let Attention { output, q, k, v, options } = forward;
-        let head_dim = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?.head_dim;
+        let head_dim = AttentionShape::from_qkv_allowing_empty(q.shape(), k.shape(), v.shape())?.head_dim;
         let dq = match options.deterministic {
             true => DqAccumulation::Deterministic,
             false => self.dq_accumulation_for(T::DTYPE, head_dim),

@@ -5,6 +5,7 @@
 //! | module | what |
 //! |---|---|
 //! | `mod.rs` | [`AttentionOutput`], [`Gradients`]; FlashAttention's entry points and dispatch; shared checks and helpers |
+//! | `chunks` | problems with more heads or batch entries than one grid holds, run in chunks |
 //! | `args` | the kernel arguments ([`ProblemArgs`](args::ProblemArgs)) and launch shapes |
 //! | `naive` | vector add and standard attention (levels 1, 2) |
 //! | `sm80` | FlashAttention on the sm_80 kernels: `f32` (levels 3, 4) and `mma.sync` (levels 5, 6) |
@@ -16,6 +17,7 @@
 
 mod args;
 mod attention;
+mod chunks;
 mod decode;
 mod naive;
 mod probes;
@@ -85,7 +87,7 @@ impl Context {
         options: &AttentionOptions,
         tile: TileConfig,
     ) -> Result<AttentionOutput<T>> {
-        let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
+        let shape = AttentionShape::from_qkv_allowing_empty(q.shape(), k.shape(), v.shape())?;
         // Validate before allocating, so a bad tile costs no device memory.
         tile.validate_kernel(FlashKernel::Forward, T::DTYPE, shape.head_dim, self.device())?;
         let mut out = self.alloc_attention_output(&shape)?;
@@ -104,6 +106,12 @@ impl Context {
         tile: TileConfig,
     ) -> Result<()> {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
+        if shape.is_empty() {
+            return self.write_empty_forward(&shape, out, options);
+        }
+        if self.needs_chunks(&shape) {
+            return self.forward_in_chunks(&shape, q, k, v, out, options, tile);
+        }
         if let Some(kernel) = self.target().hopper_forward(T::DTYPE, &shape, options.causal, tile) {
             return self.launch_hopper_forward(kernel, &shape, q, k, v, out, options);
         }
@@ -194,7 +202,7 @@ impl Context {
         tile: TileConfig,
         dq: DqAccumulation,
     ) -> Result<Gradients<T>> {
-        let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
+        let shape = AttentionShape::from_qkv_allowing_empty(q.shape(), k.shape(), v.shape())?;
         for &kernel in backward_kernels(dq) {
             tile.validate_kernel(kernel, T::DTYPE, shape.head_dim, self.device())?;
         }
@@ -219,6 +227,12 @@ impl Context {
         dq: DqAccumulation,
     ) -> Result<()> {
         let shape = self.check_backward(q, k, v, o, lse, d_o, grads)?;
+        if shape.is_empty() {
+            return self.write_empty_backward(&shape, grads, options);
+        }
+        if self.needs_chunks(&shape) {
+            return self.backward_in_chunks(&shape, (q, k, v), (o, lse, d_o), grads, options, tile, dq);
+        }
         if let Some(kernel) = self.target().hopper_backward(T::DTYPE, shape.head_dim, tile, dq) {
             return self.launch_hopper_backward(kernel, &shape, q, k, v, o, lse, d_o, grads, options);
         }
@@ -317,7 +331,7 @@ impl Context {
             self.check_owner(name, t)?;
         }
         self.check_owner("lse", lse)?;
-        let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
+        let shape = AttentionShape::from_qkv_allowing_empty(q.shape(), k.shape(), v.shape())?;
         for (name, got, want) in [("o", o.shape(), &shape.q_shape()[..]), ("lse", lse.shape(), &shape.lse_shape()[..])]
         {
             if got != want {
@@ -325,6 +339,34 @@ impl Context {
             }
         }
         Ok(shape)
+    }
+
+    /// The forward outputs of an empty problem ([`AttentionShape::is_empty`]: a batch, head count
+    /// or sequence length of 0), with no kernel: O = 0 and LSE = −∞ for the query rows there are
+    /// (rows of 0 keys, the convention of a row that sees no key). The scale is still checked.
+    pub(crate) fn write_empty_forward<T: Element>(
+        &self,
+        shape: &AttentionShape,
+        out: &mut AttentionOutput<T>,
+        options: &AttentionOptions,
+    ) -> Result<()> {
+        options.checked_scale(shape.head_dim)?;
+        self.fill_zeros(&mut out.o)?;
+        out.lse.copy_from_host(&vec![f32::NEG_INFINITY; out.lse.len()])
+    }
+
+    /// The gradients of an empty problem: all 0 (no query sees a key), with no kernel.
+    pub(crate) fn write_empty_backward<T: Element>(
+        &self,
+        shape: &AttentionShape,
+        grads: &mut Gradients<T>,
+        options: &AttentionOptions,
+    ) -> Result<()> {
+        options.checked_scale(shape.head_dim)?;
+        for t in [&mut grads.dq, &mut grads.dk, &mut grads.dv] {
+            self.fill_zeros(t)?;
+        }
+        Ok(())
     }
 
     /// [`Context::check_attention`] plus dO and the gradients.

@@ -64,7 +64,7 @@ impl Context {
         v: &DeviceTensor,
         options: &AttentionOptions,
     ) -> Result<AttentionOutput> {
-        let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
+        let shape = AttentionShape::from_qkv_allowing_empty(q.shape(), k.shape(), v.shape())?;
         let mut out = self.alloc_attention_output(&shape)?;
         self.attention_naive_into(q, k, v, &mut out, options)?;
         Ok(out)
@@ -81,6 +81,9 @@ impl Context {
         options: &AttentionOptions,
     ) -> Result<()> {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
+        if shape.is_empty() {
+            return self.write_empty_forward(&shape, out, options);
+        }
         let scores = self.naive_probabilities(q, k, &out.lse, &shape, options)?;
         let args = ProblemArgs::new(&shape, options);
         let pv_threads = shape.head_dim.next_multiple_of(32).min(ELEMENTWISE_THREADS);
@@ -131,7 +134,7 @@ impl Context {
         d_o: &DeviceTensor,
         options: &AttentionOptions,
     ) -> Result<Gradients> {
-        let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
+        let shape = AttentionShape::from_qkv_allowing_empty(q.shape(), k.shape(), v.shape())?;
         let mut grads = self.alloc_gradients(&shape)?;
         self.attention_naive_backward_into(q, k, v, o, d_o, &mut grads, options)?;
         Ok(grads)
@@ -149,8 +152,12 @@ impl Context {
         grads: &mut Gradients,
         options: &AttentionOptions,
     ) -> Result<()> {
-        let lse = self.alloc_output(&AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?.lse_shape())?;
+        let lse =
+            self.alloc_output(&AttentionShape::from_qkv_allowing_empty(q.shape(), k.shape(), v.shape())?.lse_shape())?;
         let shape = self.check_backward(q, k, v, o, &lse, d_o, grads)?;
+        if shape.is_empty() {
+            return self.write_empty_backward(&shape, grads, options);
+        }
         let p = self.naive_probabilities(q, k, &lse, &shape, options)?;
         let delta = self.row_deltas(o, d_o, &shape)?;
         let scale = options.checked_scale(shape.head_dim)?;

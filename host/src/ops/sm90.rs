@@ -74,6 +74,9 @@ impl Context {
         options: &AttentionOptions,
     ) -> Result<()> {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
+        if shape.is_empty() {
+            return self.write_empty_forward(&shape, out, options);
+        }
         let kernel = HopperForward::for_problem(T::DTYPE, &shape, options.causal, self.device().sm_count)?;
         self.launch_hopper_forward(kernel, &shape, q, k, v, out, options)
     }
@@ -174,6 +177,9 @@ impl Context {
         dq: DqAccumulation,
     ) -> Result<()> {
         let shape = self.check_backward(q, k, v, o, lse, d_o, grads)?;
+        if shape.is_empty() {
+            return self.write_empty_backward(&shape, grads, options);
+        }
         let kernel = HopperBackward::for_problem(T::DTYPE, shape.head_dim, dq)?;
         self.launch_hopper_backward(kernel, &shape, q, k, v, o, lse, d_o, grads, options)
     }

@@ -40,6 +40,9 @@ pub struct Context {
     info: DeviceInfo,
     /// Which kernels run the 16-bit forward pass ([`KernelPath`]).
     pub(crate) kernel_path: KernelPath,
+    /// The most blocks a flash kernel's grid may have in y (heads) and z (batch): CUDA's 65,535,
+    /// above which a problem runs in chunks (`ops/mod.rs`); lower only in tests.
+    pub(crate) grid_limit: usize,
 }
 
 pub(crate) enum Backend {
@@ -132,6 +135,7 @@ impl Context {
             },
             info: self.info.clone(),
             kernel_path: self.kernel_path,
+            grid_limit: self.grid_limit,
         })
     }
 
@@ -204,6 +208,7 @@ impl Context {
             },
             info,
             kernel_path: KernelPath::Sm80,
+            grid_limit: crate::problem::MAX_GRID_YZ,
         };
         context.with_kernel_path(KernelPath::from_env()?.unwrap_or(preferred))
     }
@@ -229,7 +234,13 @@ impl Context {
             Ok(Some(profile)) => DeviceInfo { compute_capability: MIN_COMPUTE_CAPABILITY, ..profile.apply(&info) },
             _ => info,
         };
-        Self { id: next_context_id(), backend: Backend::Emulated, info, kernel_path: KernelPath::Sm80 }
+        Self {
+            id: next_context_id(),
+            backend: Backend::Emulated,
+            info,
+            kernel_path: KernelPath::Sm80,
+            grid_limit: crate::problem::MAX_GRID_YZ,
+        }
     }
 
     /// Opens `device`: [`Context::new`] for a GPU, [`Context::cpu_emulated`] for the emulator.
@@ -437,6 +448,8 @@ impl Context {
             return Err(Error::Length { expected, got: values.len() });
         }
         let storage = match self.cuda_stream() {
+            // An empty tensor holds no memory (CUDA allocates no zero-byte buffer); see `Storage`.
+            _ if expected == 0 => Storage::Host(HostBuffer::new(Vec::new())),
             Some(stream) => Storage::Cuda(stream.clone_htod(values).during("allocating and filling a device tensor")?),
             None => Storage::Host(HostBuffer::new(values.to_vec())),
         };
@@ -495,6 +508,10 @@ impl Context {
         n.checked_mul(size_of::<T>())
             .filter(|&bytes| bytes <= isize::MAX as usize)
             .ok_or_else(|| Error::Shape(format!("{shape:?} has more bytes than fit in memory")))?;
+        if n == 0 {
+            // Nothing to read or write (an empty framework tensor's address may be anything).
+            return Ok(DeviceTensor::from_storage(Storage::Host(HostBuffer::new(Vec::new())), shape, self.id()));
+        }
         if address == 0 || !address.is_multiple_of(16) {
             return Err(Error::Shape(format!(
                 "a tensor at address {address:#x} is not 16-byte aligned (copy it to a fresh buffer first)"
@@ -515,6 +532,7 @@ impl Context {
     pub(crate) fn alloc_output<T: Scalar>(&self, shape: &[usize]) -> Result<DeviceTensor<T>> {
         let n = element_count(shape)?;
         let storage = match self.cuda_stream() {
+            _ if n == 0 => Storage::Host(HostBuffer::new(Vec::new())),
             // SAFETY: the element types have no invalid bit patterns, and callers overwrite every
             // element before it is read.
             Some(stream) => {
@@ -576,6 +594,15 @@ impl Context {
         }
         self.kernel_path = path;
         Ok(self)
+    }
+
+    /// This context with a lower grid limit (at most CUDA's 65,535 blocks in y and z), so that a
+    /// test can run the chunked path of a problem with more heads or batch entries than that on
+    /// small shapes. Not for other uses.
+    #[doc(hidden)]
+    pub fn with_grid_limit(mut self, limit: usize) -> Self {
+        self.grid_limit = limit.clamp(1, crate::problem::MAX_GRID_YZ);
+        self
     }
 
     /// What the selection policy reads about this context: its kernel path and device.

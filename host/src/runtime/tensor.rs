@@ -44,6 +44,9 @@ impl<T: Scalar> Drop for DeviceTensor<T> {
     }
 }
 
+/// Where a tensor's elements live: device memory, or host memory on the emulator. A tensor of
+/// no elements is `Host` on every context: CUDA has no zero-byte buffers, and no kernel is ever
+/// launched on one (an empty problem's outputs are written without kernels).
 pub(crate) enum Storage<T: Scalar> {
     Cuda(CudaSlice<T>),
     Host(HostBuffer<T>),
@@ -155,7 +158,8 @@ impl<T: Scalar> DeviceTensor<T> {
     }
 
     /// The device buffer, for use with other CUDA libraries (cuBLAS, NVRTC-compiled kernels) on
-    /// the context's stream ([`Context::cuda_stream`](crate::Context::cuda_stream)); `None` on the emulator.
+    /// the context's stream ([`Context::cuda_stream`](crate::Context::cuda_stream)); `None` on the
+    /// emulator, and for a tensor of no elements (which holds no memory).
     pub fn cuda_slice(&self) -> Option<&CudaSlice<T>> {
         match &*self.storage {
             Storage::Cuda(slice) => Some(slice),
@@ -179,6 +183,38 @@ impl<T: Scalar> DeviceTensor<T> {
             Storage::Cuda(slice) => Some(slice),
             Storage::Host(_) => unreachable!("checked above"),
         }
+    }
+
+    /// A borrowed tensor of `shape` over this one's elements from `offset` on (a batch chunk of
+    /// a problem too large for one grid, say): it reads and writes this tensor's memory and frees
+    /// nothing; this tensor must outlive it.
+    pub(crate) fn view(&self, offset: usize, shape: &[usize]) -> Result<DeviceTensor<T>> {
+        let n = element_count(shape)?;
+        if offset.checked_add(n).is_none_or(|end| end > self.len()) {
+            return Err(Error::Shape(format!(
+                "a view of {shape:?} at element {offset} does not fit in a tensor of {} elements",
+                self.len()
+            )));
+        }
+        let storage = match &*self.storage {
+            _ if n == 0 => {
+                return Ok(Self::from_storage(Storage::Host(HostBuffer::new(Vec::new())), shape, self.owner));
+            }
+            Storage::Cuda(slice) => {
+                let stream = slice.stream().clone();
+                let (base, _record) = cudarc::driver::DevicePtr::device_ptr(slice, &stream);
+                let address = base + (offset * size_of::<T>()) as u64;
+                // SAFETY: `offset .. offset + n` lies inside this tensor's allocation (checked);
+                // the view is borrowed, so the slice is leaked on drop, never freed.
+                Storage::Cuda(unsafe { stream.upgrade_device_ptr::<T>(address, n) })
+            }
+            Storage::Host(buffer) => {
+                // SAFETY: as above, inside the buffer.
+                let ptr = unsafe { NonNull::new_unchecked(buffer.as_ptr().add(offset)) };
+                Storage::Host(HostBuffer::borrowed(ptr, n))
+            }
+        };
+        Ok(Self::from_borrowed_storage(storage, shape, self.owner))
     }
 
     /// Whether the tensor borrows memory it does not free
