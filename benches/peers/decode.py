@@ -15,14 +15,13 @@ flash_attn package is installed. It prints one markdown table: GB/s of K and V r
 Rows are `BxHqxHkvxSqxSkxD:dtype`, then `:pN` for a paged cache of N-token pages (ours only; the
 peers read the contiguous cache) and `:causal` for a bottom-right causal mask with Sq > 1.
 """
-import argparse
 import os
 import re
 import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sdpa_bench import time_it  # noqa: E402  (beside this file)
+from sdpa_bench import row_arguments, time_it  # noqa: E402  (beside this file)
 
 ROWS = ("8x32x8x1x8192x128:bf16,1x32x32x1x32768x128:bf16,"
         "1x64x8x1x131072x128:bf16,64x32x8x1x1024x128:bf16,16x32x8x4x4096x128:bf16:causal,"
@@ -108,12 +107,7 @@ def peers(rows, warmup, repeats):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ours", required=True, help="path of the rust-attention binary")
-    p.add_argument("--rows", default=ROWS, help="comma list of rows (see above)")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=50)
-    args = p.parse_args()
+    args = row_arguments(__doc__, ROWS, warmup=10, repeats=50).parse_args()
     rows = [parse(s) for s in args.rows.split(",") if s]
     mine = {r: ours(args.ours, r, args.warmup, args.repeats) for r in rows}
     theirs = peers(rows, args.warmup, args.repeats)

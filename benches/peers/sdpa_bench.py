@@ -43,6 +43,17 @@ BACKENDS = {"fa2": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
             "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 
 
+def row_arguments(doc, rows, warmup, repeats):
+    """The command line of the scripts that time rows of ours beside the peers (decode.py,
+    windows.py): --ours, --rows (defaulting to `rows`), --warmup and --repeats."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ours", required=True, help="path of the rust-attention binary")
+    p.add_argument("--rows", default=rows, help="comma list of rows (see above)")
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--repeats", type=int, default=repeats)
+    return p
+
+
 def parse_shape(s):
     parts = [int(x) for x in s.lower().split("x")]
     if len(parts) != 4:

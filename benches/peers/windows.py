@@ -20,14 +20,13 @@ backward, TFLOP/s counted on the visible pairs, and our ratio to FlexAttention.
 
 Rows are `BxHqxHkvxNxD:dtype:wW` (seqlen_q = seqlen_k = N).
 """
-import argparse
 import os
 import re
 import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sdpa_bench import time_it  # noqa: E402  (beside this file)
+from sdpa_bench import row_arguments, time_it  # noqa: E402  (beside this file)
 
 ROWS = "1x32x8x16384x128:bf16:w512,1x32x8x16384x128:bf16:w4096,4x16x16x4096x64:f16:w1024"
 
@@ -109,12 +108,7 @@ def peers(row, warmup, repeats):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ours", required=True, help="path of the rust-attention binary")
-    p.add_argument("--rows", default=ROWS, help="comma list of rows (see above)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=20)
-    args = p.parse_args()
+    args = row_arguments(__doc__, ROWS, warmup=5, repeats=20).parse_args()
     rows = [parse(s) for s in args.rows.split(",") if s]
     print("| shape [B, Hq, Hkv, N, D] | dtype | window | pass | ours (ms) | TFLOP/s | ours causal, no window (ms) "
           "| FlexAttention (ms) | cuDNN causal, no window (ms) | ours ÷ Flex time |")

@@ -191,6 +191,17 @@ fn backward_typed<T: Element>(
     ctx.flash_attention_backward_into(&q, &k, &v, &o, &lse, &d_o, &mut grads, options, tile, dq_mode)
 }
 
+/// Calls `$f::<T>($args…)` with `T` the element type of `$dtype`.
+macro_rules! by_dtype {
+    ($dtype:expr, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::F16 => $f::<f16>($($arg),*),
+            DType::Bf16 => $f::<bf16>($($arg),*),
+        }
+    };
+}
+
 fn dtype_of(name: &str) -> PyResult<DType> {
     match name {
         "float32" => Ok(DType::F32),
@@ -228,12 +239,7 @@ fn forward(
     let pointers = ForwardPointers { q, k, v, o, lse };
     py.detach(|| {
         let ctx = context(device, stream)?;
-        let shape = shape_of(sizes);
-        match dtype {
-            DType::F32 => forward_typed::<f32>(&ctx, shape, &pointers, &options),
-            DType::F16 => forward_typed::<f16>(&ctx, shape, &pointers, &options),
-            DType::Bf16 => forward_typed::<bf16>(&ctx, shape, &pointers, &options),
-        }
+        by_dtype!(dtype, forward_typed(&ctx, shape_of(sizes), &pointers, &options))
     })
     .map_err(to_py)
 }
@@ -271,12 +277,7 @@ fn backward(
     let pointers = BackwardPointers { forward: ForwardPointers { q, k, v, o, lse }, d_o, dq, dk, dv };
     py.detach(|| {
         let ctx = context(device, stream)?;
-        let shape = shape_of(sizes);
-        match dtype {
-            DType::F32 => backward_typed::<f32>(&ctx, shape, &pointers, &options),
-            DType::F16 => backward_typed::<f16>(&ctx, shape, &pointers, &options),
-            DType::Bf16 => backward_typed::<bf16>(&ctx, shape, &pointers, &options),
-        }
+        by_dtype!(dtype, backward_typed(&ctx, shape_of(sizes), &pointers, &options))
     })
     .map_err(to_py)
 }
