@@ -243,7 +243,10 @@ impl Verdicts {
                 what: "errors beyond the test suite's tolerances, or a kernel that failed (the rows marked FAIL)",
             });
         }
-        println!("check: all {} rows PASS{not_run}", self.rows);
+        match self.rows {
+            1 => println!("check: the row PASSES{not_run}"),
+            rows => println!("check: all {rows} rows PASS{not_run}"),
+        }
         Ok(())
     }
 }
