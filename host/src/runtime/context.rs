@@ -449,7 +449,7 @@ impl Context {
         }
         let storage = match self.cuda_stream() {
             // An empty tensor holds no memory (CUDA allocates no zero-byte buffer); see `Storage`.
-            _ if expected == 0 => Storage::Host(HostBuffer::new(Vec::new())),
+            _ if expected == 0 => Storage::empty(),
             Some(stream) => Storage::Cuda(stream.clone_htod(values).during("allocating and filling a device tensor")?),
             None => Storage::Host(HostBuffer::new(values.to_vec())),
         };
@@ -510,7 +510,7 @@ impl Context {
             .ok_or_else(|| Error::Shape(format!("{shape:?} has more bytes than fit in memory")))?;
         if n == 0 {
             // Nothing to read or write (an empty framework tensor's address may be anything).
-            return Ok(DeviceTensor::from_storage(Storage::Host(HostBuffer::new(Vec::new())), shape, self.id()));
+            return Ok(DeviceTensor::from_storage(Storage::empty(), shape, self.id()));
         }
         if address == 0 || !address.is_multiple_of(16) {
             return Err(Error::Shape(format!(
@@ -532,7 +532,7 @@ impl Context {
     pub(crate) fn alloc_output<T: Scalar>(&self, shape: &[usize]) -> Result<DeviceTensor<T>> {
         let n = element_count(shape)?;
         let storage = match self.cuda_stream() {
-            _ if n == 0 => Storage::Host(HostBuffer::new(Vec::new())),
+            _ if n == 0 => Storage::empty(),
             // SAFETY: the element types have no invalid bit patterns, and callers overwrite every
             // element before it is read.
             Some(stream) => {

@@ -52,6 +52,13 @@ pub(crate) enum Storage<T: Scalar> {
     Host(HostBuffer<T>),
 }
 
+impl<T: Scalar> Storage<T> {
+    /// The storage of a tensor of no elements, on any context (see the type's docs).
+    pub(crate) fn empty() -> Self {
+        Self::Host(HostBuffer::new(Vec::new()))
+    }
+}
+
 /// A heap buffer that emulated kernels write through raw pointers (so it is not a `Vec`, whose
 /// `&mut` access would assert exclusivity).
 pub(crate) struct HostBuffer<T> {
@@ -198,7 +205,7 @@ impl<T: Scalar> DeviceTensor<T> {
         }
         let storage = match &*self.storage {
             _ if n == 0 => {
-                return Ok(Self::from_storage(Storage::Host(HostBuffer::new(Vec::new())), shape, self.owner));
+                return Ok(Self::from_storage(Storage::empty(), shape, self.owner));
             }
             Storage::Cuda(slice) => {
                 let stream = slice.stream().clone();
