@@ -8,6 +8,18 @@ use attn_host::{AttentionOptions, AttentionShape, Causal, Context, DqAccumulatio
 use common::attention::{Kernel, Problem, check, poisoned_rows};
 use common::{gpu, mha};
 use rayon::prelude::*;
+use std::sync::{PoisonError, RwLock, RwLockReadGuard};
+
+/// The out-of-memory test asks the device for far more memory than it has and compares the free
+/// memory before and after the failed call. The harness runs tests on threads, so a test beside
+/// it could fail an allocation of its own meanwhile (seen on the H200) or change the free memory
+/// it measures: it holds this lock for writing, every other test here for reading.
+static DEVICE_MEMORY: RwLock<()> = RwLock::new(());
+
+/// A test's share of the device's memory ([`DEVICE_MEMORY`]); held until the test ends.
+fn shared_memory() -> RwLockReadGuard<'static, ()> {
+    DEVICE_MEMORY.read().unwrap_or_else(PoisonError::into_inner)
+}
 
 /// Naive attention at seqlen 65536 with 16 heads needs a 275 GB score matrix: the allocation
 /// fails, the call returns an error, the memory it had already taken is given back, and the
@@ -15,6 +27,7 @@ use rayon::prelude::*;
 #[test]
 fn out_of_memory_is_an_error_and_leaks_nothing() {
     let Some(ctx) = gpu("out_of_memory_is_an_error_and_leaks_nothing") else { return };
+    let _alone = DEVICE_MEMORY.write().unwrap_or_else(PoisonError::into_inner);
     let shape = mha(1, 16, 65_536, 64);
     let q = ctx.full(&shape.q_shape(), 0.5).unwrap();
     ctx.synchronize().unwrap();
@@ -32,6 +45,7 @@ fn out_of_memory_is_an_error_and_leaks_nothing() {
 #[test]
 fn tensors_from_another_context_are_refused() {
     let Some(ctx) = gpu("tensors_from_another_context_are_refused") else { return };
+    let _memory = shared_memory();
     let other = Context::new(0).unwrap();
     let mine = ctx.full(&[1, 1, 16, 32], 1.0).unwrap();
     let theirs = other.full(&[1, 1, 16, 32], 1.0).unwrap();
@@ -56,6 +70,7 @@ fn hashed(i: usize, salt: u64) -> f32 {
 #[test]
 fn vector_add_beyond_two_to_the_31_elements() {
     let Some(ctx) = gpu("vector_add_beyond_two_to_the_31_elements") else { return };
+    let _memory = shared_memory();
     let n = (1usize << 31) + 17;
     let a: Vec<f32> = (0..n).into_par_iter().map(|i| hashed(i, 1)).collect();
     let b: Vec<f32> = (0..n).into_par_iter().map(|i| hashed(i, 2)).collect();
@@ -73,6 +88,7 @@ fn vector_add_beyond_two_to_the_31_elements() {
 #[test]
 fn attention_beyond_two_to_the_31_elements() {
     let Some(ctx) = gpu("attention_beyond_two_to_the_31_elements") else { return };
+    let _memory = shared_memory();
     let (seqlen_q, seqlen_k, d) = ((1usize << 24) + 3, 40, 128);
     let shape = AttentionShape { batch: 1, num_heads_q: 1, num_heads_kv: 1, seqlen_q, seqlen_k, head_dim: d };
     let q: Vec<f32> = (0..seqlen_q * d).into_par_iter().map(|i| hashed(i, 3)).collect();
@@ -110,6 +126,7 @@ fn attention_beyond_two_to_the_31_elements() {
 #[test]
 fn large_logits_do_not_overflow() {
     let Some(ctx) = gpu("large_logits_do_not_overflow") else { return };
+    let _memory = shared_memory();
     let shape = mha(1, 2, 150, 64);
     let ints = |n: usize, salt: u64| -> Vec<f32> { (0..n).map(|i| (hashed(i, salt) * 2.0).round()).collect() };
     let (q, k, v) = (ints(150 * 128, 6), ints(150 * 128, 7), random_normal(150 * 128, 8));
@@ -140,6 +157,7 @@ fn large_logits_do_not_overflow() {
 #[test]
 fn nan_and_infinity_reach_exactly_the_rows_that_see_them() {
     let Some(ctx) = gpu("nan_and_infinity_reach_exactly_the_rows_that_see_them") else { return };
+    let _memory = shared_memory();
     let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q: 70, seqlen_k: 70, head_dim: 32 };
     for kernel in [Kernel::Naive, Kernel::Flash(TileConfig::new(32, 32), DqAccumulation::Atomic)] {
         poisoned_rows(ctx, kernel, shape);
@@ -150,6 +168,7 @@ fn nan_and_infinity_reach_exactly_the_rows_that_see_them() {
 #[test]
 fn scale_zero_gives_the_mean_of_v() {
     let Some(ctx) = gpu("scale_zero_gives_the_mean_of_v") else { return };
+    let _memory = shared_memory();
     let shape = mha(1, 1, 9, 32);
     let problem = Problem::new(ctx, shape, 400);
     let options = AttentionOptions { scale: Some(0.0), causal: Causal::TopLeft, ..Default::default() };
@@ -170,6 +189,7 @@ fn scale_zero_gives_the_mean_of_v() {
 #[test]
 fn one_query_one_key_smallest_head_dim() {
     let Some(ctx) = gpu("one_query_one_key_smallest_head_dim") else { return };
+    let _memory = shared_memory();
     let d = TileConfig::compiled_head_dims()[0];
     for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
         for kernel in [Kernel::Naive, Kernel::Flash(TileConfig::new(16, 16), DqAccumulation::Deterministic)] {
@@ -186,6 +206,7 @@ fn one_query_one_key_smallest_head_dim() {
 #[test]
 fn a_context_on_the_callers_stream_takes_the_callers_buffers() {
     let Some(ctx) = gpu("a_context_on_the_callers_stream_takes_the_callers_buffers") else { return };
+    let _memory = shared_memory();
     let stream = ctx.cuda_stream().unwrap().context().new_stream().unwrap();
     let theirs = Context::on_stream(stream.clone()).unwrap();
     let shape = mha(1, 2, 77, 64);
@@ -221,6 +242,7 @@ fn a_context_on_the_callers_stream_takes_the_callers_buffers() {
 #[test]
 fn empty_problems_follow_the_empty_row_convention() {
     let Some(ctx) = gpu("empty_problems_follow_the_empty_row_convention") else { return };
+    let _memory = shared_memory();
     let base = AttentionShape { batch: 2, num_heads_q: 4, num_heads_kv: 2, seqlen_q: 9, seqlen_k: 11, head_dim: 64 };
     for (i, shape) in [
         AttentionShape { seqlen_k: 0, ..base },
