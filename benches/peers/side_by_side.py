@@ -17,8 +17,8 @@ Shapes are `BxHxNxD` or `BxHqxHkvxNxD` (GQA), then `:dtype`, then `:causal` for 
 (top-left) mask: seqlen_q = seqlen_k = N. Presets: `models` (issue 20: ViT-B/16, ViT-L/14,
 GPT-2, Llama-3-70B prefill, and the two benchmark shapes), `head-dims` (issue 21) and
 `backward` (issue 23: the two benchmark shapes and Llama's GQA, each with and without a mask).
-`--persistent` also times our forward with the Hopper forward's persistent grid forced off and
-on (RUST_ATTENTION_PERSISTENT=0/1), in extra columns; `--deterministic` our backward with
+`--persistent` also times our forward with the Hopper forward's persistent grid forced off, on
+with the static unit order, and on (RUST_ATTENTION_PERSISTENT=0/static/1), in extra columns; `--deterministic` our backward with
 `--dq deterministic` (bit-identical dQ), next to our default mode, with its ratio to it. FLOPs: forward 4·B·Hq·N²·D, halved when
 causal; backward 2.5× forward. GQA peers run with `enable_gqa=True`.
 
@@ -134,7 +134,7 @@ def main():
     grids = {}
     if args.persistent:
         for c in cases:
-            for flag in ("0", "1"):
+            for flag in ("0", "static", "1"):
                 got = ours(args.ours, c, args.warmup, args.repeats, {"RUST_ATTENTION_PERSISTENT": flag}, True)
                 grids[(c, flag)] = got.get("forward", (None, ""))[0]
     deterministic = {}
@@ -142,10 +142,10 @@ def main():
         for c in cases:
             deterministic[c] = ours(args.ours, c, args.warmup, args.repeats, dq="deterministic").get("backward")
     theirs = peers(cases, args.warmup, args.repeats)
-    extra = " fwd plain grid | fwd persistent |" if args.persistent else ""
+    extra = " fwd plain grid | fwd persistent static | fwd persistent |" if args.persistent else ""
     extra += " bwd deterministic (kernel) | ÷ default | ÷ cuDNN |" if args.deterministic else ""
     print(f"| shape [B, Hq, Hkv, N, D] | dtype | mask | pass | ours (kernel) | cuDNN | FA2 | ours ÷ cuDNN |{extra}")
-    print("|---|---|---|---|---|---:|---:|---:|" + ("---:|---:|" if args.persistent else "")
+    print("|---|---|---|---|---|---:|---:|---:|" + ("---:|---:|---:|" if args.persistent else "")
           + ("---|---:|---:|" if args.deterministic else ""))
     cell = lambda x: f"{x:.1f}" if x is not None else "—"
     for c in cases:
@@ -156,7 +156,8 @@ def main():
             ratio = f"{tf / cudnn:.2f}" if tf and cudnn else "—"
             more = ""
             if args.persistent:
-                more = (f" {cell(grids[(c, '0')])} | {cell(grids[(c, '1')])} |" if pass_ == "forward" else " | |")
+                more = (f" {cell(grids[(c, '0')])} | {cell(grids[(c, 'static')])} | {cell(grids[(c, '1')])} |"
+                        if pass_ == "forward" else " | | |")
             if args.deterministic:
                 det, det_kernel = deterministic.get(c) or (None, "not taken")
                 if pass_ == "backward":

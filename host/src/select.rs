@@ -286,8 +286,9 @@ impl HopperForward {
     pub(crate) const SHORT_CAUSAL_KEYS: usize = 1024;
 
     /// The environment variable that overrides the grid choice of [`Self::grid`]: `1` for a
-    /// persistent grid wherever it would have more than one wave, `0` for one block per unit.
-    /// For measurements side by side (`benches/peers/`); unset, the policy decides.
+    /// persistent grid wherever it would have more than one wave, `static` for the same with
+    /// the static snake order under a causal mask too (no unit counter), `0` for one block per
+    /// unit. For measurements side by side (`benches/peers/`); unset, the policy decides.
     pub const PERSISTENT_ENV: &'static str = "RUST_ATTENTION_PERSISTENT";
 
     /// The environment variable that overrides [`Self::for_problem`]'s block_m (64, 128 or 192)
@@ -395,20 +396,33 @@ impl HopperForward {
         sm_count: usize,
     ) -> ForwardGrid {
         let units = shape.seqlen_q.div_ceil(kernel.block_m) * shape.num_heads_q * shape.batch;
-        let persistent = persistent_override().unwrap_or(true);
+        let choice = persistent_override();
+        let persistent = choice != Some(GridOverride::OneBlockPerUnit);
         let resident = (sm_count * kernel.blocks_per_sm).max(1);
         let blocks = if persistent { units.min(resident) } else { units };
-        ForwardGrid { units, blocks, dynamic: blocks < units && causal != Causal::None }
+        let dynamic = blocks < units && causal != Causal::None && choice != Some(GridOverride::StaticPersistent);
+        ForwardGrid { units, blocks, dynamic }
     }
 }
 
-/// [`HopperForward::PERSISTENT_ENV`], read once: `Some(true)` for `1`, `Some(false)` for `0`,
-/// `None` when unset or anything else.
-fn persistent_override() -> Option<bool> {
-    static OVERRIDE: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+/// What [`HopperForward::PERSISTENT_ENV`] asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GridOverride {
+    /// `1`: persistent, units drawn as the policy says.
+    Persistent,
+    /// `static`: persistent, units in the static snake order even under a causal mask.
+    StaticPersistent,
+    /// `0`: one block per unit.
+    OneBlockPerUnit,
+}
+
+/// [`HopperForward::PERSISTENT_ENV`], read once; `None` when unset or anything else.
+fn persistent_override() -> Option<GridOverride> {
+    static OVERRIDE: std::sync::OnceLock<Option<GridOverride>> = std::sync::OnceLock::new();
     *OVERRIDE.get_or_init(|| match std::env::var(HopperForward::PERSISTENT_ENV).as_deref() {
-        Ok("1") => Some(true),
-        Ok("0") => Some(false),
+        Ok("1") => Some(GridOverride::Persistent),
+        Ok("static") => Some(GridOverride::StaticPersistent),
+        Ok("0") => Some(GridOverride::OneBlockPerUnit),
         _ => None,
     })
 }

@@ -50,12 +50,10 @@
         gpu_intrinsics,
         gpu_launch_sized_workgroup_mem,
         link_llvm_intrinsics,
+        portable_simd,
         stdarch_nvptx
     )
 )]
-#![feature(macro_metavar_expr_concat, portable_simd)]
-// The emulator rounds to IEEE half with the host's `f16` type.
-#![cfg_attr(not(target_arch = "nvptx64"), feature(f16))]
 #![allow(internal_features)]
 // Kernels index small register arrays by row and column on purpose: `acc[i][g]` with the thread
 // mapping's names reads like the algorithm, where iterator chains would hide it.
@@ -79,28 +77,32 @@ macro_rules! kernel {
         #[allow(clippy::too_many_arguments)]
         pub unsafe fn $name($($arg: $ty),*) $body
 
-        /// The CPU emulator's entry for the kernel of the same name.
+        // `emu_<name>`: pasted into one identifier by `pastey` (a name made of a macro's
+        // arguments is beyond `macro_rules!` on stable Rust).
         #[cfg(not(target_arch = "nvptx64"))]
-        #[allow(non_upper_case_globals)]
-        pub const ${concat(emu_, $name)}: $crate::hw::emu::HostKernel = $crate::hw::emu::HostKernel {
-            name: stringify!($name),
-            run: |args| {
-                let expected = [$(stringify!($arg)),*].len();
-                if args.len() != expected {
-                    return Err(format!("{} arguments given, {} expected", args.len(), expected));
-                }
-                let mut args = args.iter();
-                $(
-                    let $arg = args
-                        .next()
-                        .and_then(<$ty as $crate::hw::emu::FromArg>::from_arg)
-                        .ok_or_else(|| format!("argument `{}` has the wrong type", stringify!($arg)))?;
-                )*
-                // SAFETY: the caller of `emu::launch` guarantees the pointers.
-                unsafe { $name($($arg),*) };
-                Ok(())
-            },
-        };
+        pastey::paste! {
+            /// The CPU emulator's entry for the kernel of the same name.
+            #[allow(non_upper_case_globals)]
+            pub const [<emu_ $name>]: $crate::hw::emu::HostKernel = $crate::hw::emu::HostKernel {
+                name: stringify!($name),
+                run: |args| {
+                    let expected = [$(stringify!($arg)),*].len();
+                    if args.len() != expected {
+                        return Err(format!("{} arguments given, {} expected", args.len(), expected));
+                    }
+                    let mut args = args.iter();
+                    $(
+                        let $arg = args
+                            .next()
+                            .and_then(<$ty as $crate::hw::emu::FromArg>::from_arg)
+                            .ok_or_else(|| format!("argument `{}` has the wrong type", stringify!($arg)))?;
+                    )*
+                    // SAFETY: the caller of `emu::launch` guarantees the pointers.
+                    unsafe { $name($($arg),*) };
+                    Ok(())
+                },
+            };
+        }
     };
 }
 // ANCHOR_END: kernel_macro

@@ -33,6 +33,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use half::f16;
 use rayon::prelude::*;
 
 /// Lanes in a warp.
@@ -739,11 +740,11 @@ pub(crate) fn movmatrix_trans(x: u32) -> u32 {
 }
 
 pub(crate) fn pack_f16x2(lo: f32, hi: f32) -> u32 {
-    (lo as f16).to_bits() as u32 | ((hi as f16).to_bits() as u32) << 16
+    (f16::from_f32(lo).to_bits() as u32) | (f16::from_f32(hi).to_bits() as u32) << 16
 }
 
 pub(crate) fn unpack_f16x2(x: u32) -> (f32, f32) {
-    (f16::from_bits(x as u16) as f32, f16::from_bits((x >> 16) as u16) as f32)
+    (f16::from_bits(x as u16).to_f32(), f16::from_bits((x >> 16) as u16).to_f32())
 }
 
 /// f32 → bfloat16 bits, rounding to nearest, ties to even (NaN stays NaN).

@@ -1,6 +1,7 @@
 //! Level 0, what one thread does: its indices in the block and the grid, fast `exp2`/`log2`,
 //! fused multiply-add, `f32` atomics, and 16-byte loads and stores ([`F32x4`]).
 
+#[cfg(target_arch = "nvptx64")]
 use core::simd::Simd;
 
 use super::backend;
@@ -160,13 +161,14 @@ impl F32x4 {
     #[inline(always)]
     pub unsafe fn load(ptr: *const f32) -> Self {
         // Read through a SIMD type: LLVM then emits one vector load. Copying `Self` as a plain
-        // 16-byte aggregate would be split into two 8-byte loads. (Host buffers need not be
-        // 16-byte aligned, so the emulator reads unaligned.)
+        // 16-byte aggregate would be split into two 8-byte loads. (The emulator reads an array:
+        // host buffers need not be 16-byte aligned, and `core::simd` is nightly-only, which the
+        // host build of this crate is not.)
         #[cfg(target_arch = "nvptx64")]
-        let v = unsafe { (ptr as *const Simd<f32, 4>).read() };
+        let v = unsafe { (ptr as *const Simd<f32, 4>).read() }.to_array();
         #[cfg(not(target_arch = "nvptx64"))]
-        let v = unsafe { (ptr as *const Simd<f32, 4>).read_unaligned() };
-        Self(v.to_array())
+        let v = unsafe { (ptr as *const [f32; 4]).read_unaligned() };
+        Self(v)
     }
 
     /// Writes four consecutive floats; `ptr` must be 16-byte aligned.
@@ -181,7 +183,7 @@ impl F32x4 {
         }
         #[cfg(not(target_arch = "nvptx64"))]
         unsafe {
-            (ptr as *mut Simd<f32, 4>).write_unaligned(Simd::from_array(self.0))
+            (ptr as *mut [f32; 4]).write_unaligned(self.0)
         }
     }
 

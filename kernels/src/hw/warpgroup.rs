@@ -150,17 +150,19 @@ macro_rules! accumulator_list {
 /// are written once, for every size.
 macro_rules! asm_with_accumulator {
     ([$($j:literal)*], $d:ident, [$($template:tt)*], $($operands:tt)*) => {
-        asm!(
-            $($template)*
-            $($operands)*
-            $(
-                ${concat(d, $j, _0)} = inout(reg32) $d[$j][0],
-                ${concat(d, $j, _1)} = inout(reg32) $d[$j][1],
-                ${concat(d, $j, _2)} = inout(reg32) $d[$j][2],
-                ${concat(d, $j, _3)} = inout(reg32) $d[$j][3],
-            )*
-            options(nostack)
-        )
+        pastey::paste! {
+            asm!(
+                $($template)*
+                $($operands)*
+                $(
+                    [<d $j _0>] = inout(reg32) $d[$j][0],
+                    [<d $j _1>] = inout(reg32) $d[$j][1],
+                    [<d $j _2>] = inout(reg32) $d[$j][2],
+                    [<d $j _3>] = inout(reg32) $d[$j][3],
+                )*
+                options(nostack)
+            )
+        }
     };
 }
 

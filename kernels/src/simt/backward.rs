@@ -391,9 +391,11 @@ pub(crate) unsafe fn flash_backward_q<
 /// the same arguments.
 macro_rules! flash_backward_instance {
     ($block_m:literal, $block_n:literal, $head_dim:literal) => {
-        flash_backward_instance!(@kv ${concat(flash_bwd_f32_m, $block_m, _n, $block_n, _d, $head_dim)}, $block_m, $block_n, $head_dim, true);
-        flash_backward_instance!(@kv ${concat(flash_bwd_dkdv_f32_m, $block_m, _n, $block_n, _d, $head_dim)}, $block_m, $block_n, $head_dim, false);
-        flash_backward_instance!(@q ${concat(flash_bwd_dq_f32_m, $block_m, _n, $block_n, _d, $head_dim)}, $block_m, $block_n, $head_dim);
+        pastey::paste! {
+            flash_backward_instance!(@kv [<flash_bwd_f32_m $block_m _n $block_n _d $head_dim>], $block_m, $block_n, $head_dim, true);
+            flash_backward_instance!(@kv [<flash_bwd_dkdv_f32_m $block_m _n $block_n _d $head_dim>], $block_m, $block_n, $head_dim, false);
+            flash_backward_instance!(@q [<flash_bwd_dq_f32_m $block_m _n $block_n _d $head_dim>], $block_m, $block_n, $head_dim);
+        }
     };
     (@kv $name:ident, $block_m:literal, $block_n:literal, $head_dim:literal, $atomic_dq:literal) => {
         flash_backward_instance!(@entry $name, |t, shape, mask, scale| flash_backward_kv::<

@@ -172,34 +172,36 @@ pub(crate) unsafe fn flash_forward<
 }
 
 /// One entry per tile, named `flash_fwd_f32_m{block_m}_n{block_n}_d{head_dim}`:
-/// `${concat(…)}` (nightly `macro_metavar_expr_concat`) glues the numbers into the name, and
+/// `pastey::paste!` glues the numbers into the name (`[<flash_fwd_f32_m $block_m …>]`), and
 /// `simt_tiles!` (in [`crate::configs`], the one list of compiled `f32` tiles) calls this macro
 /// once per tile.
 macro_rules! flash_forward_instance {
     ($block_m:literal, $block_n:literal, $head_dim:literal) => {
-        attention_kernel! {
-        /// FlashAttention-2 forward, `f32`; see the module docs and `flash_forward`.
-        ///
-        /// # Safety
-        /// As `flash_forward`.
-        fn ${concat(flash_fwd_f32_m, $block_m, _n, $block_n, _d, $head_dim)}(
-            q: *const f32,
-            k: *const f32,
-            v: *const f32,
-            o: *mut f32,
-            lse: *mut f32,
-        ) |shape, mask, scale_log2| {
-            unsafe {
-                flash_forward::<
-                    $block_m,
-                    $block_n,
-                    $head_dim,
-                    { $block_m / FLASH_THREAD_ROWS },
-                    { $block_n / LANES },
-                    { $head_dim / (4 * LANES) },
-                >(q, k, v, o, lse, shape, mask, scale_log2)
+        pastey::paste! {
+            attention_kernel! {
+            /// FlashAttention-2 forward, `f32`; see the module docs and `flash_forward`.
+            ///
+            /// # Safety
+            /// As `flash_forward`.
+            fn [<flash_fwd_f32_m $block_m _n $block_n _d $head_dim>](
+                q: *const f32,
+                k: *const f32,
+                v: *const f32,
+                o: *mut f32,
+                lse: *mut f32,
+            ) |shape, mask, scale_log2| {
+                unsafe {
+                    flash_forward::<
+                        $block_m,
+                        $block_n,
+                        $head_dim,
+                        { $block_m / FLASH_THREAD_ROWS },
+                        { $block_n / LANES },
+                        { $head_dim / (4 * LANES) },
+                    >(q, k, v, o, lse, shape, mask, scale_log2)
+                }
             }
-        }
+            }
         }
     };
 }

@@ -660,16 +660,20 @@ const fn column_tiles(head_dim: usize) -> usize {
 /// arguments and differ in their outputs (`@entry`).
 macro_rules! flash_backward_mma_instance {
     ($dtype:ident, $format:ident, $m:literal, $n:literal, $d:literal, $s:literal) => {
-        flash_backward_mma_instance!(@kernels $format, $m, $n, $d, $s, false,
-            ${concat(flash_bwd_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)},
-            ${concat(flash_bwd_dkdv_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)},
-            ${concat(flash_bwd_dq_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s)});
+        pastey::paste! {
+            flash_backward_mma_instance!(@kernels $format, $m, $n, $d, $s, false,
+                [<flash_bwd_ $dtype _m $m _n $n _d $d _s $s>],
+                [<flash_bwd_dkdv_ $dtype _m $m _n $n _d $d _s $s>],
+                [<flash_bwd_dq_ $dtype _m $m _n $n _d $d _s $s>]);
+        }
     };
     ($dtype:ident, $format:ident, $m:literal, $n:literal, $d:literal, $s:literal, padded) => {
-        flash_backward_mma_instance!(@kernels $format, $m, $n, $d, $s, true,
-            ${concat(flash_bwd_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s, _padded)},
-            ${concat(flash_bwd_dkdv_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s, _padded)},
-            ${concat(flash_bwd_dq_, $dtype, _m, $m, _n, $n, _d, $d, _s, $s, _padded)});
+        pastey::paste! {
+            flash_backward_mma_instance!(@kernels $format, $m, $n, $d, $s, true,
+                [<flash_bwd_ $dtype _m $m _n $n _d $d _s $s _padded>],
+                [<flash_bwd_dkdv_ $dtype _m $m _n $n _d $d _s $s _padded>],
+                [<flash_bwd_dq_ $dtype _m $m _n $n _d $d _s $s _padded>]);
+        }
     };
     (@kernels $format:ident, $m:literal, $n:literal, $d:literal, $s:literal, $padded:literal,
         $atomic:ident, $dkdv:ident, $dq:ident) => {

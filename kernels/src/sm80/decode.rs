@@ -550,45 +550,49 @@ macro_rules! decode_kernel {
 /// [`crate::configs`]) lists them.
 macro_rules! decode_instance {
     ($dtype:ident, $format:ident, $head_dim:literal, $stages:literal, $q_regs:literal) => {
-        decode_kernel! {
-        /// The split-KV decoder; see the module docs and `decode_forward`.
-        ///
-        /// # Safety
-        /// As `decode_forward`.
-        fn ${concat(decode_fwd_, $dtype, _d, $head_dim, _s, $stages)}(
-            q: *const u16,
-            k: *const u16,
-            v: *const u16,
-            o: *mut u16,
-            lse: *mut f32,
-            o_partial: *mut f32,
-            lse_partial: *mut f32,
-            seqlens_k: *const u32,
-            block_table: *const u32,
-            scale_log2: f32,
-        ) |shape| {
-            unsafe {
-                decode_forward::<hw::$format, $head_dim, $stages, $q_regs, { $head_dim / 16 }, { $head_dim / 8 }>(
-                    (q, k, v), (o, lse, o_partial, lse_partial), (seqlens_k, block_table), shape, scale_log2,
-                )
+        pastey::paste! {
+            decode_kernel! {
+            /// The split-KV decoder; see the module docs and `decode_forward`.
+            ///
+            /// # Safety
+            /// As `decode_forward`.
+            fn [<decode_fwd_ $dtype _d $head_dim _s $stages>](
+                q: *const u16,
+                k: *const u16,
+                v: *const u16,
+                o: *mut u16,
+                lse: *mut f32,
+                o_partial: *mut f32,
+                lse_partial: *mut f32,
+                seqlens_k: *const u32,
+                block_table: *const u32,
+                scale_log2: f32,
+            ) |shape| {
+                unsafe {
+                    decode_forward::<hw::$format, $head_dim, $stages, $q_regs, { $head_dim / 16 }, { $head_dim / 8 }>(
+                        (q, k, v), (o, lse, o_partial, lse_partial), (seqlens_k, block_table), shape, scale_log2,
+                    )
+                }
             }
-        }
+            }
         }
     };
     (merge $dtype:ident, $format:ident) => {
-        decode_kernel! {
-        /// Merges the decoder's splits; see `merge_splits`.
-        ///
-        /// # Safety
-        /// As `merge_splits`.
-        fn ${concat(decode_merge_, $dtype)}(
-            o_partial: *const f32,
-            lse_partial: *const f32,
-            o: *mut u16,
-            lse: *mut f32,
-        ) |shape| {
-            unsafe { merge_splits::<hw::$format>(o_partial, lse_partial, o, lse, shape) }
-        }
+        pastey::paste! {
+            decode_kernel! {
+            /// Merges the decoder's splits; see `merge_splits`.
+            ///
+            /// # Safety
+            /// As `merge_splits`.
+            fn [<decode_merge_ $dtype>](
+                o_partial: *const f32,
+                lse_partial: *const f32,
+                o: *mut u16,
+                lse: *mut f32,
+            ) |shape| {
+                unsafe { merge_splits::<hw::$format>(o_partial, lse_partial, o, lse, shape) }
+            }
+            }
         }
     };
 }

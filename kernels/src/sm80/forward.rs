@@ -224,12 +224,16 @@ pub(crate) unsafe fn flash_forward_mma<
 /// [`crate::configs`]) list the tiles.
 macro_rules! flash_forward_mma_instance {
     ($dtype:ident, $format:ident, $block_m:literal, $block_n:literal, $head_dim:literal, $stages:literal) => {
-        flash_forward_mma_instance!(@entry $format, $block_m, $block_n, $head_dim, $stages, false,
-            ${concat(flash_fwd_, $dtype, _m, $block_m, _n, $block_n, _d, $head_dim, _s, $stages)});
+        pastey::paste! {
+            flash_forward_mma_instance!(@entry $format, $block_m, $block_n, $head_dim, $stages, false,
+                [<flash_fwd_ $dtype _m $block_m _n $block_n _d $head_dim _s $stages>]);
+        }
     };
     ($dtype:ident, $format:ident, $block_m:literal, $block_n:literal, $head_dim:literal, $stages:literal, padded) => {
-        flash_forward_mma_instance!(@entry $format, $block_m, $block_n, $head_dim, $stages, true,
-            ${concat(flash_fwd_, $dtype, _m, $block_m, _n, $block_n, _d, $head_dim, _s, $stages, _padded)});
+        pastey::paste! {
+            flash_forward_mma_instance!(@entry $format, $block_m, $block_n, $head_dim, $stages, true,
+                [<flash_fwd_ $dtype _m $block_m _n $block_n _d $head_dim _s $stages _padded>]);
+        }
     };
     (@entry $format:ident, $block_m:literal, $block_n:literal, $head_dim:literal, $stages:literal, $padded:literal, $name:ident) => {
         attention_kernel! {

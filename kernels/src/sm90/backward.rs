@@ -727,10 +727,12 @@ unsafe fn flash_backward_wgmma<
 /// `sm90_backward_configs!` (in [`crate::configs`]) lists the configurations.
 macro_rules! flash_backward_wgmma_instance {
     ($dtype:ident, $format:ident, $d:literal, $stages:literal) => {
-        flash_backward_wgmma_instance!(@entry $format, false,
-            ${concat(hopper_flash_bwd_, $dtype, _m64_n128_d, $d, _s, $stages)}, $d, $stages);
-        flash_backward_wgmma_instance!(@entry $format, true,
-            ${concat(hopper_flash_bwd_, $dtype, _m64_n128_d, $d, _s, $stages, _deterministic)}, $d, $stages);
+        pastey::paste! {
+            flash_backward_wgmma_instance!(@entry $format, false,
+                [<hopper_flash_bwd_ $dtype _m64_n128_d $d _s $stages>], $d, $stages);
+            flash_backward_wgmma_instance!(@entry $format, true,
+                [<hopper_flash_bwd_ $dtype _m64_n128_d $d _s $stages _deterministic>], $d, $stages);
+        }
     };
     (@entry $format:ident, $deterministic:literal, $name:ident, $d:literal, $stages:literal) => {
         attention_kernel! {

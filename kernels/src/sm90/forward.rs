@@ -617,31 +617,33 @@ unsafe fn flash_forward_wgmma<
 /// `sm90_forward_configs!` (in [`crate::configs`]) lists the configurations.
 macro_rules! flash_forward_wgmma_instance {
     ($dtype:ident, $format:ident, $block_m:literal, $d:literal, $block_n:literal, $stages:literal, $pingpong:literal, $variant:ident) => {
-        attention_kernel! {
-        /// FlashAttention forward on Hopper (sm_90a); see the module docs.
-        ///
-        /// # Safety
-        /// As `flash_forward_wgmma`.
-        fn ${concat(hopper_flash_fwd_, $dtype, _m, $block_m, _n, $block_n, _d, $d, _, $variant)}(
-            maps: *const u8,
-            o: *mut u16,
-            lse: *mut f32,
-            unit_counter: *mut u32,
-        ) |shape, mask, scale_log2| {
-            unsafe {
-                flash_forward_wgmma::<
-                    hw::$format,
-                    $block_m,
-                    $d,
-                    $block_n,
-                    $stages,
-                    { $block_n / 8 },
-                    { $block_n / 16 },
-                    { $d / 8 },
-                    $pingpong,
-                >(maps, o, lse, unit_counter, shape, mask, scale_log2)
+        pastey::paste! {
+            attention_kernel! {
+            /// FlashAttention forward on Hopper (sm_90a); see the module docs.
+            ///
+            /// # Safety
+            /// As `flash_forward_wgmma`.
+            fn [<hopper_flash_fwd_ $dtype _m $block_m _n $block_n _d $d _ $variant>](
+                maps: *const u8,
+                o: *mut u16,
+                lse: *mut f32,
+                unit_counter: *mut u32,
+            ) |shape, mask, scale_log2| {
+                unsafe {
+                    flash_forward_wgmma::<
+                        hw::$format,
+                        $block_m,
+                        $d,
+                        $block_n,
+                        $stages,
+                        { $block_n / 8 },
+                        { $block_n / 16 },
+                        { $d / 8 },
+                        $pingpong,
+                    >(maps, o, lse, unit_counter, shape, mask, scale_log2)
+                }
             }
-        }
+            }
         }
     };
 }
