@@ -75,13 +75,35 @@ pub fn mask_fragments<const N: usize, const TRANSPOSED: bool>(
     // and ptxas turn into the fewest registers. (A closure is inlined later than this function,
     // after the loops are unrolled, and moved some kernels by a few registers, one of them over
     // its launch bound into a spill.)
-    for nt in 0..N {
-        for e in 0..4 {
-            let row = first_row + lane.g + 8 * (e / 2);
-            let col = first_col + 8 * nt + 2 * lane.t + e % 2;
-            let visible = if TRANSPOSED { mask.visible(col, row) } else { mask.visible(row, col) };
-            if !visible {
-                frags[nt][e] = value;
+    if TRANSPOSED {
+        for nt in 0..N {
+            for e in 0..4 {
+                let row = first_row + lane.g + 8 * (e / 2);
+                let col = first_col + 8 * nt + 2 * lane.t + e % 2;
+                if !mask.visible(col, row) {
+                    frags[nt][e] = value;
+                }
+            }
+        }
+    } else {
+        // The lane's two query rows see the keys `start[h] .. start[h] + width[h]`: worked out
+        // once per row, so that each entry costs one subtraction and one comparison (a key left
+        // of `start` wraps around to a huge offset), not the two edges' arithmetic. The
+        // per-entry form made the diagonal tiles of causal forwards slow enough to cost them
+        // 4–10 % (PERFORMANCE.md, 2026-12-02).
+        let mut start = [0; 2];
+        let mut width = [0; 2];
+        for h in 0..2 {
+            let row = first_row + lane.g + 8 * h;
+            start[h] = mask.key_start(row);
+            width[h] = mask.key_limit(row).saturating_sub(start[h]);
+        }
+        for nt in 0..N {
+            for e in 0..4 {
+                let col = first_col + 8 * nt + 2 * lane.t + e % 2;
+                if col.wrapping_sub(start[e / 2]) >= width[e / 2] {
+                    frags[nt][e] = value;
+                }
             }
         }
     }
