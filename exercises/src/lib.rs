@@ -19,46 +19,17 @@
 //! The solutions are in `exercises/solutions/`; `--features solutions` builds them in place of
 //! your files (CI runs the tests that way, so the tests stay honest). Read them after you pass.
 
-// `${concat(..)}` in the `kernel!` macro below, as in the device crate.
-#![feature(macro_metavar_expr_concat)]
 // The stubs leave their arguments unused on purpose; the solutions must compile without these.
 #![cfg_attr(not(feature = "solutions"), allow(unused_variables, unused_mut, unused_imports, unused_assignments))]
 #![allow(clippy::missing_safety_doc, clippy::needless_range_loop)]
 
-/// The host half of the device crate's `kernel!` macro (`kernels/src/lib.rs`, explained in the
-/// guide's level 0): the kernel as a plain `unsafe fn`, plus a constant `emu_<name>` through
-/// which the emulator (`attn_kernels::emu::launch`) calls it with the launch's arguments. The
-/// exercises only run on the emulator, so the nvptx half (`extern "gpu-kernel"`) is left out;
-/// the kernel's body is written exactly as in the device crate.
-macro_rules! kernel {
-    ($(#[$attr:meta])* pub unsafe fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
-        $(#[$attr])*
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe fn $name($($arg: $ty),*) $body
-
-        /// The CPU emulator's entry for the kernel of the same name.
-        #[allow(non_upper_case_globals)]
-        pub const ${concat(emu_, $name)}: attn_kernels::emu::HostKernel = attn_kernels::emu::HostKernel {
-            name: stringify!($name),
-            run: |args| {
-                let expected = [$(stringify!($arg)),*].len();
-                if args.len() != expected {
-                    return Err(format!("{} arguments given, {} expected", args.len(), expected));
-                }
-                let mut args = args.iter();
-                $(
-                    let $arg = args
-                        .next()
-                        .and_then(<$ty as attn_kernels::emu::FromArg>::from_arg)
-                        .ok_or_else(|| format!("argument `{}` has the wrong type", stringify!($arg)))?;
-                )*
-                // SAFETY: the caller of `emu::launch` guarantees the pointers.
-                unsafe { $name($($arg),*) };
-                Ok(())
-            },
-        };
-    };
-}
+/// The device crate's `kernel!` macro (`kernels/src/lib.rs`, explained in the guide's level 0),
+/// for every exercise's kernel: on the host, where the exercises run (on the emulator), it makes
+/// the kernel a plain `unsafe fn` plus a constant `emu_<name>` through which
+/// `attn_kernels::emu::launch` calls it. The kernel's body is written exactly as in the device
+/// crate.
+#[macro_use]
+extern crate attn_kernels;
 
 #[cfg_attr(feature = "solutions", path = "../solutions/ex01_vector_add.rs")]
 pub mod ex01_vector_add;

@@ -63,7 +63,9 @@
 /// Defines a kernel once for both targets. On nvptx64 it is an `extern "gpu-kernel"` function with
 /// an unmangled name: an entry of the PTX module that the host loads by name. On the host it is a
 /// plain `unsafe fn`, plus a constant `emu_<name>` ([`hw::emu::HostKernel`]) through which the CPU
-/// emulator calls it with the launch's arguments.
+/// emulator calls it with the launch's arguments. Exported: the guide's exercises (`exercises/`)
+/// declare their kernels with it too.
+#[macro_export]
 macro_rules! kernel {
     ($(#[$attr:meta])* pub unsafe fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
         $(#[$attr])*
@@ -80,7 +82,7 @@ macro_rules! kernel {
         // `emu_<name>`: pasted into one identifier by `pastey` (a name made of a macro's
         // arguments is beyond `macro_rules!` on stable Rust).
         #[cfg(not(target_arch = "nvptx64"))]
-        pastey::paste! {
+        $crate::pastey::paste! {
             /// The CPU emulator's entry for the kernel of the same name.
             #[allow(non_upper_case_globals)]
             pub const [<emu_ $name>]: $crate::hw::emu::HostKernel = $crate::hw::emu::HostKernel {
@@ -106,6 +108,10 @@ macro_rules! kernel {
     };
 }
 // ANCHOR_END: kernel_macro
+
+/// `pastey`, for the exported `kernel!` as it expands in other crates (the exercises).
+#[doc(hidden)]
+pub use pastey;
 
 /// Declares an attention kernel: `kernel!` with the problem arguments that every attention
 /// kernel of every tier takes appended after its own, in this order:
