@@ -114,6 +114,7 @@ impl Case {
             scale: self.scale.unwrap_or(1.0 / (shape.head_dim as f32).sqrt()) as f64,
             causal: self.causal,
             window: None,
+            score: Default::default(),
         };
         let (o_tol, lse_tol, grad_tol) = tolerances(dtype);
         let reference = cpu::attention(&rounded[0], &rounded[1], &rounded[2], shape, params).unwrap();

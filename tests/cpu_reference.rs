@@ -3,13 +3,15 @@
 mod common;
 
 use attn_host::check::{CPU_TILED_TOLERANCE, random_normal, relative_l2_error};
-use attn_host::{AttentionShape, Causal, DType, DeviceInfo, Error, FlashKernel, TileConfig, cpu};
+use attn_host::{
+    Alibi, AttentionOptions, AttentionShape, Causal, DType, DeviceInfo, Error, FlashKernel, ScoreMod, TileConfig, cpu,
+};
 use proptest::prelude::*;
 
 use common::gqa as shape;
 
 fn params(scale: f64, causal: Causal) -> cpu::Params {
-    cpu::Params { scale, causal, window: None }
+    cpu::Params { scale, causal, window: None, score: Default::default() }
 }
 
 fn masks() -> impl Strategy<Value = Causal> {
@@ -57,9 +59,14 @@ fn cpu_backward_matches_finite_differences() {
         (shape(1, 2, 1, 5, 3, 4), Causal::TopLeft),
         (shape(2, 1, 1, 5, 3, 3), Causal::BottomRight),
         (shape(1, 4, 2, 4, 4, 2), Causal::TopLeft),
+        (shape(1, 3, 3, 4, 6, 3), Causal::None),
     ];
-    for (case, (s, causal)) in cases.into_iter().enumerate() {
-        let p = params(0.7, causal);
+    // Each case once plain, once softcapped (a cap small enough that tanh bends) and once with
+    // ALiBi (3 heads in case 1 and 4: slopes off the power-of-two sequence).
+    let scores = [ScoreMod::default(), ScoreMod::softcap(0.8), ScoreMod::alibi(Alibi::standard())];
+    let cases = cases.into_iter().flat_map(|case| scores.map(|score| (case, score)));
+    for (case, ((s, causal), score)) in cases.enumerate() {
+        let p = cpu::Params { score, ..params(0.7, causal) };
         let seed = 10 * case as u64;
         let mut inputs = [
             random_normal(s.q_shape().iter().product(), seed),
@@ -83,7 +90,7 @@ fn cpu_backward_matches_finite_differences() {
                 let exact = analytic[index];
                 assert!(
                     (numeric - exact).abs() <= 1e-5 + 1e-4 * exact.abs(),
-                    "case {case} ({causal:?}), input {which}, element {index}: finite difference {numeric}, backward {exact}"
+                    "case {case} ({causal:?}, {score:?}), input {which}, element {index}: finite difference {numeric}, backward {exact}"
                 );
             }
         }
@@ -247,4 +254,68 @@ fn hidden_keys_do_not_reach_rows_even_when_infinite() {
     let r = cpu::attention(&q, &k, &v, &s, params(1.0, Causal::TopLeft)).unwrap();
     assert!(r.o[..4].iter().all(|x| x.is_finite()), "{:?}", r.o);
     assert!(!r.o[4..].iter().all(|x| x.is_finite()), "{:?}", r.o);
+}
+
+/// ALiBi's slopes as the kernels compute them (`attention::score::alibi_slope`, in `f32` with
+/// the hardware's `exp2`) are the definition's (`Alibi::slope`): the paper's sequence for 8 heads
+/// (1/2, 1/4, …, 1/256), BLOOM's completion for 12.
+#[test]
+fn alibi_slopes_follow_the_paper() {
+    let alibi = Alibi::standard();
+    for h in 0..8 {
+        assert_eq!(alibi.slope(h, 8), 0.5f64.powi(h as i32 + 1));
+    }
+    // 12 heads: the 8-head sequence, then the odd terms of the 16-head one (2^-0.5, 2^-1.5, …).
+    assert_eq!(alibi.slope(8, 12), 2f64.powf(-0.5));
+    assert_eq!(alibi.slope(11, 12), 2f64.powf(-3.5));
+    for num_heads in [1, 2, 3, 5, 12, 16, 40, 64, 71] {
+        for head in 0..num_heads {
+            let kernel = attn_kernels::attention::score::alibi_slope(8.0, head, num_heads) as f64;
+            let host = alibi.slope(head, num_heads);
+            assert!((kernel - host).abs() <= 1e-6 * host, "{head} of {num_heads}: {kernel} vs {host}");
+        }
+    }
+}
+
+/// A softcap bounds every logit: with a small cap the softmax flattens toward uniform, with a
+/// cap far above the logits it changes nothing; ALiBi of a head with slope s makes row i's
+/// weights fall by e^(−s) per key of distance.
+#[test]
+fn score_mods_follow_their_definitions() {
+    let s = shape(1, 1, 1, 1, 6, 4);
+    let q = random_normal(4, 1);
+    let k = random_normal(24, 2);
+    let v: Vec<f32> = (0..24).map(|i| (i / 4) as f32).collect(); // value j = j in every column
+    let run =
+        |score: ScoreMod| cpu::attention(&q, &k, &v, &s, cpu::Params { score, ..params(1.0, Causal::None) }).unwrap();
+    let plain = run(ScoreMod::default());
+    let wide = run(ScoreMod::softcap(1e6));
+    assert!(plain.o.iter().zip(&wide.o).all(|(a, b)| (a - b).abs() < 1e-9));
+    let tight = run(ScoreMod::softcap(1e-6));
+    assert!(tight.o.iter().all(|o| (o - 2.5).abs() < 1e-4), "{:?}", tight.o); // uniform: mean of 0..6
+    // Zero queries: only ALiBi's bias is left, −slope · |0 + 6 − 1 − j| (one head: slope 2^−8).
+    let zero_q = vec![0.0; 4];
+    let params = cpu::Params { score: ScoreMod::alibi(Alibi::standard()), ..params(1.0, Causal::None) };
+    let alibi = cpu::attention(&zero_q, &k, &v, &s, params).unwrap();
+    let slope = Alibi::standard().slope(0, 1);
+    assert_eq!(slope, 1.0 / 256.0);
+    let weights: Vec<f64> = (0..6).map(|j| (-slope * (5.0 - j as f64)).exp()).collect();
+    let expected = weights.iter().enumerate().map(|(j, w)| j as f64 * w).sum::<f64>() / weights.iter().sum::<f64>();
+    assert!((alibi.o[0] - expected).abs() < 1e-12, "{} vs {expected}", alibi.o[0]);
+}
+
+/// Bad score modifications are typed errors, before any launch.
+#[test]
+fn bad_score_mods_are_refused() {
+    for score in [
+        ScoreMod::softcap(0.0),
+        ScoreMod::softcap(-1.0),
+        ScoreMod::softcap(f32::NAN),
+        ScoreMod::alibi(Alibi { max_bias: f32::INFINITY }),
+        ScoreMod { softcap: Some(30.0), alibi: Some(Alibi::standard()) },
+    ] {
+        let options = AttentionOptions { score, ..Default::default() };
+        assert!(matches!(options.checked_scale(64), Err(Error::ScoreMod(_))), "{score:?}");
+    }
+    assert!(AttentionOptions::default().with_softcap(50.0).checked_scale(64).is_ok());
 }

@@ -325,11 +325,7 @@ fn emulated_one_call_attention_and_backward() {
         let Problem16 { host, device, .. } = Problem16::<T>::new(ctx, shape, seed, Inputs::Normal);
         let forward = ctx.attention(&device[0], &device[1], &device[2], &options).unwrap();
         let grads = ctx.attention_backward(&forward, &device[3]).unwrap();
-        let params = cpu::Params {
-            scale: options.scale_for(shape.head_dim) as f64,
-            causal: options.causal,
-            window: options.window,
-        };
+        let params = cpu::Params::of(&options, shape.head_dim);
         let forward_reference = cpu::attention(&host[0], &host[1], &host[2], &shape, params).unwrap();
         let reference = cpu::attention_backward(&host[0], &host[1], &host[2], &host[3], &shape, params).unwrap();
         let tolerance = if T::DTYPE == attn_host::DType::F32 { 1e-4 } else { 2e-2 };
@@ -399,6 +395,45 @@ fn emulated_sliding_windows_in_every_family() {
     check(ctx, shape, Kernel::Naive, windows[0].0, 400, true);
     cases += 1;
     report("emulated_sliding_windows_in_every_family", cases);
+}
+
+/// Softcapping and ALiBi (`attention::score`) through the kernels' own source, forward and
+/// backward: the f32 flash kernels and the tensor-core kernels in both dQ modes, causal or not,
+/// GQA with 3 query heads (ALiBi slopes off the power-of-two sequence), ragged lengths; a cap of
+/// 2 on logits of spread 1.4 (scale 0.25 on head_dim 32) is deep in tanh's bend. The naive kernels
+/// take both forward and ALiBi backward.
+#[test]
+fn emulated_score_mods_in_every_family() {
+    use attn_host::{Alibi, AttentionOptions};
+    let ctx = emulator();
+    let mut cases = 0;
+    let softcap = AttentionOptions::with_scale(0.25).with_softcap(2.0);
+    let alibi = AttentionOptions::default().with_alibi(Alibi::standard());
+    let mods = [
+        (softcap, Causal::None, 45, 70),
+        (alibi, Causal::BottomRight, 70, 45),
+        (AttentionOptions::causal(Causal::TopLeft).with_softcap(1.0), Causal::TopLeft, 33, 33),
+        (alibi, Causal::None, 20, 50),
+    ];
+    for (i, &(options, causal, seqlen_q, seqlen_k)) in mods.iter().enumerate() {
+        let options = AttentionOptions { causal, ..options };
+        let shape = AttentionShape { batch: 1, num_heads_q: 3, num_heads_kv: 1, seqlen_q, seqlen_k, head_dim: 32 };
+        let mode = if i % 2 == 0 { DqAccumulation::Atomic } else { DqAccumulation::Deterministic };
+        check(ctx, shape, Kernel::Flash(TileConfig::new(16, 16), mode), options, 500 + cases, true);
+        cases += 1;
+        let shape = AttentionShape { head_dim: 64, ..shape };
+        let (fwd, bwd) = (
+            TileConfig::default_for_dtype(attn_host::DType::F16, 64),
+            TileConfig::default_backward_for_dtype(attn_host::DType::F16, 64),
+        );
+        check16::<attn_host::f16>(ctx, shape, fwd, Some((bwd, mode)), options, 500 + cases, Inputs::Normal);
+        cases += 1;
+    }
+    let shape = AttentionShape { batch: 1, num_heads_q: 3, num_heads_kv: 3, seqlen_q: 23, seqlen_k: 30, head_dim: 20 };
+    check(ctx, shape, Kernel::Naive, alibi, 600, true);
+    check(ctx, shape, Kernel::Naive, softcap, 601, false);
+    cases += 2;
+    report("emulated_score_mods_in_every_family", cases);
 }
 
 /// Right-edge-only windows over more keys than queries: key blocks past every query's right edge

@@ -137,8 +137,7 @@ fn check_hopper_forward<T: Element>(ctx: &Context, shape: AttentionShape, option
     };
     ctx.flash_attention_forward_hopper_into(q, k, v, &mut out, &options).unwrap();
     let [qh, kh, vh, _] = &problem.host;
-    let params =
-        cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal, window: options.window };
+    let params = cpu::Params::of(&options, shape.head_dim);
     let reference = cpu::attention(qh, kh, vh, &shape, params).unwrap();
     let o = to_f32_vec(&out.o.to_host().unwrap());
     let (err_o, err_lse) =
@@ -273,8 +272,7 @@ fn check_hopper_backward<T: Element>(
     let fwd = ctx.flash_attention_forward_hopper(q, k, v, &options).unwrap();
     let grads = hopper_gradients(ctx, &problem, &fwd, options, dq);
     let [qh, kh, vh, doh] = &problem.host;
-    let params =
-        cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal, window: options.window };
+    let params = cpu::Params::of(&options, shape.head_dim);
     let reference = cpu::attention_backward(qh, kh, vh, doh, &shape, params).unwrap();
     let (_, tolerance) = tolerances(T::DTYPE);
     for (name, got, want) in

@@ -104,7 +104,12 @@ fn attention_beyond_two_to_the_31_elements() {
     // non-causal problem are independent).
     let picked: Vec<f32> = rows.iter().flat_map(|&r| q[r * d..(r + 1) * d].iter().copied()).collect();
     let sub = AttentionShape { seqlen_q: rows.len(), ..shape };
-    let params = cpu::Params { scale: options.scale_for(d) as f64, causal: Causal::None, window: None };
+    let params = cpu::Params {
+        scale: options.scale_for(d) as f64,
+        causal: Causal::None,
+        window: None,
+        score: Default::default(),
+    };
     let reference = cpu::attention(&picked, &k, &v, &sub, params).unwrap();
     for (name, out) in [
         ("flash", ctx.flash_attention_forward(&dq, &dk, &dv, &options, TileConfig::default_for(d)).unwrap()),
@@ -131,7 +136,7 @@ fn large_logits_do_not_overflow() {
     let ints = |n: usize, salt: u64| -> Vec<f32> { (0..n).map(|i| (hashed(i, salt) * 2.0).round()).collect() };
     let (q, k, v) = (ints(150 * 128, 6), ints(150 * 128, 7), random_normal(150 * 128, 8));
     let options = AttentionOptions { scale: Some(500.0), causal: Causal::TopLeft, ..Default::default() };
-    let params = cpu::Params { scale: 500.0, causal: Causal::TopLeft, window: None };
+    let params = cpu::Params { scale: 500.0, causal: Causal::TopLeft, window: None, score: Default::default() };
     let reference = cpu::attention(&q, &k, &v, &shape, params).unwrap();
     let max_logit = reference.lse.iter().fold(0.0f64, |m, x| m.max(x.abs()));
     assert!(max_logit > 5e3, "the test should produce logits in the thousands (max LSE {max_logit})");

@@ -9,7 +9,7 @@
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::problem::{AttentionOptions, AttentionShape, Causal, SlidingWindow, TileConfig};
+use crate::problem::{AttentionOptions, AttentionShape, Causal, ScoreMod, SlidingWindow, TileConfig};
 
 /// C = A + B elementwise.
 ///
@@ -59,7 +59,7 @@ pub struct GradientReference {
     pub dv: Vec<f64>,
 }
 
-/// The scale and mask of a problem, as the reference functions take them.
+/// The scale, mask and score modification of a problem, as the reference functions take them.
 #[derive(Clone, Copy, Debug)]
 pub struct Params {
     /// Multiplies Q Kᵀ before the softmax.
@@ -68,12 +68,25 @@ pub struct Params {
     pub causal: Causal,
     /// Sliding window, intersected with the causal mask.
     pub window: Option<SlidingWindow>,
+    /// Softcapping or ALiBi ([`ScoreMod::logit`]).
+    pub score: ScoreMod,
 }
 
 impl Params {
-    /// The scale and mask of `options` for `head_dim`.
+    /// The scale, mask and score modification of `options` for `head_dim`.
     pub fn of(options: &AttentionOptions, head_dim: usize) -> Self {
-        Self { scale: options.scale_for(head_dim) as f64, causal: options.causal, window: options.window }
+        Self {
+            scale: options.scale_for(head_dim) as f64,
+            causal: options.causal,
+            window: options.window,
+            score: options.score,
+        }
+    }
+
+    /// The logit of query `i` and key `j` of query head `h` whose product is `dot`: `scale ·
+    /// dot`, modified ([`ScoreMod::logit`]).
+    fn logit(&self, dot: f64, h: usize, i: usize, j: usize, shape: &AttentionShape) -> f64 {
+        self.score.logit(self.scale * dot, h, i, j, shape)
     }
 
     /// Whether query `i` sees key `j` ([`AttentionOptions::visible`]).
@@ -83,17 +96,19 @@ impl Params {
     }
 }
 
-/// One head's view of the inputs: its Q rows and its (shared, under GQA) K and V rows.
+/// One head's view of the inputs: its Q rows and its (shared, under GQA) K and V rows; `h` is
+/// the query head (ALiBi's slope depends on it).
 struct Head<'a> {
     q: &'a [f32],
     k: &'a [f32],
     v: &'a [f32],
+    h: usize,
 }
 
 fn head<'a>(q: &'a [f32], k: &'a [f32], v: &'a [f32], shape: &AttentionShape, b: usize, h: usize) -> Head<'a> {
     let (q_start, kv_start) = (shape.q_head_offset(b, h), shape.kv_head_offset(b, h));
     let (q_len, kv_len) = (shape.seqlen_q * shape.head_dim, shape.seqlen_k * shape.head_dim);
-    Head { q: &q[q_start..q_start + q_len], k: &k[kv_start..kv_start + kv_len], v: &v[kv_start..kv_start + kv_len] }
+    Head { q: &q[q_start..q_start + q_len], k: &k[kv_start..kv_start + kv_len], v: &v[kv_start..kv_start + kv_len], h }
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f64 {
@@ -108,12 +123,19 @@ fn probabilities(q_row: &[f32], i: usize, head: &Head, shape: &AttentionShape, p
         .chunks_exact(d)
         .enumerate()
         .map(|(j, k_row)| {
-            params.visible(i, j, shape.seqlen_q, shape.seqlen_k).then(|| params.scale * dot(q_row, k_row))
+            params
+                .visible(i, j, shape.seqlen_q, shape.seqlen_k)
+                .then(|| params.logit(dot(q_row, k_row), head.h, i, j, shape))
         })
         .collect();
     let max = scores.iter().flatten().copied().fold(f64::NEG_INFINITY, f64::max);
     if max == f64::NEG_INFINITY {
         return (vec![0.0; scores.len()], f64::NEG_INFINITY);
+    }
+    if max == f64::INFINITY {
+        // ln Σ e^s = +∞; the probabilities are ∞/∞ = NaN (the exponentials below say so).
+        let sum: f64 = scores.iter().flatten().map(|s| (s - max).exp()).sum();
+        return (scores.iter().map(|s| s.map_or(0.0, |s| (s - max).exp() / sum)).collect(), f64::INFINITY);
     }
     let sum: f64 = scores.iter().flatten().map(|s| (s - max).exp()).sum();
     (scores.iter().map(|s| s.map_or(0.0, |s| (s - max).exp() / sum)).collect(), max + sum.ln())
@@ -248,6 +270,8 @@ fn backward_head(
     let d = shape.head_dim;
     for (i, (q_row, do_row)) in head.q.chunks_exact(d).zip(do_head.chunks_exact(d)).enumerate() {
         let (p, _) = probabilities(q_row, i, head, shape, params);
+        // ∂ℓ/∂(q·k) = scale · ScoreMod::derivative.
+        let x = |j: usize| params.scale * dot(q_row, &head.k[j * d..(j + 1) * d]);
         let dp: Vec<f64> = head.v.chunks_exact(d).map(|v_row| dot(do_row, v_row)).collect();
         let delta: f64 = p.iter().zip(&dp).map(|(p, dp)| p * dp).sum();
         let dq_row = &mut dq[i * d..(i + 1) * d];
@@ -255,7 +279,7 @@ fn backward_head(
             if p[j] == 0.0 {
                 continue;
             }
-            let ds = p[j] * (dp[j] - delta);
+            let ds = p[j] * (dp[j] - delta) * params.score.derivative(x(j));
             let (k_row, dk_row, dv_row) =
                 (&head.k[j * d..(j + 1) * d], &mut dk[j * d..(j + 1) * d], &mut dv[j * d..(j + 1) * d]);
             for c in 0..d {
@@ -350,7 +374,10 @@ fn flash_block(
             let s: Vec<Option<f64>> = k_tile
                 .chunks_exact(d)
                 .enumerate()
-                .map(|(j, k_row)| visible(j).then(|| params.scale * dot(q_row, k_row)))
+                .map(|(j, k_row)| {
+                    let (query, key) = (first_row + i, tile_index * block_n + j);
+                    visible(j).then(|| params.logit(dot(q_row, k_row), head.h, query, key, shape))
+                })
                 .collect();
             let m_new = s.iter().flatten().copied().fold(m[i], f64::max);
             if m_new == f64::NEG_INFINITY {
@@ -372,7 +399,11 @@ fn flash_block(
         }
     }
     for i in 0..rows {
-        if l[i] > 0.0 {
+        if m[i] == f64::INFINITY {
+            // A +∞ score: ln Σ e^s = +∞, O = ∞/∞ = NaN.
+            acc[i * d..(i + 1) * d].fill(f64::NAN);
+            lse_block[i] = f64::INFINITY;
+        } else if l[i] > 0.0 {
             acc[i * d..(i + 1) * d].iter_mut().for_each(|x| *x /= l[i]);
             lse_block[i] = m[i] + l[i].ln();
         } else {

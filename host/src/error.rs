@@ -71,6 +71,11 @@ pub enum Error {
     #[error("the softmax scale must be finite; got {scale}")]
     InvalidScale { scale: f32 },
 
+    /// A score modification ([`crate::ScoreMod`]) with a bad parameter, or one the chosen
+    /// kernels do not take.
+    #[error("score modification: {0}")]
+    ScoreMod(String),
+
     /// The tile needs more shared memory per block than the device has.
     #[error(
         "the flash {kernel} kernel with block_m={block_m}, block_n={block_n} at head_dim={head_dim} \

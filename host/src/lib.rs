@@ -123,6 +123,8 @@ pub use error::{Error, Result};
 pub use half::{bf16, f16};
 pub use kernels::FlashKernel;
 pub use ops::{Attention, AttentionOutput, DecodeOptions, DecodePlan, DescriptorOffsets, Gradients, KvCache, Layout};
-pub use problem::{AttentionOptions, AttentionShape, Causal, DqAccumulation, SlidingWindow, TileConfig};
+pub use problem::{
+    Alibi, AttentionOptions, AttentionShape, Causal, DqAccumulation, ScoreMod, SlidingWindow, TileConfig,
+};
 pub use runtime::{Context, DeviceTensor, TensorMap, timing};
 pub use select::KernelPath;

@@ -107,6 +107,124 @@ impl SlidingWindow {
     }
 }
 
+/// ALiBi, attention with linear biases (Press et al. 2022): query `i` of head `h` adds
+/// `−slope_h · |i + seqlen_k − seqlen_q − j|` to its logit of key `j` (the distance from the
+/// bottom-right diagonal, FlashAttention-2's convention, so that under a causal mask a row's
+/// latest key has bias 0 whatever the lengths). The slopes are the paper's (section 3): for `n`
+/// heads, a power of two, head `h` gets `2^(−max_bias · (h + 1) / n)`; for other head counts
+/// the first `n′` heads (`n′` the largest power of two below) get the sequence for `n′` and the
+/// rest its odd terms for `2n′` (BLOOM's completion). `max_bias` is 8 in the paper, BLOOM and MPT
+/// (`alibi_bias_max`). The slopes follow from the query head, so GQA groups get the query
+/// heads' own.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Alibi {
+    /// The exponent scale of the slopes (8 for the paper's).
+    pub max_bias: f32,
+}
+
+impl Alibi {
+    /// The paper's slopes: `max_bias = 8`.
+    pub const fn standard() -> Self {
+        Self { max_bias: 8.0 }
+    }
+
+    /// The slope of query head `head` of `num_heads` (the definition above).
+    pub fn slope(&self, head: usize, num_heads: usize) -> f64 {
+        let n = 1usize << num_heads.max(1).ilog2();
+        let exponent =
+            if head < n { (head + 1) as f64 / n as f64 } else { (2 * (head - n) + 1) as f64 / (2 * n) as f64 };
+        (-(self.max_bias as f64) * exponent).exp2()
+    }
+}
+
+/// A modification of the scores between Q Kᵀ and the softmax (FlexAttention's `score_mod`): what
+/// a logit is, where the mask ([`Causal`], [`SlidingWindow`]) says which logits count. With `x
+/// = scale · q·k`:
+///
+/// * none (the default): `ℓ = x`;
+/// * [`ScoreMod::softcap`] (Gemma 2's attention logit softcapping, cap 50; Grok's, 30):
+///   `ℓ = cap · tanh(x / cap)`, which bounds every logit to `(−cap, cap)`; its gradient carries
+///   the factor `1 − tanh²(x / cap)`;
+/// * [`ScoreMod::alibi`]: `ℓ = x − slope_h · |i + seqlen_k − seqlen_q − j|` ([`Alibi`]).
+///
+/// The LSE the forward pass returns is that of the modified logits. Every flash kernel (both
+/// paths, forward and backward, every dtype) and the naive forward take them; the naive
+/// backward takes ALiBi but not softcapping. Softcapping and ALiBi together are refused (no
+/// model combines them; see `attention::score` in the device crate for why it would cost).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ScoreMod {
+    /// The softcap's `cap` (> 0, finite); `None`: no softcapping.
+    pub softcap: Option<f32>,
+    /// ALiBi's slopes; `None`: no ALiBi.
+    pub alibi: Option<Alibi>,
+}
+
+impl ScoreMod {
+    /// Logit softcapping with `cap`.
+    pub fn softcap(cap: f32) -> Self {
+        Self { softcap: Some(cap), alibi: None }
+    }
+
+    /// ALiBi with `alibi`'s slopes.
+    pub fn alibi(alibi: Alibi) -> Self {
+        Self { softcap: None, alibi: Some(alibi) }
+    }
+
+    /// Whether the scores are left as they are.
+    pub fn is_none(&self) -> bool {
+        self.softcap.is_none() && self.alibi.is_none()
+    }
+
+    /// The logit of query `query`, key `key` of query head `head` from `x = scale · q·k` (the
+    /// definitions above; `shape` gives the head count and the lengths), as the CPU references
+    /// compute it.
+    pub fn logit(&self, x: f64, head: usize, query: usize, key: usize, shape: &AttentionShape) -> f64 {
+        let mut logit = x;
+        if let Some(cap) = self.softcap {
+            logit = cap as f64 * (x / cap as f64).tanh();
+        }
+        if let Some(alibi) = self.alibi {
+            let distance = (query as f64 + shape.seqlen_k as f64 - shape.seqlen_q as f64 - key as f64).abs();
+            logit -= alibi.slope(head, shape.num_heads_q) * distance;
+        }
+        logit
+    }
+
+    /// `∂ℓ/∂x` at `x` (see [`ScoreMod::logit`]): `1 − tanh²(x / cap)` with softcapping, else 1.
+    pub fn derivative(&self, x: f64) -> f64 {
+        self.softcap.map_or(1.0, |cap| 1.0 - (x / cap as f64).tanh().powi(2))
+    }
+
+    /// The kernels' two arguments (`attention_kernel!`, `attention::score::ScoreArgs`): the cap
+    /// and ALiBi's `max_bias`, 0 for none.
+    pub(crate) fn kernel_args(&self) -> (f32, f32) {
+        (self.softcap.unwrap_or(0.0), self.alibi.map_or(0.0, |a| a.max_bias))
+    }
+
+    /// # Errors
+    /// [`Error::ScoreMod`] for a cap or `max_bias` that is not positive and finite, or for both
+    /// modifications at once.
+    pub fn check(&self) -> Result<()> {
+        if let Some(cap) = self.softcap
+            && !(cap.is_finite() && cap > 0.0)
+        {
+            return Err(Error::ScoreMod(format!("the softcap must be positive and finite; got {cap}")));
+        }
+        if let Some(alibi) = self.alibi
+            && !(alibi.max_bias.is_finite() && alibi.max_bias > 0.0)
+        {
+            return Err(Error::ScoreMod(format!(
+                "ALiBi's max_bias must be positive and finite; got {}",
+                alibi.max_bias
+            )));
+        }
+        if self.softcap.is_some() && self.alibi.is_some() {
+            return Err(Error::ScoreMod("softcapping and ALiBi together are not supported".into()));
+        }
+        Ok(())
+    }
+}
+
 /// Options shared by every attention entry point.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct AttentionOptions {
@@ -117,6 +235,8 @@ pub struct AttentionOptions {
     /// Sliding window (local attention), intersected with the causal mask; see
     /// [`SlidingWindow`]. `None`: every key the causal mask leaves.
     pub window: Option<SlidingWindow>,
+    /// Softcapping or ALiBi; see [`ScoreMod`]. The default leaves the scores as they are.
+    pub score: ScoreMod,
     /// Whether [`Context::attention_backward`](crate::Context::attention_backward) sums dQ in a
     /// fixed order ([`DqAccumulation::Deterministic`]: bit-identical on every run) rather than
     /// in the faster mode. The forward passes are deterministic either way; the calls with an
@@ -144,6 +264,16 @@ impl AttentionOptions {
     /// These options with a sliding window ([`AttentionOptions::window`]).
     pub fn with_window(self, window: SlidingWindow) -> Self {
         Self { window: Some(window), ..self }
+    }
+
+    /// These options with softcapping at `cap` ([`ScoreMod::softcap`]).
+    pub fn with_softcap(self, cap: f32) -> Self {
+        Self { score: ScoreMod { softcap: Some(cap), ..self.score }, ..self }
+    }
+
+    /// These options with ALiBi ([`ScoreMod::alibi`]).
+    pub fn with_alibi(self, alibi: Alibi) -> Self {
+        Self { score: ScoreMod { alibi: Some(alibi), ..self.score }, ..self }
     }
 
     /// Whether query `query` sees key `key`: the causal mask's and the window's definitions,
@@ -193,10 +323,14 @@ impl AttentionOptions {
 
     /// [`AttentionOptions::scale_for`], checked: every entry point calls this before a launch.
     ///
+    /// The score modification is checked here too ([`ScoreMod::check`]), so that every entry
+    /// point refuses a bad one before a launch.
+    ///
     /// # Errors
     /// [`Error::InvalidScale`] for a NaN or infinite scale (every kernel would return garbage,
-    /// each a different garbage).
+    /// each a different garbage); [`Error::ScoreMod`].
     pub fn checked_scale(&self, head_dim: usize) -> Result<f32> {
+        self.score.check()?;
         let scale = self.scale_for(head_dim);
         if scale.is_finite() { Ok(scale) } else { Err(Error::InvalidScale { scale }) }
     }

@@ -118,7 +118,8 @@ pub use pastey;
 ///
 /// `batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim` (rebuilt into the body's
 /// [`layout::AttentionShape`]), `causal, causal_offset, window_offset` (rebuilt into its
-/// [`attention::mask::Mask`]) and the scale (`f32`, named by the caller: the forward kernels take
+/// [`attention::mask::Mask`]), `softcap, alibi_max_bias` (its
+/// [`attention::score::ScoreArgs`]) and the scale (`f32`, named by the caller: the forward kernels take
 /// `scale · log₂e`, the others `scale`). They arrive as plain integers rather than as structs:
 /// rustc warns that structs passed by value to `extern "gpu-kernel"` functions may not match what
 /// the driver passes. This list is the one place to change when the problem gains an argument
@@ -127,7 +128,7 @@ macro_rules! attention_kernel {
     (
         $(#[$attr:meta])*
         fn $name:ident($($arg:ident: $ty:ty),* $(,)?)
-        |$shape:ident, $mask:ident, $scale:ident| $body:block
+        |$shape:ident, $mask:ident, $score:ident, $scale:ident| $body:block
     ) => {
         kernel! {
         $(#[$attr])*
@@ -142,10 +143,13 @@ macro_rules! attention_kernel {
             causal: usize,
             causal_offset: isize,
             window_offset: isize,
+            softcap: f32,
+            alibi_max_bias: f32,
             $scale: f32,
         ) {
             let $shape = $crate::layout::AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
             let $mask = $crate::attention::mask::Mask::from_args(seqlen_q, seqlen_k, causal, causal_offset, window_offset);
+            let $score = $crate::attention::score::ScoreArgs { softcap, alibi_max_bias };
             $body
         }
         }

@@ -252,7 +252,12 @@ fn decoder_kernels<T: Element>(
                 }
             }
         }
-        let params = cpu::Params { scale: 1.0 / (d as f64).sqrt(), causal: Causal::BottomRight, window: None };
+        let params = cpu::Params {
+            scale: 1.0 / (d as f64).sqrt(),
+            causal: Causal::BottomRight,
+            window: None,
+            score: Default::default(),
+        };
         let reference = cpu::decode(&q_logical, &seqs, (hq, hkv, sq, d), params)?;
         let upload = |x: &[f32], s: usize, h: usize| ctx.upload(&from_f32_slice::<T>(x), &layout.shape(batch, s, h, d));
         let (qd, kn, vn) = (upload(&q, sq, hq)?, upload(&k_new, new, hkv)?, upload(&v_new, new, hkv)?);

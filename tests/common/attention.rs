@@ -121,8 +121,10 @@ pub fn check(
 pub fn poisoned_rows(ctx: &Context, kernel: Kernel, shape: AttentionShape) {
     let d = shape.head_dim;
     let last = shape.seqlen_k - 1;
-    let poisons: [(usize, usize, f32); 4] = [
+    let poisons: [(usize, usize, f32); 5] = [
         (0, 5.min(last), f32::NAN),
+        // +∞ in a Q row: some of its scores are +∞, and its LSE must be +∞ (not NaN).
+        (0, 7.min(shape.seqlen_q - 1), f32::INFINITY),
         (1, 40.min(last), f32::NAN),
         (2, 50.min(last), f32::INFINITY),
         (2, last, f32::NAN),
@@ -146,7 +148,8 @@ pub fn poisoned_rows(ctx: &Context, kernel: Kernel, shape: AttentionShape) {
 }
 
 /// Row by row: finite reference rows match within 1e-5 (relative L2), non-finite ones are not
-/// finite in the result either.
+/// finite in the result either, and an infinite reference LSE (+∞ for a row with a +∞ score) is
+/// the same infinity.
 pub fn compare_rows(out: &AttentionOutput, reference: &cpu::Reference, d: usize, what: &str) {
     let (o, lse) = (out.o.to_host().unwrap(), out.lse.to_host().unwrap());
     let mut affected = 0;
@@ -160,6 +163,9 @@ pub fn compare_rows(out: &AttentionOutput, reference: &cpu::Reference, d: usize,
             affected += 1;
             let finite = got.iter().all(|x| x.is_finite()) && lse[row].is_finite();
             assert!(!finite, "{what}: row {row} should be affected but is finite");
+            if reference.lse[row].is_infinite() {
+                assert_eq!(lse[row] as f64, reference.lse[row], "{what}: row {row}'s LSE");
+            }
         }
     }
     assert!(affected > 0, "{what}: the poison should reach some rows");

@@ -106,8 +106,7 @@ pub fn check16<T: Element>(
     let (o_tolerance, grad_tolerance) = tolerances(dtype);
     let problem = Problem16::<T>::new(ctx, shape, seed, inputs);
     let [q, k, v, d_o] = &problem.host;
-    let params =
-        cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal, window: options.window };
+    let params = cpu::Params::of(&options, shape.head_dim);
     let fwd = problem.forward(ctx, tile, &options);
     let reference = cpu::attention(q, k, v, &shape, params).unwrap();
     let o = to_f32_vec(&fwd.o.to_host().unwrap());

@@ -93,6 +93,13 @@ pub struct Args {
     /// with --causal (a key must pass both). Mistral's window of 4096: --window 4095,0.
     #[arg(long, allow_hyphen_values = true)]
     pub window: Option<super::WindowArg>,
+    /// Logit softcapping at CAP: each logit becomes CAP·tanh(logit/CAP) (Gemma 2: 50).
+    #[arg(long, value_name = "CAP")]
+    pub softcap: Option<f32>,
+    /// ALiBi with the paper's slopes, 2^(-MAX_BIAS·(h+1)/H) per head (default 8, BLOOM's and
+    /// MPT's); the distance is measured from the bottom-right diagonal.
+    #[arg(long, value_name = "MAX_BIAS", num_args = 0..=1, default_missing_value = "8")]
+    pub alibi: Option<f32>,
     /// Softmax scale; default 1/sqrt(head_dim).
     #[arg(long, allow_negative_numbers = true)]
     pub scale: Option<f32>,
@@ -332,6 +339,7 @@ pub fn run(args: &Args) -> Result<()> {
         scale: args.scale,
         causal: args.causal.into(),
         window: args.window.map(|w| w.0),
+        score: attn_host_score(args.softcap, args.alibi),
         ..Default::default()
     };
     options.checked_scale(shape.head_dim)?;
@@ -430,7 +438,8 @@ fn print_problem(inputs: &Inputs, shape: &AttentionShape, dtype: DType, args: &A
         args.window.map_or_else(String::new, |w| {
             let side = |x: Option<usize>| x.map_or("-1".to_string(), |n| n.to_string());
             format!(", window {},{}", side(w.0.left), side(w.0.right))
-        }),
+        }) + &args.softcap.map_or_else(String::new, |cap| format!(", softcap {cap}"))
+            + &args.alibi.map_or_else(String::new, |max_bias| format!(", ALiBi (max_bias {max_bias})")),
         AttentionOptions { scale: args.scale, ..Default::default() }.scale_for(s.head_dim)
     );
 }
@@ -538,8 +547,7 @@ fn cpu_rows(
     flops: f64,
 ) -> Result<Vec<Row>> {
     let values: Vec<Vec<f32>> = rounded.iter().map(HostTensor::to_f32).collect();
-    let params =
-        cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal, window: options.window };
+    let params = cpu::Params::of(&options, shape.head_dim);
     let start = Instant::now();
     let forward = cpu::attention(&values[0], &values[1], &values[2], shape, params)?;
     let forward_ms = start.elapsed().as_secs_f64() * 1e3;
@@ -581,8 +589,7 @@ fn check(
 ) -> Result<Vec<Checked>> {
     let tolerance = Tolerance::of(dtype);
     let values: Vec<Vec<f32>> = rounded.iter().map(HostTensor::to_f32).collect();
-    let params =
-        cpu::Params { scale: options.scale_for(shape.head_dim) as f64, causal: options.causal, window: options.window };
+    let params = cpu::Params::of(&options, shape.head_dim);
     let forward = cpu::attention(&values[0], &values[1], &values[2], shape, params)?;
     let backward = match values.get(3) {
         Some(d_o) => Some(cpu::attention_backward(&values[0], &values[1], &values[2], d_o, shape, params)?),
@@ -629,4 +636,9 @@ fn print_table(rows: &[Row], errors: Option<&[Checked]>, dtype: DType, verdicts:
         table.add_row(cells);
     }
     println!("{table}");
+}
+
+/// The score modification of `--softcap` and `--alibi`.
+fn attn_host_score(softcap: Option<f32>, alibi: Option<f32>) -> crate::ScoreMod {
+    crate::ScoreMod { softcap, alibi: alibi.map(|max_bias| crate::Alibi { max_bias }) }
 }

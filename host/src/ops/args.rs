@@ -20,23 +20,29 @@ pub(super) fn one_dim(blocks: u32, threads: usize) -> LaunchConfig {
 
 /// The problem as kernel arguments, in the kernels' order: the shape's six integers, then (with a
 /// mask) the mask flag, the diagonal's offset and the window's left edge
-/// ([`AttentionOptions::mask_args`]).
+/// ([`AttentionOptions::mask_args`]), and the score modification's cap and ALiBi `max_bias`
+/// ([`crate::ScoreMod`]).
 pub(super) struct ProblemArgs {
     shape: [usize; 6],
     causal: usize,
     causal_offset: isize,
     window_offset: isize,
+    softcap: f32,
+    alibi_max_bias: f32,
 }
 
 impl ProblemArgs {
     pub(super) fn new(shape: &AttentionShape, options: &AttentionOptions) -> Self {
         let (causal, causal_offset, window_offset) = options.mask_args(shape);
+        let (softcap, alibi_max_bias) = options.score.kernel_args();
         let s = shape;
         Self {
             shape: [s.batch, s.num_heads_q, s.num_heads_kv, s.seqlen_q, s.seqlen_k, s.head_dim],
             causal,
             causal_offset,
             window_offset,
+            softcap,
+            alibi_max_bias,
         }
     }
 
@@ -52,13 +58,17 @@ impl ProblemArgs {
         args
     }
 
-    /// `head`, the shape, the mask flag and offsets, then `tail`.
+    /// `head`, the shape, the mask flag and offsets, the score modification's two arguments,
+    /// then `tail`.
     pub(super) fn with_mask<'a>(
         &'a self,
         head: &[&'a dyn KernelArg],
         tail: &[&'a dyn KernelArg],
     ) -> Vec<&'a dyn KernelArg> {
-        let mut args = self.with_shape(head, &[&self.causal, &self.causal_offset, &self.window_offset]);
+        let mut args = self.with_shape(
+            head,
+            &[&self.causal, &self.causal_offset, &self.window_offset, &self.softcap, &self.alibi_max_bias],
+        );
         args.extend_from_slice(tail);
         args
     }

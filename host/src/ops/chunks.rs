@@ -34,7 +34,14 @@ impl Context {
     ///
     /// # Errors
     /// [`Error::Shape`] when one group's query heads alone exceed the grid limit.
-    fn chunks(&self, shape: &AttentionShape) -> Result<Vec<Chunk>> {
+    fn chunks(&self, shape: &AttentionShape, options: &AttentionOptions) -> Result<Vec<Chunk>> {
+        // Folding renumbers the query heads, and ALiBi's slopes follow the head number.
+        if options.score.alibi.is_some() {
+            return Err(Error::ScoreMod(format!(
+                "ALiBi on more than {} heads or batch entries (a problem run in chunks) is not supported",
+                self.grid_limit
+            )));
+        }
         let group = shape.group_size();
         if group > self.grid_limit {
             return Err(Error::Shape(format!(
@@ -70,7 +77,7 @@ impl Context {
         options: &AttentionOptions,
         tile: TileConfig,
     ) -> Result<()> {
-        for c in self.chunks(shape)? {
+        for c in self.chunks(shape, options)? {
             let (q_shape, kv_shape) = (c.shape.q_shape(), c.shape.kv_shape());
             let mut part = AttentionOutput {
                 o: out.o.view(c.q_offset, &q_shape)?,
@@ -96,7 +103,7 @@ impl Context {
         tile: TileConfig,
         dq: DqAccumulation,
     ) -> Result<()> {
-        for c in self.chunks(shape)? {
+        for c in self.chunks(shape, options)? {
             let (q_shape, kv_shape) = (c.shape.q_shape(), c.shape.kv_shape());
             let at_q = |t: &DeviceTensor<T>| t.view(c.q_offset, &q_shape);
             let at_kv = |t: &DeviceTensor<T>| t.view(c.kv_offset, &kv_shape);

@@ -155,6 +155,12 @@ impl Context {
         let lse =
             self.alloc_output(&AttentionShape::from_qkv_allowing_empty(q.shape(), k.shape(), v.shape())?.lse_shape())?;
         let shape = self.check_backward(q, k, v, o, &lse, d_o, grads)?;
+        if options.score.softcap.is_some() {
+            // Its dS kernel has no factor for the softcap's derivative.
+            return Err(Error::ScoreMod(
+                "the naive backward pass does not take softcapping; the flash kernels do".into(),
+            ));
+        }
         if shape.is_empty() {
             return self.write_empty_backward(&shape, grads, options);
         }

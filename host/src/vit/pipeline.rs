@@ -330,6 +330,7 @@ fn cpu_attention(qkv: &Qkv, options: &AttentionOptions) -> Result<AttentionRows>
         scale: options.checked_scale(qkv.shape.head_dim)? as f64,
         causal: options.causal,
         window: options.window,
+        score: Default::default(),
     };
     let reference = cpu::attention(&qkv.q, &qkv.k, &qkv.v, &qkv.shape, params)?;
     let ms = start.elapsed().as_secs_f64() * 1e3;

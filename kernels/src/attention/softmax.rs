@@ -66,6 +66,7 @@ impl<const ROWS: usize> OnlineSoftmax<ROWS> {
                 inv_sum[i] = 1.0 / sum;
                 lse[i] = (self.max[i] + hw::log2(sum)) * LN_2;
             }
+            lse[i] = infinite_max_lse(self.max[i], lse[i]);
         }
         (inv_sum, lse)
     }
@@ -136,9 +137,18 @@ impl RowSoftmax {
                 inv_sum[r] = 1.0 / sum;
                 lse[r] = (self.max[r] + hw::log2(sum)) * LN_2;
             }
+            lse[r] = infinite_max_lse(self.max[r], lse[r]);
         }
         (inv_sum, lse)
     }
+}
+
+/// A row with a +∞ score has LSE = ln Σ e^s = +∞, which the sum cannot say (its exponentials
+/// measured from an infinite maximum are 2^(∞ − ∞) = NaN): `lse`, or +∞ where the row's maximum
+/// is +∞. (O is NaN there, ∞/∞, as in the plain formula.)
+#[inline(always)]
+pub fn infinite_max_lse(max: f32, lse: f32) -> f32 {
+    if max == f32::INFINITY { f32::INFINITY } else { lse }
 }
 
 impl<const ROWS: usize> Default for OnlineSoftmax<ROWS> {

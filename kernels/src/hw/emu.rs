@@ -543,6 +543,10 @@ pub(crate) fn log2(x: f32) -> f32 {
     x.log2()
 }
 
+pub(crate) fn reciprocal(x: f32) -> f32 {
+    1.0 / x
+}
+
 pub(crate) fn fma(a: f32, b: f32, c: f32) -> f32 {
     a.mul_add(b, c)
 }

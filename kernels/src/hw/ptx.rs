@@ -60,6 +60,12 @@ pub fn fma(a: f32, b: f32, c: f32) -> f32 {
 }
 
 #[inline(always)]
+pub fn reciprocal(x: f32) -> f32 {
+    // SAFETY: a pure arithmetic intrinsic.
+    unsafe { rcp_approx_ftz(x) }
+}
+
+#[inline(always)]
 pub unsafe fn atomic_add(ptr: *mut f32, value: f32) {
     // SAFETY: the caller guarantees the address; `red` with no state space takes a generic
     // address.
@@ -280,6 +286,8 @@ unsafe extern "C" {
     fn lg2_approx(x: f32) -> f32;
     #[link_name = "llvm.nvvm.ex2.approx.ftz.f"]
     fn ex2_approx_ftz(x: f32) -> f32;
+    #[link_name = "llvm.nvvm.rcp.approx.ftz.f"]
+    fn rcp_approx_ftz(x: f32) -> f32;
     #[link_name = "llvm.nvvm.vote.any.sync"]
     fn vote_any_sync(member_mask: u32, predicate: bool) -> bool;
 }

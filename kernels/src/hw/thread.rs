@@ -116,6 +116,41 @@ pub fn log2(x: f32) -> f32 {
     backend::log2(x)
 }
 
+/// 1/x with the hardware's `rcp.approx.ftz.f32` (one instruction, `MUFU.RCP`; within an ulp or
+/// so; `1/∞ = 0`), where IEEE division (`/`) costs a dozen.
+#[inline(always)]
+pub fn reciprocal(x: f32) -> f32 {
+    backend::reciprocal(x)
+}
+
+/// tanh(x) = 1 − 2 / (e^(2x) + 1), from one [`exp2`] and a reciprocal on the FMA units
+/// ([`reciprocal_of_at_least_one`]): an absolute error of a few 10⁻⁷ at most, within 10⁻⁷ of
+/// ±1 for large |x|, NaN for NaN. PTX's `tanh.approx.f32` is one
+/// instruction but has a relative error of 2⁻¹¹, which the softcap's `cap · tanh(…)` would turn
+/// into logit errors of 0.02 at Gemma 2's cap of 50; and a second special-function instruction
+/// (`MUFU.RCP`) would cost the attention forward more than the FMAs do, as its `exp2`s already
+/// keep that unit busy (PERFORMANCE.md, issue 24).
+#[inline(always)]
+pub fn tanh(x: f32) -> f32 {
+    // e^(2x) = 2^(2x·log₂e), capped at 2^64 (where tanh is 1 to f32) so that the reciprocal's
+    // first guess stays a normal number; the comparison keeps a NaN a NaN.
+    let exponent = x * (2.0 * LOG2_E);
+    let exponent = if exponent > 64.0 { 64.0 } else { exponent };
+    fma(-2.0, reciprocal_of_at_least_one(exp2(exponent) + 1.0), 1.0)
+}
+
+/// 1/x for 1 ≤ x ≤ 2^65 on the FMA units: a first guess from the bits of x (subtracting them from
+/// a constant roughly negates the exponent; within 12 %) and three Newton steps `r ← r·(2 − x·r)`,
+/// each of which squares the relative error (to about 10⁻⁷).
+#[inline(always)]
+pub fn reciprocal_of_at_least_one(x: f32) -> f32 {
+    let mut r = f32::from_bits(0x7EF3_11C7u32.wrapping_sub(x.to_bits()));
+    for _ in 0..3 {
+        r *= fma(-x, r, 2.0);
+    }
+    r
+}
+
 /// a·b + c with a single rounding (`fma.rn.f32`).
 #[inline(always)]
 pub fn fma(a: f32, b: f32, c: f32) -> f32 {
@@ -222,4 +257,22 @@ impl F32x4 {
 pub unsafe fn store16(dst: *mut u16, value: [u32; 4]) {
     // SAFETY: the caller's contract.
     unsafe { F32x4(value.map(f32::from_bits)).store(dst as *mut f32) }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The softcap's tanh against `f64`, over the range that matters and past both ends.
+    #[test]
+    fn tanh_is_accurate_and_saturates() {
+        let mut worst = 0.0f64;
+        for i in -40_000..=40_000 {
+            let x = i as f32 * 1e-3;
+            worst = worst.max((super::tanh(x) as f64 - (x as f64).tanh()).abs());
+        }
+        assert!(worst < 3e-7, "largest error {worst:e}");
+        for (x, want) in [(-1e30, -1.0f32), (1e30, 1.0), (f32::NEG_INFINITY, -1.0), (f32::INFINITY, 1.0)] {
+            assert!((super::tanh(x) - want).abs() <= 2e-7, "tanh({x}) = {}", super::tanh(x));
+        }
+        assert!(super::tanh(f32::NAN).is_nan());
+    }
 }

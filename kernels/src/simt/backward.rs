@@ -54,13 +54,14 @@
 use crate::attention::epilogue::store_rows;
 use crate::attention::mask::Mask;
 use crate::attention::schedule::{KeyBlock, QueryBlock};
+use crate::attention::score::ScoreArgs;
 use crate::hw::{self, F32x4, LOG2_E, SharedMemory};
 use crate::layout::{
     AttentionShape, FLASH_THREAD_COLS as LANES, FLASH_THREAD_ROWS, FLASH_THREADS, flash_backward_kv_strides,
     flash_backward_q_strides,
 };
 use crate::simt::tile::{
-    a_bt, accumulate_ab, fits_thread_grid, mask_tile, refill_tiles, store_tile, store_tile_transposed,
+    a_bt, accumulate_ab, fits_thread_grid, map_tile, mask_tile, refill_tiles, store_tile, store_tile_transposed,
 };
 
 kernel! {
@@ -163,6 +164,7 @@ pub(crate) unsafe fn flash_backward_kv<
     t: BackwardTensors,
     shape: AttentionShape,
     mask: Mask,
+    score: ScoreArgs,
     scale: f32,
 ) {
     // Key rows as the grid's rows for dK and dV, query rows for the atomic dQ.
@@ -228,8 +230,15 @@ pub(crate) unsafe fn flash_backward_kv<
             hw::sync_threads();
 
             // Pᵀ for this thread's key rows and query columns.
-            let st = a_bt::<HEAD_DIM, KROWS, QCOLS>(k_tile, q_tile, first_key, lane);
-            let mut pt = probabilities(st, scale_log2, |_, j| stats.load(0, lane + LANES * j));
+            let mut st = a_bt::<HEAD_DIM, KROWS, QCOLS>(k_tile, q_tile, first_key, lane);
+            // A score modification turns the products into base-2 logits first (`attention::score`).
+            let head_score = || score.for_head(head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
+            if score.is_active() {
+                let head_score = head_score();
+                map_tile(&mut st, first_key, lane, |r, c, x| head_score.logit(x * scale_log2, q_start + c, kv_start + r));
+            }
+            let factor = score.softmax_factor(scale_log2);
+            let mut pt = probabilities(st, factor, |_, j| stats.load(0, lane + LANES * j));
             // Tiles where some query cannot see some key (the causal diagonal, a window's edges,
             // the ragged ends) pay for the per-element mask.
             if mask.tile_needs_mask(q_start, BLOCK_M, kv_start, BLOCK_N) {
@@ -241,7 +250,15 @@ pub(crate) unsafe fn flash_backward_kv<
             accumulate_ab::<BLOCK_M, KROWS, DVEC, false>(&mut dv, pt_tile, do_tile, first_key, lane);
 
             // dSᵀ = Pᵀ ∘ (dPᵀ − D), dPᵀ = V dOᵀ; then dK += dSᵀ Q (scaled at the end).
-            let dpt = a_bt::<HEAD_DIM, KROWS, QCOLS>(v_tile, do_tile, first_key, lane);
+            let mut dpt = a_bt::<HEAD_DIM, KROWS, QCOLS>(v_tile, do_tile, first_key, lane);
+            if score.is_softcapped() {
+                let head_score = head_score();
+                for i in 0..KROWS {
+                    for j in 0..QCOLS {
+                        dpt[i][j] = head_score.chain_rule(st[i][j], dpt[i][j], stats.load(1, lane + LANES * j));
+                    }
+                }
+            }
             let dst = softmax_grad(&pt, &dpt, |_, j| stats.load(1, lane + LANES * j));
             hw::sync_warp(); // the row group has finished reading Pᵀ
             store_tile(pt_tile, &dst, first_key, lane);
@@ -304,11 +321,14 @@ pub(crate) unsafe fn flash_backward_q<
     t: BackwardTensors,
     shape: AttentionShape,
     mask: Mask,
+    score: ScoreArgs,
     scale: f32,
 ) {
     const { assert!(fits_thread_grid((BLOCK_M, ROWS), (BLOCK_N, COLS), (HEAD_DIM, DVEC))) };
     let scale_log2 = scale * LOG2_E;
     let block = QueryBlock::current::<BLOCK_M>(&shape);
+    let factor = score.softmax_factor(scale_log2);
+    let head_score = score.for_head(block.head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
     let (q_start, q_rows) = (block.q_start, block.q_rows);
     // Global rows are `d` floats long; the tiles are `HEAD_DIM` wide, zero past `d`.
     let d = shape.head_dim;
@@ -360,12 +380,22 @@ pub(crate) unsafe fn flash_backward_q<
             );
         }
 
-        let s = a_bt::<HEAD_DIM, ROWS, COLS>(q_tile, k_tile, first_row, lane);
-        let mut p = probabilities(s, scale_log2, |i, _| lse2[i]);
+        let mut s = a_bt::<HEAD_DIM, ROWS, COLS>(q_tile, k_tile, first_row, lane);
+        if score.is_active() {
+            map_tile(&mut s, first_row, lane, |r, c, x| head_score.logit(x * scale_log2, q_start + r, kv_start + c));
+        }
+        let mut p = probabilities(s, factor, |i, _| lse2[i]);
         if keys.needs_mask(kv_start, BLOCK_N) {
             mask_tile(&mut p, first_row, lane, 0.0, |r, c| mask.visible(q_start + r, kv_start + c));
         }
-        let dp = a_bt::<HEAD_DIM, ROWS, COLS>(do_tile, v_tile, first_row, lane);
+        let mut dp = a_bt::<HEAD_DIM, ROWS, COLS>(do_tile, v_tile, first_row, lane);
+        if score.is_softcapped() {
+            for i in 0..ROWS {
+                for j in 0..COLS {
+                    dp[i][j] = head_score.chain_rule(s[i][j], dp[i][j], delta[i]);
+                }
+            }
+        }
         let ds = softmax_grad(&p, &dp, |i, _| delta[i]);
         store_tile(ds_tile, &ds, first_row, lane);
         hw::sync_warp();
@@ -398,7 +428,7 @@ macro_rules! flash_backward_instance {
         }
     };
     (@kv $name:ident, $block_m:literal, $block_n:literal, $head_dim:literal, $atomic_dq:literal) => {
-        flash_backward_instance!(@entry $name, |t, shape, mask, scale| flash_backward_kv::<
+        flash_backward_instance!(@entry $name, |t, shape, mask, score, scale| flash_backward_kv::<
             $block_m,
             $block_n,
             $head_dim,
@@ -407,19 +437,19 @@ macro_rules! flash_backward_instance {
             { $block_m / FLASH_THREAD_ROWS },
             { $head_dim / (4 * LANES) },
             $atomic_dq,
-        >(t, shape, mask, scale));
+        >(t, shape, mask, score, scale));
     };
     (@q $name:ident, $block_m:literal, $block_n:literal, $head_dim:literal) => {
-        flash_backward_instance!(@entry $name, |t, shape, mask, scale| flash_backward_q::<
+        flash_backward_instance!(@entry $name, |t, shape, mask, score, scale| flash_backward_q::<
             $block_m,
             $block_n,
             $head_dim,
             { $block_m / FLASH_THREAD_ROWS },
             { $block_n / LANES },
             { $head_dim / (4 * LANES) },
-        >(t, shape, mask, scale));
+        >(t, shape, mask, score, scale));
     };
-    (@entry $name:ident, |$t:ident, $shape:ident, $mask:ident, $scale:ident| $body:expr) => {
+    (@entry $name:ident, |$t:ident, $shape:ident, $mask:ident, $score:ident, $scale:ident| $body:expr) => {
         attention_kernel! {
         /// FlashAttention-2 backward, `f32`; see the module docs.
         ///
@@ -435,7 +465,7 @@ macro_rules! flash_backward_instance {
             dq: *mut f32,
             dk: *mut f32,
             dv: *mut f32,
-        ) |$shape, $mask, $scale| {
+        ) |$shape, $mask, $score, $scale| {
             let $t = BackwardTensors { q, k, v, d_o, lse, delta, dq, dk, dv };
             unsafe { $body }
         }

@@ -51,12 +51,13 @@
 use crate::attention::epilogue::{store_row_values, store_rows};
 use crate::attention::mask::Mask;
 use crate::attention::schedule::QueryBlock;
+use crate::attention::score::ScoreArgs;
 use crate::attention::softmax::OnlineSoftmax;
 use crate::hw::{self, F32x4, SharedMemory};
 use crate::layout::{
     AttentionShape, FLASH_THREAD_COLS as LANES, FLASH_THREAD_ROWS, FLASH_THREADS, flash_forward_strides,
 };
-use crate::simt::tile::{a_bt, accumulate_ab, fits_thread_grid, mask_tile, refill_tiles, store_tile};
+use crate::simt::tile::{a_bt, accumulate_ab, fits_thread_grid, map_tile, mask_tile, refill_tiles, store_tile};
 
 /// The kernel body shared by every instance. `ROWS`, `COLS` and `DVEC` are the per-thread tile
 /// (see the module docs); they are derived from the block shape by the instance macro because
@@ -86,6 +87,7 @@ pub(crate) unsafe fn flash_forward<
     lse: *mut f32,
     shape: AttentionShape,
     mask: Mask,
+    score: ScoreArgs,
     scale_log2: f32,
 ) {
     const { assert!(fits_thread_grid((BLOCK_M, ROWS), (BLOCK_N, COLS), (HEAD_DIM, DVEC))) };
@@ -138,6 +140,12 @@ pub(crate) unsafe fn flash_forward<
         }
 
         let mut s = a_bt::<HEAD_DIM, ROWS, COLS>(q_tile, k_tile, first_row, lane).map(|r| r.map(|x| x * scale_log2));
+        // Softcap or ALiBi, if the problem has one (`attention::score`): the scores are base-2
+        // logits already, which is what `ScoreMod::logit` takes.
+        if score.is_active() {
+            let head_score = score.for_head(block.head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
+            map_tile(&mut s, first_row, lane, |r, c, y| head_score.logit(y, q_start + r, kv_start + c));
+        }
         // Only tiles that cross some row's key limit or start (the causal diagonal, a window's
         // edges, the ragged end of the keys) pay for the per-element mask.
         let masked = keys.needs_mask(kv_start, BLOCK_N);
@@ -189,7 +197,7 @@ macro_rules! flash_forward_instance {
                 v: *const f32,
                 o: *mut f32,
                 lse: *mut f32,
-            ) |shape, mask, scale_log2| {
+            ) |shape, mask, score, scale_log2| {
                 unsafe {
                     flash_forward::<
                         $block_m,
@@ -198,7 +206,7 @@ macro_rules! flash_forward_instance {
                         { $block_m / FLASH_THREAD_ROWS },
                         { $block_n / LANES },
                         { $head_dim / (4 * LANES) },
-                    >(q, k, v, o, lse, shape, mask, scale_log2)
+                    >(q, k, v, o, lse, shape, mask, score, scale_log2)
                 }
             }
             }

@@ -21,6 +21,7 @@
 //! arrives as six integers rather than as the struct: rustc warns that structs passed by value to
 //! `extern "gpu-kernel"` functions may not match what the driver passes.
 
+use crate::attention::softmax::infinite_max_lse;
 use crate::hw::{self, LN_2, LOG2_E};
 use crate::layout::AttentionShape;
 
@@ -42,10 +43,12 @@ attention_kernel! {
 ///
 /// # Safety
 /// Pointers hold the shapes given in the module docs; `s` holds `rows × seqlen_k` floats.
-fn naive_scores_f32(q: *const f32, k: *const f32, s: *mut f32) |shape, mask, scale| {
+fn naive_scores_f32(q: *const f32, k: *const f32, s: *mut f32) |shape, mask, score, scale| {
     let mut row = hw::block_idx().0;
     while row < shape.query_rows() {
         let (q_offset, kv_offset) = row_offsets(&shape, row);
+        let head = row / shape.seqlen_q % shape.num_heads_q;
+        let head_score = score.for_head(head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
         let mut j = hw::thread_idx_x();
         while j < shape.seqlen_k {
             let mut dot = 0.0f32;
@@ -53,9 +56,11 @@ fn naive_scores_f32(q: *const f32, k: *const f32, s: *mut f32) |shape, mask, sca
                 // SAFETY: d < head_dim, j < seqlen_k: inside this row of Q and this head of K.
                 unsafe { dot = hw::fma(*q.add(q_offset + d), *k.add(kv_offset + j * shape.head_dim + d), dot) };
             }
-            let visible = mask.visible(row % shape.seqlen_q, j);
+            let query = row % shape.seqlen_q;
+            // A score modification works in base-2 units (`attention::score`); S is natural.
+            let logit = if score.is_active() { head_score.logit(dot * scale * LOG2_E, query, j) * LN_2 } else { dot * scale };
             // SAFETY: row < rows, j < seqlen_k.
-            unsafe { *s.add(row * shape.seqlen_k + j) = if visible { dot * scale } else { f32::NEG_INFINITY } };
+            unsafe { *s.add(row * shape.seqlen_k + j) = if mask.visible(query, j) { logit } else { f32::NEG_INFINITY } };
             j += hw::block_dim_x();
         }
         row += hw::grid_dim_x();
@@ -108,6 +113,7 @@ pub unsafe fn naive_softmax_f32(s: *mut f32, lse: *mut f32, rows: usize, seqlen_
         if hw::lane_id() == 0 {
             // ln Σ exp(s) = m + ln Σ exp(s − m)
             let row_lse = if seen_any { max + hw::log2(sum) * LN_2 } else { f32::NEG_INFINITY };
+            let row_lse = infinite_max_lse(max, row_lse);
             unsafe { *lse.add(row) = row_lse };
         }
         row += hw::grid_dim_x() * warps_per_block;

@@ -152,6 +152,22 @@ pub fn mask_tile<const ROWS: usize, const COLS: usize>(
     }
 }
 
+/// Replaces every entry by `f(tile row, tile column, entry)` (the same positions as
+/// [`mask_tile`]): how a score modification ([`crate::attention::score`]) reaches this layout.
+#[inline(always)]
+pub fn map_tile<const ROWS: usize, const COLS: usize>(
+    x: &mut [[f32; COLS]; ROWS],
+    first_row: usize,
+    lane: usize,
+    f: impl Fn(usize, usize, f32) -> f32,
+) {
+    for i in 0..ROWS {
+        for j in 0..COLS {
+            x[i][j] = f(first_row + i, lane + LANES * j, x[i][j]);
+        }
+    }
+}
+
 /// Writes this thread's entries `x[i][j]` to `tile` at `(first_row + i, lane + 8j)`.
 #[inline(always)]
 #[cfg_attr(not(target_arch = "nvptx64"), track_caller)]

@@ -83,6 +83,7 @@ use crate::attention::epilogue::store_warp_rows;
 use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a};
 use crate::attention::mask::Mask;
 use crate::attention::schedule::{KeyBlock, QueryBlock};
+use crate::attention::score::ScoreArgs;
 use crate::hw::{self, FragA, HalfFloat, LOG2_E, SharedMemory};
 use crate::layout::{
     AttentionShape, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_backward_column_warps, mma_backward_threads,
@@ -264,6 +265,44 @@ pub(crate) unsafe fn flash_backward_kv_mma<
     dv: *mut u16,
     shape: AttentionShape,
     mask: Mask,
+    score: ScoreArgs,
+    scale: f32,
+) {
+    // Two copies of the body: one for modified scores, one that runs exactly the code of the
+    // plain path (`attention::score` says why).
+    // SAFETY: the caller's contract.
+    unsafe {
+        if score.is_active() {
+            backward_kv_body::<T, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PADDED, D_STEPS, M_TILES, D_TILES, ATOMIC_DQ, true>(x, dq_accum, dk, dv, shape, mask, score, scale)
+        } else {
+            backward_kv_body::<T, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PADDED, D_STEPS, M_TILES, D_TILES, ATOMIC_DQ, false>(x, dq_accum, dk, dv, shape, mask, score, scale)
+        }
+    }
+}
+
+/// [`flash_backward_kv_mma`]'s body, with (`MODS`) or without a score modification.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn backward_kv_body<
+    T: HalfFloat,
+    const BLOCK_M: usize,
+    const BLOCK_N: usize,
+    const HEAD_DIM: usize,
+    const STAGES: usize,
+    const PADDED: bool,
+    const D_STEPS: usize,
+    const M_TILES: usize,
+    const D_TILES: usize,
+    const ATOMIC_DQ: bool,
+    const MODS: bool,
+>(
+    x: BackwardTensors,
+    dq_accum: *mut f32,
+    dk: *mut u16,
+    dv: *mut u16,
+    shape: AttentionShape,
+    mask: Mask,
+    score: ScoreArgs,
     scale: f32,
 ) {
     const {
@@ -345,6 +384,7 @@ pub(crate) unsafe fn flash_backward_kv_mma<
         fetch(i + STAGES - 1);
         let (head, q_start) = step(i);
         let (q_tile, do_tile, stats_row) = slot(i);
+        let factor = if MODS { 1.0 } else { scale_log2 };
 
         // Tiles where some query cannot see some key (the causal diagonal, a window's edges, the
         // ragged ends) pay for the per-element mask; it also zeroes padding queries and queries that see no key
@@ -374,15 +414,24 @@ pub(crate) unsafe fn flash_backward_kv_mma<
             let (mut pt, mut ds_t) = ([[0.0f32; 4]; 2], [[0.0f32; 4]; 2]);
             // Entry (half, e) is key `warp_key + g + 8·(e / 2)`, query `q0 + 8·half + 2t + e % 2`.
             let query = |half: usize, e: usize| q0 + 8 * half + lane.col(e);
+            // Rows are the warp's keys, columns the chunk's queries.
+            let first = (kv_start + warp_key, q_start + q0);
+            // (A head's `ScoreMod` is derived inside each branch that uses it: see `ScoreArgs`.)
+            let head_score = || score.for_head(head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
+            if MODS {
+                head_score().apply_fragments::<2, true>(&mut st, lane, first, scale_log2);
+            }
             for half in 0..2 {
                 for e in 0..4 {
                     let lse2 = stats_ring.load(stats_row, query(half, e)) * LOG2_E;
-                    pt[half][e] = hw::exp2(hw::fma(st[half][e], scale_log2, -lse2));
+                    pt[half][e] = hw::exp2(hw::fma(st[half][e], factor, -lse2));
                 }
             }
             if masked {
-                // Rows are the warp's keys, columns the chunk's queries.
-                mask_fragments::<2, true>(&mut pt, lane, 0.0, (kv_start + warp_key, q_start + q0), &mask);
+                mask_fragments::<2, true>(&mut pt, lane, 0.0, first, &mask);
+            }
+            if MODS && score.is_softcapped() {
+                head_score().chain_rule_fragments(&st, &mut dpt, |half, e| stats_ring.load(stats_row + 1, query(half, e)));
             }
             for half in 0..2 {
                 for e in 0..4 {
@@ -512,6 +561,41 @@ pub(crate) unsafe fn flash_backward_q_mma<
     dq: *mut u16,
     shape: AttentionShape,
     mask: Mask,
+    score: ScoreArgs,
+    scale: f32,
+) {
+    // Two copies of the body: one for modified scores, one that runs exactly the code of the
+    // plain path (`attention::score` says why).
+    // SAFETY: the caller's contract.
+    unsafe {
+        if score.is_active() {
+            backward_q_body::<T, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PADDED, D_STEPS, N_TILES, D_TILES, true>(x, dq, shape, mask, score, scale)
+        } else {
+            backward_q_body::<T, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PADDED, D_STEPS, N_TILES, D_TILES, false>(x, dq, shape, mask, score, scale)
+        }
+    }
+}
+
+/// [`flash_backward_q_mma`]'s body, with (`MODS`) or without a score modification.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn backward_q_body<
+    T: HalfFloat,
+    const BLOCK_M: usize,
+    const BLOCK_N: usize,
+    const HEAD_DIM: usize,
+    const STAGES: usize,
+    const PADDED: bool,
+    const D_STEPS: usize,
+    const N_TILES: usize,
+    const D_TILES: usize,
+    const MODS: bool,
+>(
+    x: BackwardTensors,
+    dq: *mut u16,
+    shape: AttentionShape,
+    mask: Mask,
+    score: ScoreArgs,
     scale: f32,
 ) {
     const {
@@ -525,6 +609,7 @@ pub(crate) unsafe fn flash_backward_q_mma<
     let keep_fragments = keeps_fragments(HEAD_DIM);
     let block = QueryBlock::current::<BLOCK_M>(&shape);
     let (q_start, q_rows) = (block.q_start, block.q_rows);
+    let factor = if MODS { 1.0 } else { scale_log2 };
     // Global rows are `d` elements long; the tiles are `HEAD_DIM` wide, zero past `d`.
     let d = row_length::<HEAD_DIM, PADDED>(&shape);
     let first_row = block.first_row_offset(d);
@@ -602,14 +687,22 @@ pub(crate) unsafe fn flash_backward_q_mma<
                 }
             }
             // dS = P ∘ (dP − D), P recomputed from the LSE.
+            let first = (q_start + warp_row, kv_start + k0);
+            let head_score = || score.for_head(block.head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
+            if MODS {
+                head_score().apply_fragments::<2, false>(&mut s, lane, first, scale_log2);
+            }
             let mut p = [[0.0f32; 4]; 2];
             for half in 0..2 {
                 for e in 0..4 {
-                    p[half][e] = hw::exp2(hw::fma(s[half][e], scale_log2, -lse2[e / 2]));
+                    p[half][e] = hw::exp2(hw::fma(s[half][e], factor, -lse2[e / 2]));
                 }
             }
             if masked {
-                mask_fragments::<2, false>(&mut p, lane, 0.0, (q_start + warp_row, kv_start + k0), &mask);
+                mask_fragments::<2, false>(&mut p, lane, 0.0, first, &mask);
+            }
+            if MODS && score.is_softcapped() {
+                head_score().chain_rule_fragments(&s, &mut dp, |_, e| delta[e / 2]);
             }
             let mut ds = [[0.0f32; 4]; 2];
             for half in 0..2 {
@@ -682,31 +775,31 @@ macro_rules! flash_backward_mma_instance {
             /// module docs and `flash_backward_kv_mma`.
             $atomic,
             [dq_accum: *mut f32, dk: *mut u16, dv: *mut u16],
-            |x, shape, mask, scale| flash_backward_kv_mma::<
+            |x, shape, mask, score, scale| flash_backward_kv_mma::<
                 hw::$format, $m, $n, $d, $s, $padded, { $d / 16 }, { $m / 8 }, { column_tiles($d) }, true
-            >(x, dq_accum, dk, dv, shape, mask, scale)
+            >(x, dq_accum, dk, dv, shape, mask, score, scale)
         );
         flash_backward_mma_instance!(@entry
             /// dK and dV on tensor cores, without dQ (the deterministic backward's first kernel);
             /// see the module docs and `flash_backward_kv_mma`.
             $dkdv,
             [dk: *mut u16, dv: *mut u16],
-            |x, shape, mask, scale| flash_backward_kv_mma::<
+            |x, shape, mask, score, scale| flash_backward_kv_mma::<
                 hw::$format, $m, $n, $d, $s, $padded, { $d / 16 }, { $m / 8 }, { column_tiles($d) }, false
-            >(x, core::ptr::null_mut(), dk, dv, shape, mask, scale)
+            >(x, core::ptr::null_mut(), dk, dv, shape, mask, score, scale)
         );
         flash_backward_mma_instance!(@entry
             /// The deterministic dQ on tensor cores; see the module docs and
             /// `flash_backward_q_mma`.
             $dq,
             [dq: *mut u16],
-            |x, shape, mask, scale| flash_backward_q_mma::<
+            |x, shape, mask, score, scale| flash_backward_q_mma::<
                 hw::$format, $m, $n, $d, $s, $padded, { $d / 16 }, { $n / 8 }, { column_tiles($d) }
-            >(x, dq, shape, mask, scale)
+            >(x, dq, shape, mask, score, scale)
         );
     };
     (@entry $(#[$attr:meta])* $name:ident, [$($out:ident: $out_ty:ty),*],
-        |$x:ident, $shape:ident, $mask:ident, $scale:ident| $body:expr) => {
+        |$x:ident, $shape:ident, $mask:ident, $score:ident, $scale:ident| $body:expr) => {
         attention_kernel! {
         $(#[$attr])*
         ///
@@ -720,7 +813,7 @@ macro_rules! flash_backward_mma_instance {
             lse: *const f32,
             delta: *const f32,
             $($out: $out_ty,)*
-        ) |$shape, $mask, $scale| {
+        ) |$shape, $mask, $score, $scale| {
             let $x = BackwardTensors { q, k, v, d_o, lse, delta };
             unsafe { $body }
         }

@@ -46,6 +46,7 @@ use crate::attention::epilogue::{store_fragment_lse, store_warp_rows};
 use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a, scale_rows};
 use crate::attention::mask::Mask;
 use crate::attention::schedule::QueryBlock;
+use crate::attention::score::ScoreArgs;
 use crate::attention::softmax::{RowSoftmax, positive_factor, q_sign_mask};
 use crate::hw::{self, FragA, HalfFloat, SharedMemory};
 use crate::layout::{
@@ -87,6 +88,49 @@ pub(crate) unsafe fn flash_forward_mma<
     lse: *mut f32,
     shape: AttentionShape,
     mask: Mask,
+    score: ScoreArgs,
+    scale_log2: f32,
+) {
+    // Two copies of the body: one for modified scores, one that runs exactly the code of the
+    // plain path (`attention::score` says why).
+    // SAFETY: the caller's contract.
+    unsafe {
+        if score.is_active() {
+            forward_body::<T, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PADDED, WARP_TILES, D_STEPS, N_TILES, D_TILES, true>(
+                q, k, v, o, lse, shape, mask, score, scale_log2,
+            )
+        } else {
+            forward_body::<T, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PADDED, WARP_TILES, D_STEPS, N_TILES, D_TILES, false>(
+                q, k, v, o, lse, shape, mask, score, scale_log2,
+            )
+        }
+    }
+}
+
+/// [`flash_forward_mma`]'s body, with (`MODS`) or without a score modification.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn forward_body<
+    T: HalfFloat,
+    const BLOCK_M: usize,
+    const BLOCK_N: usize,
+    const HEAD_DIM: usize,
+    const STAGES: usize,
+    const PADDED: bool,
+    const WARP_TILES: usize,
+    const D_STEPS: usize,
+    const N_TILES: usize,
+    const D_TILES: usize,
+    const MODS: bool,
+>(
+    q: *const u16,
+    k: *const u16,
+    v: *const u16,
+    o: *mut u16,
+    lse: *mut f32,
+    shape: AttentionShape,
+    mask: Mask,
+    score: ScoreArgs,
     scale_log2: f32,
 ) {
     const {
@@ -138,6 +182,8 @@ pub(crate) unsafe fn flash_forward_mma<
     hw::sync_threads();
     // A negative scale is −Q with |c|, a zero scale the smallest normal float (`positive_factor`).
     let (sign, c) = (q_sign_mask(scale_log2), positive_factor(scale_log2));
+    // The factor the softmax applies: c for raw products, 1 for modified scores.
+    let factor = if MODS { 1.0 } else { c };
     let q_fragment = |r: usize, ks: usize| q_tile.fragment_a(warp_row + 16 * r, 16 * ks).map(|x| x ^ sign);
     let mut q_frag = [[[0u32; 4]; D_STEPS]; WARP_TILES];
     if q_in_registers {
@@ -164,6 +210,13 @@ pub(crate) unsafe fn flash_forward_mma<
                 }
             }
         }
+        // Softcap or ALiBi, if the problem has one: the scores become base-2 logits.
+        if MODS {
+            let head_score = score.for_head(block.head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
+            for r in 0..WARP_TILES {
+                head_score.apply_fragments::<N_TILES, false>(&mut s[r], lane, (q_start + warp_row + 16 * r, kv_start), c);
+            }
+        }
         // Only tiles that cross some row's key limit or start (the causal diagonal, a window's
         // edges, the ragged end of the keys) pay for the per-element mask.
         if keys.needs_mask(kv_start, BLOCK_N) {
@@ -172,7 +225,7 @@ pub(crate) unsafe fn flash_forward_mma<
                 mask_fragments::<N_TILES, false>(&mut s[r], lane, f32::NEG_INFINITY, first, &mask);
             }
         }
-        let alpha: [[f32; 2]; WARP_TILES] = core::array::from_fn(|r| softmax[r].update(&mut s[r], c));
+        let alpha: [[f32; 2]; WARP_TILES] = core::array::from_fn(|r| softmax[r].update(&mut s[r], factor));
         // Once the running maxima settle, most tiles leave them unchanged (alpha = 1 exactly):
         // the warp then skips rescaling its O accumulator, HEAD_DIM / 2 multiplications per lane
         // and m-tile per tile. The vote makes the branch uniform across the warp.
@@ -247,7 +300,7 @@ macro_rules! flash_forward_mma_instance {
             v: *const u16,
             o: *mut u16,
             lse: *mut f32,
-        ) |shape, mask, scale_log2| {
+        ) |shape, mask, score, scale_log2| {
             unsafe {
                 flash_forward_mma::<
                     hw::$format,
@@ -260,7 +313,7 @@ macro_rules! flash_forward_mma_instance {
                     { $head_dim / 16 },
                     { $block_n / 8 },
                     { $head_dim / 8 },
-                >(q, k, v, o, lse, shape, mask, scale_log2)
+                >(q, k, v, o, lse, shape, mask, score, scale_log2)
             }
         }
         }

@@ -72,6 +72,7 @@ use crate::attention::epilogue::store_fragment_pairs;
 use crate::attention::fragment::{FragmentLane, pack_a};
 use crate::attention::mask::Mask;
 use crate::attention::schedule::KeyBlock;
+use crate::attention::score::ScoreArgs;
 use crate::configs::SM90_BACKWARD_REGISTERS;
 use crate::hw::{
     self, Accumulator, FragC, HalfFloat, LOG2_E, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, TensorMaps, WARPGROUP_THREADS,
@@ -427,6 +428,41 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
     block: &KeyBlock,
     shape: &AttentionShape,
     mask: Mask,
+    score: ScoreArgs,
+    scale: f32,
+    maps: TensorMaps,
+    outputs: (*mut u16, *mut u16),
+) where
+    [FragC; D_TILES]: Accumulator,
+{
+    // Two copies of the body: one for modified scores, one that runs exactly the code of the
+    // plain path (`attention::score` says why).
+    // SAFETY: the caller's contract.
+    unsafe {
+        if score.is_active() {
+            consume_body::<T, D, STAGES, D_TILES, DETERMINISTIC, true>(smem, block, shape, mask, score, scale, maps, outputs)
+        } else {
+            consume_body::<T, D, STAGES, D_TILES, DETERMINISTIC, false>(smem, block, shape, mask, score, scale, maps, outputs)
+        }
+    }
+}
+
+/// [`consume`]'s body, with (`MODS`) or without a score modification.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn consume_body<
+    T: HalfFloat,
+    const D: usize,
+    const STAGES: usize,
+    const D_TILES: usize,
+    const DETERMINISTIC: bool,
+    const MODS: bool,
+>(
+    smem: SharedTiles<D, STAGES>,
+    block: &KeyBlock,
+    shape: &AttentionShape,
+    mask: Mask,
+    score: ScoreArgs,
     scale: f32,
     maps: TensorMaps,
     (dk, dv): (*mut u16, *mut u16),
@@ -495,6 +531,16 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
         // their statistics are a pair in the slot, published by "dO full".
         // SAFETY: inside the slot's 64 values.
         let statistics = |slot: u32, j: usize| unsafe { load_shared_f32x2(slot + (4 * (8 * j + 2 * t)) as u32) };
+        // Softcap or ALiBi, if the problem has one: Sᵀ becomes base-2 logits, and a softcap's
+        // derivative goes into dPᵀ (`ScoreMod::chain_rule`).
+        if MODS {
+            let head_score = score.for_head(q_head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
+            head_score.apply_fragments::<8, true>(&mut s, lane, (k_first + 16 * warp, q_start), c);
+            if score.is_softcapped() {
+                head_score.chain_rule_fragments(&s, &mut dp, |j, e| statistics(smem.delta(stage), j)[e % 2]);
+            }
+        }
+        let factor = if MODS { 1.0 } else { c };
         let mut p = [[0u32; 4]; 4];
         let mut ds = [[0u32; 4]; 4];
         for kk in 0..4 {
@@ -516,7 +562,7 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
                     // Entries h and h + 2: this query's column in key rows g and g + 8.
                     for r in 0..2 {
                         let e = h + 2 * r;
-                        let p = hw::exp2(hw::fma(s[j][e], c, -row_lse[h]));
+                        let p = hw::exp2(hw::fma(s[j][e], factor, -row_lse[h]));
                         let p = if key(e).wrapping_sub(start) < width { p } else { 0.0 };
                         s[j][e] = p;
                         dp[j][e] = p * (dp[j][e] - row_delta[h]);
@@ -676,6 +722,7 @@ unsafe fn flash_backward_wgmma<
     dq_turns: *mut u32,
     shape: AttentionShape,
     mask: Mask,
+    score: ScoreArgs,
     scale: f32,
 ) where
     [FragC; D_TILES]: Accumulator,
@@ -718,7 +765,7 @@ unsafe fn flash_backward_wgmma<
         }
     } else {
         // SAFETY: the launch contract.
-        unsafe { consume::<T, D, STAGES, D_TILES, DETERMINISTIC>(smem, &block, &shape, mask, scale, maps, (dk, dv)) };
+        unsafe { consume::<T, D, STAGES, D_TILES, DETERMINISTIC>(smem, &block, &shape, mask, score, scale, maps, (dk, dv)) };
     }
 }
 
@@ -747,10 +794,10 @@ macro_rules! flash_backward_wgmma_instance {
             dk: *mut u16,
             dv: *mut u16,
             dq_turns: *mut u32,
-        ) |shape, mask, scale| {
+        ) |shape, mask, score, scale| {
             unsafe {
                 flash_backward_wgmma::<hw::$format, $d, $stages, { $d / 8 }, $deterministic>(
-                    maps, lse, delta, dk, dv, dq_turns, shape, mask, scale,
+                    maps, lse, delta, dk, dv, dq_turns, shape, mask, score, scale,
                 )
             }
         }

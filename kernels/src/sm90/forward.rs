@@ -47,6 +47,7 @@ use crate::attention::epilogue::{store_fragment_lse, store_fragment_pairs};
 use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a, scale_rows};
 use crate::attention::mask::Mask;
 use crate::attention::schedule::{ForwardOrder, PersistentUnits};
+use crate::attention::score::ScoreArgs;
 use crate::attention::softmax::{NEGATED_HALF2, RowSoftmax, positive_factor};
 use crate::configs::{
     SM90_FORWARD_REGISTERS_M64, SM90_FORWARD_REGISTERS_M128, SM90_FORWARD_REGISTERS_M128_WIDE,
@@ -273,7 +274,48 @@ unsafe fn consume<
 >(
     smem: SharedTiles<BLOCK_M, D, BLOCK_N, STAGES>,
     unit: Unit,
+    shape: &AttentionShape,
     mask: Mask,
+    score: ScoreArgs,
+    scale_log2: f32,
+    heads: (*mut u16, *mut f32),
+    head_dim: usize,
+) where
+    [FragC; N_TILES]: Accumulator,
+    [FragC; D_TILES]: Accumulator,
+{
+    // Two copies of the body: one for modified scores, one that runs exactly the code of the
+    // plain path (`attention::score` says why).
+    // SAFETY: the caller's contract.
+    unsafe {
+        if score.is_active() {
+            consume_body::<T, BLOCK_M, D, BLOCK_N, STAGES, N_TILES, P_STEPS, D_TILES, PINGPONG, true>(smem, unit, shape, mask, score, scale_log2, heads, head_dim)
+        } else {
+            consume_body::<T, BLOCK_M, D, BLOCK_N, STAGES, N_TILES, P_STEPS, D_TILES, PINGPONG, false>(smem, unit, shape, mask, score, scale_log2, heads, head_dim)
+        }
+    }
+}
+
+/// [`consume`]'s body, with (`MODS`) or without a score modification.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn consume_body<
+    T: HalfFloat,
+    const BLOCK_M: usize,
+    const D: usize,
+    const BLOCK_N: usize,
+    const STAGES: usize,
+    const N_TILES: usize,
+    const P_STEPS: usize,
+    const D_TILES: usize,
+    const PINGPONG: bool,
+    const MODS: bool,
+>(
+    smem: SharedTiles<BLOCK_M, D, BLOCK_N, STAGES>,
+    unit: Unit,
+    shape: &AttentionShape,
+    mask: Mask,
+    score: ScoreArgs,
     scale_log2: f32,
     (o_head, lse_head): (*mut u16, *mut f32),
     head_dim: usize,
@@ -324,6 +366,8 @@ unsafe fn consume<
         named_barrier_sync(1 + index as u32, WARPGROUP_THREADS as u32);
     }
     let c = positive_factor(scale_log2);
+    // The factor the softmax applies: c for raw products, 1 for modified scores.
+    let factor = if MODS { 1.0 } else { c };
 
     // The keys of the warpgroup's rows: tiles inside every row's band need no mask. The block's
     // tiles start at the first tile its first row sees, as the producer's do.
@@ -362,9 +406,15 @@ unsafe fn consume<
             }
         }
     };
-    // Scores of keys the row must not see become −∞ (only in tiles that cross a row's limit).
-    let apply_mask = |s: &mut [FragC; N_TILES], tile: usize| {
+    // Softcap or ALiBi, if the problem has one, turns the scores into base-2 logits; then the
+    // scores of keys the row must not see become −∞ (only in tiles that cross a row's limit).
+    let modify_and_mask = |s: &mut [FragC; N_TILES], tile: usize| {
         let first_key = (first_tile + tile) * BLOCK_N;
+        if MODS {
+            let (num_heads, seqlen_q, seqlen_k) = (shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
+            let head_score = score.for_head(unit.head as usize % num_heads, num_heads, seqlen_q, seqlen_k);
+            head_score.apply_fragments::<N_TILES, false>(s, rows.lane, (rows.warp_row, first_key), c);
+        }
         if keys.needs_mask(first_key, BLOCK_N) {
             mask_fragments::<N_TILES, false>(s, rows.lane, f32::NEG_INFINITY, (rows.warp_row, first_key), &mask);
         }
@@ -413,8 +463,8 @@ unsafe fn consume<
         s.pin();
         // K of tile 0 is no longer read.
         unsafe { mbarrier_arrive(smem.k_empty(first)) };
-        apply_mask(&mut s, 0);
-        softmax.update(&mut s, c);
+        modify_and_mask(&mut s, 0);
+        softmax.update(&mut s, factor);
         p = pack(&s);
     }
     for tile in 1..kv_tiles {
@@ -438,8 +488,8 @@ unsafe fn consume<
         wgmma_wait::<1>();
         s.pin();
         unsafe { mbarrier_arrive(smem.k_empty(stage)) };
-        apply_mask(&mut s, tile);
-        let alpha = softmax.update(&mut s, c);
+        modify_and_mask(&mut s, tile);
+        let alpha = softmax.update(&mut s, factor);
         wgmma_wait::<0>();
         o.pin();
         // The previous tile's V is free for the producer.
@@ -535,6 +585,7 @@ unsafe fn flash_forward_wgmma<
     unit_counter: *mut u32,
     shape: AttentionShape,
     mask: Mask,
+    score: ScoreArgs,
     scale_log2: f32,
 ) where
     [FragC; N_TILES]: Accumulator,
@@ -605,7 +656,7 @@ unsafe fn flash_forward_wgmma<
             let heads = unsafe { (o.add(first_row * head_dim), lse.add(first_row)) };
             unsafe {
                 consume::<T, BLOCK_M, D, BLOCK_N, STAGES, N_TILES, P_STEPS, D_TILES, PINGPONG>(
-                    smem, unit, mask, scale_log2, heads, head_dim,
+                    smem, unit, &shape, mask, score, scale_log2, heads, head_dim,
                 )
             };
             q_parity ^= 1;
@@ -628,7 +679,7 @@ macro_rules! flash_forward_wgmma_instance {
                 o: *mut u16,
                 lse: *mut f32,
                 unit_counter: *mut u32,
-            ) |shape, mask, scale_log2| {
+            ) |shape, mask, score, scale_log2| {
                 unsafe {
                     flash_forward_wgmma::<
                         hw::$format,
@@ -640,7 +691,7 @@ macro_rules! flash_forward_wgmma_instance {
                         { $block_n / 16 },
                         { $d / 8 },
                         $pingpong,
-                    >(maps, o, lse, unit_counter, shape, mask, scale_log2)
+                    >(maps, o, lse, unit_counter, shape, mask, score, scale_log2)
                 }
             }
             }
