@@ -27,7 +27,9 @@ import argparse
 import csv
 import datetime
 import os
+import re
 import statistics
+import subprocess
 import sys
 import warnings
 
@@ -41,6 +43,21 @@ DEFAULT_PAIRS = [("4x16x4096x64", "f16"), ("2x16x8192x128", "bf16"), ("256x12x19
 OTHER_DTYPE = {"f16": "bf16", "bf16": "f16"}
 BACKENDS = {"fa2": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
             "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+
+
+def our_times(args, what):
+    """{pass: ms} from one run of our binary (`rust-attention attn ...`, the command in `args`):
+    the times of its "flash forward" and "flash backward" lines; `what` names the row in a
+    failure message."""
+    run = subprocess.run(args, capture_output=True, text=True)
+    found = {}
+    for line in run.stdout.splitlines():
+        m = re.match(r"\|\s*flash (forward|backward)[^|]*\|\s*([\d.]+)\s*\|", line)
+        if m:
+            found[m.group(1)] = float(m.group(2))
+    if run.returncode != 0:
+        print(f"our binary failed on {what}: {run.stderr.strip()[-300:]}", file=sys.stderr)
+    return found
 
 
 def row_arguments(doc, rows, warmup, repeats):

@@ -22,11 +22,10 @@ Rows are `BxHqxHkvxNxD:dtype:wW` (seqlen_q = seqlen_k = N).
 """
 import os
 import re
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sdpa_bench import row_arguments, time_it  # noqa: E402  (beside this file)
+from sdpa_bench import our_times, row_arguments, time_it  # noqa: E402  (beside this file)
 
 ROWS = "1x32x8x16384x128:bf16:w512,1x32x8x16384x128:bf16:w4096,4x16x16x4096x64:f16:w1024"
 
@@ -50,15 +49,7 @@ def ours(binary, row, window, warmup, repeats):
             "--warmup", str(warmup), "--repeats", str(repeats)]
     if window:
         args += ["--window", f"{window - 1},0"]
-    run = subprocess.run(args, capture_output=True, text=True)
-    found = {}
-    for line in run.stdout.splitlines():
-        m = re.match(r"\|\s*flash (forward|backward)[^|]*\|\s*([\d.]+)\s*\|", line)
-        if m:
-            found[m.group(1)] = float(m.group(2))
-    if run.returncode != 0:
-        print(f"our binary failed on {row}: {run.stderr.strip()[-300:]}", file=sys.stderr)
-    return found
+    return our_times(args, row)
 
 
 def peers(row, warmup, repeats):
