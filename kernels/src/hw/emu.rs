@@ -255,7 +255,11 @@ fn run_block(
             // Named after the GPU thread it runs ("b<x>.<y>.<z>t<thread>"), so that a debugger's
             // thread list says which one it stopped in.
             let name = format!("b{}.{}.{}t{thread}", block.0, block.1, block.2);
-            let spawned = std::thread::Builder::new().name(name).spawn_scoped(scope, move || {
+            // 16 MiB of stack (reserved, not committed): a kernel body inlines all of its
+            // helpers, and the tensor-core kernels hold two copies of theirs (plain and with a
+            // score modification); the default 2 MiB was found too tight once, as a SIGSEGV.
+            let builder = std::thread::Builder::new().name(name).stack_size(16 << 20);
+            let spawned = builder.spawn_scoped(scope, move || {
                 let ctx = ThreadCtx {
                     thread,
                     block_epoch: Cell::new(0),
