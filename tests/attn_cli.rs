@@ -115,6 +115,7 @@ impl Case {
             causal: self.causal,
             window: None,
             score: Default::default(),
+            sinks: None,
         };
         let (o_tol, lse_tol, grad_tol) = tolerances(dtype);
         let reference = cpu::attention(&rounded[0], &rounded[1], &rounded[2], shape, params).unwrap();

@@ -10,8 +10,8 @@ use proptest::prelude::*;
 
 use common::gqa as shape;
 
-fn params(scale: f64, causal: Causal) -> cpu::Params {
-    cpu::Params { scale, causal, window: None, score: Default::default() }
+fn params(scale: f64, causal: Causal) -> cpu::Params<'static> {
+    cpu::Params { scale, causal, window: None, score: Default::default(), sinks: None }
 }
 
 fn masks() -> impl Strategy<Value = Causal> {
@@ -318,4 +318,111 @@ fn bad_score_mods_are_refused() {
         assert!(matches!(options.checked_scale(64), Err(Error::ScoreMod(_))), "{score:?}");
     }
     assert!(AttentionOptions::default().with_softcap(50.0).checked_scale(64).is_ok());
+}
+
+/// Attention sinks by their definition: a sink of −∞ changes nothing; a row's LSE is
+/// ln(e^sink + Σ e^ℓ) and its O the plain one scaled by e^(LSE_plain − LSE); a row that sees no
+/// key has O = 0 and LSE = the sink; a wrong number of sinks is a typed error.
+#[test]
+fn sinks_follow_their_definition() {
+    let s = shape(1, 3, 1, 4, 5, 4);
+    let [q, k, v] = [0, 1, 2].map(|i| random_normal(if i == 0 { 48 } else { 20 }, 40 + i));
+    let plain = cpu::attention(&q, &k, &v, &s, params(0.7, Causal::BottomRight)).unwrap();
+    let none = [f32::NEG_INFINITY; 3];
+    let with_none =
+        cpu::attention(&q, &k, &v, &s, cpu::Params { sinks: Some(&none), ..params(0.7, Causal::BottomRight) });
+    assert_eq!(with_none.unwrap().o, plain.o);
+    let sinks = [0.5f32, -2.0, 3.0];
+    let p = cpu::Params { sinks: Some(&sinks), ..params(0.7, Causal::BottomRight) };
+    let sunk = cpu::attention(&q, &k, &v, &s, p).unwrap();
+    for row in 0..12 {
+        let sink = sinks[row / 4] as f64;
+        let lse = (sink.exp() + plain.lse[row].exp()).ln();
+        assert!((sunk.lse[row] - lse).abs() < 1e-12, "row {row}: {} vs {lse}", sunk.lse[row]);
+        let factor = (plain.lse[row] - lse).exp();
+        for c in 0..4 {
+            let want = plain.o[row * 4 + c] * factor;
+            assert!((sunk.o[row * 4 + c] - want).abs() < 1e-12, "row {row}");
+        }
+    }
+    // Bottom-right with 7 queries for 5 keys: the first 2 rows of each head see no key.
+    let s = shape(1, 3, 1, 7, 5, 4);
+    let q = random_normal(84, 44);
+    let sunk = cpu::attention(&q, &k, &v, &s, cpu::Params { sinks: Some(&sinks), ..params(0.7, Causal::BottomRight) });
+    let sunk = sunk.unwrap();
+    for (h, &sink) in sinks.iter().enumerate() {
+        for i in 0..2 {
+            let row = h * 7 + i;
+            assert_eq!(sunk.lse[row], sink as f64, "an empty row's LSE is its sink");
+            assert!(sunk.o[row * 4..row * 4 + 4].iter().all(|&x| x == 0.0));
+        }
+    }
+    let short = [1.0f32; 2];
+    let wrong = cpu::attention(&q, &k, &v, &s, cpu::Params { sinks: Some(&short), ..params(0.7, Causal::None) });
+    assert!(matches!(wrong, Err(Error::Sinks(_))), "{wrong:?}");
+}
+
+/// The backward with sinks (dQ, dK, dV and dSinks) against central finite differences of the
+/// forward, with GQA, every mask and the score modifications.
+#[test]
+fn sink_gradients_match_finite_differences() {
+    let cases = [
+        (shape(1, 2, 1, 3, 5, 4), Causal::None, ScoreMod::default()),
+        (shape(2, 2, 1, 5, 3, 3), Causal::BottomRight, ScoreMod::softcap(0.8)),
+        (shape(1, 4, 2, 4, 4, 2), Causal::TopLeft, ScoreMod::alibi(Alibi::standard())),
+    ];
+    for (case, (s, causal, score)) in cases.into_iter().enumerate() {
+        let seed = 70 + 10 * case as u64;
+        let mut sinks: Vec<f32> = random_normal(s.num_heads_q, seed + 5).iter().map(|x| 1.0 + x).collect();
+        let inputs = [
+            random_normal(s.q_shape().iter().product(), seed),
+            random_normal(s.kv_shape().iter().product(), seed + 1),
+            random_normal(s.kv_shape().iter().product(), seed + 2),
+        ];
+        let w = random_normal(s.q_shape().iter().product(), seed + 3);
+        let base = cpu::Params { score, ..params(0.7, causal) };
+        let grads = cpu::attention_backward(
+            &inputs[0],
+            &inputs[1],
+            &inputs[2],
+            &w,
+            &s,
+            cpu::Params { sinks: Some(&sinks), ..base },
+        )
+        .unwrap();
+        let loss_at = |sinks: &[f32], inputs: &[Vec<f32>; 3]| {
+            loss(&inputs[0], &inputs[1], &inputs[2], &w, &s, cpu::Params { sinks: Some(sinks), ..base })
+        };
+        for h in 0..s.num_heads_q {
+            let original = sinks[h];
+            sinks[h] = original + 1e-3;
+            let (up, plus) = (loss_at(&sinks, &inputs), sinks[h] as f64);
+            sinks[h] = original - 1e-3;
+            let down = loss_at(&sinks, &inputs);
+            let numeric = (up - down) / (plus - sinks[h] as f64);
+            sinks[h] = original;
+            let exact = grads.d_sinks[h];
+            assert!(
+                (numeric - exact).abs() <= 1e-5 + 1e-4 * exact.abs(),
+                "case {case}, sink {h}: {numeric} vs {exact}"
+            );
+        }
+        let mut inputs = inputs;
+        for (which, analytic) in [(0, &grads.dq), (1, &grads.dk), (2, &grads.dv)] {
+            for index in 0..inputs[which].len() {
+                let original = inputs[which][index];
+                inputs[which][index] = original + 1e-3;
+                let (up, plus) = (loss_at(&sinks, &inputs), inputs[which][index] as f64);
+                inputs[which][index] = original - 1e-3;
+                let down = loss_at(&sinks, &inputs);
+                let numeric = (up - down) / (plus - inputs[which][index] as f64);
+                inputs[which][index] = original;
+                let exact = analytic[index];
+                assert!(
+                    (numeric - exact).abs() <= 1e-5 + 1e-4 * exact.abs(),
+                    "case {case}, input {which}, element {index}: {numeric} vs {exact}"
+                );
+            }
+        }
+    }
 }

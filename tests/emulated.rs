@@ -14,9 +14,9 @@ use std::time::Duration;
 use attn_host::check::{random_normal, relative_l2_error};
 use attn_host::{AttentionShape, Causal, Context, DqAccumulation, TileConfig, cpu};
 use attn_kernels::emu::{self, Arg, EmuErrorKind, Launch};
-use common::attention::{Kernel, check, poisoned_rows};
+use common::attention::{Kernel, check, check_with_sinks, poisoned_rows};
 use common::decode::{DecodeCase, check_decode};
-use common::tensor_cores::{Inputs, check16};
+use common::tensor_cores::{Inputs, check16, check16_with_sinks};
 
 fn emulator() -> &'static Context {
     static CONTEXT: OnceLock<Context> = OnceLock::new();
@@ -29,7 +29,7 @@ fn report(test: &str, cases: u64) {
     let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }
 
-fn options(causal: Causal) -> attn_host::AttentionOptions {
+fn options(causal: Causal) -> attn_host::AttentionOptions<'static> {
     attn_host::AttentionOptions::causal(causal)
 }
 
@@ -434,6 +434,67 @@ fn emulated_score_mods_in_every_family() {
     check(ctx, shape, Kernel::Naive, softcap, 601, false);
     cases += 2;
     report("emulated_score_mods_in_every_family", cases);
+}
+
+/// Attention sinks (one per query head) in every flash family, forward and backward with dSinks:
+/// the `f32` kernels and the tensor-core kernels in both dQ modes, with GQA, rows that see no key
+/// (bottom-right, more queries than keys: LSE = the sink), a sliding window, softcapping and
+/// ALiBi; a sink large enough to take most of a row's mass. The naive kernels, a wrong shape and
+/// a missing dSinks are typed errors.
+#[test]
+fn emulated_sinks_in_every_family() {
+    use attn_host::{Alibi, AttentionOptions, Error, SlidingWindow};
+    let ctx = emulator();
+    let sinks = [1.5f32, -0.5, 6.0];
+    let window = SlidingWindow::new(Some(9), Some(4));
+    let cases = [
+        (AttentionOptions::default(), Causal::None, 45, 70),
+        (AttentionOptions::with_scale(0.25).with_softcap(2.0), Causal::BottomRight, 70, 45),
+        (AttentionOptions::default().with_alibi(Alibi::standard()), Causal::TopLeft, 33, 33),
+        (AttentionOptions::default().with_window(window), Causal::TopLeft, 40, 52),
+    ];
+    let mut count = 0;
+    for (i, &(options, causal, seqlen_q, seqlen_k)) in cases.iter().enumerate() {
+        let options = AttentionOptions { causal, ..options };
+        let shape = AttentionShape { batch: 2, num_heads_q: 3, num_heads_kv: 1, seqlen_q, seqlen_k, head_dim: 32 };
+        let mode = if i % 2 == 0 { DqAccumulation::Atomic } else { DqAccumulation::Deterministic };
+        let kernel = Kernel::Flash(TileConfig::new(16, 16), mode);
+        check_with_sinks(ctx, shape, kernel, options, Some(&sinks), 700 + count, true);
+        count += 1;
+        let shape = AttentionShape { head_dim: 64, ..shape };
+        let dtype = if i % 2 == 0 { attn_host::DType::F16 } else { attn_host::DType::Bf16 };
+        let tiles = (TileConfig::default_for_dtype(dtype, 64), TileConfig::default_backward_for_dtype(dtype, 64));
+        let run = if i % 2 == 0 { check16_with_sinks::<attn_host::f16> } else { check16_with_sinks::<attn_host::bf16> };
+        run(ctx, shape, tiles.0, Some((tiles.1, mode)), options, Some(&sinks), 700 + count, Inputs::Normal);
+        count += 1;
+    }
+    // What refuses sinks, before any launch.
+    let shape = AttentionShape { batch: 1, num_heads_q: 3, num_heads_kv: 3, seqlen_q: 8, seqlen_k: 8, head_dim: 32 };
+    let n = shape.q_shape().iter().product();
+    let [q, k, v] = [1, 2, 3].map(|seed| ctx.upload(&random_normal(n, seed), &shape.q_shape()).unwrap());
+    let good = ctx.upload(&sinks, &[3]).unwrap();
+    let options = AttentionOptions::default().with_sinks(&good);
+    let naive = ctx.attention_naive(&q, &k, &v, &options);
+    assert!(matches!(naive, Err(Error::Sinks(_))), "{naive:?}");
+    let bad = ctx.upload(&sinks[..2], &[2]).unwrap();
+    let wrong = ctx.attention(&q, &k, &v, &AttentionOptions::default().with_sinks(&bad));
+    assert!(matches!(wrong, Err(Error::Sinks(_))), "{:?}", wrong.map(|_| ()));
+    let forward = ctx.attention(&q, &k, &v, &options).unwrap();
+    let tile = TileConfig::new(16, 16);
+    let mut grads = attn_host::Gradients {
+        dq: ctx.full(&shape.q_shape(), 0.0).unwrap(),
+        dk: ctx.full(&shape.kv_shape(), 0.0).unwrap(),
+        dv: ctx.full(&shape.kv_shape(), 0.0).unwrap(),
+        d_sinks: None,
+    };
+    let (o, lse) = (forward.o(), forward.lse());
+    let missing =
+        ctx.flash_attention_backward_into(&q, &k, &v, o, lse, &q, &mut grads, &options, tile, DqAccumulation::Atomic);
+    assert!(matches!(missing, Err(Error::Sinks(_))), "{missing:?}");
+    // The one-call API carries the sinks to the backward, which returns their gradient.
+    let grads = ctx.attention_backward(&forward, &q).unwrap();
+    assert_eq!(grads.d_sinks.map(|t| t.shape().to_vec()), Some(vec![3]));
+    report("emulated_sinks_in_every_family", count);
 }
 
 /// Right-edge-only windows over more keys than queries: key blocks past every query's right edge

@@ -14,11 +14,11 @@ use common::tensor_cores::{Inputs, check16};
 
 /// A softcap that bends: logits of spread about 1.4 (scale 0.25 at head_dim 32, 1/√d elsewhere
 /// times 2) against a cap of 2.
-fn softcap(head_dim: usize) -> AttentionOptions {
+fn softcap(head_dim: usize) -> AttentionOptions<'static> {
     AttentionOptions::with_scale(2.0 / (head_dim as f32).sqrt()).with_softcap(2.0)
 }
 
-fn alibi() -> AttentionOptions {
+fn alibi() -> AttentionOptions<'static> {
     AttentionOptions::default().with_alibi(Alibi::standard())
 }
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Score modifications (softcapping, ALiBi): our kernels next to FlexAttention and cuDNN, in one run.
+"""Score modifications (softcapping, ALiBi) and attention sinks: our kernels next to FlexAttention
+and cuDNN, in one run.
 
 For every row it times, on inputs of the same shape and distribution (CUDA events, warm-up,
 median), the forward and the backward of:
@@ -14,10 +15,16 @@ median), the forward and the backward of:
   PyTorch user without FlexAttention adds ALiBi;
 * cuDNN through SDPA without the modification: the time of plain attention on this shape.
 
+Attention sinks (one logit per head that joins each row's softmax, GPT-OSS) have no peer that
+takes them whole; the rows time what a PyTorch user writes: FlexAttention returning its LSE, and
+cuDNN's attention op (`aten._scaled_dot_product_cudnn_attention`, which returns the LSE; K and V
+repeated for GQA), each followed by the sink's correction `O · sigmoid(LSE − sink)` (a peer whose
+LSE takes no gradient has an empty backward cell).
+
     python3 benches/peers/score_mods.py --ours .gpu/bin/rust-attention
     python3 benches/peers/score_mods.py --ours target/release/rust-attention --rows 1x16x8x8192x256:bf16:causal:softcap50
 
-Rows are `BxHqxHkvxNxD:dtype:causal|full:softcapCAP|alibi` (seqlen_q = seqlen_k = N).
+Rows are `BxHqxHkvxNxD:dtype:causal|full:softcapCAP|alibi|sinks` (seqlen_q = seqlen_k = N).
 """
 import os
 import sys
@@ -32,16 +39,23 @@ ROWS = ",".join([
     "4x16x16x4096x64:f16:causal:alibi",
     "2x32x32x4096x128:bf16:causal:alibi",
     "4x16x16x4096x64:f16:full:alibi",
+    "1x64x8x4096x64:bf16:causal:sinks",
+    "4x16x16x4096x64:f16:causal:sinks",
+    "2x16x16x8192x128:bf16:causal:sinks",
 ])
+
+# The sink our rows use (every head): its value does not change the time.
+SINK = 1.0
 
 
 def parse(spec):
     shape, dtype, mask, mod = spec.split(":")
     b, hq, hkv, n, d = (int(x) for x in shape.split("x"))
     cap = float(mod[len("softcap"):]) if mod.startswith("softcap") else None
-    if cap is None and mod != "alibi":
-        raise SystemExit(f"{spec}: the modification is softcapCAP or alibi")
-    return b, hq, hkv, n, d, dtype, mask == "causal", cap
+    if cap is None and mod not in ("alibi", "sinks"):
+        raise SystemExit(f"{spec}: the modification is softcapCAP, alibi or sinks")
+    # The modification: the cap (a float), "alibi" or "sinks".
+    return b, hq, hkv, n, d, dtype, mask == "causal", cap if cap is not None else mod
 
 
 def slopes(h):
@@ -52,11 +66,11 @@ def slopes(h):
 
 def ours(binary, row, modified, warmup, repeats):
     """{pass: ms} of our kernels, with the row's modification or (modified=False) without."""
-    b, hq, hkv, n, d, dtype, causal, cap = row
+    b, hq, hkv, n, d, dtype, causal, mod = row
     args = [binary, "attn", "--random", f"{b}x{hq}x{hkv}x{n}x{n}x{d}", "--dtype", dtype,
             "--causal", "bottom-right" if causal else "none", "--warmup", str(warmup), "--repeats", str(repeats)]
     if modified:
-        args += ["--softcap", str(cap)] if cap is not None else ["--alibi"]
+        args += {"alibi": ["--alibi"], "sinks": ["--sinks", str(SINK)]}.get(mod, ["--softcap", str(mod)])
     return our_times(args, row)
 
 
@@ -72,7 +86,7 @@ def peers(row, warmup, repeats):
     for limit in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, limit):
             setattr(torch._dynamo.config, limit, 256)
-    b, hq, hkv, n, d, dtype, causal, cap = row
+    b, hq, hkv, n, d, dtype, causal, mod = row
     dt = {"f16": torch.float16, "bf16": torch.bfloat16}[dtype]
     torch.manual_seed(0)
     make = lambda h: torch.randn(b, h, n, d, device="cuda", dtype=dt, requires_grad=True)
@@ -80,18 +94,38 @@ def peers(row, warmup, repeats):
     do = torch.randn_like(q)
     gqa = hkv != hq
     slope = torch.tensor(slopes(hq), device="cuda", dtype=torch.float32)
+    sink = torch.full((hq,), SINK, device="cuda", dtype=torch.float32, requires_grad=True)
 
-    if cap is not None:
-        def score_mod(score, _b, _h, _i, _j):
-            return cap * torch.tanh(score / cap)
-    else:
+    if mod == "alibi":
         def score_mod(score, _b, h, i, j):
             return score - slope[h] * (i - j).abs()
+    elif mod != "sinks":
+        cap = mod
+
+        def score_mod(score, _b, _h, _i, _j):
+            return cap * torch.tanh(score / cap)
+
+    def with_sink(o, lse):
+        """O over the keys and the sink: O · e^(LSE − ln(e^LSE + e^sink)) = O · sigmoid(LSE − sink)."""
+        lse = lse.reshape(o.shape[:3])  # cuDNN's op returns it as [B, H, N, 1]
+        return o * torch.sigmoid(lse.float() - sink[None, :, None]).to(o.dtype)[..., None]
 
     block_mask = create_block_mask(lambda _b, _h, i, j: j <= i, None, None, n, n, device="cuda") if causal else None
     flex = torch.compile(flex_attention, dynamic=False)
-    runs = {"flex": (lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa), None)}
-    if cap is None:
+    if mod == "sinks":
+        kv = lambda t: t.repeat_interleave(hq // hkv, dim=1) if gqa else t
+
+        def cudnn_sinks():
+            o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, kv(k), kv(v), None, True, 0.0, causal)[:2]
+            return with_sink(o, lse)
+
+        runs = {
+            "flex": (lambda: with_sink(*flex(q, k, v, block_mask=block_mask, enable_gqa=gqa, return_lse=True)), None),
+            "cudnn sinks": (cudnn_sinks, None),
+        }
+    else:
+        runs = {"flex": (lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa), None)}
+    if mod == "alibi":
         i = torch.arange(n, device="cuda")
         bias = -(slope[:, None, None] * (i[:, None] - i[None, :]).abs()).to(dt)[None]
         if causal:
@@ -108,7 +142,8 @@ def peers(row, warmup, repeats):
                 run()
 
         def backward(out):
-            torch.autograd.grad(out, (q, k, v), do)
+            # (The plain peer does not use the sinks: allow_unused.)
+            torch.autograd.grad(out, (q, k, v, sink) if mod == "sinks" else (q, k, v), do, allow_unused=True)
 
         for pass_, fn, setup in (("forward", forward, lambda: None), ("backward", backward, run)):
             for backend in backends or [None]:
@@ -130,15 +165,15 @@ def main():
     args = row_arguments(__doc__, ROWS, warmup=5, repeats=20).parse_args()
     rows = [parse(s) for s in args.rows.split(",") if s]
     print("| shape [B, Hq, Hkv, N, D] | dtype | mask | modification | pass | ours (ms) | TFLOP/s "
-          "| ours, no modification (ms) | cost | FlexAttention (ms) | SDPA + bias (ms) | cuDNN, no modification (ms) "
-          "| ours ÷ Flex time |")
+          "| ours, no modification (ms) | cost | FlexAttention (ms) | SDPA + bias, or cuDNN + sink (ms) "
+          "| cuDNN, no modification (ms) | ours ÷ Flex time |")
     print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
-        b, hq, hkv, n, d, dtype, causal, cap = row
+        b, hq, hkv, n, d, dtype, causal, mod = row
         mine = ours(args.ours, row, True, args.warmup, args.repeats)
         plain = ours(args.ours, row, False, args.warmup, args.repeats)
         theirs = peers(row, args.warmup, args.repeats)
-        mod = f"softcap {cap:g}" if cap is not None else "ALiBi"
+        name = {"alibi": "ALiBi", "sinks": f"sinks ({SINK:g})"}.get(mod) or f"softcap {mod:g}"
         for pass_ in ("forward", "backward"):
             flops = 4 * b * hq * n * n * d * (0.5 if causal else 1) * (2.5 if pass_ == "backward" else 1)
             ms, base = mine.get(pass_), plain.get(pass_)
@@ -149,7 +184,9 @@ def main():
             ratio = f"{ms / flex:.2f}" if ms and flex else ""
             bias = theirs.get(("sdpa bias", pass_))
             bias = f"{bias:.3f} ({theirs.get(('sdpa bias', 'backend'))})" if bias else ""
-            print(f"| [{b}, {hq}, {hkv}, {n}, {d}] | {dtype} | {'causal' if causal else 'none'} | {mod} | {pass_} "
+            if theirs.get(("cudnn sinks", pass_)):
+                bias = f"{theirs[('cudnn sinks', pass_)]:.3f} (cudnn + sink)"
+            print(f"| [{b}, {hq}, {hkv}, {n}, {d}] | {dtype} | {'causal' if causal else 'none'} | {name} | {pass_} "
                   f"| {cell(ms)} | {tflops} | {cell(base)} | {cost} | {cell(flex)} | {bias} "
                   f"| {cell(theirs.get(('cudnn plain', pass_)))} | {ratio} |")
         sys.stdout.flush()

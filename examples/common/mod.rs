@@ -30,7 +30,7 @@ pub enum CausalArg {
 }
 
 impl CausalArg {
-    pub fn options(self) -> AttentionOptions {
+    pub fn options(self) -> AttentionOptions<'static> {
         AttentionOptions::causal(match self {
             Self::None => Causal::None,
             Self::TopLeft => Causal::TopLeft,
@@ -135,7 +135,7 @@ pub fn describe(shape: &AttentionShape, options: &AttentionOptions) -> String {
 }
 
 /// The reference's parameters for `options`.
-pub fn params(options: &AttentionOptions, shape: &AttentionShape) -> cpu::Params {
+pub fn params(options: &AttentionOptions, shape: &AttentionShape) -> cpu::Params<'static> {
     cpu::Params::of(options, shape.head_dim)
 }
 

@@ -47,7 +47,7 @@ impl Tolerance {
         match output {
             Output::O => self.o,
             Output::Lse => self.lse,
-            Output::Dq | Output::Dk | Output::Dv => self.grad,
+            Output::Dq | Output::Dk | Output::Dv | Output::DSinks => self.grad,
         }
     }
 
@@ -74,10 +74,12 @@ pub enum Output {
     Dk,
     /// ∂loss/∂V.
     Dv,
+    /// ∂loss/∂sinks ([`crate::Sinks`]).
+    DSinks,
 }
 
 impl Output {
-    /// "O", "LSE", "dQ", "dK", "dV".
+    /// "O", "LSE", "dQ", "dK", "dV", "dSinks".
     pub const fn name(self) -> &'static str {
         match self {
             Self::O => "O",
@@ -85,6 +87,7 @@ impl Output {
             Self::Dq => "dQ",
             Self::Dk => "dK",
             Self::Dv => "dV",
+            Self::DSinks => "dSinks",
         }
     }
 }

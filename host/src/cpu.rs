@@ -24,6 +24,16 @@ pub fn vector_add(a: &[f32], b: &[f32]) -> Result<Vec<f64>> {
 
 /// Checks `shape` (as [`AttentionShape::from_qkv_allowing_empty`] does: empty problems are fine) and that Q (and dO) hold
 /// `shape.q_shape()` elements and K, V `shape.kv_shape()`.
+/// Checks that the sinks of `params`, if any, are one per query head.
+fn check_sinks(shape: &AttentionShape, params: &Params) -> Result<()> {
+    match params.sinks {
+        Some(s) if s.len() != shape.num_heads_q => {
+            Err(Error::Sinks(format!("{} sinks for {} query heads", s.len(), shape.num_heads_q)))
+        }
+        _ => Ok(()),
+    }
+}
+
 fn check_inputs(shape: &AttentionShape, q: &[f32], k: &[f32], v: &[f32], d_o: Option<&[f32]>) -> Result<()> {
     let (q_shape, kv_shape) = (shape.q_shape(), shape.kv_shape());
     AttentionShape::from_qkv_allowing_empty(&q_shape, &kv_shape, &kv_shape)?;
@@ -57,11 +67,14 @@ pub struct GradientReference {
     pub dk: Vec<f64>,
     /// ∂loss/∂V, summed over the query heads of each group.
     pub dv: Vec<f64>,
+    /// ∂loss/∂sinks, `[num_heads_q]`, with attention sinks ([`Params::sinks`]); empty without.
+    pub d_sinks: Vec<f64>,
 }
 
-/// The scale, mask and score modification of a problem, as the reference functions take them.
+/// The scale, mask, score modification and attention sinks of a problem, as the reference
+/// functions take them.
 #[derive(Clone, Copy, Debug)]
-pub struct Params {
+pub struct Params<'a> {
     /// Multiplies Q Kᵀ before the softmax.
     pub scale: f64,
     /// Causal mask.
@@ -70,17 +83,26 @@ pub struct Params {
     pub window: Option<SlidingWindow>,
     /// Softcapping or ALiBi ([`ScoreMod::logit`]).
     pub score: ScoreMod,
+    /// Attention sinks, one natural-log logit per query head ([`crate::Sinks`]), on the host.
+    pub sinks: Option<&'a [f32]>,
 }
 
-impl Params {
-    /// The scale, mask and score modification of `options` for `head_dim`.
+impl Params<'_> {
+    /// The scale, mask and score modification of `options` for `head_dim`, without sinks (those
+    /// of `options` live on a device: give their values as [`Params::sinks`]).
     pub fn of(options: &AttentionOptions, head_dim: usize) -> Self {
         Self {
             scale: options.scale_for(head_dim) as f64,
             causal: options.causal,
             window: options.window,
             score: options.score,
+            sinks: None,
         }
+    }
+
+    /// The sink of query head `h`, if the problem has sinks.
+    fn sink(&self, h: usize) -> Option<f64> {
+        self.sinks.map(|s| s[h] as f64)
     }
 
     /// The logit of query `i` and key `j` of query head `h` whose product is `dot`: `scale ·
@@ -115,7 +137,8 @@ fn dot(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
 }
 
-/// Softmax probabilities of query row `i` over all keys (0 for hidden ones) and its LSE.
+/// Softmax probabilities of query row `i` over all keys (0 for hidden ones) and its LSE; the
+/// head's sink, if any, joins the sum: `LSE = ln(e^sink + Σ_j e^(ℓ_j))`, `p_j = e^(ℓ_j − LSE)`.
 fn probabilities(q_row: &[f32], i: usize, head: &Head, shape: &AttentionShape, params: Params) -> (Vec<f64>, f64) {
     let d = shape.head_dim;
     let scores: Vec<Option<f64>> = head
@@ -128,17 +151,15 @@ fn probabilities(q_row: &[f32], i: usize, head: &Head, shape: &AttentionShape, p
                 .then(|| params.logit(dot(q_row, k_row), head.h, i, j, shape))
         })
         .collect();
-    let max = scores.iter().flatten().copied().fold(f64::NEG_INFINITY, f64::max);
+    let terms = || scores.iter().flatten().copied().chain(params.sink(head.h));
+    let max = terms().fold(f64::NEG_INFINITY, f64::max);
     if max == f64::NEG_INFINITY {
         return (vec![0.0; scores.len()], f64::NEG_INFINITY);
     }
-    if max == f64::INFINITY {
-        // ln Σ e^s = +∞; the probabilities are ∞/∞ = NaN (the exponentials below say so).
-        let sum: f64 = scores.iter().flatten().map(|s| (s - max).exp()).sum();
-        return (scores.iter().map(|s| s.map_or(0.0, |s| (s - max).exp() / sum)).collect(), f64::INFINITY);
-    }
-    let sum: f64 = scores.iter().flatten().map(|s| (s - max).exp()).sum();
-    (scores.iter().map(|s| s.map_or(0.0, |s| (s - max).exp() / sum)).collect(), max + sum.ln())
+    // ln Σ e^s = +∞ where a term is +∞; then e^(s − LSE) is 0 for the finite scores and
+    // ∞ − ∞ = NaN for an infinite one.
+    let lse = if max == f64::INFINITY { max } else { max + terms().map(|s| (s - max).exp()).sum::<f64>().ln() };
+    (scores.iter().map(|s| s.map_or(0.0, |s| (s - lse).exp())).collect(), lse)
 }
 
 /// The plain formula for query row `i`: o = Σ_j p_j v_j; returns the LSE.
@@ -164,6 +185,7 @@ fn plain_row(q_row: &[f32], i: usize, head: &Head, shape: &AttentionShape, param
 /// [`Error::Shape`] or [`Error::Length`] when the inputs do not match `shape`.
 pub fn attention(q: &[f32], k: &[f32], v: &[f32], shape: &AttentionShape, params: Params) -> Result<Reference> {
     check_inputs(shape, q, k, v, None)?;
+    check_sinks(shape, &params)?;
     let d = shape.head_dim;
     let mut o = vec![0.0; shape.query_rows() * d];
     let mut lse = vec![0.0; shape.query_rows()];
@@ -192,6 +214,7 @@ pub fn attention_head(
     h: usize,
 ) -> Result<Reference> {
     check_inputs(shape, q, k, v, None)?;
+    check_sinks(shape, &params)?;
     if b >= shape.batch || h >= shape.num_heads_q {
         return Err(Error::Shape(format!(
             "head ({b}, {h}) is outside batch {} × {} heads",
@@ -231,33 +254,48 @@ pub fn attention_backward(
     params: Params,
 ) -> Result<GradientReference> {
     check_inputs(shape, q, k, v, Some(d_o))?;
+    check_sinks(shape, &params)?;
     let d = shape.head_dim;
     let mut dq = vec![0.0; q.len()];
     let mut dk = vec![0.0; k.len()];
     let mut dv = vec![0.0; v.len()];
+    let mut d_sinks = vec![0.0; if params.sinks.is_some() { shape.num_heads_q } else { 0 }];
     if shape.is_empty() {
-        // No query sees a key: every gradient is 0.
-        return Ok(GradientReference { dq, dk, dv });
+        // No query sees a key: every gradient is 0 (O = 0, so D = 0 for the sinks too).
+        return Ok(GradientReference { dq, dk, dv, d_sinks });
     }
     let group = shape.group_size();
-    // Chunks: dQ of the `group` query heads of one key/value head, and that head's dK and dV.
-    dq.par_chunks_mut(group * shape.seqlen_q * d)
+    // Chunks: dQ of the `group` query heads of one key/value head, and that head's dK and dV;
+    // each returns its query heads' sink gradients, added up below in a fixed order.
+    let sink_parts: Vec<Vec<f64>> = dq
+        .par_chunks_mut(group * shape.seqlen_q * d)
         .zip(dk.par_chunks_mut(shape.seqlen_k * d))
         .zip(dv.par_chunks_mut(shape.seqlen_k * d))
         .enumerate()
-        .for_each(|(kv_index, ((dq_group, dk_head), dv_head))| {
+        .map(|(kv_index, ((dq_group, dk_head), dv_head))| {
             let (b, kv_head) = (kv_index / shape.num_heads_kv, kv_index % shape.num_heads_kv);
+            let mut parts = Vec::with_capacity(group);
             for (g, dq_head) in dq_group.chunks_mut(shape.seqlen_q * d).enumerate() {
                 let h = kv_head * group + g;
                 let head = head(q, k, v, shape, b, h);
                 let do_head = &d_o[shape.q_head_offset(b, h)..][..shape.seqlen_q * d];
-                backward_head(&head, do_head, shape, params, dq_head, dk_head, dv_head);
+                parts.push(backward_head(&head, do_head, shape, params, dq_head, dk_head, dv_head));
             }
-        });
-    Ok(GradientReference { dq, dk, dv })
+            parts
+        })
+        .collect();
+    if !d_sinks.is_empty() {
+        for (kv_index, parts) in sink_parts.iter().enumerate() {
+            for (g, part) in parts.iter().enumerate() {
+                d_sinks[(kv_index % shape.num_heads_kv) * group + g] += part;
+            }
+        }
+    }
+    Ok(GradientReference { dq, dk, dv, d_sinks })
 }
 
-/// One query head's contribution: writes its dQ, adds to its key/value head's dK and dV.
+/// One query head's contribution: writes its dQ, adds to its key/value head's dK and dV, and
+/// returns its sink's gradient over its rows, `−Σ_i e^(sink − LSE_i) · D_i` (0 without sinks).
 fn backward_head(
     head: &Head,
     do_head: &[f32],
@@ -266,14 +304,19 @@ fn backward_head(
     dq: &mut [f64],
     dk: &mut [f64],
     dv: &mut [f64],
-) {
+) -> f64 {
     let d = shape.head_dim;
+    let mut d_sink = 0.0;
     for (i, (q_row, do_row)) in head.q.chunks_exact(d).zip(do_head.chunks_exact(d)).enumerate() {
-        let (p, _) = probabilities(q_row, i, head, shape, params);
+        let (p, lse) = probabilities(q_row, i, head, shape, params);
         // ∂ℓ/∂(q·k) = scale · ScoreMod::derivative.
         let x = |j: usize| params.scale * dot(q_row, &head.k[j * d..(j + 1) * d]);
         let dp: Vec<f64> = head.v.chunks_exact(d).map(|v_row| dot(do_row, v_row)).collect();
         let delta: f64 = p.iter().zip(&dp).map(|(p, dp)| p * dp).sum();
+        if let Some(sink) = params.sink(head.h) {
+            // The sink is a "key" with dP = 0: its dS is p_sink · (0 − D).
+            d_sink -= (sink - lse).exp() * delta;
+        }
         let dq_row = &mut dq[i * d..(i + 1) * d];
         for j in 0..shape.seqlen_k {
             if p[j] == 0.0 {
@@ -289,6 +332,7 @@ fn backward_head(
             }
         }
     }
+    d_sink
 }
 
 /// FlashAttention-2's forward algorithm (Dao 2023, Algorithm 1) on the CPU, in `f64`: the same
@@ -320,6 +364,9 @@ pub fn flash_attention(
     check_inputs(shape, q, k, v, None)?;
     if tile.block_m == 0 || tile.block_n == 0 {
         return Err(Error::Shape(format!("tile sizes must be at least 1; got {tile:?}")));
+    }
+    if params.sinks.is_some() {
+        return Err(Error::Sinks("the CPU walk-through of FlashAttention takes no sinks; `attention` does".into()));
     }
     let d = shape.head_dim;
     let mut o = vec![0.0; shape.query_rows() * d];

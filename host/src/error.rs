@@ -76,6 +76,11 @@ pub enum Error {
     #[error("score modification: {0}")]
     ScoreMod(String),
 
+    /// Attention sinks ([`crate::Sinks`]) of the wrong shape or context, or given to an entry
+    /// point that does not take them.
+    #[error("attention sinks: {0}")]
+    Sinks(String),
+
     /// The tile needs more shared memory per block than the device has.
     #[error(
         "the flash {kernel} kernel with block_m={block_m}, block_n={block_n} at head_dim={head_dim} \

@@ -225,9 +225,54 @@ impl ScoreMod {
     }
 }
 
+/// Attention sinks (Xiao et al. 2024, "Efficient Streaming Language Models with Attention
+/// Sinks"; learned, one per head, in GPT-OSS): one logit per query head that joins every row's
+/// softmax without a value vector, so that a row can put probability on "nothing". With
+/// `s_h` the sink of head `h`,
+///
+/// LSE = ln(e^(s_h) + Σ_j e^(ℓ_j)),   O = Σ_j e^(ℓ_j − LSE) v_j,
+///
+/// and ∂loss/∂s_h = −Σ_{b, i} e^(s_h − LSE_{b,h,i}) · D_{b,h,i} with D = rowsum(dO ∘ O), which
+/// the backward passes return as [`Gradients::d_sinks`](crate::Gradients::d_sinks). Sinks are in
+/// the logits' natural-log units (those of `scale · q·k`); neither the scale, a softcap nor
+/// ALiBi touches them. A row that sees no key gets O = 0 and LSE = s_h.
+///
+/// A borrowed `f32` device tensor of shape `[num_heads_q]` on the context that runs the
+/// attention, given to [`AttentionOptions::with_sinks`] (`Sinks::from(&tensor)`). The flash
+/// kernels of both paths take them; the naive ones, problems run in chunks and problems with
+/// query rows but no keys refuse them ([`Error::Sinks`]). (The KV-cache decoder's options have
+/// none yet.)
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sinks<'a> {
+    /// The tensor's address: on a GPU its device pointer, on the emulator its host buffer's.
+    pub(crate) address: u64,
+    pub(crate) shape: &'a [usize],
+    /// The [`Context`](crate::Context) that made the tensor (its id).
+    pub(crate) owner: u64,
+}
+
+impl Sinks<'_> {
+    /// Checks that the sinks fit `shape` on the context with id `context`.
+    ///
+    /// # Errors
+    /// [`Error::Sinks`] naming what is wrong.
+    pub(crate) fn check(&self, shape: &AttentionShape, context: u64) -> Result<()> {
+        if self.owner != context {
+            return Err(Error::Sinks("the sinks tensor belongs to another context".into()));
+        }
+        if self.shape != [shape.num_heads_q] {
+            return Err(Error::Sinks(format!(
+                "the sinks must have shape [num_heads_q] = [{}]; got {:?}",
+                shape.num_heads_q, self.shape
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// Options shared by every attention entry point.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct AttentionOptions {
+pub struct AttentionOptions<'a> {
     /// Multiplies Q Kᵀ before the softmax; `None` means 1/√head_dim.
     pub scale: Option<f32>,
     /// Causal mask; see [`Causal`].
@@ -237,6 +282,8 @@ pub struct AttentionOptions {
     pub window: Option<SlidingWindow>,
     /// Softcapping or ALiBi; see [`ScoreMod`]. The default leaves the scores as they are.
     pub score: ScoreMod,
+    /// Attention sinks, one logit per query head ([`Sinks`]); `None`: a plain softmax.
+    pub sinks: Option<Sinks<'a>>,
     /// Whether [`Context::attention_backward`](crate::Context::attention_backward) sums dQ in a
     /// fixed order ([`DqAccumulation::Deterministic`]: bit-identical on every run) rather than
     /// in the faster mode. The forward passes are deterministic either way; the calls with an
@@ -245,7 +292,7 @@ pub struct AttentionOptions {
     pub deterministic: bool,
 }
 
-impl AttentionOptions {
+impl<'a> AttentionOptions<'a> {
     /// These options with a deterministic backward pass ([`AttentionOptions::deterministic`]).
     pub fn deterministic(self) -> Self {
         Self { deterministic: true, ..self }
@@ -274,6 +321,15 @@ impl AttentionOptions {
     /// These options with ALiBi ([`ScoreMod::alibi`]).
     pub fn with_alibi(self, alibi: Alibi) -> Self {
         Self { score: ScoreMod { alibi: Some(alibi), ..self.score }, ..self }
+    }
+
+    /// These options with attention sinks ([`Sinks`]): `options.with_sinks(&tensor)` for an `f32`
+    /// [`DeviceTensor`](crate::DeviceTensor) of shape `[num_heads_q]`, which the options borrow.
+    pub fn with_sinks<'b>(self, sinks: impl Into<Sinks<'b>>) -> AttentionOptions<'b>
+    where
+        'a: 'b,
+    {
+        AttentionOptions { sinks: Some(sinks.into()), ..self }
     }
 
     /// Whether query `query` sees key `key`: the causal mask's and the window's definitions,
@@ -470,7 +526,7 @@ mod tests {
     use attn_kernels::attention::schedule::KeyBlock;
 
     /// Every small mask: causal or not, either alignment, every window side from open to 4 keys.
-    fn masks() -> Vec<AttentionOptions> {
+    fn masks() -> Vec<AttentionOptions<'static>> {
         let sides = [None, Some(0), Some(1), Some(2), Some(4)];
         let mut all = Vec::new();
         for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {

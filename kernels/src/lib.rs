@@ -145,11 +145,12 @@ macro_rules! attention_kernel {
             window_offset: isize,
             softcap: f32,
             alibi_max_bias: f32,
+            sinks: *const f32,
             $scale: f32,
         ) {
             let $shape = $crate::layout::AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
             let $mask = $crate::attention::mask::Mask::from_args(seqlen_q, seqlen_k, causal, causal_offset, window_offset);
-            let $score = $crate::attention::score::ScoreArgs { softcap, alibi_max_bias };
+            let $score = $crate::attention::score::ScoreArgs { softcap, alibi_max_bias, sinks };
             $body
         }
         }

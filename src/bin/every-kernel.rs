@@ -136,7 +136,7 @@ fn run() -> Result<()> {
 /// The mask of the `i`-th case: a bottom-right causal mask, or every other case a sliding
 /// window of 7 keys before and 3 after the diagonal (on 37 × 45, narrower than every key tile,
 /// so that tiles are skipped at both ends).
-fn mask(i: usize) -> AttentionOptions {
+fn mask(i: usize) -> AttentionOptions<'static> {
     if i.is_multiple_of(2) {
         AttentionOptions::causal(Causal::BottomRight)
     } else {
@@ -257,6 +257,7 @@ fn decoder_kernels<T: Element>(
             causal: Causal::BottomRight,
             window: None,
             score: Default::default(),
+            sinks: None,
         };
         let reference = cpu::decode(&q_logical, &seqs, (hq, hkv, sq, d), params)?;
         let upload = |x: &[f32], s: usize, h: usize| ctx.upload(&from_f32_slice::<T>(x), &layout.shape(batch, s, h, d));

@@ -64,6 +64,7 @@ impl Problem {
             dq: ctx.full(&self.shape.q_shape(), f32::NAN).unwrap(),
             dk: ctx.full(&self.shape.kv_shape(), f32::NAN).unwrap(),
             dv: ctx.full(&self.shape.kv_shape(), f32::NAN).unwrap(),
+            d_sinks: options.sinks.map(|_| ctx.full(&[self.shape.num_heads_q], f32::NAN).unwrap()),
         };
         let (q, k, v, d_o) = (&self.q, &self.k, &self.v, &self.d_o);
         match kernel {
@@ -76,7 +77,7 @@ impl Problem {
         grads
     }
 
-    pub fn params(&self, options: &AttentionOptions) -> cpu::Params {
+    pub fn params(&self, options: &AttentionOptions) -> cpu::Params<'static> {
         cpu::Params::of(options, self.shape.head_dim)
     }
 }
@@ -91,10 +92,30 @@ pub fn check(
     seed: u64,
     backward: bool,
 ) {
+    check_with_sinks(ctx, shape, kernel, options, None, seed, backward)
+}
+
+/// [`check`] with attention sinks `sinks` (one per query head, uploaded here and added to
+/// `options`); the backward's dSinks is checked too.
+pub fn check_with_sinks(
+    ctx: &Context,
+    shape: AttentionShape,
+    kernel: Kernel,
+    options: AttentionOptions,
+    sinks: Option<&[f32]>,
+    seed: u64,
+    backward: bool,
+) {
     let problem = Problem::new(ctx, shape, seed);
     let [q, k, v, d_o] = &problem.host;
+    let device_sinks = sinks.map(|s| ctx.upload(s, &[s.len()]).unwrap());
+    let options = match &device_sinks {
+        Some(t) => options.with_sinks(t),
+        None => options,
+    };
+    let params = cpu::Params { sinks, ..problem.params(&options) };
     let fwd = problem.forward(ctx, kernel, &options);
-    let reference = cpu::attention(q, k, v, &shape, problem.params(&options)).unwrap();
+    let reference = cpu::attention(q, k, v, &shape, params).unwrap();
     let (o, lse) = (fwd.o.to_host().unwrap(), fwd.lse.to_host().unwrap());
     let (err_o, err_lse) = (relative_l2_error(&o, &reference.o), lse_error(&lse, &reference.lse));
     assert!(
@@ -105,13 +126,18 @@ pub fn check(
         return;
     }
     let grads = problem.backward(ctx, kernel, &options, &fwd);
-    let reference = cpu::attention_backward(q, k, v, d_o, &shape, problem.params(&options)).unwrap();
+    let reference = cpu::attention_backward(q, k, v, d_o, &shape, params).unwrap();
     for (name, got, want) in
         [("dQ", &grads.dq, &reference.dq), ("dK", &grads.dk, &reference.dk), ("dV", &grads.dv, &reference.dv)]
     {
         // An exactly zero reference (one visible key) is judged by the RMS of the result.
         let err = gradient_error(&got.to_host().unwrap(), want);
         assert!(err <= GRAD_TOLERANCE, "{kernel:?} {options:?} on {shape:?}: {name} relative L2 error {err:.3e}");
+    }
+    if sinks.is_some() {
+        let got = grads.d_sinks.as_ref().expect("dSinks").to_host().unwrap();
+        let err = gradient_error(&got, &reference.d_sinks);
+        assert!(err <= GRAD_TOLERANCE, "{kernel:?} {options:?} on {shape:?}: dSinks relative L2 error {err:.3e}");
     }
 }
 

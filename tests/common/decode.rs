@@ -178,8 +178,13 @@ pub fn check_decode<T: Element>(ctx: &Context, case: &DecodeCase, seed: u64) -> 
             cpu::SequenceKv { k: keep(&s.k), v: keep(&s.v), len }
         })
         .collect();
-    let params =
-        cpu::Params { scale: 1.0 / (d as f64).sqrt(), causal: case.causal, window: None, score: Default::default() };
+    let params = cpu::Params {
+        scale: 1.0 / (d as f64).sqrt(),
+        causal: case.causal,
+        window: None,
+        score: Default::default(),
+        sinks: None,
+    };
     let reference = cpu::decode(&q_logical, &clipped, (hq, hkv, sq, d), params).unwrap();
     let lse = out.lse.to_host().unwrap();
     let (err_o, err_lse) = (relative_l2_error(&o, &reference.o), lse_error(&lse, &reference.lse));

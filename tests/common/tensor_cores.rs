@@ -82,6 +82,7 @@ impl<T: Element> Problem16<T> {
             dq: ctx.full(&self.shape.q_shape(), nan).unwrap(),
             dk: ctx.full(&self.shape.kv_shape(), nan).unwrap(),
             dv: ctx.full(&self.shape.kv_shape(), nan).unwrap(),
+            d_sinks: options.sinks.map(|_| ctx.full(&[self.shape.num_heads_q], f32::NAN).unwrap()),
         };
         let [q, k, v, d_o] = &self.device;
         ctx.flash_attention_backward_into(q, k, v, &fwd.o, &fwd.lse, d_o, &mut grads, options, tile, mode)
@@ -102,11 +103,32 @@ pub fn check16<T: Element>(
     seed: u64,
     inputs: Inputs,
 ) {
+    check16_with_sinks::<T>(ctx, shape, tile, backward, options, None, seed, inputs)
+}
+
+/// [`check16`] with attention sinks `sinks` (one per query head, uploaded here and added to
+/// `options`); the backward's dSinks is checked too.
+#[allow(clippy::too_many_arguments)]
+pub fn check16_with_sinks<T: Element>(
+    ctx: &Context,
+    shape: AttentionShape,
+    tile: TileConfig,
+    backward: Option<(TileConfig, DqAccumulation)>,
+    options: AttentionOptions,
+    sinks: Option<&[f32]>,
+    seed: u64,
+    inputs: Inputs,
+) {
     let dtype = T::DTYPE;
     let (o_tolerance, grad_tolerance) = tolerances(dtype);
     let problem = Problem16::<T>::new(ctx, shape, seed, inputs);
     let [q, k, v, d_o] = &problem.host;
-    let params = cpu::Params::of(&options, shape.head_dim);
+    let device_sinks = sinks.map(|s| ctx.upload(s, &[s.len()]).unwrap());
+    let options = match &device_sinks {
+        Some(t) => options.with_sinks(t),
+        None => options,
+    };
+    let params = cpu::Params { sinks, ..cpu::Params::of(&options, shape.head_dim) };
     let fwd = problem.forward(ctx, tile, &options);
     let reference = cpu::attention(q, k, v, &shape, params).unwrap();
     let o = to_f32_vec(&fwd.o.to_host().unwrap());
@@ -128,5 +150,10 @@ pub fn check16<T: Element>(
             err <= grad_tolerance,
             "{what}, backward {bwd_tile} {mode:?}: {name} relative L2 error {err:.3e} (≤ {grad_tolerance:.0e})"
         );
+    }
+    if sinks.is_some() {
+        let got = grads.d_sinks.expect("dSinks").to_host().unwrap();
+        let err = relative_l2_error(&got, &reference.d_sinks);
+        assert!(err <= grad_tolerance, "{what}, backward {bwd_tile} {mode:?}: dSinks relative L2 error {err:.3e}");
     }
 }

@@ -102,7 +102,7 @@ fn shape_of(s: Sizes) -> AttentionShape {
     AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim }
 }
 
-fn options_of(mask: MaskArgs, scale: Option<f32>, deterministic: bool) -> PyResult<AttentionOptions> {
+fn options_of(mask: MaskArgs, scale: Option<f32>, deterministic: bool) -> PyResult<AttentionOptions<'static>> {
     let causal = match (mask.causal, mask.bottom_right) {
         (false, _) => Causal::None,
         (true, false) => Causal::TopLeft,
@@ -182,6 +182,7 @@ fn backward_typed<T: Element>(
         dq: borrow::<T>(ctx, p.dq, &q_shape)?,
         dk: borrow::<T>(ctx, p.dk, &kv_shape)?,
         dv: borrow::<T>(ctx, p.dv, &kv_shape)?,
+        d_sinks: None,
     };
     let dq_mode = match options.deterministic {
         true => DqAccumulation::Deterministic,

@@ -100,6 +100,11 @@ pub struct Args {
     /// MPT's); the distance is measured from the bottom-right diagonal.
     #[arg(long, value_name = "MAX_BIAS", num_args = 0..=1, default_missing_value = "8")]
     pub alibi: Option<f32>,
+    /// An attention sink of logit SINK in every query head (GPT-OSS learns one per head): it
+    /// joins each row's softmax with no value vector. The backward then also returns d_sinks.
+    /// Flash kernels only.
+    #[arg(long, value_name = "SINK", allow_negative_numbers = true)]
+    pub sinks: Option<f32>,
     /// Softmax scale; default 1/sqrt(head_dim).
     #[arg(long, allow_negative_numbers = true)]
     pub scale: Option<f32>,
@@ -330,6 +335,9 @@ pub fn run(args: &Args) -> Result<()> {
         Some(dtype) => dtype,
         None => inputs.common_dtype()?,
     };
+    if args.kernel == KernelChoice::Naive && args.sinks.is_some() {
+        return Err(Error::Sinks("the naive kernels do not take attention sinks; use --kernel flash".into()));
+    }
     if args.kernel == KernelChoice::Naive && dtype != DType::F32 {
         return Err(Error::Argument(format!(
             "the naive kernels take f32 only; for {dtype} use --kernel flash (the tensor-core kernels), or --dtype f32"
@@ -343,6 +351,8 @@ pub fn run(args: &Args) -> Result<()> {
         ..Default::default()
     };
     options.checked_scale(shape.head_dim)?;
+    let sinks = args.sinks.map(|sink| vec![sink; shape.num_heads_q]);
+    let sinks = sinks.as_deref();
     if let Some(out) = &args.out {
         io::check_output_path(out)?;
     }
@@ -381,20 +391,20 @@ pub fn run(args: &Args) -> Result<()> {
     };
     let flops = options.forward_flops(&shape);
     let rows = match (&ctx, args.kernel, dtype) {
-        (None, _, _) => cpu_rows(&rounded, &shape, &options, dtype, flops)?,
+        (None, _, _) => cpu_rows(&rounded, &shape, &options, sinks, dtype, flops)?,
         (Some(ctx), KernelChoice::Naive, _) => naive_rows(ctx, &rounded, &options, (warmup, repeats), flops)?,
         (Some(ctx), KernelChoice::Flash, DType::F32) => {
-            flash_rows::<f32>(ctx, &rounded, &options, args.dq, (warmup, repeats), flops)?
+            flash_rows::<f32>(ctx, &rounded, &options, sinks, args.dq, (warmup, repeats), flops)?
         }
         (Some(ctx), KernelChoice::Flash, DType::F16) => {
-            flash_rows::<crate::f16>(ctx, &rounded, &options, args.dq, (warmup, repeats), flops)?
+            flash_rows::<crate::f16>(ctx, &rounded, &options, sinks, args.dq, (warmup, repeats), flops)?
         }
         (Some(ctx), KernelChoice::Flash, DType::Bf16) => {
-            flash_rows::<crate::bf16>(ctx, &rounded, &options, args.dq, (warmup, repeats), flops)?
+            flash_rows::<crate::bf16>(ctx, &rounded, &options, sinks, args.dq, (warmup, repeats), flops)?
         }
     };
 
-    let errors = if args.check { Some(check(&rounded, &shape, &options, dtype, &rows)?) } else { None };
+    let errors = if args.check { Some(check(&rounded, &shape, &options, sinks, dtype, &rows)?) } else { None };
     let mut verdicts = Verdicts::default();
     print_table(&rows, errors.as_deref(), dtype, &mut verdicts);
     match &ctx {
@@ -439,7 +449,8 @@ fn print_problem(inputs: &Inputs, shape: &AttentionShape, dtype: DType, args: &A
             let side = |x: Option<usize>| x.map_or("-1".to_string(), |n| n.to_string());
             format!(", window {},{}", side(w.0.left), side(w.0.right))
         }) + &args.softcap.map_or_else(String::new, |cap| format!(", softcap {cap}"))
-            + &args.alibi.map_or_else(String::new, |max_bias| format!(", ALiBi (max_bias {max_bias})")),
+            + &args.alibi.map_or_else(String::new, |max_bias| format!(", ALiBi (max_bias {max_bias})"))
+            + &args.sinks.map_or_else(String::new, |sink| format!(", sinks {sink}")),
         AttentionOptions { scale: args.scale, ..Default::default() }.scale_for(s.head_dim)
     );
 }
@@ -453,16 +464,23 @@ fn describe_paths(out: &Path, written: &[PathBuf]) -> String {
     format!("{}/{{{}}}", out.display().to_string().trim_end_matches('/'), names.join(", "))
 }
 
-/// The flash kernels in `T`: forward, and backward when dO is given.
+/// The flash kernels in `T`: forward, and backward when dO is given; with `sinks` (one per query
+/// head) as attention sinks.
 fn flash_rows<T: Element>(
     ctx: &Context,
     rounded: &[HostTensor],
     options: &AttentionOptions,
+    sinks: Option<&[f32]>,
     dq: Option<DqAccumulation>,
     (warmup, repeats): (usize, usize),
     flops: f64,
 ) -> Result<Vec<Row>> {
     let dtype = T::DTYPE;
+    let sinks = sinks.map(|s| ctx.upload(s, &[s.len()])).transpose()?;
+    let options = &match &sinks {
+        Some(sinks) => options.with_sinks(sinks),
+        None => *options,
+    };
     let device: Vec<_> = rounded.iter().map(|t| t.upload::<T>(ctx)).collect::<Result<_>>()?;
     let (q, k, v) = (&device[0], &device[1], &device[2]);
     let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
@@ -530,11 +548,15 @@ fn naive_rows(
 }
 
 fn gradients<T: Element>(grads: &crate::Gradients<T>) -> Result<Vec<HostTensor>> {
-    Ok(vec![
+    let mut outputs = vec![
         HostTensor::from_device("dq", &grads.dq)?,
         HostTensor::from_device("dk", &grads.dk)?,
         HostTensor::from_device("dv", &grads.dv)?,
-    ])
+    ];
+    if let Some(d_sinks) = &grads.d_sinks {
+        outputs.push(HostTensor::from_device("d_sinks", d_sinks)?);
+    }
+    Ok(outputs)
 }
 
 /// The CPU reference in place of the kernels; results rounded once from `f64` to `dtype` (LSE to
@@ -543,11 +565,12 @@ fn cpu_rows(
     rounded: &[HostTensor],
     shape: &AttentionShape,
     options: &AttentionOptions,
+    sinks: Option<&[f32]>,
     dtype: DType,
     flops: f64,
 ) -> Result<Vec<Row>> {
     let values: Vec<Vec<f32>> = rounded.iter().map(HostTensor::to_f32).collect();
-    let params = cpu::Params::of(&options, shape.head_dim);
+    let params = cpu::Params { sinks, ..cpu::Params::of(options, shape.head_dim) };
     let start = Instant::now();
     let forward = cpu::attention(&values[0], &values[1], &values[2], shape, params)?;
     let forward_ms = start.elapsed().as_secs_f64() * 1e3;
@@ -572,7 +595,13 @@ fn cpu_rows(
                 HostTensor::from_f64("dq", &shape.q_shape(), &grads.dq, dtype)?,
                 HostTensor::from_f64("dk", &shape.kv_shape(), &grads.dk, dtype)?,
                 HostTensor::from_f64("dv", &shape.kv_shape(), &grads.dv, dtype)?,
-            ],
+            ]
+            .into_iter()
+            .chain(match sinks {
+                Some(_) => Some(HostTensor::from_f64("d_sinks", &[shape.num_heads_q], &grads.d_sinks, DType::F32)?),
+                None => None,
+            })
+            .collect(),
         });
     }
     Ok(rows)
@@ -584,12 +613,13 @@ fn check(
     rounded: &[HostTensor],
     shape: &AttentionShape,
     options: &AttentionOptions,
+    sinks: Option<&[f32]>,
     dtype: DType,
     rows: &[Row],
 ) -> Result<Vec<Checked>> {
     let tolerance = Tolerance::of(dtype);
     let values: Vec<Vec<f32>> = rounded.iter().map(HostTensor::to_f32).collect();
-    let params = cpu::Params::of(&options, shape.head_dim);
+    let params = cpu::Params { sinks, ..cpu::Params::of(options, shape.head_dim) };
     let forward = cpu::attention(&values[0], &values[1], &values[2], shape, params)?;
     let backward = match values.get(3) {
         Some(d_o) => Some(cpu::attention_backward(&values[0], &values[1], &values[2], d_o, shape, params)?),
@@ -609,6 +639,7 @@ fn check(
                             ("dq", Some(b)) => (Output::Dq, gradient_error(&got, &b.dq)),
                             ("dk", Some(b)) => (Output::Dk, gradient_error(&got, &b.dk)),
                             ("dv", Some(b)) => (Output::Dv, gradient_error(&got, &b.dv)),
+                            ("d_sinks", Some(b)) => (Output::DSinks, gradient_error(&got, &b.d_sinks)),
                             ("o", _) => (Output::O, relative_l2_error(&got, &forward.o)),
                             _ => (Output::O, f64::NAN),
                         };

@@ -202,8 +202,13 @@ fn check<T: Element>(
             kv
         })
         .collect();
-    let params =
-        cpu::Params { scale: 1.0 / (d as f64).sqrt(), causal: options.causal, window: None, score: Default::default() };
+    let params = cpu::Params {
+        scale: 1.0 / (d as f64).sqrt(),
+        causal: options.causal,
+        window: None,
+        score: Default::default(),
+        sinks: None,
+    };
     let reference = cpu::decode(&q_logical, &seqs, (hq, hkv, sq, d), params)?;
     let out = ctx.attention_with_kv_cache(q, cache, None, options)?;
     let o_host = to_f32_vec(&out.o.to_host()?);

@@ -441,6 +441,7 @@ fn run_case(
         causal: case.causal,
         window: None,
         score: Default::default(),
+        sinks: None,
     };
     let forward_ref = cpu::attention(&part.q, &part.k, &part.v, &part.shape, params)?;
     let backward_ref = cpu::attention_backward(&part.q, &part.k, &part.v, &part.d_o, &part.shape, params)?;
@@ -609,6 +610,7 @@ fn tensor_core_rows<T: Element>(
             causal: case.causal,
             window: None,
             score: Default::default(),
+            sinks: None,
         };
         let forward_ref = cpu::attention(&part.q, &part.k, &part.v, &part.shape, params)?;
         let backward_ref = cpu::attention_backward(&part.q, &part.k, &part.v, &part.d_o, &part.shape, params)?;
@@ -739,6 +741,7 @@ fn run_cpu_only(args: &Args, cases: &[Case]) -> Result<()> {
             causal: case.causal,
             window: None,
             score: Default::default(),
+            sinks: None,
         };
         let tile = args.tile(DType::F32, shape.head_dim, case.causal, Pass::Forward);
         let start = Instant::now();

@@ -4,8 +4,8 @@
 
 use cudarc::driver::LaunchConfig;
 
-use crate::problem::{AttentionOptions, AttentionShape};
-use crate::runtime::{Context, KernelArg};
+use crate::problem::{AttentionOptions, AttentionShape, Sinks};
+use crate::runtime::{Context, KernelArg, NullPointer};
 
 /// Blocks for a grid-stride loop over `work` items at `per_block` items per block: enough to
 /// cover the work, but no more than 32 blocks per SM (beyond that extra blocks only queue).
@@ -20,19 +20,23 @@ pub(super) fn one_dim(blocks: u32, threads: usize) -> LaunchConfig {
 
 /// The problem as kernel arguments, in the kernels' order: the shape's six integers, then (with a
 /// mask) the mask flag, the diagonal's offset and the window's left edge
-/// ([`AttentionOptions::mask_args`]), and the score modification's cap and ALiBi `max_bias`
-/// ([`crate::ScoreMod`]).
-pub(super) struct ProblemArgs {
+/// ([`AttentionOptions::mask_args`]), the score modification's cap and ALiBi `max_bias`
+/// ([`crate::ScoreMod`]) and the attention sinks' address ([`crate::Sinks`], or null).
+pub(super) struct ProblemArgs<'a> {
     shape: [usize; 6],
     causal: usize,
     causal_offset: isize,
     window_offset: isize,
     softcap: f32,
     alibi_max_bias: f32,
+    sinks: Option<Sinks<'a>>,
 }
 
-impl ProblemArgs {
-    pub(super) fn new(shape: &AttentionShape, options: &AttentionOptions) -> Self {
+/// The sinks argument of a problem without sinks.
+const NO_SINKS: NullPointer = NullPointer("f32");
+
+impl<'a> ProblemArgs<'a> {
+    pub(super) fn new(shape: &AttentionShape, options: &AttentionOptions<'a>) -> Self {
         let (causal, causal_offset, window_offset) = options.mask_args(shape);
         let (softcap, alibi_max_bias) = options.score.kernel_args();
         let s = shape;
@@ -43,31 +47,36 @@ impl ProblemArgs {
             window_offset,
             softcap,
             alibi_max_bias,
+            sinks: options.sinks,
         }
     }
 
     /// `head`, the six shape integers, then `tail`.
-    pub(super) fn with_shape<'a>(
-        &'a self,
-        head: &[&'a dyn KernelArg],
-        tail: &[&'a dyn KernelArg],
-    ) -> Vec<&'a dyn KernelArg> {
+    pub(super) fn with_shape<'b>(
+        &'b self,
+        head: &[&'b dyn KernelArg],
+        tail: &[&'b dyn KernelArg],
+    ) -> Vec<&'b dyn KernelArg> {
         let mut args = head.to_vec();
         args.extend(self.shape.iter().map(|a| a as &dyn KernelArg));
         args.extend_from_slice(tail);
         args
     }
 
-    /// `head`, the shape, the mask flag and offsets, the score modification's two arguments,
+    /// `head`, the shape, the mask flag and offsets, the score modification and the sinks,
     /// then `tail`.
-    pub(super) fn with_mask<'a>(
-        &'a self,
-        head: &[&'a dyn KernelArg],
-        tail: &[&'a dyn KernelArg],
-    ) -> Vec<&'a dyn KernelArg> {
+    pub(super) fn with_mask<'b>(
+        &'b self,
+        head: &[&'b dyn KernelArg],
+        tail: &[&'b dyn KernelArg],
+    ) -> Vec<&'b dyn KernelArg> {
+        let sinks: &dyn KernelArg = match &self.sinks {
+            Some(sinks) => sinks,
+            None => &NO_SINKS,
+        };
         let mut args = self.with_shape(
             head,
-            &[&self.causal, &self.causal_offset, &self.window_offset, &self.softcap, &self.alibi_max_bias],
+            &[&self.causal, &self.causal_offset, &self.window_offset, &self.softcap, &self.alibi_max_bias, sinks],
         );
         args.extend_from_slice(tail);
         args

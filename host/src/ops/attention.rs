@@ -20,10 +20,10 @@ pub struct Attention<'a, T: Element = f32> {
     q: &'a DeviceTensor<T>,
     k: &'a DeviceTensor<T>,
     v: &'a DeviceTensor<T>,
-    options: AttentionOptions,
+    options: AttentionOptions<'a>,
 }
 
-impl<T: Element> Attention<'_, T> {
+impl<'a, T: Element> Attention<'a, T> {
     /// O, `[batch, num_heads_q, seqlen_q, head_dim]`, in the inputs' element type.
     pub fn o(&self) -> &DeviceTensor<T> {
         &self.output.o
@@ -36,7 +36,7 @@ impl<T: Element> Attention<'_, T> {
     }
 
     /// The options of the forward pass, which the backward pass uses too.
-    pub fn options(&self) -> &AttentionOptions {
+    pub fn options(&self) -> &AttentionOptions<'a> {
         &self.options
     }
 }
@@ -51,8 +51,9 @@ impl Context {
     /// Q is `[batch, num_heads_q, seqlen_q, head_dim]`, K and V `[batch, num_heads_kv, seqlen_k,
     /// head_dim]` (grouped-query attention when `num_heads_kv` divides `num_heads_q`), contiguous,
     /// all of one element type (`f32`, `f16` or `bf16`); head_dim 1 to 256. `options`: the scale
-    /// (default 1/√head_dim), the causal mask and its alignment, and whether
-    /// [`Context::attention_backward`] must be deterministic.
+    /// (default 1/√head_dim), the causal mask and its alignment, a sliding window, softcapping
+    /// or ALiBi, attention sinks ([`crate::Sinks`]), and whether [`Context::attention_backward`]
+    /// must be deterministic.
     ///
     /// ```no_run
     /// # fn main() -> attn_host::Result<()> {
@@ -80,7 +81,7 @@ impl Context {
         q: &'a DeviceTensor<T>,
         k: &'a DeviceTensor<T>,
         v: &'a DeviceTensor<T>,
-        options: &AttentionOptions,
+        options: &AttentionOptions<'a>,
     ) -> Result<Attention<'a, T>> {
         let shape = AttentionShape::from_qkv_allowing_empty(q.shape(), k.shape(), v.shape())?;
         let tile = self.default_tile(T::DTYPE, shape.head_dim);
@@ -93,8 +94,9 @@ impl Context {
     /// group's query heads under grouped-query attention. dQ is summed in a fixed order,
     /// bit-identical on every run, when the options ask for it
     /// ([`AttentionOptions::deterministic`]); otherwise in the faster mode on this context
-    /// ([`Context::dq_accumulation_for`]). Extra device memory: O(seqlen) (one `f32` per query
-    /// row, and an `f32` copy of dQ where it is accumulated with atomics).
+    /// ([`Context::dq_accumulation_for`]). With attention sinks the gradients carry their
+    /// gradient too ([`Gradients::d_sinks`]). Extra device memory: O(seqlen) (one `f32` per
+    /// query row, and an `f32` copy of dQ where it is accumulated with atomics).
     ///
     /// # Errors
     /// As [`Context::flash_attention_backward`]; [`Error::Shape`](crate::Error::Shape) when dO's

@@ -58,6 +58,10 @@ pub struct Gradients<T: Element = f32> {
     pub dk: DeviceTensor<T>,
     /// ∂loss/∂V, V's shape.
     pub dv: DeviceTensor<T>,
+    /// ∂loss/∂sinks, `f32` `[num_heads_q]`, when the problem has attention sinks
+    /// ([`crate::Sinks`]; the backward passes allocate it then, and the `_into` calls need one
+    /// there); `None` without.
+    pub d_sinks: Option<DeviceTensor<f32>>,
 }
 
 impl Context {
@@ -106,6 +110,7 @@ impl Context {
         tile: TileConfig,
     ) -> Result<()> {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
+        self.check_sinks(&shape, options)?;
         if shape.is_empty() {
             return self.write_empty_forward(&shape, out, options);
         }
@@ -206,7 +211,7 @@ impl Context {
         for &kernel in backward_kernels(dq) {
             tile.validate_kernel(kernel, T::DTYPE, shape.head_dim, self.device())?;
         }
-        let mut grads = self.alloc_gradients(&shape)?;
+        let mut grads = self.alloc_gradients(&shape, options)?;
         self.flash_attention_backward_into(q, k, v, o, lse, d_o, &mut grads, options, tile, dq)?;
         Ok(grads)
     }
@@ -227,6 +232,7 @@ impl Context {
         dq: DqAccumulation,
     ) -> Result<()> {
         let shape = self.check_backward(q, k, v, o, lse, d_o, grads)?;
+        self.check_backward_sinks(&shape, options, grads)?;
         if shape.is_empty() {
             return self.write_empty_backward(&shape, grads, options);
         }
@@ -309,13 +315,77 @@ impl Context {
         Ok(AttentionOutput { o: self.alloc_output(&shape.q_shape())?, lse: self.alloc_output(&shape.lse_shape())? })
     }
 
-    /// Uninitialised dQ, dK, dV tensors for `shape`.
-    pub(crate) fn alloc_gradients<T: Element>(&self, shape: &AttentionShape) -> Result<Gradients<T>> {
+    /// Uninitialised dQ, dK, dV tensors for `shape` (and dSinks if `options` has sinks).
+    pub(crate) fn alloc_gradients<T: Element>(
+        &self,
+        shape: &AttentionShape,
+        options: &AttentionOptions,
+    ) -> Result<Gradients<T>> {
         Ok(Gradients {
             dq: self.alloc_output(&shape.q_shape())?,
             dk: self.alloc_output(&shape.kv_shape())?,
             dv: self.alloc_output(&shape.kv_shape())?,
+            d_sinks: match options.sinks {
+                Some(_) => Some(self.alloc_output(&[shape.num_heads_q])?),
+                None => None,
+            },
         })
+    }
+
+    /// Checks the attention sinks of `options` (if any) against `shape` and this context, and
+    /// refuses them where they are not taken: a problem with query rows but no keys (whose LSE
+    /// would be the sinks' values, which no kernel writes) and one run in chunks.
+    ///
+    /// # Errors
+    /// [`Error::Sinks`].
+    pub(crate) fn check_sinks(&self, shape: &AttentionShape, options: &AttentionOptions) -> Result<()> {
+        let Some(sinks) = options.sinks else { return Ok(()) };
+        sinks.check(shape, self.id())?;
+        if shape.seqlen_k == 0 && shape.query_rows() > 0 {
+            return Err(Error::Sinks("a problem with sinks needs seqlen_k ≥ 1".into()));
+        }
+        if self.needs_chunks(shape) {
+            return Err(Error::Sinks(format!(
+                "{} heads × {} batch entries is more than one grid holds; sinks are not split into chunks",
+                shape.num_heads_q, shape.batch
+            )));
+        }
+        Ok(())
+    }
+
+    /// [`Context::check_sinks`] for a backward pass, whose gradients need a dSinks then.
+    ///
+    /// # Errors
+    /// [`Error::Sinks`].
+    pub(crate) fn check_backward_sinks<T: Element>(
+        &self,
+        shape: &AttentionShape,
+        options: &AttentionOptions,
+        grads: &Gradients<T>,
+    ) -> Result<()> {
+        self.check_sinks(shape, options)?;
+        if options.sinks.is_some() && grads.d_sinks.is_none() {
+            return Err(Error::Sinks("a problem with sinks needs `grads.d_sinks` for their gradient".into()));
+        }
+        Ok(())
+    }
+
+    /// The sinks' gradient ([`crate::Sinks`]) into `grads.d_sinks`, from the forward's LSE and
+    /// the row deltas D of [`Context::row_deltas`]: one block per query head (the kernel
+    /// `flash_bwd_sink_gradient`, deterministic). Nothing without sinks.
+    pub(crate) fn sink_gradient<T: Element>(
+        &self,
+        shape: &AttentionShape,
+        lse: &DeviceTensor<f32>,
+        delta: &DeviceTensor<f32>,
+        options: &AttentionOptions,
+        grads: &mut Gradients<T>,
+    ) -> Result<()> {
+        let (Some(sinks), Some(d_sinks)) = (&options.sinks, &mut grads.d_sinks) else { return Ok(()) };
+        let mut config = one_dim(shape.num_heads_q as u32, SINK_GRADIENT_THREADS);
+        config.shared_mem_bytes = (SINK_GRADIENT_THREADS / 32 * 4) as u32;
+        let (b, h, s) = (shape.batch, shape.num_heads_q, shape.seqlen_q);
+        self.launch(entry::FLASH_BWD_SINK_GRADIENT, config, &[lse, delta, sinks, &*d_sinks, &b, &h, &s])
     }
 
     /// Checks owners and shapes of attention inputs and outputs; returns the problem shape.
@@ -366,6 +436,10 @@ impl Context {
         for t in [&mut grads.dq, &mut grads.dk, &mut grads.dv] {
             self.fill_zeros(t)?;
         }
+        // O = 0 in every row, so D = 0 and the sinks get no gradient either.
+        if let Some(d_sinks) = &mut grads.d_sinks {
+            self.fill_zeros(d_sinks)?;
+        }
         Ok(())
     }
 
@@ -394,9 +468,22 @@ impl Context {
                 return Err(Error::Shape(format!("`{name}` must have shape {want:?}; got {:?}", t.shape())));
             }
         }
+        if let Some(d_sinks) = &grads.d_sinks {
+            self.check_owner("d_sinks", d_sinks)?;
+            if d_sinks.shape() != [shape.num_heads_q] {
+                return Err(Error::Shape(format!(
+                    "`d_sinks` must have shape [{}]; got {:?}",
+                    shape.num_heads_q,
+                    d_sinks.shape()
+                )));
+            }
+        }
         Ok(shape)
     }
 }
+
+/// Threads of the sink-gradient kernel's blocks (one block per query head).
+const SINK_GRADIENT_THREADS: usize = 256;
 
 /// The part of a kernel label that says a problem of `head_dim` runs on the larger `compiled`
 /// head_dim (` on d96`); empty when they are the same.

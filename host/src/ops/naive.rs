@@ -81,6 +81,7 @@ impl Context {
         options: &AttentionOptions,
     ) -> Result<()> {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
+        refuse_sinks(options)?;
         if shape.is_empty() {
             return self.write_empty_forward(&shape, out, options);
         }
@@ -135,7 +136,7 @@ impl Context {
         options: &AttentionOptions,
     ) -> Result<Gradients> {
         let shape = AttentionShape::from_qkv_allowing_empty(q.shape(), k.shape(), v.shape())?;
-        let mut grads = self.alloc_gradients(&shape)?;
+        let mut grads = self.alloc_gradients(&shape, options)?;
         self.attention_naive_backward_into(q, k, v, o, d_o, &mut grads, options)?;
         Ok(grads)
     }
@@ -155,6 +156,7 @@ impl Context {
         let lse =
             self.alloc_output(&AttentionShape::from_qkv_allowing_empty(q.shape(), k.shape(), v.shape())?.lse_shape())?;
         let shape = self.check_backward(q, k, v, o, &lse, d_o, grads)?;
+        refuse_sinks(options)?;
         if options.score.softcap.is_some() {
             // Its dS kernel has no factor for the softcap's derivative.
             return Err(Error::ScoreMod(
@@ -179,5 +181,16 @@ impl Context {
         self.launch(entry::NAIVE_DS_F32, per_score_row, &args.with_shape(&[&p, v, d_o, &delta], &[]))?;
         self.launch(entry::NAIVE_PV_F32, per_q_row, &args.with_shape(&[&p, k, &grads.dq], &[&scale]))?;
         self.launch(entry::NAIVE_PT_X_F32, per_kv_row, &args.with_shape(&[&p, q, &grads.dk], &[&scale]))
+    }
+}
+
+/// The naive kernels' softmax has no attention sinks ([`crate::Sinks`]): refuses them.
+///
+/// # Errors
+/// [`Error::Sinks`].
+fn refuse_sinks(options: &AttentionOptions) -> Result<()> {
+    match options.sinks {
+        Some(_) => Err(Error::Sinks("the naive kernels do not take attention sinks; the flash kernels do".into())),
+        None => Ok(()),
     }
 }

@@ -74,6 +74,7 @@ impl Context {
             .collect::<Result<_>>()?;
         check_flash_grid(&shape)?;
         let delta = self.row_deltas(o, d_o, &shape)?;
+        self.sink_gradient(&shape, lse, &delta, options, grads)?;
         let scale = options.checked_scale(shape.head_dim)?;
         let args = ProblemArgs::new(&shape, options);
         let d = shape.head_dim;

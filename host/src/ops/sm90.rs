@@ -74,6 +74,7 @@ impl Context {
         options: &AttentionOptions,
     ) -> Result<()> {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
+        self.check_sinks(&shape, options)?;
         if shape.is_empty() {
             return self.write_empty_forward(&shape, out, options);
         }
@@ -157,7 +158,7 @@ impl Context {
     ) -> Result<Gradients<T>> {
         let shape = AttentionShape::from_qkv(q.shape(), k.shape(), v.shape())?;
         HopperBackward::for_problem(T::DTYPE, shape.head_dim, dq)?;
-        let mut grads = self.alloc_gradients(&shape)?;
+        let mut grads = self.alloc_gradients(&shape, options)?;
         self.flash_attention_backward_hopper_into(q, k, v, o, lse, d_o, &mut grads, options, dq)?;
         Ok(grads)
     }
@@ -177,6 +178,7 @@ impl Context {
         dq: DqAccumulation,
     ) -> Result<()> {
         let shape = self.check_backward(q, k, v, o, lse, d_o, grads)?;
+        self.check_backward_sinks(&shape, options, grads)?;
         if shape.is_empty() {
             return self.write_empty_backward(&shape, grads, options);
         }
@@ -207,6 +209,7 @@ impl Context {
         check_flash_grid(&shape)?;
         let scale = options.checked_scale(shape.head_dim)?;
         let delta = self.row_deltas(o, d_o, &shape)?;
+        self.sink_gradient(&shape, lse, &delta, options, grads)?;
         let (s, m, n) = (&shape, HopperBackward::BLOCK_M, HopperBackward::BLOCK_N);
         let mut accum = self.alloc_output::<f32>(&shape.q_shape())?;
         self.fill_zeros(&mut accum)?;

@@ -78,3 +78,15 @@ impl KernelArg for NullPointer {
         Ok(emulated_pointer(self.0, std::ptr::null_mut()))
     }
 }
+
+/// Attention sinks: their address (see [`crate::Sinks`]), an `f32` pointer.
+impl KernelArg for crate::problem::Sinks<'_> {
+    fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) -> Result<()> {
+        builder.arg(&self.address);
+        Ok(())
+    }
+
+    fn emulated(&self) -> Result<Arg> {
+        Ok(Arg::Ptr(self.address as *mut f32))
+    }
+}

@@ -268,3 +268,20 @@ pub(super) fn element_count(shape: &[usize]) -> Result<usize> {
         .try_fold(1usize, |n, &d| n.checked_mul(d))
         .ok_or_else(|| Error::Shape(format!("{shape:?} has more elements than fit in memory")))
 }
+
+/// Attention sinks from an `f32` tensor of shape `[num_heads_q]` ([`crate::Sinks`]), borrowed
+/// for as long as the options that hold them.
+impl<'a> From<&'a DeviceTensor<f32>> for crate::problem::Sinks<'a> {
+    fn from(tensor: &'a DeviceTensor<f32>) -> Self {
+        let address = match tensor.storage() {
+            Storage::Cuda(slice) => {
+                // The address alone, with the slice's own stream: the context's, for every
+                // tensor a context makes or borrows.
+                let (address, _sync) = cudarc::driver::DevicePtr::device_ptr(slice, slice.stream());
+                address
+            }
+            Storage::Host(buffer) => buffer.as_ptr() as u64,
+        };
+        Self { address, shape: tensor.shape(), owner: tensor.owner() }
+    }
+}

@@ -331,6 +331,7 @@ fn cpu_attention(qkv: &Qkv, options: &AttentionOptions) -> Result<AttentionRows>
         causal: options.causal,
         window: options.window,
         score: Default::default(),
+        sinks: None,
     };
     let reference = cpu::attention(&qkv.q, &qkv.k, &qkv.v, &qkv.shape, params)?;
     let ms = start.elapsed().as_secs_f64() * 1e3;

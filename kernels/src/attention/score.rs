@@ -42,9 +42,10 @@
 use crate::attention::fragment::FragmentLane;
 use crate::hw::{self, FragC, LOG2_E};
 
-/// The modifications as every attention kernel receives them (two of `attention_kernel!`'s
-/// arguments): `softcap`, the cap (0: none), and `alibi_max_bias`, the `max_bias` of ALiBi's
-/// slopes (0: no ALiBi). The host checks both (finite, not negative, not both at once).
+/// The modifications as every attention kernel receives them (three of `attention_kernel!`'s
+/// arguments): `softcap`, the cap (0: none), `alibi_max_bias`, the `max_bias` of ALiBi's
+/// slopes (0: no ALiBi), and the attention sinks. The host checks them (finite, not negative,
+/// not softcap and ALiBi at once; sinks of `[num_heads_q]`).
 ///
 /// Kernels keep only these two across their loops and derive a head's [`ScoreMod`] inside the
 /// branch that uses it, tile by tile ([`ScoreArgs::for_head`]): kernel arguments cost no
@@ -54,6 +55,10 @@ use crate::hw::{self, FragC, LOG2_E};
 pub struct ScoreArgs {
     pub softcap: f32,
     pub alibi_max_bias: f32,
+    /// The attention sinks, one natural-log logit per query head (`f32`, `[num_heads_q]`), or
+    /// null. Not a change of the scores: a sink joins the softmax's sum at the end of a row
+    /// ([`crate::attention::softmax::finish_row`]), so it takes no part in [`Self::is_active`].
+    pub sinks: *const f32,
 }
 
 impl ScoreArgs {
@@ -62,6 +67,14 @@ impl ScoreArgs {
     #[inline(always)]
     pub fn is_active(self) -> bool {
         self.softcap != 0.0 || self.alibi_max_bias != 0.0
+    }
+
+    /// Whether the problem has attention sinks. The tensor-core forwards keep a copy of their
+    /// body for sinks alone (`SINKS` without `MODS`), so that neither the plain copy nor the
+    /// sinks' pays for the other (a sink read in the plain copy made the Hopper forward spill).
+    #[inline(always)]
+    pub fn has_sinks(self) -> bool {
+        !self.sinks.is_null()
     }
 
     /// Whether the logits are softcapped (the backward's chain rule then has a factor).
@@ -76,6 +89,16 @@ impl ScoreArgs {
     #[inline(always)]
     pub fn softmax_factor(self, c: f32) -> f32 {
         if self.is_active() { 1.0 } else { c }
+    }
+
+    /// The attention sink of query head `head` in base-2 units (`sink · log₂e`), or −∞ when the
+    /// problem has none: the `sink` of [`crate::attention::softmax::finish_row`].
+    ///
+    /// # Safety
+    /// `sinks` is null or holds `head + 1` floats (the host checks `[num_heads_q]`).
+    #[inline(always)]
+    pub unsafe fn sink(self, head: usize) -> f32 {
+        if self.sinks.is_null() { f32::NEG_INFINITY } else { unsafe { *self.sinks.add(head) * LOG2_E } }
     }
 
     /// The modification of query head `head` of `num_heads` (ALiBi's slope depends on the
@@ -103,11 +126,7 @@ impl ScoreArgs {
 #[inline(always)]
 pub fn alibi_slope(max_bias: f32, head: usize, num_heads: usize) -> f32 {
     let n = 1usize << (usize::BITS - 1 - num_heads.max(1).leading_zeros());
-    let exponent = if head < n {
-        (head + 1) as f32 / n as f32
-    } else {
-        (2 * (head - n) + 1) as f32 / (2 * n) as f32
-    };
+    let exponent = if head < n { (head + 1) as f32 / n as f32 } else { (2 * (head - n) + 1) as f32 / (2 * n) as f32 };
     hw::exp2(-max_bias * exponent)
 }
 

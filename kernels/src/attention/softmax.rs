@@ -12,6 +12,9 @@
 //!
 //! A row that has seen only masked (−∞) scores keeps `m = −∞`; measuring from 0 instead keeps
 //! `2^(−∞ − (−∞)) = NaN` out, and such a row ends with O = 0 and LSE = −∞.
+//!
+//! Both end in [`finish_row`], where a head's attention sink (if the problem has sinks) joins
+//! the sum.
 
 use crate::hw::{self, FragC, LN_2};
 use crate::layout::FLASH_THREAD_COLS as LANES;
@@ -54,19 +57,17 @@ impl<const ROWS: usize> OnlineSoftmax<ROWS> {
         alpha
     }
 
-    /// Ends the pass: per row, 1 / l (to normalise the output) and the natural logsumexp
-    /// LSE = ln Σ_j e^(scale·s_j) = (m + log₂ l) · ln 2. A row that saw no key gets 1/l = 0 (so
-    /// O = 0) and LSE = −∞. Called by all lanes of the warp together (it shuffles).
+    /// Ends the pass: per row, the factor that normalises the output (1 / l) and the natural
+    /// logsumexp LSE = ln Σ_j e^(scale·s_j) = (m + log₂ l) · ln 2, with the head's attention
+    /// sink `sink` (base-2 units, −∞ for none) joining the sum ([`finish_row`]). A row that saw
+    /// no key gets O = 0 and LSE = −∞ (or the sink's). Called by all lanes of the warp together
+    /// (it shuffles).
     #[inline(always)]
-    pub fn finish(&self) -> ([f32; ROWS], [f32; ROWS]) {
-        let (mut inv_sum, mut lse) = ([0.0; ROWS], [f32::NEG_INFINITY; ROWS]);
+    pub fn finish(&self, sink: f32) -> ([f32; ROWS], [f32; ROWS]) {
+        let (mut inv_sum, mut lse) = ([0.0; ROWS], [0.0; ROWS]);
         for i in 0..ROWS {
             let sum = hw::group_sum::<LANES>(self.partial_sum[i]);
-            if sum > 0.0 {
-                inv_sum[i] = 1.0 / sum;
-                lse[i] = (self.max[i] + hw::log2(sum)) * LN_2;
-            }
-            lse[i] = infinite_max_lse(self.max[i], lse[i]);
+            (inv_sum[i], lse[i]) = finish_row(self.max[i], sum, sink);
         }
         (inv_sum, lse)
     }
@@ -126,22 +127,55 @@ impl RowSoftmax {
         alpha
     }
 
-    /// Per row: 1/l, to normalise O, and LSE = (m + log₂ l)·ln 2 (natural log). A row that saw no
-    /// key gets 1/l = 0 (O = 0) and LSE = −∞. All lanes of the warp call it together.
+    /// Per row: the factor that normalises O (1/l) and LSE = (m + log₂ l)·ln 2 (natural log),
+    /// with the head's attention sink `sink` (base-2 units, −∞ for none) joining the sum
+    /// ([`finish_row`]). A row that saw no key gets O = 0 and LSE = −∞ (or the sink's). All lanes
+    /// of the warp call it together.
     #[inline(always)]
-    pub fn finish(&self) -> ([f32; 2], [f32; 2]) {
-        let (mut inv_sum, mut lse) = ([0.0; 2], [f32::NEG_INFINITY; 2]);
+    pub fn finish(&self, sink: f32) -> ([f32; 2], [f32; 2]) {
+        let (mut inv_sum, mut lse) = ([0.0; 2], [0.0; 2]);
         for r in 0..2 {
             let sum = hw::group_sum::<4>(self.partial_sum[r]);
-            if sum > 0.0 {
-                inv_sum[r] = 1.0 / sum;
-                lse[r] = (self.max[r] + hw::log2(sum)) * LN_2;
-            }
-            lse[r] = infinite_max_lse(self.max[r], lse[r]);
+            (inv_sum[r], lse[r]) = finish_row(self.max[r], sum, sink);
         }
         (inv_sum, lse)
     }
 }
+
+// ANCHOR: finish_row
+/// The end of one row's softmax: from its maximum `max` and its sum `sum` = Σ_j 2^(y_j − max)
+/// (base-2 scores `y`), the factor that turns the accumulated Σ_j 2^(y_j − max) v_j into O, and
+/// the natural LSE.
+///
+/// `sink` is the head's *attention sink* in base-2 units (−∞: none): a logit with no value
+/// vector that joins every row's softmax (Xiao et al. 2024, "Efficient Streaming Language
+/// Models with Attention Sinks"; learned per head in GPT-OSS). It takes probability mass
+/// without adding to O: over the keys and the sink, with `M = max(max, sink)`,
+///
+/// l = sum · 2^(max − M) + 2^(sink − M),   O = 2^(max − M) / l · Σ_j 2^(y_j − max) v_j,
+/// LSE = (M + log₂ l) · ln 2.
+///
+/// Without a sink that is 1/sum and (max + log₂ sum)·ln 2. A row that saw no key (`max` = −∞,
+/// `sum` = 0) gets O = 0 and LSE = −∞, or the sink's own logit. A row with a +∞ score has
+/// LSE = +∞ ([`infinite_max_lse`]), and so has a +∞ sink (whose row gets O = 0).
+#[inline(always)]
+pub fn finish_row(max: f32, sum: f32, sink: f32) -> (f32, f32) {
+    if sink == f32::NEG_INFINITY {
+        return if sum > 0.0 {
+            (1.0 / sum, infinite_max_lse(max, (max + hw::log2(sum)) * LN_2))
+        } else {
+            (0.0, infinite_max_lse(max, f32::NEG_INFINITY))
+        };
+    }
+    let top = max.max(sink);
+    // 2^(x − top), with x = top giving 1 even where both are +∞.
+    let weight = |x: f32| if x == top { 1.0 } else { hw::exp2(x - top) };
+    let keys = weight(max);
+    let total = hw::fma(sum, keys, weight(sink));
+    // total ≥ 1 here (the larger of max and sink contributes 1), or NaN.
+    (keys / total, infinite_max_lse(top, (top + hw::log2(total)) * LN_2))
+}
+// ANCHOR_END: finish_row
 
 /// A row with a +∞ score has LSE = ln Σ e^s = +∞, which the sum cannot say (its exponentials
 /// measured from an infinite maximum are 2^(∞ − ∞) = NaN): `lse`, or +∞ where the row's maximum

@@ -25,6 +25,10 @@
 //!    block per `BLOCK_M` query rows looping over key tiles like the forward pass; no atomics, the
 //!    same bits on every run.
 //!
+//! With attention sinks, [`flash_bwd_sink_gradient`] adds their gradient from the LSE and D (it
+//! serves every tier: the 16-bit kernels have no sink-specific code in their backward either,
+//! since the LSE already counts the sink).
+//!
 //! ## Thread mapping of the K/V-outer kernel
 //!
 //! The 16 × 8 thread grid of [`crate::simt::tile`] with *key* rows as rows: a thread owns key rows
@@ -55,6 +59,7 @@ use crate::attention::epilogue::store_rows;
 use crate::attention::mask::Mask;
 use crate::attention::schedule::{KeyBlock, QueryBlock};
 use crate::attention::score::ScoreArgs;
+use crate::attention::softmax::lse_weight;
 use crate::hw::{self, F32x4, LOG2_E, SharedMemory};
 use crate::layout::{
     AttentionShape, FLASH_THREAD_COLS as LANES, FLASH_THREAD_ROWS, FLASH_THREADS, flash_backward_kv_strides,
@@ -93,6 +98,61 @@ pub unsafe fn flash_bwd_preprocess_f32(
             unsafe { *delta.add(row) = sum };
         }
         row += hw::grid_dim_x() * warps_per_block;
+    }
+}
+}
+
+kernel! {
+/// The attention sinks' gradient (`finish_row` in `attention::softmax` defines the sinks). A
+/// sink is a logit with no value vector, so its probability in row `i`, `e^(sink − LSE_i)`,
+/// enters the gradient like any key's with dP = 0: `dSink = Σ_i P_i (0 − D_i)`, summed over
+/// the head's rows in every batch entry,
+///
+/// `dSink[h] = −Σ_{b, i} e^(sink_h − LSE[b, h, i]) · D[b, h, i]`,
+///
+/// with D = rowsum(dO ∘ O) from the preprocess kernel (`flash_bwd_preprocess_*`) and the LSE
+/// of the forward pass (which includes the sink).
+///
+/// Thread mapping: one block per query head (`grid = num_heads_q`); its threads stride over the
+/// head's rows of each batch entry in turn, warps add their lanes' sums, and thread 0 adds the
+/// warps' sums from dynamic shared memory (one `f32` per warp) in order: the same sum on every
+/// run.
+///
+/// # Safety
+/// `lse` and `delta` hold `[batch, num_heads_q, seqlen_q]` floats, `sinks` and `d_sinks`
+/// `[num_heads_q]`; blocks are whole warps, with one `f32` of dynamic shared memory per warp.
+pub unsafe fn flash_bwd_sink_gradient(
+    lse: *const f32,
+    delta: *const f32,
+    sinks: *const f32,
+    d_sinks: *mut f32,
+    batch: usize,
+    num_heads_q: usize,
+    seqlen_q: usize,
+) {
+    let head = hw::block_idx().0;
+    // SAFETY: head < num_heads_q.
+    let sink = unsafe { *sinks.add(head) };
+    let mut sum = 0.0f32;
+    for b in 0..batch {
+        let rows = (b * num_heads_q + head) * seqlen_q;
+        for i in (hw::thread_idx_x()..seqlen_q).step_by(hw::block_dim_x()) {
+            // SAFETY: row rows + i of this head exists.
+            let (row_lse, row_delta) = unsafe { (*lse.add(rows + i), *delta.add(rows + i)) };
+            sum = hw::fma(lse_weight(sink, row_lse), row_delta, sum);
+        }
+    }
+    let partial = hw::dynamic_shared_memory();
+    let sum = hw::group_sum::<32>(sum);
+    if hw::lane_id() == 0 {
+        // SAFETY: one float per warp.
+        unsafe { *partial.add(hw::warp_id()) = sum };
+    }
+    hw::sync_threads();
+    if hw::thread_idx_x() == 0 {
+        let total = (0..hw::block_dim_x() / hw::WARP_SIZE).fold(0.0f32, |t, w| t + unsafe { *partial.add(w) });
+        // SAFETY: head < num_heads_q.
+        unsafe { *d_sinks.add(head) = -total };
     }
 }
 }
@@ -235,7 +295,9 @@ pub(crate) unsafe fn flash_backward_kv<
             let head_score = || score.for_head(head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
             if score.is_active() {
                 let head_score = head_score();
-                map_tile(&mut st, first_key, lane, |r, c, x| head_score.logit(x * scale_log2, q_start + c, kv_start + r));
+                map_tile(&mut st, first_key, lane, |r, c, x| {
+                    head_score.logit(x * scale_log2, q_start + c, kv_start + r)
+                });
             }
             let factor = score.softmax_factor(scale_log2);
             let mut pt = probabilities(st, factor, |_, j| stats.load(0, lane + LANES * j));

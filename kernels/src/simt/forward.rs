@@ -172,7 +172,8 @@ pub(crate) unsafe fn flash_forward<
     }
     // ANCHOR_END: main_loop
 
-    let (inv_sum, row_lse) = softmax.finish();
+    // SAFETY: the host checked the sinks' length (`ScoreArgs::sink`).
+    let (inv_sum, row_lse) = softmax.finish(unsafe { score.sink(block.head) });
     // SAFETY: rows q_start .. q_start + q_rows of O exist.
     unsafe { store_rows::<HEAD_DIM, ROWS, DVEC>(&acc, inv_sum, o_head.add(q_start * d), d, q_rows, first_row, lane) };
     // SAFETY: rows q_start .. q_start + q_rows of LSE exist.

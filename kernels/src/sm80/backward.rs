@@ -273,9 +273,13 @@ pub(crate) unsafe fn flash_backward_kv_mma<
     // SAFETY: the caller's contract.
     unsafe {
         if score.is_active() {
-            backward_kv_body::<T, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PADDED, D_STEPS, M_TILES, D_TILES, ATOMIC_DQ, true>(x, dq_accum, dk, dv, shape, mask, score, scale)
+            backward_kv_body::<T, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PADDED, D_STEPS, M_TILES, D_TILES, ATOMIC_DQ, true>(
+                x, dq_accum, dk, dv, shape, mask, score, scale,
+            )
         } else {
-            backward_kv_body::<T, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PADDED, D_STEPS, M_TILES, D_TILES, ATOMIC_DQ, false>(x, dq_accum, dk, dv, shape, mask, score, scale)
+            backward_kv_body::<T, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PADDED, D_STEPS, M_TILES, D_TILES, ATOMIC_DQ, false>(
+                x, dq_accum, dk, dv, shape, mask, score, scale,
+            )
         }
     }
 }
@@ -431,7 +435,8 @@ unsafe fn backward_kv_body<
                 mask_fragments::<2, true>(&mut pt, lane, 0.0, first, &mask);
             }
             if MODS && score.is_softcapped() {
-                head_score().chain_rule_fragments(&st, &mut dpt, |half, e| stats_ring.load(stats_row + 1, query(half, e)));
+                head_score()
+                    .chain_rule_fragments(&st, &mut dpt, |half, e| stats_ring.load(stats_row + 1, query(half, e)));
             }
             for half in 0..2 {
                 for e in 0..4 {
@@ -569,9 +574,13 @@ pub(crate) unsafe fn flash_backward_q_mma<
     // SAFETY: the caller's contract.
     unsafe {
         if score.is_active() {
-            backward_q_body::<T, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PADDED, D_STEPS, N_TILES, D_TILES, true>(x, dq, shape, mask, score, scale)
+            backward_q_body::<T, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PADDED, D_STEPS, N_TILES, D_TILES, true>(
+                x, dq, shape, mask, score, scale,
+            )
         } else {
-            backward_q_body::<T, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PADDED, D_STEPS, N_TILES, D_TILES, false>(x, dq, shape, mask, score, scale)
+            backward_q_body::<T, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PADDED, D_STEPS, N_TILES, D_TILES, false>(
+                x, dq, shape, mask, score, scale,
+            )
         }
     }
 }

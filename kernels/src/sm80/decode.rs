@@ -311,7 +311,7 @@ unsafe fn decode_forward<
     // by e^(LSE_w − LSE) into its slice of the merge tile (over the rings: every warp is past
     // its key loop after the barrier, and no copy is in flight — fetches past a warp's last
     // tile are empty groups).
-    let (inv_sum, warp_row_lse) = softmax.finish();
+    let (inv_sum, warp_row_lse) = softmax.finish(f32::NEG_INFINITY);
     if lane.t == 0 {
         for h in 0..2 {
             warp_lse.store(warp, lane.half_row(h), warp_row_lse[h]);

@@ -91,23 +91,38 @@ pub(crate) unsafe fn flash_forward_mma<
     score: ScoreArgs,
     scale_log2: f32,
 ) {
-    // Two copies of the body: one for modified scores, one that runs exactly the code of the
-    // plain path (`attention::score` says why).
+    // Three copies of the body: modified scores (and any sinks), sinks alone, and one that runs
+    // exactly the code of the plain path (`attention::score` says why).
+    macro_rules! body {
+        ($mods:literal, $sinks:literal) => {
+            forward_body::<
+                T,
+                BLOCK_M,
+                BLOCK_N,
+                HEAD_DIM,
+                STAGES,
+                PADDED,
+                WARP_TILES,
+                D_STEPS,
+                N_TILES,
+                D_TILES,
+                $mods,
+                $sinks,
+            >(q, k, v, o, lse, shape, mask, score, scale_log2)
+        };
+    }
     // SAFETY: the caller's contract.
     unsafe {
-        if score.is_active() {
-            forward_body::<T, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PADDED, WARP_TILES, D_STEPS, N_TILES, D_TILES, true>(
-                q, k, v, o, lse, shape, mask, score, scale_log2,
-            )
-        } else {
-            forward_body::<T, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PADDED, WARP_TILES, D_STEPS, N_TILES, D_TILES, false>(
-                q, k, v, o, lse, shape, mask, score, scale_log2,
-            )
+        match (score.is_active(), score.has_sinks()) {
+            (true, _) => body!(true, true),
+            (false, true) => body!(false, true),
+            (false, false) => body!(false, false),
         }
     }
 }
 
-/// [`flash_forward_mma`]'s body, with (`MODS`) or without a score modification.
+/// [`flash_forward_mma`]'s body, with (`MODS`) or without a score modification, with
+/// (`SINKS`) or without attention sinks.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn forward_body<
@@ -122,6 +137,7 @@ unsafe fn forward_body<
     const N_TILES: usize,
     const D_TILES: usize,
     const MODS: bool,
+    const SINKS: bool,
 >(
     q: *const u16,
     k: *const u16,
@@ -214,7 +230,12 @@ unsafe fn forward_body<
         if MODS {
             let head_score = score.for_head(block.head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
             for r in 0..WARP_TILES {
-                head_score.apply_fragments::<N_TILES, false>(&mut s[r], lane, (q_start + warp_row + 16 * r, kv_start), c);
+                head_score.apply_fragments::<N_TILES, false>(
+                    &mut s[r],
+                    lane,
+                    (q_start + warp_row + 16 * r, kv_start),
+                    c,
+                );
             }
         }
         // Only tiles that cross some row's key limit or start (the causal diagonal, a window's
@@ -251,7 +272,9 @@ unsafe fn forward_body<
     // Normalise, round to 16 bits and stage O in the warp's own rows of the Q tile, so that the
     // writes to global memory are whole 16-byte chunks. Those rows may belong to a ring slot that
     // other warps are still reading in their last iteration: wait for them first.
-    let finished: [([f32; 2], [f32; 2]); WARP_TILES] = core::array::from_fn(|r| softmax[r].finish());
+    // SAFETY: the host checked the sinks' length (`ScoreArgs::sink`).
+    let sink = if SINKS { unsafe { score.sink(block.head) } } else { f32::NEG_INFINITY };
+    let finished: [([f32; 2], [f32; 2]); WARP_TILES] = core::array::from_fn(|r| softmax[r].finish(sink));
     hw::sync_threads();
     let inv_sum: [[f32; 2]; WARP_TILES] = core::array::from_fn(|r| finished[r].0);
     // SAFETY: rows q_start .. q_start + q_rows of O exist.

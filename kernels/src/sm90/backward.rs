@@ -440,9 +440,13 @@ unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TIL
     // SAFETY: the caller's contract.
     unsafe {
         if score.is_active() {
-            consume_body::<T, D, STAGES, D_TILES, DETERMINISTIC, true>(smem, block, shape, mask, score, scale, maps, outputs)
+            consume_body::<T, D, STAGES, D_TILES, DETERMINISTIC, true>(
+                smem, block, shape, mask, score, scale, maps, outputs,
+            )
         } else {
-            consume_body::<T, D, STAGES, D_TILES, DETERMINISTIC, false>(smem, block, shape, mask, score, scale, maps, outputs)
+            consume_body::<T, D, STAGES, D_TILES, DETERMINISTIC, false>(
+                smem, block, shape, mask, score, scale, maps, outputs,
+            )
         }
     }
 }
@@ -765,7 +769,9 @@ unsafe fn flash_backward_wgmma<
         }
     } else {
         // SAFETY: the launch contract.
-        unsafe { consume::<T, D, STAGES, D_TILES, DETERMINISTIC>(smem, &block, &shape, mask, score, scale, maps, (dk, dv)) };
+        unsafe {
+            consume::<T, D, STAGES, D_TILES, DETERMINISTIC>(smem, &block, &shape, mask, score, scale, maps, (dk, dv))
+        };
     }
 }
 

@@ -284,19 +284,27 @@ unsafe fn consume<
     [FragC; N_TILES]: Accumulator,
     [FragC; D_TILES]: Accumulator,
 {
-    // Two copies of the body: one for modified scores, one that runs exactly the code of the
-    // plain path (`attention::score` says why).
+    // Three copies of the body: modified scores (and any sinks), sinks alone, and one that runs
+    // exactly the code of the plain path (`attention::score` says why).
+    macro_rules! body {
+        ($mods:literal, $sinks:literal) => {
+            consume_body::<T, BLOCK_M, D, BLOCK_N, STAGES, N_TILES, P_STEPS, D_TILES, PINGPONG, $mods, $sinks>(
+                smem, unit, shape, mask, score, scale_log2, heads, head_dim,
+            )
+        };
+    }
     // SAFETY: the caller's contract.
     unsafe {
-        if score.is_active() {
-            consume_body::<T, BLOCK_M, D, BLOCK_N, STAGES, N_TILES, P_STEPS, D_TILES, PINGPONG, true>(smem, unit, shape, mask, score, scale_log2, heads, head_dim)
-        } else {
-            consume_body::<T, BLOCK_M, D, BLOCK_N, STAGES, N_TILES, P_STEPS, D_TILES, PINGPONG, false>(smem, unit, shape, mask, score, scale_log2, heads, head_dim)
+        match (score.is_active(), score.has_sinks()) {
+            (true, _) => body!(true, true),
+            (false, true) => body!(false, true),
+            (false, false) => body!(false, false),
         }
     }
 }
 
-/// [`consume`]'s body, with (`MODS`) or without a score modification.
+/// [`consume`]'s body, with (`MODS`) or without a score modification, with (`SINKS`) or without
+/// attention sinks.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn consume_body<
@@ -310,6 +318,7 @@ unsafe fn consume_body<
     const D_TILES: usize,
     const PINGPONG: bool,
     const MODS: bool,
+    const SINKS: bool,
 >(
     smem: SharedTiles<BLOCK_M, D, BLOCK_N, STAGES>,
     unit: Unit,
@@ -520,7 +529,10 @@ unsafe fn consume_body<
     }
 
     // Normalise and write O (two values per store) and the LSE of the block's rows.
-    let finished = softmax.finish();
+    // SAFETY: the host checked the sinks' length (`ScoreArgs::sink`).
+    // SAFETY: the host checked the sinks' length (`ScoreArgs::sink`).
+    let sink = if SINKS { unsafe { score.sink(unit.head as usize % shape.num_heads_q) } } else { f32::NEG_INFINITY };
+    let finished = softmax.finish(sink);
     let end = q_start + q_rows;
     // SAFETY: rows below q_start + q_rows ≤ seqlen_q of this head exist.
     unsafe {
