@@ -290,6 +290,11 @@ struct FlashName {
 /// Parses `[hopper_]{family}_{dtype}_m{block_m}_n{block_n}_d{head_dim}[_s{stages}][_pingpong|_deterministic|_padded]`;
 /// `None` for other kernels.
 fn flash_instance(name: &str) -> Option<FlashName> {
+    // A Hopper backward's `_mods` twin (the entry for problems with a score modification) is not
+    // an instance of its own: the host derives its name from the plain one's (`modified_entry`).
+    if name.ends_with("_mods") {
+        return None;
+    }
     let (hopper, rest) = match name.strip_prefix("hopper_") {
         Some(rest) => (true, rest),
         None => (false, name),

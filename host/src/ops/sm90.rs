@@ -231,7 +231,11 @@ impl Context {
         let turns = self.zeroed_counters((kernel.variant == HopperVariant::Deterministic).then_some(tiles))?;
         let args = ProblemArgs::new(&shape, options);
         let head: [&dyn KernelArg; 6] = [&maps, lse, &delta, &grads.dk, &grads.dv, counters_arg(&turns)];
-        self.launch(kernel.entry, config, &args.with_mask(&head, &[&scale]))?;
+        let entry = match options.score.is_none() {
+            true => kernel.entry.to_string(),
+            false => modified_entry(kernel.entry),
+        };
+        self.launch(&entry, config, &args.with_mask(&head, &[&scale]))?;
         self.round_to(&accum, &mut grads.dq)
     }
 
@@ -276,4 +280,11 @@ fn counters_arg(counters: &Option<DeviceTensor<i32>>) -> &dyn KernelArg {
         Some(counters) => counters,
         None => &NONE,
     }
+}
+
+/// The entry of a Hopper backward kernel for problems with a score modification: the plain
+/// entry's name with `_mods` (each configuration has both, `kernels/src/sm90/backward.rs` says
+/// why; the registry lists the plain ones).
+fn modified_entry(entry: &str) -> String {
+    format!("{entry}_mods")
 }

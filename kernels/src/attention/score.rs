@@ -29,8 +29,11 @@
 //! copies according to [`ScoreArgs::is_active`]: the plain copy is the code the kernel had before
 //! modifications existed (a test per tile, even one that is never taken, cost the sm_80
 //! backward 8–10 %, PERFORMANCE.md, issue 24), the other is the same source with the
-//! modification's lines in. The `f32` kernels (levels 3, 4) and the naive scores test per tile
-//! and are not duplicated.
+//! modification's lines in. The Hopper backward (level 9) goes one step further: its modified
+//! copy is an entry of its own (`_mods`, which the host picks), because two copies in one kernel
+//! share one register allocation, and the modified copy's spills cost the plain one 5–10 %
+//! there. The `f32` kernels (levels 3, 4) and the naive scores test per tile and are not
+//! duplicated.
 //!
 //! The backward recomputes `y` the same way. Softcapping changes the derivative: dS (the
 //! gradient of the logits, `P ∘ (dP − D)`) is multiplied by `1 − tanh²`, which the kernels fold

@@ -420,41 +420,11 @@ unsafe fn issue_transposed_product<T: HalfFloat, const D: usize>(acc: &mut [Frag
 /// then written out.
 ///
 /// # Safety
-/// Every thread of one consumer warpgroup calls it; the pointers hold the tensors of `shape`.
+/// Every thread of one consumer warpgroup calls it; the pointers hold the tensors of `shape`;
+/// `MODS` is `score.is_active()` (the entry's `_mods` suffix: see [`flash_backward_wgmma`]).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn consume<T: HalfFloat, const D: usize, const STAGES: usize, const D_TILES: usize, const DETERMINISTIC: bool>(
-    smem: SharedTiles<D, STAGES>,
-    block: &KeyBlock,
-    shape: &AttentionShape,
-    mask: Mask,
-    score: ScoreArgs,
-    scale: f32,
-    maps: TensorMaps,
-    outputs: (*mut u16, *mut u16),
-) where
-    [FragC; D_TILES]: Accumulator,
-{
-    // Two copies of the body: one for modified scores, one that runs exactly the code of the
-    // plain path (`attention::score` says why).
-    // SAFETY: the caller's contract.
-    unsafe {
-        if score.is_active() {
-            consume_body::<T, D, STAGES, D_TILES, DETERMINISTIC, true>(
-                smem, block, shape, mask, score, scale, maps, outputs,
-            )
-        } else {
-            consume_body::<T, D, STAGES, D_TILES, DETERMINISTIC, false>(
-                smem, block, shape, mask, score, scale, maps, outputs,
-            )
-        }
-    }
-}
-
-/// [`consume`]'s body, with (`MODS`) or without a score modification.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn consume_body<
+unsafe fn consume<
     T: HalfFloat,
     const D: usize,
     const STAGES: usize,
@@ -708,7 +678,8 @@ unsafe fn consume_body<
 /// accumulator (Q's shape, zeroed; boxes of 32 columns by 64 rows), which the kernel adds to;
 /// `lse` and `delta` hold `[batch, num_heads_q, seqlen_q]` `f32`, `dk` and `dv` K's shape in 16
 /// bits; with `DETERMINISTIC`, `dq_turns` holds `[batch, num_heads_q, ceil(seqlen_q / 64)]`
-/// zeroed `u32` counters (else it is not read); `shape.head_dim == D`; the launch as above.
+/// zeroed `u32` counters (else it is not read); `shape.head_dim == D`; `MODS` is
+/// `score.is_active()`; the launch as above.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn flash_backward_wgmma<
@@ -717,6 +688,7 @@ unsafe fn flash_backward_wgmma<
     const STAGES: usize,
     const D_TILES: usize,
     const DETERMINISTIC: bool,
+    const MODS: bool,
 >(
     maps: *const u8,
     lse: *const f32,
@@ -770,24 +742,42 @@ unsafe fn flash_backward_wgmma<
     } else {
         // SAFETY: the launch contract.
         unsafe {
-            consume::<T, D, STAGES, D_TILES, DETERMINISTIC>(smem, &block, &shape, mask, score, scale, maps, (dk, dv))
+            consume::<T, D, STAGES, D_TILES, DETERMINISTIC, MODS>(
+                smem,
+                &block,
+                &shape,
+                mask,
+                score,
+                scale,
+                maps,
+                (dk, dv),
+            )
         };
     }
 }
 
-/// Two entries per configuration: `hopper_flash_bwd_{f16,bf16}_m64_n128_d{D}_s{STAGES}` (dQ
-/// added in whatever order the blocks come) and the same with `_deterministic` (in turns);
-/// `sm90_backward_configs!` (in [`crate::configs`]) lists the configurations.
+/// Four entries per configuration: `hopper_flash_bwd_{f16,bf16}_m64_n128_d{D}_s{STAGES}` (dQ
+/// added in whatever order the blocks come), the same with `_deterministic` (in turns), and each
+/// with `_mods` for problems with a score modification (`ScoreArgs::is_active`: softcap or
+/// ALiBi), which the host picks by that suffix. The modified body is a kernel of its own, not a
+/// branch of the plain one, because ptxas gives one kernel one register allocation and one
+/// stack frame: the modified body spills at head_dim 128, and sharing a kernel with it cost the
+/// plain body 5–10 % (PERFORMANCE.md). `sm90_backward_configs!` (in [`crate::configs`]) lists
+/// the configurations.
 macro_rules! flash_backward_wgmma_instance {
     ($dtype:ident, $format:ident, $d:literal, $stages:literal) => {
         pastey::paste! {
-            flash_backward_wgmma_instance!(@entry $format, false,
+            flash_backward_wgmma_instance!(@entry $format, false, false,
                 [<hopper_flash_bwd_ $dtype _m64_n128_d $d _s $stages>], $d, $stages);
-            flash_backward_wgmma_instance!(@entry $format, true,
+            flash_backward_wgmma_instance!(@entry $format, true, false,
                 [<hopper_flash_bwd_ $dtype _m64_n128_d $d _s $stages _deterministic>], $d, $stages);
+            flash_backward_wgmma_instance!(@entry $format, false, true,
+                [<hopper_flash_bwd_ $dtype _m64_n128_d $d _s $stages _mods>], $d, $stages);
+            flash_backward_wgmma_instance!(@entry $format, true, true,
+                [<hopper_flash_bwd_ $dtype _m64_n128_d $d _s $stages _deterministic_mods>], $d, $stages);
         }
     };
-    (@entry $format:ident, $deterministic:literal, $name:ident, $d:literal, $stages:literal) => {
+    (@entry $format:ident, $deterministic:literal, $mods:literal, $name:ident, $d:literal, $stages:literal) => {
         attention_kernel! {
         /// FlashAttention backward on Hopper (sm_90a); see the module docs.
         ///
@@ -802,7 +792,7 @@ macro_rules! flash_backward_wgmma_instance {
             dq_turns: *mut u32,
         ) |shape, mask, score, scale| {
             unsafe {
-                flash_backward_wgmma::<hw::$format, $d, $stages, { $d / 8 }, $deterministic>(
+                flash_backward_wgmma::<hw::$format, $d, $stages, { $d / 8 }, $deterministic, $mods>(
                     maps, lse, delta, dk, dv, dq_turns, shape, mask, score, scale,
                 )
             }
