@@ -99,6 +99,34 @@ fn run() -> Result<()> {
             ]);
         }
 
+        if head_dim == TileConfig::compiled_head_dims_for(DType::F32)[0] {
+            // Attention sinks: the forward's extra term and their gradient's own kernel.
+            let sinks: Vec<f32> = random_normal(shape.num_heads_q, 7).iter().map(|x| 1.0 + x).collect();
+            let device_sinks = ctx.upload(&sinks, &[shape.num_heads_q])?;
+            let with_sinks = options.with_sinks(&device_sinks);
+            let params = cpu::Params { sinks: Some(&sinks), ..params };
+            let (forward, backward) =
+                (cpu::attention(q, k, v, &shape, params)?, cpu::attention_backward(q, k, v, d_o, &shape, params)?);
+            let tile = TileConfig::compiled(head_dim)[0];
+            let out = ctx.flash_attention_forward(&dq, &dk, &dv, &with_sinks, tile)?;
+            within("sinks forward O", relative_l2_error(&out.o.to_host()?, &forward.o), 1e-5)?;
+            let grads = ctx.flash_attention_backward(
+                &dq,
+                &dk,
+                &dv,
+                &out.o,
+                &out.lse,
+                &ddo,
+                &with_sinks,
+                tile,
+                DqAccumulation::Deterministic,
+            )?;
+            let d_sinks = grads.d_sinks.as_ref().expect("a problem with sinks has their gradient").to_host()?;
+            within("sinks backward dQ", relative_l2_error(&grads.dq.to_host()?, &backward.dq), 1e-4)?;
+            within("sinks backward dSinks", relative_l2_error(&d_sinks, &backward.d_sinks), 1e-4)?;
+            launched.insert(entry::FLASH_BWD_SINK_GRADIENT);
+        }
+
         for tile in TileConfig::compiled(head_dim) {
             let name = format!("d{head_dim} m{} n{}", tile.block_m, tile.block_n);
             let out = ctx.flash_attention_forward(&dq, &dk, &dv, &options, tile)?;

@@ -18,8 +18,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use attn_host::{
-    AttentionOptions, AttentionOutput, AttentionShape, Causal, Context, DType, DeviceTensor, DqAccumulation, Element,
-    Error, Gradients, SlidingWindow, bf16, f16,
+    Alibi, AttentionOptions, AttentionOutput, AttentionShape, Causal, Context, DType, DeviceTensor, DqAccumulation,
+    Element, Error, Gradients, SlidingWindow, bf16, f16,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -36,6 +36,14 @@ struct MaskArgs {
     bottom_right: bool,
     window_left: i64,
     window_right: i64,
+}
+
+/// The score modifications, as Python passes them: softcapping's cap and ALiBi's `max_bias`
+/// (0: none). (The sinks, a tensor, come with the pointers.)
+#[derive(Clone, Copy)]
+struct ScoreArgs {
+    softcap: f32,
+    alibi_max_bias: f32,
 }
 
 /// The contexts of this process: per device (`-1` the emulator), and per (device, stream).
@@ -102,7 +110,12 @@ fn shape_of(s: Sizes) -> AttentionShape {
     AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim }
 }
 
-fn options_of(mask: MaskArgs, scale: Option<f32>, deterministic: bool) -> PyResult<AttentionOptions<'static>> {
+fn options_of(
+    mask: MaskArgs,
+    score: ScoreArgs,
+    scale: Option<f32>,
+    deterministic: bool,
+) -> PyResult<AttentionOptions<'static>> {
     let causal = match (mask.causal, mask.bottom_right) {
         (false, _) => Causal::None,
         (true, false) => Causal::TopLeft,
@@ -118,8 +131,19 @@ fn options_of(mask: MaskArgs, scale: Option<f32>, deterministic: bool) -> PyResu
         let window = SlidingWindow::new(left, right);
         options = options.with_window(if mask.bottom_right { window } else { window.top_left() });
     }
+    if score.softcap != 0.0 {
+        options = options.with_softcap(score.softcap);
+    }
+    if score.alibi_max_bias != 0.0 {
+        options = options.with_alibi(Alibi { max_bias: score.alibi_max_bias });
+    }
     options.deterministic = deterministic;
     Ok(options)
+}
+
+/// The sinks at `address` (`[num_heads_q]` float32), if there are any.
+fn sinks_of(ctx: &Context, address: u64, shape: &AttentionShape) -> Result<Option<DeviceTensor<f32>>, Error> {
+    (address != 0).then(|| borrow::<f32>(ctx, address, &[shape.num_heads_q])).transpose()
 }
 
 /// A borrowed tensor of `shape` at `address`.
@@ -130,11 +154,12 @@ fn borrow<T: Element>(ctx: &Context, address: u64, shape: &[usize]) -> Result<De
     unsafe { ctx.tensor_from_raw_parts::<T>(address, shape) }
 }
 
-/// Pointers of one forward call: Q, K, V in, O and LSE out.
+/// Pointers of one forward call: Q, K, V (and the sinks, 0 for none) in, O and LSE out.
 struct ForwardPointers {
     q: u64,
     k: u64,
     v: u64,
+    sinks: u64,
     o: u64,
     lse: u64,
 }
@@ -150,17 +175,24 @@ fn forward_typed<T: Element>(
         (borrow::<T>(ctx, p.q, &q_shape)?, borrow::<T>(ctx, p.k, &kv_shape)?, borrow::<T>(ctx, p.v, &kv_shape)?);
     let mut out =
         AttentionOutput { o: borrow::<T>(ctx, p.o, &q_shape)?, lse: borrow::<f32>(ctx, p.lse, &shape.lse_shape())? };
+    let sinks = sinks_of(ctx, p.sinks, &shape)?;
+    let options = match &sinks {
+        Some(sinks) => options.with_sinks(sinks),
+        None => *options,
+    };
     let tile = ctx.default_tile(T::DTYPE, shape.head_dim);
-    ctx.flash_attention_forward_into(&q, &k, &v, &mut out, options, tile)
+    ctx.flash_attention_forward_into(&q, &k, &v, &mut out, &options, tile)
 }
 
-/// Pointers of one backward call: Q, K, V, O, LSE and dO in, dQ, dK and dV out.
+/// Pointers of one backward call: Q, K, V, the sinks, O, LSE and dO in, dQ, dK, dV (and
+/// dSinks where there are sinks) out.
 struct BackwardPointers {
     forward: ForwardPointers,
     d_o: u64,
     dq: u64,
     dk: u64,
     dv: u64,
+    d_sinks: u64,
 }
 
 fn backward_typed<T: Element>(
@@ -182,14 +214,19 @@ fn backward_typed<T: Element>(
         dq: borrow::<T>(ctx, p.dq, &q_shape)?,
         dk: borrow::<T>(ctx, p.dk, &kv_shape)?,
         dv: borrow::<T>(ctx, p.dv, &kv_shape)?,
-        d_sinks: None,
+        d_sinks: sinks_of(ctx, p.d_sinks, &shape)?,
+    };
+    let sinks = sinks_of(ctx, f.sinks, &shape)?;
+    let options = match &sinks {
+        Some(sinks) => options.with_sinks(sinks),
+        None => *options,
     };
     let dq_mode = match options.deterministic {
         true => DqAccumulation::Deterministic,
         false => ctx.dq_accumulation_for(T::DTYPE, shape.head_dim),
     };
     let tile = ctx.default_backward_tile(T::DTYPE, shape.head_dim, dq_mode);
-    ctx.flash_attention_backward_into(&q, &k, &v, &o, &lse, &d_o, &mut grads, options, tile, dq_mode)
+    ctx.flash_attention_backward_into(&q, &k, &v, &o, &lse, &d_o, &mut grads, &options, tile, dq_mode)
 }
 
 /// Calls `$f::<T>($args…)` with `T` the element type of `$dtype`.
@@ -214,9 +251,11 @@ fn dtype_of(name: &str) -> PyResult<DType> {
 
 /// Attention forward on PyTorch's memory: O (`[B, Hq, Sq, D]`, the inputs' type) and LSE
 /// (`[B, Hq, Sq]` float32, natural log) written at `o` and `lse`, from contiguous Q `[B, Hq, Sq,
-/// D]` and K, V `[B, Hkv, Sk, D]` at `q`, `k`, `v`. Queued on `stream`; returns at once.
+/// D]` and K, V `[B, Hkv, Sk, D]` at `q`, `k`, `v`; `softcap` and `alibi_max_bias` (0: none)
+/// modify the scores, `sinks` (0: none) is the address of `[Hq]` float32 sink logits. Queued on
+/// `stream`; returns at once.
 #[pyfunction]
-#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, causal, bottom_right, window_left, window_right, scale=None))]
+#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, causal, bottom_right, window_left, window_right, scale=None, softcap=0.0, alibi_max_bias=0.0, sinks=0))]
 #[allow(clippy::too_many_arguments)]
 fn forward(
     py: Python<'_>,
@@ -234,10 +273,14 @@ fn forward(
     window_left: i64,
     window_right: i64,
     scale: Option<f32>,
+    softcap: f32,
+    alibi_max_bias: f32,
+    sinks: u64,
 ) -> PyResult<()> {
     let dtype = dtype_of(dtype)?;
-    let options = options_of(MaskArgs { causal, bottom_right, window_left, window_right }, scale, false)?;
-    let pointers = ForwardPointers { q, k, v, o, lse };
+    let mask = MaskArgs { causal, bottom_right, window_left, window_right };
+    let options = options_of(mask, ScoreArgs { softcap, alibi_max_bias }, scale, false)?;
+    let pointers = ForwardPointers { q, k, v, sinks, o, lse };
     py.detach(|| {
         let ctx = context(device, stream)?;
         by_dtype!(dtype, forward_typed(&ctx, shape_of(sizes), &pointers, &options))
@@ -246,10 +289,11 @@ fn forward(
 }
 
 /// Attention backward on PyTorch's memory: dQ, dK, dV written at `dq`, `dk`, `dv` (Q's and K's
-/// shapes and type) from the forward's inputs, O and LSE and from dO (O's shape). `deterministic`
-/// sums dQ in a fixed order, bit-identical on every run. Queued on `stream`; returns at once.
+/// shapes and type), and with sinks their gradient at `d_sinks` (`[Hq]` float32), from the
+/// forward's inputs and options, O and LSE and from dO (O's shape). `deterministic` sums dQ in a
+/// fixed order, bit-identical on every run. Queued on `stream`; returns at once.
 #[pyfunction]
-#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, d_o, dq, dk, dv, causal, bottom_right, window_left, window_right, deterministic, scale=None))]
+#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, d_o, dq, dk, dv, causal, bottom_right, window_left, window_right, deterministic, scale=None, softcap=0.0, alibi_max_bias=0.0, sinks=0, d_sinks=0))]
 #[allow(clippy::too_many_arguments)]
 fn backward(
     py: Python<'_>,
@@ -272,10 +316,16 @@ fn backward(
     window_right: i64,
     deterministic: bool,
     scale: Option<f32>,
+    softcap: f32,
+    alibi_max_bias: f32,
+    sinks: u64,
+    d_sinks: u64,
 ) -> PyResult<()> {
     let dtype = dtype_of(dtype)?;
-    let options = options_of(MaskArgs { causal, bottom_right, window_left, window_right }, scale, deterministic)?;
-    let pointers = BackwardPointers { forward: ForwardPointers { q, k, v, o, lse }, d_o, dq, dk, dv };
+    let mask = MaskArgs { causal, bottom_right, window_left, window_right };
+    let options = options_of(mask, ScoreArgs { softcap, alibi_max_bias }, scale, deterministic)?;
+    let forward = ForwardPointers { q, k, v, sinks, o, lse };
+    let pointers = BackwardPointers { forward, d_o, dq, dk, dv, d_sinks };
     py.detach(|| {
         let ctx = context(device, stream)?;
         by_dtype!(dtype, backward_typed(&ctx, shape_of(sizes), &pointers, &options))
@@ -289,7 +339,8 @@ fn backward(
 #[pyo3(signature = (device, dtype, sizes, causal, bottom_right))]
 fn forward_kernel(device: i64, dtype: &str, sizes: Sizes, causal: bool, bottom_right: bool) -> PyResult<String> {
     let dtype = dtype_of(dtype)?;
-    let options = options_of(MaskArgs { causal, bottom_right, window_left: -1, window_right: -1 }, None, false)?;
+    let mask = MaskArgs { causal, bottom_right, window_left: -1, window_right: -1 };
+    let options = options_of(mask, ScoreArgs { softcap: 0.0, alibi_max_bias: 0.0 }, None, false)?;
     let ctx = context(device, 0).map_err(to_py)?;
     let shape = shape_of(sizes);
     let tile = ctx.default_tile(dtype, shape.head_dim);

@@ -40,6 +40,13 @@ def rel(a, b):
     return ((a - b).norm() / (norm if norm > 0 else 1.0)).item()
 
 
+def leaf(x, dtype, device=None):
+    """A fresh leaf copy of `x` in `dtype` (on `device`) that records its own gradient. A copy always:
+    `x.to(dtype)` returns `x` itself when the dtype is already `x`'s, and two runs would then
+    accumulate their gradients into one `.grad` (or the second would get a non-leaf without one)."""
+    return x.detach().to(device=device or x.device, dtype=dtype, copy=True).requires_grad_()
+
+
 def reference_mask(sq, sk, is_causal, bottom_right, window):
     """The boolean mask (True = visible) our options describe, for SDPA's attn_mask."""
     i = torch.arange(sq).unsqueeze(1) + (sk - sq if bottom_right else 0)
@@ -66,6 +73,37 @@ def sdpa(q, k, v, mask):
     return p @ v
 
 
+def alibi_slopes(heads, max_bias):
+    """ALiBi's slopes (Press et al. 2022, section 3; BLOOM's completion for head counts that are not
+    powers of two), as `attn_host::Alibi::slope`."""
+    n = 1 << (heads.bit_length() - 1)
+    exponent = [(h + 1) / n if h < n else (2 * (h - n) + 1) / (2 * n) for h in range(heads)]
+    return torch.tensor([2.0 ** (-max_bias * e) for e in exponent], dtype=torch.float64)
+
+
+def modified_attention(q, k, v, mask, softcap, alibi, sinks):
+    """Attention with softcapping, ALiBi and sinks by their definitions: the scores in q's dtype, the
+    modifications and the softmax in float32 (float64 for float64 inputs), P back in q's dtype."""
+    hq, sq, sk = q.shape[1], q.shape[2], k.shape[2]
+    g = hq // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    s = ((q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])).to(wide)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi is not None:
+        slopes = alibi_slopes(hq, 8.0 if alibi is True else alibi).to(wide)
+        distance = (torch.arange(sq).unsqueeze(1) + (sk - sq) - torch.arange(sk).unsqueeze(0)).abs().to(wide)
+        s = s - slopes.view(hq, 1, 1) * distance
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        column = sinks.to(wide).view(1, hq, 1, 1).expand(s.shape[0], hq, sq, 1)
+        p = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :sk]
+    else:
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return p.to(q.dtype) @ v
+
+
 class Cases(unittest.TestCase):
     def check(self, device, dtype, b, hq, hkv, sq, sk, d, is_causal=False, bottom_right=False, window=None,
               layout="bhsd", deterministic=False):
@@ -77,11 +115,11 @@ class Cases(unittest.TestCase):
         # The truth (float64) and PyTorch's same-precision attention, with their gradients.
         results = {}
         for name, t in (("truth", torch.float64), ("plain", dtype)):
-            q, k, v = (x.to(t).requires_grad_() for x in (q64, k64, v64))
+            q, k, v = (leaf(x, t) for x in (q64, k64, v64))
             o = sdpa(q, k, v, mask)
             o.backward(do64.to(t))
             results[name] = (o, q.grad, k.grad, v.grad)
-        q, k, v = (x.to(dtype).requires_grad_() for x in (q64, k64, v64))
+        q, k, v = (leaf(x, dtype) for x in (q64, k64, v64))
         args = (q, k, v) if layout == "bhsd" else tuple(x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
         o = ra.attention(*args, is_causal=is_causal, causal_alignment="bottom-right" if bottom_right else "top-left",
                          enable_gqa=hq != hkv, layout=layout, window=window, deterministic=deterministic)
@@ -120,6 +158,46 @@ class Cases(unittest.TestCase):
                     for _ in range(2)]
             self.assertTrue(torch.equal(runs[0], runs[1]), f"{device}: deterministic dQ differs between runs")
 
+    def test_score_mods_and_sinks(self):
+        """Softcapping, ALiBi and sinks against their definitions in float64, forward and backward
+        (dSinks too), with GQA, both masks' alignments and a row-window."""
+        cases = [  # (dtype, [B, Hq, Hkv, Sq, Sk, D], is_causal, bottom_right, softcap, alibi, with sinks)
+            (torch.float16, (1, 4, 2, 37, 53, 64), True, True, 2.0, None, False),
+            (torch.bfloat16, (2, 3, 3, 40, 40, 64), False, False, None, True, False),
+            (torch.float32, (1, 6, 2, 33, 21, 32), True, False, None, 4.0, True),
+            (torch.float16, (1, 4, 1, 45, 45, 128), True, True, None, None, True),
+            (torch.bfloat16, (1, 2, 2, 29, 61, 96), False, False, 5.0, None, True),
+        ]
+        for device in DEVICES:
+            for dtype, (b, hq, hkv, sq, sk, d), is_causal, bottom_right, cap, alibi, with_sinks in cases:
+                what = f"{device} {dtype} [{b},{hq},{hkv},{sq},{sk},{d}] cap={cap} alibi={alibi} sinks={with_sinks}"
+                with self.subTest(what):
+                    g = torch.Generator().manual_seed(len(what))
+                    make = lambda h, s: torch.randn(b, h, s, d, generator=g)
+                    q64, k64, v64, do64 = make(hq, sq), make(hkv, sk), make(hkv, sk), make(hq, sq)
+                    sinks64 = torch.randn(hq, generator=g) + 1.0 if with_sinks else None
+                    mask = reference_mask(sq, sk, is_causal, bottom_right, None)
+                    results = {}
+                    for name, t in (("truth", torch.float64), ("plain", dtype)):
+                        q, k, v = (leaf(x, t) for x in (q64, k64, v64))
+                        sinks = None if sinks64 is None else leaf(sinks64, torch.float64)
+                        o = modified_attention(q, k, v, mask, cap, alibi, sinks)
+                        o.backward(do64.to(t))
+                        results[name] = (o, q.grad, k.grad, v.grad) + ((sinks.grad,) if with_sinks else ())
+                    q, k, v = (leaf(x, dtype, device) for x in (q64, k64, v64))
+                    sinks = None if sinks64 is None else leaf(sinks64, torch.float32, device)
+                    o = ra.attention(q, k, v, is_causal=is_causal, enable_gqa=hq != hkv, softcap=cap, alibi=alibi,
+                                     sinks=sinks, causal_alignment="bottom-right" if bottom_right else "top-left")
+                    o.backward(do64.to(dtype).to(device))
+                    ours = (o, q.grad, k.grad, v.grad) + ((sinks.grad,) if with_sinks else ())
+                    for name, x, plain, truth in zip(("O", "dQ", "dK", "dV", "dSinks"), ours, results["plain"],
+                                                     results["truth"]):
+                        # dSinks sums dO·O over whole rows, and the kernels take that sum (D) from
+                        # the O they rounded to the inputs' dtype, a rounding the plain autograd
+                        # does not do: twice the floor there.
+                        bound = 2 * rel(plain, truth) + FLOOR[dtype] * (2 if name == "dSinks" else 1)
+                        self.assertLessEqual(rel(x.cpu(), truth), bound, f"{what}: {name}")
+
     def test_lse(self):
         for device in DEVICES:
             q, k, v = (torch.randn(1, 2, 30, 64, device=device) for _ in range(3))
@@ -153,6 +231,12 @@ class Cases(unittest.TestCase):
             ra.attention(torch.randn(1, 2, 8, 300), torch.randn(1, 2, 8, 300), torch.randn(1, 2, 8, 300))
         with self.assertRaisesRegex(ValueError, "window"):
             ra.attention(q, q, q, window=(-2, 0))
+        with self.assertRaisesRegex(ValueError, "softcap"):
+            ra.attention(q, q, q, softcap=-1.0)
+        with self.assertRaisesRegex(ValueError, "sinks"):
+            ra.attention(q, q, q, sinks=torch.zeros(3))
+        with self.assertRaisesRegex(ValueError, "together|both"):
+            ra.attention(q, q, q, softcap=30.0, alibi=True)
 
     def test_compile(self):
         for device in DEVICES:

@@ -81,8 +81,7 @@ impl Context {
     /// [`GpuProfile::ENV`], [`Error::Unsupported`] when it asks for `sm90a` off
     /// Hopper, [`Error::Driver`] otherwise.
     pub fn new(ordinal: usize) -> Result<Self> {
-        // SAFETY: only tries to open the library; no CUDA call is made.
-        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        if !driver_present() {
             return Err(Error::NoDriver);
         }
         let count = CudaContext::device_count().during("counting CUDA devices")?.max(0) as usize;
@@ -689,4 +688,20 @@ fn pool_attribute(
     };
     result.during("accessing the memory pool's usage counters")?;
     Ok(data)
+}
+
+/// Whether libcuda can be used. With cudarc's `dynamic-loading` (this crate's feature of that
+/// name) it is opened at run time, so a machine without a driver must be told apart before the
+/// first call (cudarc would panic on it); with `dynamic-linking` or `static-linking`, the final
+/// crate's choice, the program would not have started without it.
+fn driver_present() -> bool {
+    #[cfg(feature = "dynamic-loading")]
+    {
+        // SAFETY: only tries to open the library; no CUDA call is made.
+        unsafe { cudarc::driver::sys::is_culib_present() }
+    }
+    #[cfg(not(feature = "dynamic-loading"))]
+    {
+        true
+    }
 }

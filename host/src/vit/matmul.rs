@@ -55,7 +55,9 @@ impl Matmul {
     /// cannot be loaded (the message says where it was looked for) or the handle cannot be made.
     pub fn cublas(ctx: &Context) -> Result<Self> {
         let stream = ctx.cuda_stream().ok_or(Error::NotOnEmulator("cuBLAS"))?.clone();
-        // SAFETY: only tries to open the library; `CudaBlas::new` would panic without it.
+        // SAFETY: only tries to open the library; `CudaBlas::new` would panic without it. (Linked
+        // rather than loaded, the library was there when the program started.)
+        #[cfg(feature = "dynamic-loading")]
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err(Error::Cublas(missing_library_message()));
         }
@@ -151,6 +153,7 @@ fn linear_cublas(
 }
 
 /// Why cuBLAS is missing and what to do, naming any copy of the library in the usual places.
+#[cfg(feature = "dynamic-loading")]
 fn missing_library_message() -> String {
     let tried = cudarc::get_lib_name_candidates("cublas");
     let mut dirs: Vec<std::path::PathBuf> = ["CUDA_HOME", "CUDA_PATH"]

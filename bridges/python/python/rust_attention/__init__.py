@@ -9,7 +9,8 @@ these kernels cover: CUDA tensors (or CPU tensors, run on the kernels' CPU emula
 tests) of float32, float16 or bfloat16, Q `[B, Hq, Sq, D]` and K, V `[B, Hkv, Sk, D]` (or all
 `[B, S, H, D]` with `layout="bshd"`), head_dim 1 to 256, a causal mask aligned top-left (PyTorch's
 `is_causal`) or bottom-right (FlashAttention's), grouped-query attention with `enable_gqa=True`,
-a sliding window, and a deterministic backward. There is no dropout and no `attn_mask`.
+a sliding window, logit softcapping, ALiBi, attention sinks (with their gradient), and a
+deterministic backward. There is no dropout and no `attn_mask`.
 
 Under it are two `torch.library` custom ops, `rust_attention::forward` (O and the logsumexp) and
 `rust_attention::backward` (dQ, dK, dV), with an autograd formula and fake (meta) kernels, so
@@ -18,6 +19,7 @@ current CUDA stream and write into tensors from PyTorch's allocator (the kernels
 an `f32` row statistic and dQ accumulator, comes from the CUDA driver's stream-ordered pool).
 """
 import math
+from typing import Optional
 
 import torch
 
@@ -53,22 +55,31 @@ def _sizes(q, k):
     return (b, hq, k.shape[1], sq, k.shape[2], d)
 
 
+def _address(t):
+    """The data pointer of an optional tensor, 0 for none."""
+    return 0 if t is None else t.data_ptr()
+
+
 @torch.library.custom_op("rust_attention::forward", mutates_args=())
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bottom_right: bool, window_left: int,
-    window_right: int, scale: float, deterministic: bool,
+    window_right: int, scale: float, deterministic: bool, softcap: float, alibi: float, sinks: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O `[B, Hq, Sq, D]` and LSE `[B, Hq, Sq]` (float32) of BHSD Q, K, V (`deterministic` is for the backward)."""
+    """O `[B, Hq, Sq, D]` and LSE `[B, Hq, Sq]` (float32) of BHSD Q, K, V (`deterministic` is for the
+    backward; `softcap`, `alibi` 0 for none; `sinks` `[Hq]` float32 or None)."""
     q, k, v = _ready(q), _ready(k), _ready(v)
+    sinks = None if sinks is None else _ready(sinks)
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     _native.forward(_device_index(q), _stream(q), _DTYPES[q.dtype], _sizes(q, k), q.data_ptr(), k.data_ptr(),
-                    v.data_ptr(), o.data_ptr(), lse.data_ptr(), causal, bottom_right, window_left, window_right, scale)
+                    v.data_ptr(), o.data_ptr(), lse.data_ptr(), causal, bottom_right, window_left, window_right, scale,
+                    softcap, alibi, _address(sinks))
     return o, lse
 
 
 @_forward.register_fake
-def _forward_fake(q, k, v, causal, bottom_right, window_left, window_right, scale, deterministic):
+def _forward_fake(q, k, v, causal, bottom_right, window_left, window_right, scale, deterministic, softcap, alibi,
+                  sinks):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -76,42 +87,48 @@ def _forward_fake(q, k, v, causal, bottom_right, window_left, window_right, scal
 def _backward(
     d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     causal: bool, bottom_right: bool, window_left: int, window_right: int, scale: float, deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV of the forward above for dO (O's shape)."""
+    softcap: float, alibi: float, sinks: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of the forward above for dO (O's shape), and dSinks (`[Hq]` float32; empty without sinks)."""
     d_o, q, k, v, o, lse = (_ready(t) for t in (d_o, q, k, v, o, lse))
+    sinks = None if sinks is None else _ready(sinks)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    d_sinks = torch.empty(0 if sinks is None else q.shape[1], dtype=torch.float32, device=q.device)
     _native.backward(_device_index(q), _stream(q), _DTYPES[q.dtype], _sizes(q, k), q.data_ptr(), k.data_ptr(),
                      v.data_ptr(), o.data_ptr(), lse.data_ptr(), d_o.data_ptr(), dq.data_ptr(), dk.data_ptr(),
-                     dv.data_ptr(), causal, bottom_right, window_left, window_right, deterministic, scale)
-    return dq, dk, dv
+                     dv.data_ptr(), causal, bottom_right, window_left, window_right, deterministic, scale, softcap,
+                     alibi, _address(sinks), 0 if sinks is None else d_sinks.data_ptr())
+    return dq, dk, dv, d_sinks
 
 
 @_backward.register_fake
-def _backward_fake(d_o, q, k, v, o, lse, causal, bottom_right, window_left, window_right, scale, deterministic):
+def _backward_fake(d_o, q, k, v, o, lse, causal, bottom_right, window_left, window_right, scale, deterministic,
+                   softcap, alibi, sinks):
     like = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)
-    return like(q), like(k), like(v)
+    return like(q), like(k), like(v), q.new_empty(0 if sinks is None else q.shape[1], dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, bottom_right, window_left, window_right, scale, deterministic = inputs
+    q, k, v, causal, bottom_right, window_left, window_right, scale, deterministic, softcap, alibi, sinks = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.save_for_backward(q, k, v, o, lse, sinks)
     ctx.mask = (causal, bottom_right, window_left, window_right)
-    ctx.scale, ctx.deterministic = scale, deterministic
+    ctx.scale, ctx.deterministic, ctx.score = scale, deterministic, (softcap, alibi)
     ctx.mark_non_differentiable(lse)
 
 
 def _autograd_backward(ctx, d_o, _d_lse):
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = _backward(d_o, q, k, v, o, lse, *ctx.mask, ctx.scale, ctx.deterministic)
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, o, lse, sinks = ctx.saved_tensors
+    dq, dk, dv, d_sinks = _backward(d_o, q, k, v, o, lse, *ctx.mask, ctx.scale, ctx.deterministic, *ctx.score, sinks)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, (None if sinks is None else d_sinks)
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def attention(q, k, v, *, is_causal=False, causal_alignment="top-left", scale=None, enable_gqa=False,
-              layout="bhsd", window=None, deterministic=None, return_lse=False):
+              layout="bhsd", window=None, deterministic=None, return_lse=False, softcap=None, alibi=None,
+              sinks=None):
     """Scaled dot-product attention on our kernels: softmax(Q Kᵀ · scale) V.
 
     Args:
@@ -132,6 +149,14 @@ def attention(q, k, v, *, is_causal=False, causal_alignment="top-left", scale=No
             `None` follows `torch.are_deterministic_algorithms_enabled()`.
         return_lse: also return the logsumexp of each score row, `[B, Hq, Sq]` float32 (natural
             log; -inf for a row that sees no key), which is not differentiable.
+        softcap: `cap` for logit softcapping, `cap * tanh(s / cap)` on each scaled score (Gemma 2's
+            50, Grok's 30); `None` for none.
+        alibi: ALiBi's linear biases, `s - slope_h * |i + Sk - Sq - j|` with the paper's slopes per
+            query head: `True` (max_bias 8, as the paper, BLOOM and MPT) or a `max_bias`; not
+            together with `softcap`.
+        sinks: attention sinks (GPT-OSS), a tensor of `Hq` logits (natural log, not scaled) that
+            join every row's softmax with no value; differentiable (its gradient is float32, cast
+            to the tensor's dtype by autograd).
 
     Returns:
         O in Q's layout, dtype and device (and the LSE with `return_lse`). Its backward runs our
@@ -171,9 +196,19 @@ def attention(q, k, v, *, is_causal=False, causal_alignment="top-left", scale=No
         left, right = (-1 if w is None else int(w) for w in window)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
+    cap = 0.0 if softcap is None else float(softcap)
+    if softcap is not None and not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"softcap must be a positive finite number, not {softcap!r}")
+    max_bias = 0.0 if alibi is None or alibi is False else 8.0 if alibi is True else float(alibi)
+    if alibi not in (None, False, True) and not (math.isfinite(max_bias) and max_bias > 0):
+        raise ValueError(f"alibi must be True or a positive finite max_bias, not {alibi!r}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.shape != (hq,) or sinks.device != q.device:
+            raise ValueError(f"sinks must be a tensor of shape ({hq},) (one per query head) on q's device")
+        sinks = sinks.float()
     bottom_right = causal_alignment == "bottom-right"
     o, lse = torch.ops.rust_attention.forward(q, k, v, bool(is_causal), bottom_right, left, right, scale,
-                                              bool(deterministic))
+                                              bool(deterministic), cap, max_bias, sinks)
     if layout == "bshd":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o

@@ -1,0 +1,211 @@
+//! The candle bridge against attention written with candle's own ops: O and, through candle's
+//! autograd, dQ, dK and dV, on CPU tensors (the kernels' emulator) and, with the `cuda` feature
+//! and a GPU, on CUDA tensors.
+//!
+//! The oracle, as in the project's other tests: the float64 computation is the truth; our error
+//! must be within about twice that of the same computation in the inputs' precision (a plain
+//! attention: scores and P in the inputs' dtype, the softmax in f32), plus a floor for errors at
+//! rounding level. A GPU test that finds no GPU prints a skip line; `REQUIRE_GPU=1` makes it fail.
+
+use attn_candle::{Causal, FlashAttention, TensorLayout};
+use candle_core::{DType, Device, Tensor, Var};
+
+/// One case: `[B, Hq, Hkv, Sq, Sk, D]`, the mask, the window, the layout.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    sizes: [usize; 6],
+    causal: Causal,
+    window: Option<(Option<usize>, Option<usize>)>,
+    layout: TensorLayout,
+}
+
+const CASES: [Case; 5] = [
+    Case { sizes: [1, 2, 2, 37, 37, 64], causal: Causal::None, window: None, layout: TensorLayout::Bshd },
+    Case { sizes: [2, 4, 2, 29, 45, 64], causal: Causal::BottomRight, window: None, layout: TensorLayout::Bshd },
+    Case { sizes: [1, 3, 1, 40, 40, 40], causal: Causal::TopLeft, window: None, layout: TensorLayout::Bhsd },
+    Case {
+        sizes: [1, 2, 2, 50, 50, 64],
+        causal: Causal::BottomRight,
+        window: Some((Some(7), Some(0))),
+        layout: TensorLayout::Bshd,
+    },
+    Case {
+        sizes: [1, 2, 1, 17, 33, 128],
+        causal: Causal::None,
+        window: Some((Some(5), Some(3))),
+        layout: TensorLayout::Bhsd,
+    },
+];
+
+/// Which query/key pairs a case's mask lets through (bottom-right windows, as the bridge's).
+fn visible(case: &Case, i: usize, j: usize) -> bool {
+    let [_, _, _, sq, sk, _] = case.sizes;
+    if !case.causal.visible(i, j, sq, sk) {
+        return false;
+    }
+    let diagonal = (i + sk) as i64 - sq as i64;
+    match case.window {
+        None => true,
+        Some((left, right)) => {
+            left.is_none_or(|l| j as i64 >= diagonal - l as i64)
+                && right.is_none_or(|r| j as i64 <= diagonal + r as i64)
+        }
+    }
+}
+
+fn relative_error(ours: &Tensor, truth: &Tensor) -> candle_core::Result<f64> {
+    let (ours, truth) = (ours.to_dtype(DType::F64)?, truth.to_dtype(DType::F64)?);
+    let norm = truth.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
+    let diff = (ours - &truth)?.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
+    Ok(if norm > 0.0 { diff / norm } else { diff })
+}
+
+fn floor(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-5,
+        DType::F16 => 2e-3,
+        _ => 1.5e-2,
+    }
+}
+
+/// O, dQ, dK, dV of `attention` on BHSD `q`, `k`, `v` (in the case's layout for the call) for
+/// the upstream gradient `d_o`, through candle's autograd.
+fn run(
+    attention: &dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    inputs: [&Tensor; 4],
+    layout: TensorLayout,
+) -> candle_core::Result<[Tensor; 4]> {
+    let to_layout = |t: &Tensor| match layout {
+        TensorLayout::Bshd => t.transpose(1, 2)?.contiguous(),
+        TensorLayout::Bhsd => Ok(t.clone()),
+    };
+    let [q, k, v, d_o] = inputs;
+    let (q, k, v) =
+        (Var::from_tensor(&to_layout(q)?)?, Var::from_tensor(&to_layout(k)?)?, Var::from_tensor(&to_layout(v)?)?);
+    let o = attention(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
+    let loss = (o.to_dtype(DType::F64)? * to_layout(d_o)?.to_dtype(DType::F64)?)?.sum_all()?;
+    let grads = loss.backward()?;
+    let grad =
+        |var: &Var| grads.get(var.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no gradient".into()));
+    let back = |t: Tensor| match layout {
+        TensorLayout::Bshd => t.transpose(1, 2)?.contiguous(),
+        TensorLayout::Bhsd => Ok(t),
+    };
+    Ok([back(o)?, back(grad(&q)?)?, back(grad(&k)?)?, back(grad(&v)?)?])
+}
+
+/// Every case in `dtype` on `device`: ours against the f64 truth, within twice the plain
+/// same-precision attention's error plus the floor.
+fn check_cases(device: &Device, dtype: DType) -> candle_core::Result<()> {
+    for (n, case) in CASES.iter().enumerate() {
+        let [b, hq, hkv, sq, sk, d] = case.sizes;
+        let scale = 1.0 / (d as f64).sqrt();
+        let seed = |s: u64| -> candle_core::Result<Tensor> {
+            let shape = if s == 0 || s == 3 { (b, hq, sq, d) } else { (b, hkv, sk, d) };
+            let values = attn_host::check::random_normal(shape.0 * shape.1 * shape.2 * shape.3, 100 * n as u64 + s);
+            Tensor::from_vec(values, shape, device)?.to_dtype(dtype)
+        };
+        let (q, k, v, d_o) = (seed(0)?, seed(1)?, seed(2)?, seed(3)?);
+        let mut attention = FlashAttention::new().scale(scale as f32).mask(case.causal).layout(case.layout);
+        if let Some((left, right)) = case.window {
+            attention = attention.window(left, right);
+        }
+        let ours = run(&|q, k, v| attention.forward(q, k, v), [&q, &k, &v, &d_o], case.layout)?;
+        let f64s = [&q, &k, &v, &d_o].map(|t| t.to_dtype(DType::F64).unwrap());
+        let truth = run(
+            &|q, k, v| attn_candle::plain_attention(q, k, v, scale, |i, j| visible(case, i, j)),
+            [&f64s[0], &f64s[1], &f64s[2], &f64s[3]],
+            TensorLayout::Bhsd,
+        )?;
+        let same = run(
+            &|q, k, v| attn_candle::plain_attention(q, k, v, scale, |i, j| visible(case, i, j)),
+            [&q, &k, &v, &d_o],
+            TensorLayout::Bhsd,
+        )?;
+        for (i, name) in ["O", "dQ", "dK", "dV"].iter().enumerate() {
+            assert_eq!(ours[i].dims(), truth[i].dims(), "{name} of {case:?}");
+            assert_eq!(ours[i].dtype(), dtype, "{name} of {case:?}");
+            let (error, plain_error) = (relative_error(&ours[i], &truth[i])?, relative_error(&same[i], &truth[i])?);
+            let bound = 2.0 * plain_error + floor(dtype);
+            println!("{device:?} {dtype:?} {case:?} {name}: ours {error:.2e}, plain {plain_error:.2e}");
+            assert!(error <= bound, "{name} of {case:?} in {dtype:?}: error {error:.3e} > {bound:.3e}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn cpu_tensors_match_plain_attention_forward_and_backward() -> candle_core::Result<()> {
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        check_cases(&Device::Cpu, dtype)?;
+    }
+    Ok(())
+}
+
+/// The GPU, or `None` after a visible skip line (a failure with `REQUIRE_GPU=1`).
+fn gpu(test: &str) -> Option<Device> {
+    let required = std::env::var("REQUIRE_GPU").is_ok_and(|v| v == "1");
+    match Device::new_cuda(0) {
+        Ok(device) if device.is_cuda() => Some(device),
+        other => {
+            let why = match other {
+                Err(e) => e.to_string(),
+                Ok(_) => "candle was built without its `cuda` feature".into(),
+            };
+            assert!(!required, "REQUIRE_GPU=1, but {test} found no GPU: {why}");
+            // Straight to stderr in one write: the harness captures `println!`, and a skip must
+            // be visible in a normal `cargo test` run.
+            let line = format!("{test}: skipped: no CUDA device ({why}); REQUIRE_GPU=1 makes this fail\n");
+            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+            None
+        }
+    }
+}
+
+#[test]
+fn cuda_tensors_match_plain_attention_forward_and_backward() -> candle_core::Result<()> {
+    let Some(device) = gpu("cuda_tensors_match_plain_attention_forward_and_backward") else { return Ok(()) };
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        check_cases(&device, dtype)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn flash_attn_is_candle_flash_attns_call() -> candle_core::Result<()> {
+    // candle_flash_attn::flash_attn(q, k, v, softmax_scale, causal): BSHD, bottom-right causal.
+    let device = Device::Cpu;
+    let (b, sq, sk, h, d) = (1, 9, 21, 2, 32);
+    let q = Tensor::from_vec(attn_host::check::random_normal(b * sq * h * d, 7), (b, sq, h, d), &device)?;
+    let k = Tensor::from_vec(attn_host::check::random_normal(b * sk * h * d, 8), (b, sk, h, d), &device)?;
+    let v = Tensor::from_vec(attn_host::check::random_normal(b * sk * h * d, 9), (b, sk, h, d), &device)?;
+    let ours = attn_candle::flash_attn(&q, &k, &v, 0.3, true)?;
+    let same = FlashAttention::new().scale(0.3).mask(Causal::BottomRight).forward(&q, &k, &v)?;
+    assert_eq!(ours.dims(), &[b, sq, h, d]);
+    assert_eq!(relative_error(&ours, &same)?, 0.0);
+    let windowed = attn_candle::flash_attn_windowed(&q, &k, &v, 0.3, None, Some(0))?;
+    assert_eq!(relative_error(&windowed, &ours)?, 0.0, "window (None, Some(0)) is causal");
+    Ok(())
+}
+
+#[test]
+fn bad_inputs_are_errors_that_say_why() -> candle_core::Result<()> {
+    let device = Device::Cpu;
+    let t = |shape: &[usize], dtype: DType| Tensor::zeros(shape, dtype, &device);
+    let message = |r: candle_core::Result<Tensor>| r.err().map(|e| e.to_string()).unwrap_or_default();
+    let q = t(&[1, 8, 2, 64], DType::F32)?;
+    let error = message(attn_candle::flash_attn(&t(&[8, 2, 64], DType::F32)?, &q, &q, 1.0, false));
+    assert!(error.contains("4-dimensional"), "{error}");
+    let error = message(attn_candle::flash_attn(&q, &t(&[1, 8, 2, 64], DType::F16)?, &q, 1.0, false));
+    assert!(error.contains("one dtype"), "{error}");
+    let q64 = t(&[1, 8, 2, 64], DType::F64)?;
+    let error = message(attn_candle::flash_attn(&q64, &q64, &q64, 1.0, false));
+    assert!(error.contains("f32, f16 and bf16"), "{error}");
+    let k3 = t(&[1, 8, 3, 64], DType::F32)?;
+    assert!(attn_candle::flash_attn(&q, &k3, &k3, 1.0, false).is_err(), "3 K/V heads do not divide 2 Q heads");
+    let wide = t(&[1, 8, 2, 300], DType::F32)?;
+    assert!(!message(attn_candle::flash_attn(&wide, &wide, &wide, 1.0, false)).is_empty(), "head_dim 300");
+    let error = message(FlashAttention::new().scale(f32::NAN).forward(&q, &q, &q));
+    assert!(!error.is_empty(), "a NaN scale");
+    Ok(())
+}
