@@ -2,9 +2,9 @@
 //! our kernels (`attn_candle::flash_attn`, forward and backward) and once with attention written
 //! in candle's own ops (`attn_candle::plain_attention`). The loss curves should agree to rounding.
 //!
-//!     cargo run --release --example train                      # CPU tensors: the kernels' emulator
-//!     cargo run --release --example train -- --steps 300       # more steps
-//!     (GPU: the `cuda` build, see bridges/candle/README.md; it runs on CUDA when it finds a GPU)
+//!     cargo run --release --example train                      # CPU tensors: the kernels' emulator (30 steps, ~3 min)
+//!     cargo run --release --example train -- --steps 100       # more steps
+//!     (GPU: the `cuda` build, see docs/candle.md; there it runs on CUDA, 300 steps by default)
 //!
 //! The task: predict the token one position back (target t = token t − 1), which one causal
 //! attention layer with learned positions solves by attending to the previous position. The loss
@@ -149,11 +149,13 @@ fn train(device: &Device, steps: usize, flash: bool) -> candle_core::Result<Vec<
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
-    let steps = match args.iter().position(|a| a == "--steps") {
-        Some(i) => args.get(i + 1).ok_or("--steps takes a number")?.parse()?,
-        None => 100,
+    let steps: Option<usize> = match args.iter().position(|a| a == "--steps") {
+        Some(i) => Some(args.get(i + 1).ok_or("--steps takes a number")?.parse()?),
+        None => None,
     };
     let device = Device::cuda_if_available(0)?;
+    // The emulator runs a GPU thread per OS thread: fewer steps there by default.
+    let steps = steps.unwrap_or(if device.is_cuda() { 300 } else { 30 });
     println!("device: {device:?} ({} steps, batch {BATCH} × {SEQLEN} tokens, {HEADS} heads of {HEAD_DIM})", steps);
     let ours = train(&device, steps, true)?;
     let plain = train(&device, steps, false)?;

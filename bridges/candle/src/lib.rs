@@ -227,11 +227,11 @@ impl FlashAttention {
     /// Q's shape, layout and dtype. On CUDA tensors the work is queued on the device's stream.
     ///
     /// # Errors
-    /// A tensor that is not 4-dimensional; dtypes other than one of `f32`, `f16`, `bf16` for all
-    /// three; tensors on different devices; shapes that do not fit together (K and V differ,
-    /// batch or head_dim differ from Q's, the K/V heads do not divide Q's), head_dim above 256,
-    /// a non-finite scale or bad softcap/ALiBi values ([`attn_host::Error`], wrapped); a Metal
-    /// device; a CUDA failure.
+    /// `candle_core::Error::Msg` for a tensor that is not 4-dimensional, dtypes other than one of
+    /// `f32`, `f16`, `bf16` for all three, tensors on different devices, and shapes that do not
+    /// fit together (K and V differ, batch or head_dim differ from Q's, the K/V heads do not
+    /// divide Q's); [`attn_host::Error`], wrapped, for head_dim above 256, a non-finite scale or
+    /// bad softcap/ALiBi values; candle's own errors for a Metal device or a CUDA failure.
     pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
         for (name, t) in [("q", q), ("k", k), ("v", v)] {
             if t.rank() != 4 {
@@ -258,8 +258,15 @@ impl FlashAttention {
             TensorLayout::Bhsd => Ok(t.clone()),
         };
         let (q, k, v) = (kernel_ready(&to_bhsd(q)?)?, kernel_ready(&to_bhsd(k)?)?, kernel_ready(&to_bhsd(v)?)?);
-        // The shapes and options are checked here, before candle allocates anything.
-        AttentionShape::from_qkv_allowing_empty(q.dims(), k.dims(), v.dims()).map_err(|e| wrap(e.into()))?;
+        // The shapes are checked here, before candle allocates anything, and named in the
+        // caller's layout.
+        if let Err(e) = AttentionShape::from_qkv_allowing_empty(q.dims(), k.dims(), v.dims()) {
+            let order = match self.layout {
+                TensorLayout::Bshd => "[batch, heads, seqlen, head_dim] order, after transposing the BSHD inputs",
+                TensorLayout::Bhsd => "[batch, heads, seqlen, head_dim] order",
+            };
+            candle_core::bail!("attn_candle: {e} (shapes in {order})");
+        }
         let o = q.apply_op3(&k, &v, AttentionOp { options: *self, lse: Mutex::new(None) })?;
         match self.layout {
             TensorLayout::Bshd => o.transpose(1, 2),

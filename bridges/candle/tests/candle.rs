@@ -203,6 +203,9 @@ fn bad_inputs_are_errors_that_say_why() -> candle_core::Result<()> {
     assert!(error.contains("f32, f16 and bf16"), "{error}");
     let k3 = t(&[1, 8, 3, 64], DType::F32)?;
     assert!(attn_candle::flash_attn(&q, &k3, &k3, 1.0, false).is_err(), "3 K/V heads do not divide 2 Q heads");
+    let narrow = t(&[1, 8, 2, 16], DType::F32)?;
+    let error = message(attn_candle::flash_attn(&q, &narrow, &narrow, 1.0, false));
+    assert!(error.contains("head_dim") && error.contains("after transposing the BSHD inputs"), "{error}");
     let wide = t(&[1, 8, 2, 300], DType::F32)?;
     assert!(!message(attn_candle::flash_attn(&wide, &wide, &wide, 1.0, false)).is_empty(), "head_dim 300");
     let error = message(FlashAttention::new().scale(f32::NAN).forward(&q, &q, &q));

@@ -436,13 +436,7 @@ fn run_case(
     let inputs = Inputs::new(ctx, &shape)?;
     let [q, k, v, d_o] = &inputs.device;
     let part = CheckedPart::new(&inputs.host, &shape);
-    let params = cpu::Params {
-        scale: options.scale_for(shape.head_dim) as f64,
-        causal: case.causal,
-        window: None,
-        score: Default::default(),
-        sinks: None,
-    };
+    let params = cpu::Params::of(&options, shape.head_dim);
     let forward_ref = cpu::attention(&part.q, &part.k, &part.v, &part.shape, params)?;
     let backward_ref = cpu::attention_backward(&part.q, &part.k, &part.v, &part.d_o, &part.shape, params)?;
 
@@ -605,13 +599,7 @@ fn tensor_core_rows<T: Element>(
         let device: Vec<DeviceTensor<T>> =
             (0..4).map(|i| ctx.upload(&from_f32_slice::<T>(&rounded[i]), &shapes[i])).collect::<Result<_>>()?;
         let (q, k, v, d_o) = (&device[0], &device[1], &device[2], &device[3]);
-        let params = cpu::Params {
-            scale: options.scale_for(shape.head_dim) as f64,
-            causal: case.causal,
-            window: None,
-            score: Default::default(),
-            sinks: None,
-        };
+        let params = cpu::Params::of(&options, shape.head_dim);
         let forward_ref = cpu::attention(&part.q, &part.k, &part.v, &part.shape, params)?;
         let backward_ref = cpu::attention_backward(&part.q, &part.k, &part.v, &part.d_o, &part.shape, params)?;
         let time = |work: &mut dyn FnMut() -> Result<()>| median_ms(ctx, (warmup, repeats), work);
@@ -735,14 +723,10 @@ fn run_cpu_only(args: &Args, cases: &[Case]) -> Result<()> {
         let q = random_normal(q_shape.iter().product(), 1);
         let k = random_normal(kv_shape.iter().product(), 2);
         let v = random_normal(kv_shape.iter().product(), 3);
-        let params = cpu::Params {
-            scale: AttentionOptions { scale: args.scale, causal: case.causal, ..Default::default() }
-                .scale_for(shape.head_dim) as f64,
-            causal: case.causal,
-            window: None,
-            score: Default::default(),
-            sinks: None,
-        };
+        let params = cpu::Params::of(
+            &AttentionOptions { scale: args.scale, causal: case.causal, ..Default::default() },
+            shape.head_dim,
+        );
         let tile = args.tile(DType::F32, shape.head_dim, case.causal, Pass::Forward);
         let start = Instant::now();
         let plain = cpu::attention(&q, &k, &v, &shape, params)?;
