@@ -39,7 +39,7 @@
 
 use std::sync::Mutex;
 
-use attn_host::{AttentionOptions, AttentionShape, Context, DeviceTensor, DqAccumulation, Element, bf16, f16};
+use attn_host::{AttentionOptions, AttentionShape, Context, DeviceTensor, Element, bf16, f16};
 pub use attn_host::{Causal, SlidingWindow};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, D, DType, Device, Layout, Shape, Storage, Tensor, WithDType};
@@ -355,20 +355,6 @@ fn host_slice<'a, T: KernelType>(storage: &'a CpuStorage, layout: &Layout) -> ca
     Ok(&storage.as_slice::<T>()?[start..start + layout.shape().elem_count()])
 }
 
-/// The dQ mode and the tiles a call with these options runs (as `Context::attention` picks them).
-fn backward_plan(
-    ctx: &Context,
-    dtype: attn_host::DType,
-    options: &AttentionOptions,
-    head_dim: usize,
-) -> (attn_host::TileConfig, DqAccumulation) {
-    let dq = match options.deterministic {
-        true => DqAccumulation::Deterministic,
-        false => ctx.dq_accumulation_for(dtype, head_dim),
-    };
-    (ctx.default_backward_tile(dtype, head_dim, dq), dq)
-}
-
 impl AttentionOp {
     fn save(&self, lse: SavedLse) {
         *self.lse.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(lse);
@@ -409,7 +395,7 @@ impl AttentionOp {
             _ => candle_core::bail!("attn_candle: the backward ran before its forward"),
         };
         let options = self.options.options();
-        let (tile, dq_mode) = backward_plan(&ctx, <T as Element>::DTYPE, &options, q.shape()[3]);
+        let (tile, dq_mode) = ctx.default_backward_plan(<T as Element>::DTYPE, q.shape()[3], options.deterministic);
         let grads = ctx.flash_attention_backward(&q, &k, &v, &o, &lse, &d_o, &options, tile, dq_mode).map_err(wrap)?;
         let host = |t: DeviceTensor<T>| Tensor::from_vec(t.to_host().map_err(wrap)?, t.shape(), &Device::Cpu);
         Ok([host(grads.dq)?, host(grads.dk)?, host(grads.dv)?])
@@ -525,7 +511,7 @@ mod cuda {
                 _ => candle_core::bail!("attn_candle: the backward ran before its forward"),
             };
             let options = self.options.options();
-            let (tile, dq_mode) = backward_plan(&ctx, <T as Element>::DTYPE, &options, q.shape()[3]);
+            let (tile, dq_mode) = ctx.default_backward_plan(<T as Element>::DTYPE, q.shape()[3], options.deterministic);
             let grads =
                 ctx.flash_attention_backward(&q, &k, &v, &o, &lse, &d_o, &options, tile, dq_mode).map_err(wrap)?;
             let tensor = |t: DeviceTensor<T>| -> candle_core::Result<Tensor> {

@@ -18,8 +18,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use attn_host::{
-    Alibi, AttentionOptions, AttentionOutput, AttentionShape, Causal, Context, DType, DeviceTensor, DqAccumulation,
-    Element, Error, Gradients, SlidingWindow, bf16, f16,
+    Alibi, AttentionOptions, AttentionOutput, AttentionShape, Causal, Context, DType, DeviceTensor, Element, Error,
+    Gradients, SlidingWindow, bf16, f16,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -221,11 +221,7 @@ fn backward_typed<T: Element>(
         Some(sinks) => options.with_sinks(sinks),
         None => *options,
     };
-    let dq_mode = match options.deterministic {
-        true => DqAccumulation::Deterministic,
-        false => ctx.dq_accumulation_for(T::DTYPE, shape.head_dim),
-    };
-    let tile = ctx.default_backward_tile(T::DTYPE, shape.head_dim, dq_mode);
+    let (tile, dq_mode) = ctx.default_backward_plan(T::DTYPE, shape.head_dim, options.deterministic);
     ctx.flash_attention_backward_into(&q, &k, &v, &o, &lse, &d_o, &mut grads, &options, tile, dq_mode)
 }
 

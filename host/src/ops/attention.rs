@@ -7,7 +7,7 @@
 use super::{AttentionOutput, Gradients};
 use crate::dtype::Element;
 use crate::error::Result;
-use crate::problem::{AttentionOptions, AttentionShape, DqAccumulation};
+use crate::problem::{AttentionOptions, AttentionShape};
 use crate::runtime::{Context, DeviceTensor};
 
 /// The result of [`Context::attention`]: O and the logsumexp, and the inputs and options that
@@ -108,11 +108,7 @@ impl Context {
     ) -> Result<Gradients<T>> {
         let Attention { output, q, k, v, options } = forward;
         let head_dim = AttentionShape::from_qkv_allowing_empty(q.shape(), k.shape(), v.shape())?.head_dim;
-        let dq = match options.deterministic {
-            true => DqAccumulation::Deterministic,
-            false => self.dq_accumulation_for(T::DTYPE, head_dim),
-        };
-        let tile = self.default_backward_tile(T::DTYPE, head_dim, dq);
+        let (tile, dq) = self.default_backward_plan(T::DTYPE, head_dim, options.deterministic);
         self.flash_attention_backward(q, k, v, &output.o, &output.lse, d_o, options, tile, dq)
     }
 }

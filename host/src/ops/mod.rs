@@ -266,6 +266,23 @@ impl Context {
         self.target().backward_tile(dtype, head_dim, dq)
     }
 
+    /// The dQ mode and backward tile a backward with these options runs when none are given
+    /// ([`Context::attention_backward`], the bridges): [`DqAccumulation::Deterministic`] if
+    /// `deterministic`, else [`Context::dq_accumulation_for`]; the tile
+    /// [`Context::default_backward_tile`] of that mode.
+    pub fn default_backward_plan(
+        &self,
+        dtype: DType,
+        head_dim: usize,
+        deterministic: bool,
+    ) -> (TileConfig, DqAccumulation) {
+        let dq = match deterministic {
+            true => DqAccumulation::Deterministic,
+            false => self.dq_accumulation_for(dtype, head_dim),
+        };
+        (self.default_backward_tile(dtype, head_dim, dq), dq)
+    }
+
     /// A short name of the kernel [`Context::flash_attention_backward`] runs, for tables:
     /// `sm_90a m64_n128_s2`, `sm_80 m64_n128_s2` or `emulated m64_n128_s2`, with ` on d192`
     /// where the head_dim runs on a larger compiled one (see [`Context::forward_kernel_label`]).
