@@ -138,6 +138,59 @@ fn emulated_decoder_with_splits_pages_and_appends() {
     report("emulated_decoder_with_splits_pages_and_appends", 2 * cases.len() as u64);
 }
 
+/// The decoder with what models' decoding layers add: sliding windows (Mistral's causal one,
+/// one open on the right, one reaching past the keys), softcapping (Gemma 2), ALiBi (with GQA:
+/// each packed row its head's slope), attention sinks (GPT-OSS: with a window, on empty
+/// sequences, merged by the block with one split and by the merge kernel with several).
+#[test]
+fn emulated_decoder_with_windows_score_mods_and_sinks() {
+    use attn_host::{ScoreMod, SlidingWindow};
+    let ctx = emulator();
+    let mut cases = Vec::new();
+    let mut base = DecodeCase::simple(3, (8, 2), 3, 64, 0);
+    base.cached = vec![90, 0, 37];
+    base.capacity = 128;
+    base.causal = Causal::BottomRight;
+    for (window, splits) in [
+        (SlidingWindow::left(20), Some(1)),
+        (SlidingWindow::left(20), Some(3)),
+        (SlidingWindow::new(Some(5), None), Some(2)),
+        (SlidingWindow::new(Some(200), Some(1)), Some(1)),
+    ] {
+        cases.push(DecodeCase { window: Some(window), num_splits: splits, ..base.clone() });
+    }
+    cases.push(DecodeCase { score: ScoreMod::softcap(5.0), num_splits: Some(2), ..base.clone() });
+    cases.push(DecodeCase {
+        score: ScoreMod::alibi(attn_host::Alibi::standard()),
+        num_splits: Some(1),
+        ..base.clone()
+    });
+    for splits in [Some(1), Some(4)] {
+        cases.push(DecodeCase {
+            sinks: true,
+            window: Some(SlidingWindow::left(16)),
+            num_splits: splits,
+            ..base.clone()
+        });
+    }
+    let mut paged = DecodeCase { sinks: true, score: ScoreMod::softcap(30.0), ..base.clone() };
+    paged.page_size = Some(32);
+    paged.layout = attn_host::Layout::Bhsd;
+    paged.new_keys = 2;
+    paged.window = Some(SlidingWindow::left(40));
+    cases.push(paged);
+    // A +∞ sink takes every row's whole weight: O = 0 and LSE = +∞ (not NaN), with one split
+    // and with several; a −∞ sink is none.
+    for (value, splits) in [(f32::INFINITY, Some(1)), (f32::INFINITY, Some(3)), (f32::NEG_INFINITY, Some(2))] {
+        cases.push(DecodeCase { sinks: true, sink_value: Some(value), num_splits: splits, ..base.clone() });
+    }
+    for (i, case) in cases.iter().enumerate() {
+        check_decode::<attn_host::f16>(ctx, case, 70 + i as u64);
+        check_decode::<attn_host::bf16>(ctx, case, 90 + i as u64);
+    }
+    report("emulated_decoder_with_windows_score_mods_and_sinks", 2 * cases.len() as u64);
+}
+
 #[test]
 fn emulated_nan_and_infinity_reach_exactly_the_rows_that_see_them() {
     let ctx = emulator();
@@ -309,6 +362,38 @@ fn emulated_wide_head_backward_in_both_modes() {
         }
     }
     report("emulated_wide_head_backward_in_both_modes", cases);
+}
+
+/// The backward tiles that smaller GPUs get (their three kernels fit 99 KiB a block: an RTX
+/// 3090/4090 or an L4; at 256 also an A100's deterministic dQ kernel), exact and padded, in both
+/// dQ modes and both 16-bit formats: the tiles `Context::default_backward_tile` picks there.
+#[test]
+fn emulated_small_gpu_backward_tiles() {
+    let ctx = emulator();
+    let mut cases = 0;
+    for (head_dim, tile, seqlen_q, seqlen_k) in [
+        (128, (32, 64), 37, 70),
+        (104, (32, 64), 50, 21),
+        (192, (32, 32), 33, 45),
+        (168, (32, 32), 20, 37),
+        (256, (16, 32), 40, 17),
+        (232, (16, 32), 9, 70),
+    ] {
+        let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q, seqlen_k, head_dim };
+        let fwd = TileConfig::default_for_dtype(attn_host::DType::F16, head_dim);
+        let bwd = TileConfig::new(tile.0, tile.1).with_stages(2);
+        for mode in [DqAccumulation::Atomic, DqAccumulation::Deterministic] {
+            let causal = if cases % 2 == 0 { Causal::BottomRight } else { Causal::None };
+            let seed = 80 + cases;
+            if cases % 3 == 0 {
+                check16::<attn_host::bf16>(ctx, shape, fwd, Some((bwd, mode)), options(causal), seed, Inputs::Normal);
+            } else {
+                check16::<attn_host::f16>(ctx, shape, fwd, Some((bwd, mode)), options(causal), seed, Inputs::Normal);
+            }
+            cases += 1;
+        }
+    }
+    report("emulated_small_gpu_backward_tiles", cases);
 }
 
 /// The one-call API (`Context::attention`, `Context::attention_backward`) on the emulator: it

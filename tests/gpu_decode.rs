@@ -1,11 +1,12 @@
 //! The KV-cache decoder (level 10, `Context::attention_with_kv_cache`) on the GPU, against the
 //! float64 reference: the decoding shapes, every compiled head_dim and the ones between,
 //! paged and contiguous caches in both layouts, appends, bottom-right causal with several queries,
-//! empty and over-long sequences, forced and chosen split counts; and random cases.
+//! empty and over-long sequences, forced and chosen split counts, sliding windows, softcapping,
+//! ALiBi and attention sinks; and random cases.
 
 mod common;
 
-use attn_host::{Causal, Layout, bf16, f16};
+use attn_host::{Alibi, Causal, Layout, ScoreMod, SlidingWindow, bf16, f16};
 use common::decode::{DecodeCase, check_decode};
 use common::{gpu, gpu_proptest_config};
 use proptest::prelude::*;
@@ -82,6 +83,37 @@ fn decoder_appends_and_meets_the_edges() {
     check_decode::<f16>(ctx, &full, 401);
 }
 
+/// What models' decoding layers add, at their sizes: GPT-OSS (64 query heads over 8 K/V heads,
+/// a 128-token window and sinks on alternate layers), Gemma 2 (softcap 50, a 4096-token window,
+/// 16 over 8 heads at head_dim 256), Mistral (a 4096-token window over 8192 keys), BLOOM's ALiBi;
+/// split by the heuristic and by hand.
+#[test]
+fn decoder_runs_model_layers_with_windows_mods_and_sinks() {
+    let Some(ctx) = gpu("decoder_runs_model_layers_with_windows_mods_and_sinks") else { return };
+    let mut gpt_oss = DecodeCase::simple(4, (64, 8), 1, 64, 0);
+    gpt_oss.cached = vec![5000, 127, 3, 9000];
+    gpt_oss.capacity = 9216;
+    gpt_oss.page_size = Some(64);
+    gpt_oss.sinks = true;
+    check_decode::<bf16>(ctx, &gpt_oss, 501);
+    gpt_oss.window = Some(SlidingWindow::left(127));
+    check_decode::<bf16>(ctx, &gpt_oss, 502);
+    let mut gemma = DecodeCase::simple(2, (16, 8), 2, 256, 8192);
+    gemma.causal = Causal::BottomRight;
+    gemma.window = Some(SlidingWindow::left(4095));
+    gemma.score = ScoreMod::softcap(50.0);
+    check_decode::<bf16>(ctx, &gemma, 503);
+    let mut mistral = DecodeCase::simple(8, (32, 8), 1, 128, 8192);
+    mistral.window = Some(SlidingWindow::left(4095));
+    for splits in [None, Some(1), Some(16)] {
+        mistral.num_splits = splits;
+        check_decode::<f16>(ctx, &mistral, 504);
+    }
+    let mut bloom = DecodeCase::simple(2, (14, 14), 1, 64, 2000);
+    bloom.score = ScoreMod::alibi(Alibi::standard());
+    check_decode::<f16>(ctx, &bloom, 505);
+}
+
 prop_compose! {
     fn cases()(
         batch in 1usize..5,
@@ -96,6 +128,9 @@ prop_compose! {
         new_keys in 0usize..4,
         splits in prop::sample::select(vec![None, Some(1usize), Some(2), Some(7), Some(64)]),
         lengths in prop::collection::vec(0.0f64..=1.0, 4),
+        window in prop::option::of((0usize..300, prop::option::of(0usize..4))),
+        modification in 0u8..3,
+        sinks in any::<bool>(),
     ) -> DecodeCase {
         let mut case = DecodeCase::simple(batch, (group * hkv, hkv), sq, d, 0);
         case.cached = (0..batch).map(|b| (lengths[b] * capacity as f64) as usize).collect();
@@ -105,6 +140,13 @@ prop_compose! {
         case.causal = if causal { Causal::BottomRight } else { Causal::None };
         case.new_keys = new_keys;
         case.num_splits = splits;
+        case.window = window.map(|(left, right)| SlidingWindow::new(Some(left), right));
+        case.score = match modification {
+            0 => ScoreMod::default(),
+            1 => ScoreMod::softcap(20.0),
+            _ => ScoreMod::alibi(Alibi::standard()),
+        };
+        case.sinks = sinks;
         case
     }
 }

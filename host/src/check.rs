@@ -171,17 +171,18 @@ pub fn relative_l2_error(got: &[f32], want: &[f64]) -> f64 {
     if norm == 0.0 { diff.sqrt() } else { (diff / norm).sqrt() }
 }
 
-/// Relative L2 error of a logsumexp: rows whose reference is −∞ (they see no key) must be −∞
-/// exactly (else the result is +∞); the others are compared as [`relative_l2_error`] does (NaN
-/// if the lengths differ).
+/// Relative L2 error of a logsumexp: rows whose reference is infinite (−∞: they see no key; +∞:
+/// a +∞ score or sink) must be that infinity exactly (else the result is +∞); the others are
+/// compared as [`relative_l2_error`] does (NaN if the lengths differ).
 pub fn lse_error(got: &[f32], want: &[f64]) -> f64 {
     if got.len() != want.len() {
         return f64::NAN;
     }
     let mut finite = (Vec::new(), Vec::new());
     for (&g, &w) in got.iter().zip(want) {
-        if w == f64::NEG_INFINITY {
-            if g != f32::NEG_INFINITY {
+        if w.is_infinite() {
+            // An empty row's −∞, or the +∞ of a row with a +∞ score or sink: exactly that.
+            if g as f64 != w {
                 return f64::INFINITY;
             }
         } else {

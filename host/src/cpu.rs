@@ -475,8 +475,10 @@ pub struct SequenceKv {
 /// The decoding reference ([`crate::Context::attention_with_kv_cache`]): for each sequence `b`,
 /// attention of its queries (`q`, `[batch, num_heads_q, seqlen_q, head_dim]`, head-major) over
 /// its own keys `seqs[b]` by the plain formula, the mask in the sequence's coordinates
-/// (bottom-right aligns to its own length). O `[batch, num_heads_q, seqlen_q, head_dim]` and
-/// LSE; a sequence without keys gives O = 0 and LSE = −∞.
+/// (bottom-right aligns to its own length, and so does a window, which decoding aligns to the
+/// sequence's end), with `params`' score modification and sinks. O `[batch, num_heads_q,
+/// seqlen_q, head_dim]` and LSE; a sequence without keys gives O = 0 and LSE = −∞ (or the
+/// head's sink).
 ///
 /// # Errors
 /// [`Error::Shape`] or [`Error::Length`] when the lengths do not match.
@@ -497,7 +499,10 @@ pub fn decode(
         let q_b = &q[b * per_batch..(b + 1) * per_batch];
         if seq.len == 0 {
             o.extend(std::iter::repeat_n(0.0, per_batch));
-            lse.extend(std::iter::repeat_n(f64::NEG_INFINITY, num_heads_q * seqlen_q));
+            for h in 0..num_heads_q {
+                let sink = params.sinks.map_or(f64::NEG_INFINITY, |sinks| sinks[h] as f64);
+                lse.extend(std::iter::repeat_n(sink, seqlen_q));
+            }
             continue;
         }
         let shape = AttentionShape { batch: 1, num_heads_q, num_heads_kv, seqlen_q, seqlen_k: seq.len, head_dim };

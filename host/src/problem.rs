@@ -240,8 +240,8 @@ impl ScoreMod {
 /// A borrowed `f32` device tensor of shape `[num_heads_q]` on the context that runs the
 /// attention, given to [`AttentionOptions::with_sinks`] (`Sinks::from(&tensor)`). The flash
 /// kernels of both paths take them; the naive ones, problems run in chunks and problems with
-/// query rows but no keys refuse them ([`Error::Sinks`]). (The KV-cache decoder's options have
-/// none yet.)
+/// query rows but no keys refuse them ([`Error::Sinks`]). The KV-cache decoder takes them too
+/// (`DecodeOptions::sinks`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Sinks<'a> {
     /// The tensor's address: on a GPU its device pointer, on the emulator its host buffer's.
@@ -347,29 +347,15 @@ impl<'a> AttentionOptions<'a> {
     /// the left edge never lies right of the diagonal (the kernels rely on it).
     pub(crate) fn mask_args(&self, shape: &AttentionShape) -> (usize, isize, isize) {
         use attn_kernels::attention::mask::Mask;
-        let (mut causal, mut offset) = self.causal.kernel_args(shape);
-        let mut start_offset = Mask::NO_LEFT_EDGE;
-        if let Some(window) = self.window {
-            let bound = (shape.seqlen_q + shape.seqlen_k) as i128;
-            let clamp = |x: i128| x.clamp(-bound, bound) as isize;
-            let diagonal = window.diagonal(shape.seqlen_q, shape.seqlen_k);
-            if let Some(right) = window.right {
-                let right_edge = clamp(diagonal + right as i128);
-                offset = if causal == 1 { offset.min(right_edge) } else { right_edge };
-                causal = 1;
-            }
-            if let Some(left) = window.left {
-                start_offset = clamp(diagonal - left as i128);
-            }
-            // A window whose left edge lies right of the causal mask's diagonal (the two aligned
-            // differently) leaves every row empty: say so in the plain form, a diagonal left of
-            // every key, so that the kernels skip every tile (a band of negative width would
-            // defeat their tile arithmetic).
-            if causal == 1 && start_offset > offset {
-                return (1, -(bound as isize), Mask::NO_LEFT_EDGE);
-            }
-        }
-        (causal, offset, start_offset)
+        let (causal, offset) = self.causal.kernel_args(shape);
+        let edge = |side: Option<usize>| side.unwrap_or(Mask::OPEN);
+        let (window, diagonal) = match self.window {
+            Some(w) => ((edge(w.left), edge(w.right)), w.diagonal(shape.seqlen_q, shape.seqlen_k)),
+            None => ((Mask::OPEN, Mask::OPEN), 0),
+        };
+        let diagonal = diagonal.clamp(isize::MIN as i128 / 4, isize::MAX as i128 / 4) as isize;
+        let mask = Mask::banded(shape.seqlen_q, shape.seqlen_k, (causal == 1, offset), window, diagonal);
+        (mask.causal as usize, mask.offset, mask.start_offset)
     }
 
     /// The scale to use for `head_dim`.

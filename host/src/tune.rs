@@ -159,7 +159,7 @@ impl Sweep<'_> {
         };
         let (q, k, v) = (upload(shape.q_shape(), 1)?, upload(shape.kv_shape(), 2)?, upload(shape.kv_shape(), 3)?);
         let options = AttentionOptions::causal(self.causal);
-        let mut out = ctx.flash_attention_forward(&q, &k, &v, &options, TileConfig::default_for_dtype(dtype, d))?;
+        let mut out = ctx.flash_attention_forward(&q, &k, &v, &options, ctx.default_tile(dtype, d))?;
         let mut measurements = Vec::new();
         match pass {
             Pass::Forward => {
@@ -177,7 +177,7 @@ impl Sweep<'_> {
             }
             Pass::Backward => {
                 let d_o = upload(shape.q_shape(), 4)?;
-                let default = TileConfig::default_backward_for_dtype(dtype, d);
+                let default = ctx.default_backward_tile(dtype, d, DqAccumulation::Atomic);
                 let mut grads = ctx.flash_attention_backward(
                     &q,
                     &k,

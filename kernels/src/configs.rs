@@ -60,16 +60,21 @@ macro_rules! sm80_forward_tiles {
 }
 
 /// Calls `$instance!(dtype, Format, head_dim, stages, q_in_registers)` for every compiled decoder
-/// (level 10): head dims 64, 128 and 256 (each also runs the head dims below it, down to the
+/// (level 10): head dims 64, 128, 160 and 256 (each also runs the head dims below it, down to the
 /// previous one, with zero columns that never touch device memory: the decoder is bound by
 /// memory, not by the products). Rings of 3 stages: deeper ones (6 and 10 were tried) cost
 /// resident blocks, which the decoder needs more than bytes in flight (PERFORMANCE.md, issue
-/// 22). The 2-stage instance at 128 keeps Q in shared memory, not registers, and fits three
-/// blocks an SM (its launch bound in [`LAUNCH_BOUNDS`]): slower on the H200 than two blocks of
-/// the 3-stage one, it is there for GPUs with 99 KiB a block.
+/// 22). The 2-stage instances keep Q in shared memory, not registers, and are there for smaller
+/// GPUs: at 128 it fits three blocks an SM (its launch bound in [`LAUNCH_BOUNDS`]; slower on the
+/// H200 than two blocks of the 3-stage one) and 99 KiB a block, at 160 it is the widest that
+/// fits 99 KiB (the head dims up to 160 there), at 256 it fits an A100's 163 KiB (140.5 KiB; the
+/// 3-stage one needs 206.5).
 macro_rules! decode_tiles {
     ($instance:ident) => {
-        each_half_format!($instance, [(64, 3, true), (128, 3, true), (128, 2, false), (256, 3, false)]);
+        each_half_format!(
+            $instance,
+            [(64, 3, true), (128, 3, true), (128, 2, false), (160, 2, false), (256, 3, false), (256, 2, false)]
+        );
     };
 }
 
@@ -80,6 +85,9 @@ macro_rules! decode_tiles {
 /// its queries) in registers, `head_dim` a thread: above 128 they no longer fit, and two warps
 /// share the 16 rows, half of the columns each (`layout::mma_backward_column_warps`). At 256 the
 /// query tile is 32 rows, so that the K/V-outer kernel fits an A100's shared memory (141 KiB).
+/// The smaller tiles at 192 and 256 are for smaller GPUs: (32, 32) at 192 and (16, 32) at 256 are
+/// the largest whose three kernels fit 99 KiB a block (an RTX 3090/4090, an L4), and (16, 32) at
+/// 256 also the largest whose dQ kernel fits an A100's 163 KiB (at (32, 64) it needs 165 KiB).
 macro_rules! sm80_backward_tiles {
     ($instance:ident) => {
         each_half_format!(
@@ -96,7 +104,9 @@ macro_rules! sm80_backward_tiles {
                 (32, 64, 128, 2),
                 (32, 128, 128, 2),
                 (64, 64, 192, 2),
-                (32, 64, 256, 2)
+                (32, 32, 192, 2),
+                (32, 64, 256, 2),
+                (16, 32, 256, 2)
             ]
         );
     };
@@ -151,7 +161,9 @@ macro_rules! sm80_padded_forward_tiles {
 }
 
 /// As [`sm80_padded_forward_tiles!`] for the backward: the default tile of each head_dim
-/// (`TileConfig::default_backward_for_dtype`), each for its three kernels.
+/// (`TileConfig::default_backward_for_dtype`), each for its three kernels, and from 128 up the
+/// tile that fits smaller GPUs (99 KiB a block; at 256 also an A100's deterministic dQ kernel),
+/// so that every head_dim runs there (`Context::default_backward_tile` picks it).
 macro_rules! sm80_padded_backward_tiles {
     ($instance:ident) => {
         each_half_format!(
@@ -161,8 +173,11 @@ macro_rules! sm80_padded_backward_tiles {
                 (64, 128, 64, 2, padded),
                 (64, 64, 96, 2, padded),
                 (64, 64, 128, 2, padded),
+                (32, 64, 128, 2, padded),
                 (64, 64, 192, 2, padded),
-                (32, 64, 256, 2, padded)
+                (32, 32, 192, 2, padded),
+                (32, 64, 256, 2, padded),
+                (16, 32, 256, 2, padded)
             ]
         );
     };

@@ -446,9 +446,12 @@ pub const fn hopper_backward_smem_bytes(head_dim: usize, stages: usize) -> usize
 /// pages, and token `t` of sequence `b` is row `t % page_size` of page `block_table[b ·
 /// pages_per_seq + t / page_size]`, of `num_pages`). Sequence `b` has `seqlens_k[b] + new_keys`
 /// keys when `has_seqlens` is 1 (clamped to `capacity`), `capacity` otherwise. The causal mask
-/// (`causal` 1) is aligned to each sequence's own length when `bottom_right` is 1.
+/// (`causal` 1) is aligned to each sequence's own length when `bottom_right` is 1. A sliding
+/// window sees the keys `i + d − window_left ..= i + d + window_right` of query `i`, its diagonal
+/// `d` aligned to each sequence's end (decoding's alignment); an edge of
+/// `attention::mask::Mask::OPEN` (`usize::MAX`, the default) is not limited.
 /// `num_splits` blocks share each sequence's keys.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeShape {
     pub batch: usize,
     pub num_heads_q: usize,
@@ -476,11 +479,49 @@ pub struct DecodeShape {
     pub page_size: usize,
     pub pages_per_seq: usize,
     pub num_pages: usize,
+    pub window_left: usize,
+    pub window_right: usize,
+}
+
+impl Default for DecodeShape {
+    /// Every size 0, no window.
+    fn default() -> Self {
+        Self {
+            batch: 0,
+            num_heads_q: 0,
+            num_heads_kv: 0,
+            seqlen_q: 0,
+            head_dim: 0,
+            capacity: 0,
+            has_seqlens: 0,
+            new_keys: 0,
+            causal: 0,
+            bottom_right: 0,
+            num_splits: 0,
+            q_batch: 0,
+            q_token: 0,
+            q_head: 0,
+            o_batch: 0,
+            o_token: 0,
+            o_head: 0,
+            k_batch: 0,
+            k_token: 0,
+            k_head: 0,
+            v_batch: 0,
+            v_token: 0,
+            v_head: 0,
+            page_size: 0,
+            pages_per_seq: 0,
+            num_pages: 0,
+            window_left: usize::MAX,
+            window_right: usize::MAX,
+        }
+    }
 }
 
 impl DecodeShape {
     /// The fields in declaration order: the decoder kernels' shape arguments.
-    pub const fn args(&self) -> [usize; 26] {
+    pub const fn args(&self) -> [usize; 28] {
         let s = self;
         [
             s.batch,
@@ -509,6 +550,8 @@ impl DecodeShape {
             s.page_size,
             s.pages_per_seq,
             s.num_pages,
+            s.window_left,
+            s.window_right,
         ]
     }
 

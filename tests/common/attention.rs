@@ -3,8 +3,8 @@
 
 use attn_host::check::{Tolerance, gradient_error, lse_error, random_normal, relative_l2_error};
 use attn_host::{
-    AttentionOptions, AttentionOutput, AttentionShape, Context, DeviceTensor, DqAccumulation, Gradients, TileConfig,
-    cpu,
+    AttentionOptions, AttentionOutput, AttentionShape, Context, DType, DeviceTensor, DqAccumulation, Gradients,
+    TileConfig, cpu,
 };
 
 /// Tolerances of the f32 kernels: relative L2 error against the float64 reference (the table
@@ -46,6 +46,7 @@ impl Problem {
         match kernel {
             Kernel::Naive => ctx.attention_naive_into(&self.q, &self.k, &self.v, &mut out, options),
             Kernel::Flash(tile, _) => {
+                let tile = super::on_device(ctx, tile, DType::F32, self.shape.head_dim, None);
                 ctx.flash_attention_forward_into(&self.q, &self.k, &self.v, &mut out, options, tile)
             }
         }
@@ -70,6 +71,7 @@ impl Problem {
         match kernel {
             Kernel::Naive => ctx.attention_naive_backward_into(q, k, v, &fwd.o, d_o, &mut grads, options),
             Kernel::Flash(tile, mode) => {
+                let tile = super::on_device(ctx, tile, DType::F32, self.shape.head_dim, Some(mode));
                 ctx.flash_attention_backward_into(q, k, v, &fwd.o, &fwd.lse, d_o, &mut grads, options, tile, mode)
             }
         }

@@ -6,7 +6,9 @@
 
 use attn_host::check::{lse_error, random_normal, relative_l2_error};
 use attn_host::dtype::{from_f32_slice, to_f32_vec};
-use attn_host::{Causal, Context, DecodeOptions, DeviceTensor, Element, KvCache, Layout, cpu};
+use attn_host::{
+    Causal, Context, DecodeOptions, DeviceTensor, Element, KvCache, Layout, ScoreMod, Sinks, SlidingWindow, cpu,
+};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -34,6 +36,13 @@ pub struct DecodeCase {
     /// Pass the lengths (`seqlens`); without them every sequence has `capacity` keys (then
     /// `cached` must all be `capacity` and `new_keys` 0).
     pub with_seqlens: bool,
+    /// A sliding window (aligned to each sequence's end).
+    pub window: Option<SlidingWindow>,
+    /// Softcapping or ALiBi.
+    pub score: ScoreMod,
+    /// Attention sinks, drawn per query head (normal, times 2), or all `sink_value` when given.
+    pub sinks: bool,
+    pub sink_value: Option<f32>,
 }
 
 impl DecodeCase {
@@ -52,6 +61,10 @@ impl DecodeCase {
             causal: Causal::None,
             num_splits: None,
             with_seqlens: true,
+            window: None,
+            score: ScoreMod::default(),
+            sinks: false,
+            sink_value: None,
         }
     }
 }
@@ -148,16 +161,37 @@ pub fn check_decode<T: Element>(ctx: &Context, case: &DecodeCase, seed: u64) -> 
         let up = |x: &[f32]| ctx.upload(&from_f32_slice::<T>(x), &shape4(batch, n, hkv)).unwrap();
         (up(&k_new), up(&v_new))
     });
-    let options = DecodeOptions { scale: None, causal: case.causal, layout: case.layout, num_splits: case.num_splits };
+    let sink_values: Option<Vec<f32>> = case.sinks.then(|| match case.sink_value {
+        Some(value) => vec![value; hq],
+        None => random_normal(hq, seed ^ 0x51_4e_4b).iter().map(|x| 2.0 * x).collect(),
+    });
+    let sinks_tensor = sink_values.as_ref().map(|v| ctx.upload(v, &[hq]).unwrap());
+    let options = DecodeOptions {
+        scale: None,
+        causal: case.causal,
+        layout: case.layout,
+        num_splits: case.num_splits,
+        window: case.window,
+        score: case.score,
+        sinks: sinks_tensor.as_ref().map(Sinks::from),
+    };
     let mut cache = KvCache {
         k: &mut k_cache,
         v: &mut v_cache,
         seqlens: case.with_seqlens.then_some(&seqlens),
         block_table: table.as_ref(),
     };
-    let out = ctx
-        .attention_with_kv_cache(&q, &mut cache, new.as_ref().map(|(k, v)| (k, v)), &options)
-        .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+    let out = match ctx.attention_with_kv_cache(&q, &mut cache, new.as_ref().map(|(k, v)| (k, v)), &options) {
+        Ok(out) => out,
+        // A smaller GPU's profile (`RUST_ATTENTION_GPU_PROFILE`): no decoder fits above its head
+        // dims (99 KiB a block: up to 160), which the error says; nothing to check then.
+        Err(e @ attn_host::Error::SharedMemory { .. }) if ctx.device().max_shared_memory_per_block < 200 * 1024 => {
+            let line = format!("{} {case:?}: skipped on {}: {e}\n", T::DTYPE, ctx.device().name);
+            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+            return (0.0, 0.0);
+        }
+        Err(e) => panic!("{case:?}: {e}"),
+    };
     let o_host = to_f32_vec(&out.o.to_host().unwrap());
     let mut o = vec![0.0f32; o_host.len()];
     for b in 0..batch {
@@ -181,9 +215,9 @@ pub fn check_decode<T: Element>(ctx: &Context, case: &DecodeCase, seed: u64) -> 
     let params = cpu::Params {
         scale: 1.0 / (d as f64).sqrt(),
         causal: case.causal,
-        window: None,
-        score: Default::default(),
-        sinks: None,
+        window: case.window,
+        score: case.score,
+        sinks: sink_values.as_deref(),
     };
     let reference = cpu::decode(&q_logical, &clipped, (hq, hkv, sq, d), params).unwrap();
     let lse = out.lse.to_host().unwrap();

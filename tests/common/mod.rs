@@ -10,8 +10,44 @@ use std::collections::{BTreeSet, HashSet};
 use std::io::Write;
 use std::sync::{Mutex, Once, OnceLock};
 
-use attn_host::{AttentionShape, Context, Error};
+use attn_host::{AttentionShape, Context, DType, DqAccumulation, Error, FlashKernel, TileConfig};
 use proptest::test_runner::Config;
+
+/// The tile a test runs: `tile` where the device's shared memory holds the pass's kernels at
+/// `dtype` and `head_dim` (`dq`: the backward in that dQ mode, `None`: the forward), else the
+/// tile the context picks for that pass (`Context::default_tile`, `default_backward_tile`), with
+/// a line on stderr. The tests' tiles are an H200's; under a smaller GPU's profile
+/// (`RUST_ATTENTION_GPU_PROFILE`) some do not fit, and the test then checks what that GPU runs.
+pub fn on_device(
+    ctx: &Context,
+    tile: TileConfig,
+    dtype: DType,
+    head_dim: usize,
+    dq: Option<DqAccumulation>,
+) -> TileConfig {
+    let kernels: &[FlashKernel] = match dq {
+        None => &[FlashKernel::Forward],
+        Some(DqAccumulation::Atomic) => &[FlashKernel::Backward],
+        Some(DqAccumulation::Deterministic) => &[FlashKernel::BackwardDkDv, FlashKernel::BackwardDq],
+    };
+    let too_large = kernels.iter().any(|&kernel| {
+        matches!(tile.validate_kernel(kernel, dtype, head_dim, ctx.device()), Err(Error::SharedMemory { .. }))
+    });
+    if !too_large {
+        return tile;
+    }
+    let fitting = match dq {
+        None => ctx.default_tile(dtype, head_dim),
+        Some(mode) => ctx.default_backward_tile(dtype, head_dim, mode),
+    };
+    let pass = dq.map_or("forward".to_string(), |mode| format!("{mode:?} backward"));
+    let line = format!(
+        "{dtype} {pass} at head_dim {head_dim}: {tile} does not fit {}; running {fitting}\n",
+        ctx.device().name
+    );
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    fitting
+}
 
 /// The GPU context for this test binary, created once. Without a GPU it prints a visible skip
 /// line and returns `None`, unless `REQUIRE_GPU=1` is set, in which case the test fails. Either

@@ -64,6 +64,7 @@ impl<T: Element> Problem16<T> {
             lse: ctx.full(&self.shape.lse_shape(), f32::NAN).unwrap(),
         };
         let [q, k, v, _] = &self.device;
+        let tile = super::on_device(ctx, tile, T::DTYPE, self.shape.head_dim, None);
         ctx.flash_attention_forward_into(q, k, v, &mut out, options, tile)
             .unwrap_or_else(|e| panic!("{} forward {tile}: {e}", T::DTYPE));
         out
@@ -85,6 +86,7 @@ impl<T: Element> Problem16<T> {
             d_sinks: options.sinks.map(|_| ctx.full(&[self.shape.num_heads_q], f32::NAN).unwrap()),
         };
         let [q, k, v, d_o] = &self.device;
+        let tile = super::on_device(ctx, tile, T::DTYPE, self.shape.head_dim, Some(mode));
         ctx.flash_attention_backward_into(q, k, v, &fwd.o, &fwd.lse, d_o, &mut grads, options, tile, mode)
             .unwrap_or_else(|e| panic!("{} backward {tile} {mode:?}: {e}", T::DTYPE));
         grads

@@ -88,23 +88,9 @@ pub struct Args {
     /// Causal mask.
     #[arg(long, value_enum, default_value_t = CausalArg::None)]
     pub causal: CausalArg,
-    /// Sliding window LEFT,RIGHT (FlashAttention's window_size, aligned bottom-right): each
-    /// query sees LEFT keys before its diagonal and RIGHT after; -1 leaves a side open. Combines
-    /// with --causal (a key must pass both). Mistral's window of 4096: --window 4095,0.
-    #[arg(long, allow_hyphen_values = true)]
-    pub window: Option<super::WindowArg>,
-    /// Logit softcapping at CAP: each logit becomes CAP·tanh(logit/CAP) (Gemma 2: 50).
-    #[arg(long, value_name = "CAP")]
-    pub softcap: Option<f32>,
-    /// ALiBi with the paper's slopes, 2^(-MAX_BIAS·(h+1)/H) per head (default 8, BLOOM's and
-    /// MPT's); the distance is measured from the bottom-right diagonal.
-    #[arg(long, value_name = "MAX_BIAS", num_args = 0..=1, default_missing_value = "8")]
-    pub alibi: Option<f32>,
-    /// An attention sink of logit SINK in every query head (GPT-OSS learns one per head): it
-    /// joins each row's softmax with no value vector. The backward then also returns d_sinks.
-    /// Flash kernels only.
-    #[arg(long, value_name = "SINK", allow_negative_numbers = true)]
-    pub sinks: Option<f32>,
+    /// The window, score modification and sinks (`super::ModelArgs`).
+    #[command(flatten)]
+    pub model: super::ModelArgs,
     /// Softmax scale; default 1/sqrt(head_dim).
     #[arg(long, allow_negative_numbers = true)]
     pub scale: Option<f32>,
@@ -335,7 +321,7 @@ pub fn run(args: &Args) -> Result<()> {
         Some(dtype) => dtype,
         None => inputs.common_dtype()?,
     };
-    if args.kernel == KernelChoice::Naive && args.sinks.is_some() {
+    if args.kernel == KernelChoice::Naive && args.model.sinks.is_some() {
         return Err(Error::Sinks("the naive kernels do not take attention sinks; use --kernel flash".into()));
     }
     if args.kernel == KernelChoice::Naive && dtype != DType::F32 {
@@ -346,12 +332,12 @@ pub fn run(args: &Args) -> Result<()> {
     let options = AttentionOptions {
         scale: args.scale,
         causal: args.causal.into(),
-        window: args.window.map(|w| w.0),
-        score: attn_host_score(args.softcap, args.alibi),
+        window: args.model.window(),
+        score: args.model.score(),
         ..Default::default()
     };
     options.checked_scale(shape.head_dim)?;
-    let sinks = args.sinks.map(|sink| vec![sink; shape.num_heads_q]);
+    let sinks = args.model.sinks.map(|sink| vec![sink; shape.num_heads_q]);
     let sinks = sinks.as_deref();
     if let Some(out) = &args.out {
         io::check_output_path(out)?;
@@ -445,12 +431,7 @@ fn print_problem(inputs: &Inputs, shape: &AttentionShape, dtype: DType, args: &A
         s.seqlen_k,
         s.head_dim,
         args.causal.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string()),
-        args.window.map_or_else(String::new, |w| {
-            let side = |x: Option<usize>| x.map_or("-1".to_string(), |n| n.to_string());
-            format!(", window {},{}", side(w.0.left), side(w.0.right))
-        }) + &args.softcap.map_or_else(String::new, |cap| format!(", softcap {cap}"))
-            + &args.alibi.map_or_else(String::new, |max_bias| format!(", ALiBi (max_bias {max_bias})"))
-            + &args.sinks.map_or_else(String::new, |sink| format!(", sinks {sink}")),
+        args.model.describe(),
         AttentionOptions { scale: args.scale, ..Default::default() }.scale_for(s.head_dim)
     );
 }
@@ -667,9 +648,4 @@ fn print_table(rows: &[Row], errors: Option<&[Checked]>, dtype: DType, verdicts:
         table.add_row(cells);
     }
     println!("{table}");
-}
-
-/// The score modification of `--softcap` and `--alibi`.
-fn attn_host_score(softcap: Option<f32>, alibi: Option<f32>) -> crate::ScoreMod {
-    crate::ScoreMod { softcap, alibi: alibi.map(|max_bias| crate::Alibi { max_bias }) }
 }

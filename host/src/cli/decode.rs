@@ -59,6 +59,9 @@ pub struct Args {
     /// Causal mask (bottom-right is the one decoding with seqlen_q > 1 needs).
     #[arg(long, value_enum, default_value_t = CausalArg::None)]
     pub causal: CausalArg,
+    /// The window, score modification and sinks (`super::ModelArgs`).
+    #[command(flatten)]
+    pub model: super::ModelArgs,
     /// Blocks that share each sequence's keys, 1 to 256 (default: the heuristic).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=256))]
     pub splits: Option<u16>,
@@ -124,23 +127,35 @@ fn run_typed<T: Element>(ctx: &Context, args: &Args) -> Result<()> {
     let mut k = ctx.upload(&from_f32_slice::<T>(&k_host), &shape4(outer, rows, hkv))?;
     let mut v = ctx.upload(&from_f32_slice::<T>(&v_host), &shape4(outer, rows, hkv))?;
     let seqlens: DeviceTensor<i32> = ctx.upload(&vec![len as i32; b], &[b])?;
-    let options =
-        DecodeOptions { scale: None, causal: args.causal.into(), layout, num_splits: args.splits.map(usize::from) };
+    let sinks = args.model.sinks.map(|sink| ctx.upload(&vec![sink; hq], &[hq])).transpose()?;
+    let options = DecodeOptions {
+        scale: None,
+        causal: args.causal.into(),
+        layout,
+        num_splits: args.splits.map(usize::from),
+        window: args.model.window(),
+        score: args.model.score(),
+        sinks: sinks.as_ref().map(crate::Sinks::from),
+    };
     let mut cache = KvCache { k: &mut k, v: &mut v, seqlens: Some(&seqlens), block_table: table.as_ref() };
     let plan = ctx.decode_plan(&q, &cache, None, &options)?;
     let time = timing::time_gpu(ctx, args.warmup, args.repeats as usize, || {
         ctx.attention_with_kv_cache(&q, &mut cache, None, &options).map(drop)
     })?;
-    let bytes = 2.0 * (b * len * hkv * d * T::DTYPE.size()) as f64;
+    // The keys a sequence's rows see: all of them, or a window's (its left edge and the queries).
+    let keys_read = options.window.and_then(|w| w.left).map_or(len, |left| (left + sq).min(len));
+    let bytes = 2.0 * (b * keys_read * hkv * d * T::DTYPE.size()) as f64;
     let gbps = bytes / (time.median_ms * 1e-3) / 1e9;
     let paging = page_size.map_or("contiguous".to_string(), |p| format!("pages of {p}"));
     println!(
-        "decode [batch {b}, heads {hq}, kv-heads {hkv}, seqlen-q {sq}, cache-len {len}, head-dim {d}] {} {} {paging}: {} — {:.1} µs median, {gbps:.0} GB/s of K and V ({:.1} MB)",
+        "decode [batch {b}, heads {hq}, kv-heads {hkv}, seqlen-q {sq}, cache-len {len}, head-dim {d}] {} {} {paging}, causal {}{}: {} — {:.1} µs median, {gbps:.0} GB/s of K and V ({:.1} MB)",
         T::DTYPE,
         match layout {
             Layout::Bshd => "bshd",
             Layout::Bhsd => "bhsd",
         },
+        args.causal.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string()),
+        args.model.describe(),
         plan.label(),
         time.median_ms * 1e3,
         bytes / 1e6
@@ -202,12 +217,13 @@ fn check<T: Element>(
             kv
         })
         .collect();
+    let sinks = args.model.sinks.map(|sink| vec![sink; hq]);
     let params = cpu::Params {
         scale: 1.0 / (d as f64).sqrt(),
         causal: options.causal,
-        window: None,
-        score: Default::default(),
-        sinks: None,
+        window: options.window,
+        score: options.score,
+        sinks: sinks.as_deref(),
     };
     let reference = cpu::decode(&q_logical, &seqs, (hq, hkv, sq, d), params)?;
     let out = ctx.attention_with_kv_cache(q, cache, None, options)?;

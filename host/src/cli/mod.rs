@@ -251,6 +251,59 @@ impl Verdicts {
     }
 }
 
+/// What models add to plain attention, as flags of `attn` and `decode`: a sliding window, a score
+/// modification and attention sinks.
+#[derive(clap::Args, Debug, Clone, Copy, Default)]
+pub struct ModelArgs {
+    /// Sliding window LEFT,RIGHT (FlashAttention's window_size, aligned bottom-right: in `decode`,
+    /// to each sequence's end): each query sees LEFT keys before its diagonal and RIGHT after; -1
+    /// leaves a side open. Combines with --causal (a key must pass both). Mistral's window of
+    /// 4096: --window 4095,0; GPT-OSS's local layers: --window 127,0.
+    #[arg(long, allow_hyphen_values = true)]
+    pub window: Option<WindowArg>,
+    /// Logit softcapping at CAP: each logit becomes CAP·tanh(logit/CAP) (Gemma 2: 50).
+    #[arg(long, value_name = "CAP", allow_negative_numbers = true)]
+    pub softcap: Option<f32>,
+    /// ALiBi with the paper's slopes, 2^(-MAX_BIAS·(h+1)/H) per head for H a power of two
+    /// (BLOOM's for other head counts; MAX_BIAS default 8, BLOOM's and MPT's); the distance is
+    /// measured from the bottom-right diagonal.
+    #[arg(long, value_name = "MAX_BIAS", num_args = 0..=1, default_missing_value = "8", allow_negative_numbers = true)]
+    pub alibi: Option<f32>,
+    /// An attention sink of logit SINK in every query head (GPT-OSS learns one per head): it
+    /// joins each row's softmax with no value vector (-inf: none, inf: a row of O = 0). With a
+    /// backward pass, d_sinks is returned too. Flash kernels and the decoder only.
+    #[arg(long, value_name = "SINK", allow_negative_numbers = true, value_parser = parse_sink)]
+    pub sinks: Option<f32>,
+}
+
+/// A sink's logit: any `f32` but NaN.
+fn parse_sink(text: &str) -> std::result::Result<f32, String> {
+    let sink: f32 = text.parse().map_err(|e| format!("{text:?} is not a number: {e}"))?;
+    if sink.is_nan() { Err("a sink's logit must not be NaN".into()) } else { Ok(sink) }
+}
+
+impl ModelArgs {
+    /// The window of `--window`.
+    pub(crate) fn window(&self) -> Option<crate::SlidingWindow> {
+        self.window.map(|w| w.0)
+    }
+
+    /// The score modification of `--softcap CAP` and `--alibi [MAX_BIAS]`.
+    pub(crate) fn score(&self) -> crate::ScoreMod {
+        crate::ScoreMod { softcap: self.softcap, alibi: self.alibi.map(|max_bias| crate::Alibi { max_bias }) }
+    }
+
+    /// What the flags add, for a problem's description: `, window 4095,0, softcap 50, ALiBi
+    /// (max_bias 8), sinks 0.5`, or nothing.
+    pub(crate) fn describe(&self) -> String {
+        let side = |s: Option<usize>| s.map_or("-1".to_string(), |s| s.to_string());
+        self.window.map_or_else(String::new, |w| format!(", window {},{}", side(w.0.left), side(w.0.right)))
+            + &self.softcap.map_or_else(String::new, |cap| format!(", softcap {cap}"))
+            + &self.alibi.map_or_else(String::new, |max_bias| format!(", ALiBi (max_bias {max_bias})"))
+            + &self.sinks.map_or_else(String::new, |sink| format!(", sinks {sink}"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -210,7 +210,10 @@ pub(super) fn run(args: &Args) -> Result<()> {
         p = config.patch_size,
     );
     println!("weights: {weights_name}");
-    println!("matrix products: {}", matmul.backend());
+    match matmul.library() {
+        Some(library) => println!("matrix products: {} ({library})", matmul.backend()),
+        None => println!("matrix products: {}", matmul.backend()),
+    }
 
     // The steps before attention, once, on this device's matrix products.
     let tokens = pipeline::embed(&config, &weights, &input.pixels, &matmul)?;

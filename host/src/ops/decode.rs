@@ -10,9 +10,10 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::kernels::{DECODE_INSTANCES, DecodeInstance, entry};
 use crate::layout::{
-    DECODE_MERGE_COLUMNS, DECODE_MERGE_THREADS, DECODE_THREADS, DecodeShape, decode_partial_stride, decode_smem_bytes,
+    AttentionShape, DECODE_MERGE_COLUMNS, DECODE_MERGE_THREADS, DECODE_THREADS, DecodeShape, decode_partial_stride,
+    decode_smem_bytes,
 };
-use crate::problem::Causal;
+use crate::problem::{Causal, ScoreMod, Sinks, SlidingWindow};
 use crate::runtime::{Context, DeviceTensor, KernelArg, NullPointer};
 use crate::select::decode_splits;
 
@@ -102,7 +103,7 @@ pub struct KvCache<'a, T: Element> {
 
 /// Options of [`Context::attention_with_kv_cache`].
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct DecodeOptions {
+pub struct DecodeOptions<'a> {
     /// Multiplies Q Kᵀ before the softmax; `None` means 1/√head_dim.
     pub scale: Option<f32>,
     /// Causal mask, in each sequence's own coordinates: with [`Causal::BottomRight`] (what
@@ -115,6 +116,17 @@ pub struct DecodeOptions {
     /// Blocks that share each sequence's keys; `None` lets the heuristic choose
     /// (`decode_splits` in `host/src/select.rs`). Clamped to 1..=256.
     pub num_splits: Option<usize>,
+    /// Sliding window (local attention), intersected with the causal mask, aligned to each
+    /// sequence's end ([`SlidingWindow::new`]; a top-left window is an [`Error::Argument`]):
+    /// query `i` of a sequence with `L` keys sees keys `i + L − seqlen_q − left ..= i + L −
+    /// seqlen_q + right`. Only the key tiles inside some row's window are read.
+    pub window: Option<SlidingWindow>,
+    /// Softcapping or ALiBi, as in [`crate::AttentionOptions::score`] (ALiBi's distances in
+    /// each sequence's own coordinates).
+    pub score: ScoreMod,
+    /// Attention sinks, one logit per query head ([`Sinks`], `[num_heads_q]` `f32`), joining
+    /// every row's softmax as in [`crate::AttentionOptions::sinks`].
+    pub sinks: Option<Sinks<'a>>,
 }
 
 /// What one decoding call runs: the problem as the kernels take it, and the decoder's entry.
@@ -126,7 +138,8 @@ pub struct DecodePlan {
     pub entry: &'static str,
     /// Its dynamic shared memory, bytes.
     pub shared_memory_bytes: usize,
-    /// Its compiled head_dim (the problem's, rounded up to 64, 128 or 256).
+    /// Its compiled head_dim (the problem's, rounded up to a compiled one, 64, 128, 160 or 256,
+    /// whose decoder fits the device).
     pub head_dim: usize,
     /// Its K/V ring's depth per warp.
     pub stages: usize,
@@ -161,7 +174,8 @@ fn shape_error(what: String) -> Error {
 impl Context {
     /// Attention of new queries over a KV cache (FlashAttention's `flash_attn_with_kvcache`):
     /// O = softmax(Q Kᵀ · scale) V per sequence, over the sequence's cached keys — after
-    /// appending `new_kv` to the cache when given. `f16` or `bf16`.
+    /// appending `new_kv` to the cache when given — with the options' mask, sliding window,
+    /// softcap or ALiBi, and attention sinks. `f16` or `bf16`.
     ///
     /// Shapes, in `options.layout` (see [`Layout`], [`KvCache`]): Q `[batch, seqlen_q,
     /// num_heads_q, head_dim]` (`Bshd`) or `[batch, num_heads_q, seqlen_q, head_dim]` (`Bhsd`),
@@ -180,9 +194,10 @@ impl Context {
     ///
     /// # Errors
     /// [`Error::Argument`] for `f32` (the decoder is 16-bit; [`Context::flash_attention_forward`]
-    /// takes `f32`) or new rows without `seqlens`; [`Error::Shape`] for tensors whose shapes do
-    /// not agree, a head_dim above 256, a page size that is not a multiple of 16;
-    /// [`Error::ForeignTensor`], [`Error::SharedMemory`], [`Error::Driver`].
+    /// takes `f32`), new rows without `seqlens` or a top-left window; [`Error::Shape`] for
+    /// tensors whose shapes do not agree, a head_dim above 256, a page size that is not a
+    /// multiple of 16; [`Error::ScoreMod`], [`Error::Sinks`] (not `[num_heads_q]`, or another
+    /// context's); [`Error::ForeignTensor`], [`Error::SharedMemory`], [`Error::Driver`].
     pub fn attention_with_kv_cache<T: Element>(
         &self,
         q: &DeviceTensor<T>,
@@ -218,6 +233,11 @@ impl Context {
             self.launch(entry::DECODE_APPEND_KV, one_dim(blocks as u32, 256), &args)?;
         }
         let scale_log2 = options.scale.unwrap_or(1.0 / (s.head_dim as f32).sqrt()) * std::f32::consts::LOG2_E;
+        let (softcap, alibi_max_bias) = options.score.kernel_args();
+        let sinks: &dyn KernelArg = match &options.sinks {
+            Some(sinks) => sinks,
+            None => &NullPointer("f32"),
+        };
         let config = flash_config((s.blocks(), 1, 1), DECODE_THREADS, plan.shared_memory_bytes);
         if s.num_splits == 1 {
             let mut args: Vec<&dyn KernelArg> = vec![
@@ -231,6 +251,9 @@ impl Context {
                 seqlens,
                 table,
                 &scale_log2,
+                &softcap,
+                &alibi_max_bias,
+                sinks,
             ];
             args.extend_from_slice(&shape_tail);
             return self.launch(plan.entry, config, &args).map(|()| out);
@@ -248,6 +271,9 @@ impl Context {
             seqlens,
             table,
             &scale_log2,
+            &softcap,
+            &alibi_max_bias,
+            sinks,
         ];
         args.extend_from_slice(&shape_tail);
         self.launch(plan.entry, config, &args)?;
@@ -255,7 +281,7 @@ impl Context {
             DType::F16 => entry::DECODE_MERGE_F16,
             _ => entry::DECODE_MERGE_BF16,
         };
-        let mut args: Vec<&dyn KernelArg> = vec![&o_partial, &lse_partial, &out.o, &out.lse];
+        let mut args: Vec<&dyn KernelArg> = vec![&o_partial, &lse_partial, &out.o, &out.lse, sinks];
         args.extend_from_slice(&shape_tail);
         let threads = s.query_rows() * s.head_dim.div_ceil(DECODE_MERGE_COLUMNS);
         let blocks = threads.div_ceil(DECODE_MERGE_THREADS);
@@ -384,16 +410,38 @@ impl Context {
         {
             return Err(Error::InvalidScale { scale });
         }
+        options.score.check()?;
+        let open = attn_kernels::attention::mask::Mask::OPEN;
+        let (window_left, window_right) = match options.window {
+            None => (open, open),
+            Some(w) if w.bottom_right => (w.left.unwrap_or(open), w.right.unwrap_or(open)),
+            Some(_) => {
+                return Err(Error::Argument(
+                    "the decoder aligns a sliding window to each sequence's end (SlidingWindow::new); a top-left \
+                     window is not taken"
+                        .into(),
+                ));
+            }
+        };
+        if let Some(sinks) = options.sinks {
+            let heads = AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k: capacity, head_dim };
+            sinks.check(&heads, self.id())?;
+        }
         let (causal, bottom_right) = match options.causal {
             Causal::None => (0, 0),
             Causal::TopLeft => (1, 0),
             Causal::BottomRight => (1, 1),
         };
-        let smallest = decoders(T::DTYPE).map(|d| d.head_dim).find(|&d| d >= head_dim);
-        let forced = decode_stages_override()
-            .filter(|&f| decoders(T::DTYPE).any(|d| Some(d.head_dim) == smallest && d.stages == f));
-        let (decoder, smem) = decoders(T::DTYPE)
-            .filter(|d| Some(d.head_dim) == smallest && forced.is_none_or(|f| f == d.stages))
+        // The smallest compiled head_dim at least the problem's whose decoder fits the device's
+        // shared memory (a deeper ring first; a smaller GPU may need the next head_dim's
+        // shallower one), or the forced ring depth where that head_dim has it.
+        let candidates = || decoders(T::DTYPE).filter(move |d| d.head_dim >= head_dim);
+        let forced = decode_stages_override().filter(|&f| {
+            let smallest = candidates().map(|d| d.head_dim).next();
+            candidates().any(|d| Some(d.head_dim) == smallest && d.stages == f)
+        });
+        let (decoder, smem) = candidates()
+            .filter(|d| forced.is_none_or(|f| f == d.stages))
             .map(|d| (d, decode_smem_bytes(d.head_dim, d.stages)))
             .find(|&(_, smem)| smem <= self.device().max_shared_memory_per_block)
             .ok_or_else(|| Error::SharedMemory {
@@ -401,7 +449,7 @@ impl Context {
                 block_m: 16,
                 block_n: 16,
                 head_dim,
-                needed: decode_smem_bytes(head_dim.next_power_of_two().max(64), 2),
+                needed: candidates().map(|d| decode_smem_bytes(d.head_dim, d.stages)).min().unwrap_or(0),
                 available: self.device().max_shared_memory_per_block,
                 device: self.device().name.clone(),
                 fitting: "none".into(),
@@ -434,6 +482,8 @@ impl Context {
             page_size,
             pages_per_seq,
             num_pages,
+            window_left,
+            window_right,
         };
         shape.num_splits = match options.num_splits {
             Some(n) => n.clamp(1, 256),

@@ -1,14 +1,13 @@
 //! The matrix products outside attention (patch embedding, QKV and output projections):
-//! `Y = X Wᵀ + b`, on the GPU with cuBLAS's SGEMM through cudarc (a well-kept library; these are
-//! not our kernels), on the CPU with rayon.
+//! `Y = X Wᵀ + b`, on the GPU with cuBLAS's SGEMM (a well-kept library; these are not our
+//! kernels; loaded at run time by [`super::cublas`]), on the CPU with rayon.
 
 use std::sync::Arc;
 
-use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use rayon::prelude::*;
 
+use super::cublas::{self, Api};
 use crate::error::{During, Error, Result};
 use crate::runtime::Context;
 
@@ -36,8 +35,22 @@ pub struct Matmul {
 }
 
 enum Inner {
-    Cublas { blas: CudaBlas, stream: Arc<CudaStream> },
+    Cublas { blas: Handle, stream: Arc<CudaStream> },
     Cpu,
+}
+
+/// A cuBLAS handle bound to a stream, destroyed with it.
+struct Handle {
+    api: &'static Api,
+    raw: cublas::Handle,
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // SAFETY: a handle made by `cublasCreate_v2` and not destroyed before; its status is of
+        // no use while dropping.
+        unsafe { (self.api.destroy)(self.raw) };
+    }
 }
 
 impl Matmul {
@@ -55,18 +68,29 @@ impl Matmul {
     /// cannot be loaded (the message says where it was looked for) or the handle cannot be made.
     pub fn cublas(ctx: &Context) -> Result<Self> {
         let stream = ctx.cuda_stream().ok_or(Error::NotOnEmulator("cuBLAS"))?.clone();
-        // SAFETY: only tries to open the library; `CudaBlas::new` would panic without it. (Linked
-        // rather than loaded, the library was there when the program started.)
-        #[cfg(feature = "dynamic-loading")]
-        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
-            return Err(Error::Cublas(missing_library_message()));
-        }
-        let blas = CudaBlas::new(stream.clone()).map_err(|e| Error::Cublas(format!("creating a handle: {e}")))?;
-        // SAFETY: a valid handle made just above.
-        unsafe { cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), cublasMath_t::CUBLAS_DEFAULT_MATH) }
-            .result()
-            .map_err(|e| Error::Cublas(format!("setting the math mode: {e}")))?;
+        let api = cublas::api().map_err(Error::Cublas)?;
+        let mut raw: cublas::Handle = std::ptr::null_mut();
+        // SAFETY: cuBLAS writes a new handle to `raw`; the context of `stream` is current on this
+        // thread (cudarc made it so when the context opened).
+        cublas::check(unsafe { (api.create)(&mut raw) }, "cublasCreate").map_err(Error::Cublas)?;
+        let blas = Handle { api, raw };
+        // SAFETY: a valid handle and the context's live stream.
+        cublas::check(unsafe { (api.set_stream)(blas.raw, stream.cu_stream()) }, "cublasSetStream")
+            .and_then(|()| {
+                // SAFETY: a valid handle.
+                cublas::check(unsafe { (api.set_math_mode)(blas.raw, cublas::DEFAULT_MATH) }, "cublasSetMathMode")
+            })
+            .map_err(Error::Cublas)?;
         Ok(Self { inner: Inner::Cublas { blas, stream } })
+    }
+
+    /// The cuBLAS library in use (its file, or the name the system's loader resolved), or `None`
+    /// for the CPU backend.
+    pub fn library(&self) -> Option<&str> {
+        match &self.inner {
+            Inner::Cublas { blas, .. } => Some(&blas.api.source),
+            Inner::Cpu => None,
+        }
     }
 
     /// Where this computes.
@@ -117,7 +141,7 @@ fn linear_cpu(x: &[f32], w: &[f32], b: &[f32], rows: usize, k: usize, n: usize) 
 /// column-major are the transposes, so Yᵀ (`[n, rows]` column-major, which is Y row-major) =
 /// W Xᵀ = op(W as stored, transposed) · X as stored, with C starting as b broadcast and β = 1.
 fn linear_cublas(
-    blas: &CudaBlas,
+    blas: &Handle,
     stream: &Arc<CudaStream>,
     x: &[f32],
     w: &[f32],
@@ -133,55 +157,33 @@ fn linear_cublas(
     let w_dev = stream.clone_htod(w).during("uploading a matrix for cuBLAS")?;
     let bias: Vec<f32> = (0..rows).flat_map(|_| b.iter().copied()).collect();
     let mut y_dev = stream.clone_htod(&bias).during("uploading a matrix for cuBLAS")?;
-    let config = GemmConfig {
-        transa: cublasOperation_t::CUBLAS_OP_T,
-        transb: cublasOperation_t::CUBLAS_OP_N,
-        m: m_,
-        n: n_,
-        k: k_,
-        alpha: 1.0f32,
-        lda: k_.max(1),
-        ldb: k_.max(1),
-        beta: 1.0f32,
-        ldc: m_,
-    };
-    // SAFETY: W is n × k (read as k × n column-major, lda = k), X is rows × k (k × rows, ldb = k),
-    // Y is rows × n (n × rows, ldc = n): every buffer holds exactly what the sizes say.
-    unsafe { blas.gemm(config, &w_dev, &x_dev, &mut y_dev) }
-        .map_err(|e| Error::Cublas(format!("SGEMM [{rows}, {k}] × [{n}, {k}]ᵀ: {e}")))?;
+    {
+        let (w_ptr, _w_sync) = w_dev.device_ptr(stream);
+        let (x_ptr, _x_sync) = x_dev.device_ptr(stream);
+        let (y_ptr, _y_sync) = y_dev.device_ptr_mut(stream);
+        let (alpha, beta) = (1.0f32, 1.0f32);
+        // SAFETY: W is n × k (read as k × n column-major, lda = k), X is rows × k (k × rows,
+        // ldb = k), Y is rows × n (n × rows, ldc = n): every buffer holds exactly what the sizes
+        // say, and all three live on the handle's stream until the copy back below.
+        let status = unsafe {
+            (blas.api.sgemm)(
+                blas.raw,
+                cublas::OP_T,
+                cublas::OP_N,
+                m_,
+                n_,
+                k_,
+                &alpha,
+                w_ptr as *const f32,
+                k_.max(1),
+                x_ptr as *const f32,
+                k_.max(1),
+                &beta,
+                y_ptr as *mut f32,
+                m_,
+            )
+        };
+        cublas::check(status, &format!("SGEMM [{rows}, {k}] × [{n}, {k}]ᵀ")).map_err(Error::Cublas)?;
+    }
     stream.clone_dtoh(&y_dev).during("copying a cuBLAS result to the host")
-}
-
-/// Why cuBLAS is missing and what to do, naming any copy of the library in the usual places.
-#[cfg(feature = "dynamic-loading")]
-fn missing_library_message() -> String {
-    let tried = cudarc::get_lib_name_candidates("cublas");
-    let mut dirs: Vec<std::path::PathBuf> = ["CUDA_HOME", "CUDA_PATH"]
-        .iter()
-        .filter_map(std::env::var_os)
-        .flat_map(|root| [std::path::Path::new(&root).join("lib64"), std::path::Path::new(&root).join("lib")])
-        .collect();
-    dirs.extend(["/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib"].map(Into::into));
-    let found: Vec<String> = dirs
-        .iter()
-        .filter_map(|dir| std::fs::read_dir(dir).ok())
-        .flatten()
-        .flatten()
-        .map(|entry| entry.path())
-        .filter(|path| path.file_name().is_some_and(|name| name.to_string_lossy().starts_with("libcublas.so")))
-        .map(|path| path.display().to_string())
-        .collect();
-    let hint = if found.is_empty() {
-        "none found in $CUDA_HOME, $CUDA_PATH or /usr/local/cuda".to_string()
-    } else {
-        format!(
-            "found {}: put a `libcublas.so` link to it in a folder on LD_LIBRARY_PATH (cudarc only loads the names \
-             above)",
-            found.join(", ")
-        )
-    };
-    format!(
-        "the cuBLAS library could not be loaded (looked for {}); {hint} (`scripts/with-cublas COMMAND` looks in more places and sets this up)",
-        tried.join(", ")
-    )
 }

@@ -13,6 +13,7 @@
 //! | sizes (ViT-B/16, a tiny test model) | [`config`] |
 //! | parameters: seeded random, the `similarity` initialisation, or a timm checkpoint (safetensors) | [`weights`] |
 //! | matrix products: cuBLAS or rayon | [`matmul`] |
+//! | cuBLAS, found and loaded at run time (any CUDA version, the usual places) | `cublas` |
 //! | patches → tokens → LayerNorm → Q, K, V → attention → output projection | [`pipeline`] |
 //! | attention weights of one query as heat maps over the photo, one per head | [`render`] |
 //!
@@ -35,6 +36,7 @@
 //! The command line: `cargo run --release -- vit --help`.
 
 pub mod config;
+mod cublas;
 pub mod matmul;
 pub mod pipeline;
 pub mod preprocess;

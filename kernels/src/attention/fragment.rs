@@ -109,21 +109,23 @@ pub fn mask_fragments<const N: usize, const TRANSPOSED: bool>(
     }
 }
 
-/// Sets the entries of `frags` (scores of keys `first_col + 8nt + 0..8`) at or past the key limit
-/// of their row to `value`: `limit[h]` for the lane's row of half `h`. The mask of a kernel whose
-/// lanes keep their two rows for the whole pass (the decoder's packed rows, whose queries are
-/// not consecutive), which computes the two limits once.
+/// Sets the entries of `frags` (scores of keys `first_col + 8nt + 0..8`) outside the keys
+/// their row sees to `value`: the lane's row of half `h` sees keys `start[h] .. start[h] +
+/// width[h]` (width 0: none). The mask of a kernel whose lanes keep their two rows for the whole
+/// pass (the decoder's packed rows, whose queries are not consecutive), which computes the two
+/// bands once; a key left of `start` wraps around to a huge offset, so that an entry costs one
+/// subtraction and one comparison.
 #[inline(always)]
 pub fn mask_columns<const N: usize>(
     frags: &mut [FragC; N],
     lane: FragmentLane,
     value: f32,
     first_col: usize,
-    limit: [usize; 2],
+    (start, width): ([usize; 2], [usize; 2]),
 ) {
     for nt in 0..N {
         for e in 0..4 {
-            if first_col + 8 * nt + lane.col(e) >= limit[e / 2] {
+            if (first_col + 8 * nt + lane.col(e)).wrapping_sub(start[e / 2]) >= width[e / 2] {
                 frags[nt][e] = value;
             }
         }

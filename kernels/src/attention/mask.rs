@@ -56,6 +56,50 @@ impl Mask {
         Self { seqlen_q, seqlen_k, causal: causal != 0, offset, start_offset }
     }
 
+    /// A sliding window's edge that is open (FlashAttention's `window_size` of −1): see
+    /// [`Mask::banded`].
+    pub const OPEN: usize = usize::MAX;
+
+    /// The band of a causal mask and a sliding window together (a key is visible if both allow
+    /// it), for `seqlen_q` queries and `seqlen_k` keys: the causal mask (when `causal`) lets query
+    /// `i` see keys `j ≤ i + causal_offset`; the window sees keys `i + d − left ≤ j ≤ i + d +
+    /// right` around its diagonal `d` (`window_diagonal`), an edge [`Mask::OPEN`] when that side
+    /// is not limited (both open: no window). Where the window's left edge lies right of the
+    /// causal diagonal (the two aligned differently), every row is empty, said in the plain form
+    /// (a diagonal left of every key), so that the kernels skip every tile: a band of negative
+    /// width would defeat their tile arithmetic.
+    ///
+    /// Computed once on the host for the flash kernels (`AttentionOptions::mask_args`), and per
+    /// sequence on the device by the decoder, whose sequences have lengths of their own.
+    #[inline(always)]
+    pub fn banded(
+        seqlen_q: usize,
+        seqlen_k: usize,
+        (causal, causal_offset): (bool, isize),
+        (left, right): (usize, usize),
+        window_diagonal: isize,
+    ) -> Self {
+        // Every offset is clamped to ±(seqlen_q + seqlen_k): beyond that it changes nothing.
+        let bound = (seqlen_q + seqlen_k) as isize;
+        let edge = |side: usize, sign: isize| -> isize {
+            let side = side.min(bound as usize) as isize;
+            (window_diagonal.clamp(-bound, bound) + sign * side).clamp(-bound, bound)
+        };
+        let (mut causal, mut offset, mut start_offset) = (causal, causal_offset, Self::NO_LEFT_EDGE);
+        if right != Self::OPEN {
+            let right_edge = edge(right, 1);
+            offset = if causal { offset.min(right_edge) } else { right_edge };
+            causal = true;
+        }
+        if left != Self::OPEN {
+            start_offset = edge(left, -1);
+        }
+        if causal && start_offset > offset {
+            (offset, start_offset) = (-bound, Self::NO_LEFT_EDGE);
+        }
+        Self { seqlen_q, seqlen_k, causal, offset, start_offset }
+    }
+
     /// The first key query `query` sees (keys before it are left of its window); `seqlen_k` at
     /// most. Non-decreasing in `query`. Padding rows get the same formula (they see nothing
     /// anyway: their `key_limit` is 0), which keeps it monotone across the sequence's end.

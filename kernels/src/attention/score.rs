@@ -104,6 +104,17 @@ impl ScoreArgs {
         if self.sinks.is_null() { f32::NEG_INFINITY } else { unsafe { *self.sinks.add(head) * LOG2_E } }
     }
 
+    /// The attention sink of query head `head` in natural units, or −∞ without sinks: where a
+    /// sink joins a merge of partial results by their LSE as one more part, an LSE with no O
+    /// ([`crate::attention::softmax::lse_weight`]; the KV-cache decoder's).
+    ///
+    /// # Safety
+    /// As [`Self::sink`].
+    #[inline(always)]
+    pub unsafe fn natural_sink(self, head: usize) -> f32 {
+        if self.sinks.is_null() { f32::NEG_INFINITY } else { unsafe { *self.sinks.add(head) } }
+    }
+
     /// The modification of query head `head` of `num_heads` (ALiBi's slope depends on the
     /// head) for sequences of `seqlen_q` queries and `seqlen_k` keys. Recomputed at every call:
     /// the arguments pass through [`hw::opaque`], so that the compiler cannot hoist the
@@ -216,6 +227,27 @@ impl ScoreMod {
                 let column = (8 * nt + e % 2) as f32;
                 let distance = if TRANSPOSED { base[e / 2] + column } else { base[e / 2] - column };
                 frags[nt][e] = hw::fma(-self.slope, distance.abs(), frags[nt][e] * c);
+            }
+        }
+    }
+
+    /// [`Self::logit`] of every entry of `frags` (raw products `x`, the logit of `x · c`), for a
+    /// kernel whose lanes' two rows belong to heads and queries of their own (the decoder's
+    /// packed rows, the query heads of a GQA group side by side): row half `h` of the lane is
+    /// query `query[h]` of the head whose modification is `mods[h]`; the columns are keys
+    /// `first_col + 8nt + 0..8`. Entry by entry: the decoder is bound by memory, not by these.
+    #[inline(always)]
+    pub fn apply_fragments_by_row<const N: usize>(
+        mods: &[ScoreMod; 2],
+        frags: &mut [FragC; N],
+        lane: FragmentLane,
+        query: [usize; 2],
+        first_col: usize,
+        c: f32,
+    ) {
+        for (nt, frag) in frags.iter_mut().enumerate() {
+            for (e, x) in frag.iter_mut().enumerate() {
+                *x = mods[e / 2].logit(*x * c, query[e / 2], first_col + 8 * nt + lane.col(e));
             }
         }
     }

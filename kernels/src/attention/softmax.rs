@@ -229,10 +229,18 @@ pub const NEGATED_HALF2: u32 = 0x8000_8000;
 /// row has LSE = −∞ and O = 0, the empty-row convention.
 ///
 /// `e^(LSE_i − reference)`: with `reference = M` a term of the sum, with `reference = LSE` the
-/// weight of part `i`; 0 when `reference` is −∞ (no part saw a key).
+/// weight of part `i`; 0 when `reference` is −∞ (no part saw a key), and 1 for the part that is
+/// the reference itself even where both are +∞ (a row with a +∞ score, or a +∞ sink: its LSE
+/// is then +∞, not the NaN of ∞ − ∞, as [`finish_row`] says).
 #[inline(always)]
 pub fn lse_weight(lse_part: f32, reference: f32) -> f32 {
-    if reference == f32::NEG_INFINITY { 0.0 } else { hw::exp2((lse_part - reference) * hw::LOG2_E) }
+    if reference == f32::NEG_INFINITY {
+        0.0
+    } else if lse_part == reference {
+        1.0
+    } else {
+        hw::exp2((lse_part - reference) * hw::LOG2_E)
+    }
 }
 
 /// The merged LSE from `max` = M and `sum` = Σ_i e^(LSE_i − M) (see [`lse_weight`]): M + ln sum,

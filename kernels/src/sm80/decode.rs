@@ -48,10 +48,22 @@
 //! `page_size` is a multiple of 16, so a key tile never straddles two pages. Sequence `b` has
 //! `seqlens_k[b]` keys (or `seqlen_k` for all when no lengths are given), at most the cache's
 //! capacity.
+//!
+//! ## Masks, score modifications, sinks
+//!
+//! What a row sees is the flash kernels' band ([`Mask::banded`]) in the sequence's own
+//! coordinates: the causal diagonal (bottom-right aligned for speculative decoding) and a
+//! sliding window around the sequence's end (Mistral's, Gemma's, GPT-OSS's local layers), so a
+//! window of `w` keys reads only the tiles inside it. Softcapping and ALiBi go through the same
+//! [`ScoreMod`] as everywhere, per row: a block's rows belong to the group's different heads
+//! ([`ScoreMod::apply_fragments_by_row`]). An attention sink joins each row once, as one more
+//! part of the final merge by LSE (an LSE with no O): the block's merge of its warps with one
+//! split, `merge_splits` with several.
 
 use crate::attention::epilogue::store4_half_clipped;
 use crate::attention::fragment::{FragmentLane, mask_columns, pack_a, scale_rows};
 use crate::attention::mask::Mask;
+use crate::attention::score::{ScoreArgs, ScoreMod};
 use crate::attention::softmax::{RowSoftmax, lse_weight, merged_lse, positive_factor, q_sign_mask};
 use crate::hw::{self, F32x4, FragA, HalfFloat, SharedMemory};
 use crate::layout::{
@@ -153,8 +165,8 @@ impl PackedRows {
 /// every row 2-byte aligned and 16-byte aligned where its strides are multiples of 8; the keys
 /// of every sequence fit its cache (its pages); with one split `o` and `lse` are written,
 /// otherwise `o_partial` (`[num_splits, batch · num_heads_q · seqlen_q, decode_partial_stride]`) and
-/// `lse_partial` (`[num_splits, batch · num_heads_q · seqlen_q]`); the launch has the grid,
-/// block and shared memory above.
+/// `lse_partial` (`[num_splits, batch · num_heads_q · seqlen_q]`); `score.sinks` is null or
+/// holds `num_heads_q` floats; the launch has the grid, block and shared memory above.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn decode_forward<
@@ -170,6 +182,7 @@ unsafe fn decode_forward<
     (seqlens_k, block_table): (*const u32, *const u32),
     shape: DecodeShape,
     scale_log2: f32,
+    score: ScoreArgs,
 ) {
     const { assert!(D_STEPS * 16 == HEAD_DIM && D_TILES * 8 == HEAD_DIM && STAGES >= 2) };
     const N_TILES: usize = DECODE_BLOCK_N / 8;
@@ -191,13 +204,18 @@ unsafe fn decode_forward<
     } else {
         s.capacity
     };
-    let offset = if s.bottom_right != 0 { seqlen_k as isize - s.seqlen_q as isize } else { 0 };
-    let mask = Mask::from_args(s.seqlen_q, seqlen_k, s.causal, offset, Mask::NO_LEFT_EDGE);
+    // A sliding window is aligned to the sequence's end, as decoding needs.
+    let diagonal = seqlen_k as isize - s.seqlen_q as isize;
+    let offset = if s.bottom_right != 0 { diagonal } else { 0 };
+    let window = (s.window_left, s.window_right);
+    let mask = Mask::banded(s.seqlen_q, seqlen_k, (s.causal != 0, offset), window, diagonal);
     // The keys the block's rows visit, as for a block of consecutive queries from its first
     // query to its last.
     let (first_query, last_query) = rows.query_span();
     let keys = mask.keys_for(first_query, last_query - first_query + 1);
-    // The split's key tiles, then this warp's share of them.
+    // The split's key tiles (counted from the first tile any row sees, left of which a window
+    // hides everything), then this warp's share of them.
+    let first_tile = keys.first_tile(DECODE_BLOCK_N);
     let tiles = keys.tiles(DECODE_BLOCK_N);
     let per_split = tiles.div_ceil(s.num_splits);
     let split_first = (split * per_split).min(tiles);
@@ -206,11 +224,20 @@ unsafe fn decode_forward<
     let warp_tiles = (split_end.saturating_sub(split_first + warp)).div_ceil(DECODE_WARPS);
 
     let lane = FragmentLane::current();
-    // The key limit of the lane's two rows (0 for padding rows, which see nothing).
-    let limit: [usize; 2] = core::array::from_fn(|h| {
-        let r = lane.half_row(h);
-        if r < rows.rows { mask.key_limit(rows.of(r).1) } else { 0 }
-    });
+    // The keys the lane's two rows see, `start .. start + width` (none for padding rows), and
+    // their (head within the group, query).
+    let row_of: [(usize, usize); 2] = core::array::from_fn(|h| rows.of(lane.half_row(h)));
+    let band: ([usize; 2], [usize; 2]) = {
+        let mut band = ([0; 2], [0; 2]);
+        for h in 0..2 {
+            if lane.half_row(h) < rows.rows {
+                let query = row_of[h].1;
+                band.0[h] = mask.key_start(query);
+                band.1[h] = mask.key_limit(query).saturating_sub(band.0[h]);
+            }
+        }
+        band
+    };
 
     let stride = HEAD_DIM + MMA_SMEM_PAD;
     let mut smem = SharedMemory::new();
@@ -246,7 +273,7 @@ unsafe fn decode_forward<
         num_pages: s.num_pages,
         width: s.head_dim,
         keys: keys.end,
-        first: split_first + warp,
+        first: first_tile + split_first + warp,
         step: DECODE_WARPS,
     };
     let ring = KvRing::<DECODE_BLOCK_N, HEAD_DIM, STAGES, CacheTiles, WarpScope>::with_source(
@@ -278,7 +305,7 @@ unsafe fn decode_forward<
     let mut acc = [[0.0f32; 4]; D_TILES];
     for i in 0..warp_tiles {
         let (k_tile, v_tile) = ring.advance(i);
-        let kv_start = (split_first + warp + i * DECODE_WARPS) * DECODE_BLOCK_N;
+        let kv_start = (first_tile + split_first + warp + i * DECODE_WARPS) * DECODE_BLOCK_N;
         let mut s_frag = [[0.0f32; 4]; N_TILES];
         for ks in 0..D_STEPS {
             let q_ks = if q_in_registers { q_frag[ks] } else { q_fragment(ks) };
@@ -288,12 +315,21 @@ unsafe fn decode_forward<
                 s_frag[2 * np + 1] = T::mma(q_ks, b1, s_frag[2 * np + 1]);
             }
         }
-        // Only the tiles that cross some row's limit (the end of the keys, the causal diagonal
-        // of the last seqlen_q keys) pay for the mask.
-        if keys.needs_mask(kv_start, DECODE_BLOCK_N) {
-            mask_columns(&mut s_frag, lane, f32::NEG_INFINITY, kv_start, limit);
+        // A score modification (softcap, ALiBi) turns the products into base-2 logits, each row
+        // with its own head's modification; then the softmax's factor is 1.
+        if score.is_active() {
+            let mods: [ScoreMod; 2] = core::array::from_fn(|h| {
+                score.for_head(kv_head * group + row_of[h].0, s.num_heads_q, s.seqlen_q, seqlen_k)
+            });
+            let query = [row_of[0].1, row_of[1].1];
+            ScoreMod::apply_fragments_by_row(&mods, &mut s_frag, lane, query, kv_start, c);
         }
-        let alpha = softmax.update(&mut s_frag, c);
+        // Only the tiles that cross some row's edge (the end of the keys, the causal diagonal
+        // of the last seqlen_q keys, a window's edges) pay for the mask.
+        if keys.needs_mask(kv_start, DECODE_BLOCK_N) {
+            mask_columns(&mut s_frag, lane, f32::NEG_INFINITY, kv_start, band);
+        }
+        let alpha = softmax.update(&mut s_frag, score.softmax_factor(c));
         if hw::warp_any(alpha[0] != 1.0 || alpha[1] != 1.0) {
             scale_rows(&mut acc, alpha);
         }
@@ -318,10 +354,21 @@ unsafe fn decode_forward<
         }
     }
     hw::sync_threads();
+    // An attention sink joins the merge once, as one more part (an LSE with no O): here with one
+    // split, in `merge_splits` otherwise.
+    let sink = |r: usize| -> f32 {
+        if s.num_splits == 1 && r < rows.rows {
+            // SAFETY: one sink per query head, or none.
+            unsafe { score.natural_sink(kv_head * group + rows.of(r).0) }
+        } else {
+            f32::NEG_INFINITY
+        }
+    };
     let row_lse = |r: usize| -> f32 {
         let parts: [f32; DECODE_WARPS] = core::array::from_fn(|w| warp_lse.load(w, r));
-        let max = parts.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        merged_lse(max, parts.iter().map(|&x| lse_weight(x, max)).sum())
+        let sink = sink(r);
+        let max = parts.iter().fold(sink, |m, &x| m.max(x));
+        merged_lse(max, parts.iter().map(|&x| lse_weight(x, max)).sum::<f32>() + lse_weight(sink, max))
     };
     let weight: [f32; 2] = core::array::from_fn(|h| {
         let r = lane.half_row(h);
@@ -419,7 +466,7 @@ unsafe fn copy_q_rows<const HEAD_DIM: usize>(
 ///
 /// # Safety
 /// `o_partial`, `lse_partial` are what the decoder wrote for `shape` with `shape.num_splits`
-/// splits; O's rows exist at their strides; the grid covers `query_rows · ceil(head_dim / 4)`
+/// splits; O's rows exist at their strides; `sinks.sinks` is null or holds `num_heads_q` floats; the grid covers `query_rows · ceil(head_dim / 4)`
 /// threads in blocks of `DECODE_MERGE_THREADS`.
 #[inline(always)]
 unsafe fn merge_splits<T: HalfFloat>(
@@ -427,6 +474,7 @@ unsafe fn merge_splits<T: HalfFloat>(
     lse_partial: *const f32,
     o: *mut u16,
     lse: *mut f32,
+    sinks: ScoreArgs,
     shape: DecodeShape,
 ) {
     let s = shape;
@@ -440,11 +488,16 @@ unsafe fn merge_splits<T: HalfFloat>(
     let col = DECODE_MERGE_COLUMNS * quad;
     // SAFETY (every read below): split `p`'s row exists in the partial tensors.
     let part_lse = |p: usize| unsafe { *lse_partial.add(p * n + row) };
-    let mut max = f32::NEG_INFINITY;
+    let (bh, t) = div_rem(row, s.seqlen_q);
+    let (b, head) = div_rem(bh, s.num_heads_q);
+    // The row's attention sink, one more part with no O (see the decoder's block merge).
+    // SAFETY: one sink per query head, or none.
+    let sink = unsafe { sinks.natural_sink(head) };
+    let mut max = sink;
     for p in 0..s.num_splits {
         max = max.max(part_lse(p));
     }
-    let mut sum = 0.0;
+    let mut sum = lse_weight(sink, max);
     for p in 0..s.num_splits {
         sum += lse_weight(part_lse(p), max);
     }
@@ -456,8 +509,6 @@ unsafe fn merge_splits<T: HalfFloat>(
         let value = unsafe { F32x4::load(o_partial.add((p * n + row) * decode_partial_stride(s.head_dim) + col)) };
         acc = acc.add_scaled(weight, value);
     }
-    let (bh, t) = div_rem(row, s.seqlen_q);
-    let (b, head) = div_rem(bh, s.num_heads_q);
     // SAFETY: O's row exists at its strides; columns below head_dim only.
     unsafe { store4_half_clipped::<T>(acc, o.add(b * s.o_batch + t * s.o_token + head * s.o_head), col, s.head_dim) };
     if quad == 0 {
@@ -532,12 +583,13 @@ macro_rules! decode_kernel {
             num_splits: usize, q_batch: usize, q_token: usize, q_head: usize, o_batch: usize,
             o_token: usize, o_head: usize, k_batch: usize, k_token: usize, k_head: usize,
             v_batch: usize, v_token: usize, v_head: usize, page_size: usize, pages_per_seq: usize,
-            num_pages: usize,
+            num_pages: usize, window_left: usize, window_right: usize,
         ) {
             let $shape = DecodeShape {
                 batch, num_heads_q, num_heads_kv, seqlen_q, head_dim, capacity, has_seqlens, new_keys,
                 causal, bottom_right, num_splits, q_batch, q_token, q_head, o_batch, o_token, o_head,
                 k_batch, k_token, k_head, v_batch, v_token, v_head, page_size, pages_per_seq, num_pages,
+                window_left, window_right,
             };
             $body
         }
@@ -567,10 +619,14 @@ macro_rules! decode_instance {
                 seqlens_k: *const u32,
                 block_table: *const u32,
                 scale_log2: f32,
+                softcap: f32,
+                alibi_max_bias: f32,
+                sinks: *const f32,
             ) |shape| {
+                let score = ScoreArgs { softcap, alibi_max_bias, sinks };
                 unsafe {
                     decode_forward::<hw::$format, $head_dim, $stages, $q_regs, { $head_dim / 16 }, { $head_dim / 8 }>(
-                        (q, k, v), (o, lse, o_partial, lse_partial), (seqlens_k, block_table), shape, scale_log2,
+                        (q, k, v), (o, lse, o_partial, lse_partial), (seqlens_k, block_table), shape, scale_log2, score,
                     )
                 }
             }
@@ -589,8 +645,10 @@ macro_rules! decode_instance {
                 lse_partial: *const f32,
                 o: *mut u16,
                 lse: *mut f32,
+                sinks: *const f32,
             ) |shape| {
-                unsafe { merge_splits::<hw::$format>(o_partial, lse_partial, o, lse, shape) }
+                let sinks = ScoreArgs { softcap: 0.0, alibi_max_bias: 0.0, sinks };
+                unsafe { merge_splits::<hw::$format>(o_partial, lse_partial, o, lse, sinks, shape) }
             }
             }
         }
