@@ -116,6 +116,7 @@ impl Case {
             window: None,
             score: Default::default(),
             sinks: None,
+            mask_table: None,
         };
         let (o_tol, lse_tol, grad_tol) = tolerances(dtype);
         let reference = cpu::attention(&rounded[0], &rounded[1], &rounded[2], shape, params).unwrap();
@@ -277,6 +278,30 @@ fn attn_emulated_path() {
         let case = Case::new(shape, causal, None, 300 + 10 * i as u64);
         run_case("emulated", &case, "cpu-emulated", kernel, dtype, Layout::Npy, true, "out");
     }
+}
+
+/// `--documents` and `--prefix-lm` (a `MaskTable` on the context that runs the kernels), checked
+/// against the reference on the emulator (f32 and bf16, forward and backward) and on the CPU
+/// path; what cannot apply is refused before any device work.
+#[test]
+fn attn_document_masks_and_prefix_lm() {
+    let runs: [&[&str]; 4] = [
+        &["--random", "2x2x40x32", "--documents", "7,20", "--causal", "top-left", "--device", "cpu-emulated"],
+        &["--random", "1x2x1x40x40x64", "--dtype", "bf16", "--prefix-lm", "13", "--device", "cpu-emulated"],
+        &["--random", "1x2x40x64", "--dtype", "f16", "--documents", "1,30", "--device", "cpu-emulated"],
+        &["--random", "2x2x40x16", "--prefix-lm", "5", "--device", "cpu"],
+    ];
+    for args in runs {
+        run_attn(&strings(&[args, &["--check"]].concat())).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    }
+    let refused = |args: &[&str], says: &str| {
+        let error = run_attn(&strings(args)).unwrap_err().to_string();
+        assert!(error.contains(says), "{args:?}: {error}");
+    };
+    refused(&["--random", "1x2x40x16", "--prefix-lm", "5", "--causal", "top-left", "--device", "cpu"], "causal");
+    refused(&["--random", "1x2x40x16", "--documents", "30,30", "--device", "cpu"], "more than seqlen");
+    refused(&["--random", "1x2x1x30x40x16", "--documents", "3", "--device", "cpu"], "seqlen_q = seqlen_k");
+    refused(&["--random", "1x2x40x16", "--prefix-lm", "50", "--device", "cpu"], "longer than seqlen");
 }
 
 #[test]

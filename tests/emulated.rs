@@ -582,6 +582,82 @@ fn emulated_sinks_in_every_family() {
     report("emulated_sinks_in_every_family", count);
 }
 
+/// Masks given per token ([`attn_host::MaskTable`]) in every family: document masks from
+/// per-token ids (different documents in each batch entry, a one-token document, edges inside
+/// the tiles) and from `cu_seqlens` (with an empty document), prefix-LM (a prefix of 0 and one
+/// that ends inside a tile), alone and with a causal mask, a window, softcapping and sinks; the
+/// `f32` flash kernels and the tensor cores (f16 and bf16) in both dQ modes, and the naive
+/// kernels. A table made for another shape or context, or on a problem run in chunks, is a
+/// typed error.
+#[test]
+fn emulated_mask_tables_in_every_family() {
+    use attn_host::{AttentionOptions, Error, SlidingWindow};
+    let ctx = emulator();
+    let seqlen = 70;
+    // Batch entry 0: documents of 1, 20, 33 and 16 tokens; entry 1: 45 and 25 (ids need not
+    // be sorted, only consecutive).
+    let lengths: [&[usize]; 2] = [&[1, 20, 33, 16], &[45, 25]];
+    let ids: Vec<i32> = lengths
+        .iter()
+        .flat_map(|row| row.iter().enumerate().flat_map(|(d, &n)| std::iter::repeat_n(90 - 7 * d as i32, n)))
+        .collect();
+    let docs = ctx.document_mask(&ids, [2, seqlen]).unwrap();
+    let prefix = ctx.prefix_lm_mask(&[0, 29], seqlen).unwrap();
+    let window = SlidingWindow::new(Some(9), None);
+    let cases = [
+        AttentionOptions::default().with_mask_table(&docs),
+        AttentionOptions::causal(Causal::TopLeft).with_mask_table(&docs),
+        AttentionOptions::causal(Causal::TopLeft).with_window(window).with_softcap(3.0).with_mask_table(&docs),
+        AttentionOptions::default().with_mask_table(&prefix),
+    ];
+    let mut count = 0;
+    for (i, &options) in cases.iter().enumerate() {
+        let shape = AttentionShape {
+            batch: 2,
+            num_heads_q: 2,
+            num_heads_kv: 1,
+            seqlen_q: seqlen,
+            seqlen_k: seqlen,
+            head_dim: 32,
+        };
+        let mode = if i % 2 == 0 { DqAccumulation::Atomic } else { DqAccumulation::Deterministic };
+        check(ctx, shape, Kernel::Flash(TileConfig::new(16, 16), mode), options, 800 + count, true);
+        count += 1;
+        let shape = AttentionShape { head_dim: 64, ..shape };
+        let dtype = if i % 2 == 0 { attn_host::DType::F16 } else { attn_host::DType::Bf16 };
+        let tiles = (TileConfig::default_for_dtype(dtype, 64), TileConfig::default_backward_for_dtype(dtype, 64));
+        let run = if i % 2 == 0 { check16::<attn_host::f16> } else { check16::<attn_host::bf16> };
+        run(ctx, shape, tiles.0, Some((tiles.1, mode)), options, 800 + count, Inputs::Normal);
+        count += 1;
+    }
+    // Sinks with documents; the naive kernels; a packed row from cu_seqlens (an empty document).
+    let shape =
+        AttentionShape { batch: 2, num_heads_q: 2, num_heads_kv: 2, seqlen_q: seqlen, seqlen_k: seqlen, head_dim: 24 };
+    let kernel = Kernel::Flash(TileConfig::new(16, 16), DqAccumulation::Atomic);
+    check_with_sinks(ctx, shape, kernel, cases[1], Some(&[0.5, -1.0]), 820, true);
+    check(ctx, shape, Kernel::Naive, cases[1], 821, true);
+    check(ctx, shape, Kernel::Naive, cases[3], 822, false);
+    let packed = ctx.document_mask_from_cu_seqlens(&[0, 10, 10, 50, 70]).unwrap();
+    let one_row = AttentionShape { batch: 1, ..shape };
+    check(ctx, one_row, kernel, AttentionOptions::causal(Causal::TopLeft).with_mask_table(&packed), 823, true);
+    count += 4;
+    // What refuses a table, before any launch.
+    let n = one_row.q_shape().iter().product();
+    let [q, k, v] = [1, 2, 3].map(|seed| ctx.upload(&random_normal(n, seed), &one_row.q_shape()).unwrap());
+    let wrong_shape = ctx.attention(&q, &k, &v, &AttentionOptions::default().with_mask_table(&docs));
+    assert!(matches!(wrong_shape, Err(Error::MaskTable(_))), "{:?}", wrong_shape.map(|_| ()));
+    let naive = ctx.attention_naive(&q, &k, &v, &AttentionOptions::default().with_mask_table(&docs));
+    assert!(matches!(naive, Err(Error::MaskTable(_))), "{naive:?}");
+    let other = Context::cpu_emulated().with_grid_limit(1);
+    let foreign_table = other.document_mask_from_cu_seqlens(&[0, 70]).unwrap();
+    let foreign = ctx.attention(&q, &k, &v, &AttentionOptions::default().with_mask_table(&foreign_table));
+    assert!(matches!(foreign, Err(Error::MaskTable(_))), "{:?}", foreign.map(|_| ()));
+    let [q1, k1, v1] = [1, 2, 3].map(|seed| other.upload(&random_normal(n, seed), &one_row.q_shape()).unwrap());
+    let chunked = other.attention(&q1, &k1, &v1, &AttentionOptions::default().with_mask_table(&foreign_table));
+    assert!(matches!(chunked, Err(Error::MaskTable(_))), "{:?}", chunked.map(|_| ()));
+    report("emulated_mask_tables_in_every_family", count);
+}
+
 /// Right-edge-only windows over more keys than queries: key blocks past every query's right edge
 /// must write zero dK and dV (found on the H200 by the tensor-core proptest).
 #[test]

@@ -123,6 +123,7 @@ fn attention_beyond_two_to_the_31_elements() {
         window: None,
         score: Default::default(),
         sinks: None,
+        mask_table: None,
     };
     let reference = cpu::attention(&picked, &k, &v, &sub, params).unwrap();
     for (name, out) in [
@@ -160,8 +161,14 @@ fn large_logits_do_not_overflow() {
     let ints = |n: usize, salt: u64| -> Vec<f32> { (0..n).map(|i| (hashed(i, salt) * 2.0).round()).collect() };
     let (q, k, v) = (ints(150 * 128, 6), ints(150 * 128, 7), random_normal(150 * 128, 8));
     let options = AttentionOptions { scale: Some(500.0), causal: Causal::TopLeft, ..Default::default() };
-    let params =
-        cpu::Params { scale: 500.0, causal: Causal::TopLeft, window: None, score: Default::default(), sinks: None };
+    let params = cpu::Params {
+        scale: 500.0,
+        causal: Causal::TopLeft,
+        window: None,
+        score: Default::default(),
+        sinks: None,
+        mask_table: None,
+    };
     let reference = cpu::attention(&q, &k, &v, &shape, params).unwrap();
     let max_logit = reference.lse.iter().fold(0.0f64, |m, x| m.max(x.abs()));
     assert!(max_logit > 5e3, "the test should produce logits in the thousands (max LSE {max_logit})");

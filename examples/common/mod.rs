@@ -135,7 +135,7 @@ pub fn describe(shape: &AttentionShape, options: &AttentionOptions) -> String {
 }
 
 /// The reference's parameters for `options`.
-pub fn params(options: &AttentionOptions, shape: &AttentionShape) -> cpu::Params<'static> {
+pub fn params<'a>(options: &AttentionOptions<'a>, shape: &AttentionShape) -> cpu::Params<'a> {
     cpu::Params::of(options, shape.head_dim)
 }
 

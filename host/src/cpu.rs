@@ -9,7 +9,7 @@
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::problem::{AttentionOptions, AttentionShape, Causal, ScoreMod, SlidingWindow, TileConfig};
+use crate::problem::{AttentionOptions, AttentionShape, Causal, MaskTableRef, ScoreMod, SlidingWindow, TileConfig};
 
 /// C = A + B elementwise.
 ///
@@ -24,8 +24,18 @@ pub fn vector_add(a: &[f32], b: &[f32]) -> Result<Vec<f64>> {
 
 /// Checks `shape` (as [`AttentionShape::from_qkv_allowing_empty`] does: empty problems are fine) and that Q (and dO) hold
 /// `shape.q_shape()` elements and K, V `shape.kv_shape()`.
-/// Checks that the sinks of `params`, if any, are one per query head.
+/// Checks that the sinks of `params`, if any, are one per query head, and that its mask table,
+/// if any, was made for `shape`.
 fn check_sinks(shape: &AttentionShape, params: &Params) -> Result<()> {
+    if let Some(table) = params.mask_table
+        && table.dims() != [shape.batch, shape.seqlen_q, shape.seqlen_k]
+    {
+        return Err(Error::MaskTable(format!(
+            "the {} table was made for [batch, seqlen_q, seqlen_k] = {:?}; the problem is {shape:?}",
+            table.kind(),
+            table.dims()
+        )));
+    }
     match params.sinks {
         Some(s) if s.len() != shape.num_heads_q => {
             Err(Error::Sinks(format!("{} sinks for {} query heads", s.len(), shape.num_heads_q)))
@@ -85,18 +95,23 @@ pub struct Params<'a> {
     pub score: ScoreMod,
     /// Attention sinks, one natural-log logit per query head ([`crate::Sinks`]), on the host.
     pub sinks: Option<&'a [f32]>,
+    /// A mask given per token ([`crate::MaskTable`]), intersected with the causal mask and the
+    /// window (its host copy is what the references read).
+    pub mask_table: Option<MaskTableRef<'a>>,
 }
 
-impl Params<'_> {
-    /// The scale, mask and score modification of `options` for `head_dim`, without sinks (those
-    /// of `options` live on a device: give their values as [`Params::sinks`]).
-    pub fn of(options: &AttentionOptions, head_dim: usize) -> Self {
+impl<'a> Params<'a> {
+    /// The scale, mask (its table included) and score modification of `options` for
+    /// `head_dim`, without sinks (those of `options` live on a device: give their values as
+    /// [`Params::sinks`]).
+    pub fn of(options: &AttentionOptions<'a>, head_dim: usize) -> Self {
         Self {
             scale: options.scale_for(head_dim) as f64,
             causal: options.causal,
             window: options.window,
             score: options.score,
             sinks: None,
+            mask_table: options.mask_table,
         }
     }
 
@@ -111,26 +126,33 @@ impl Params<'_> {
         self.score.logit(self.scale * dot, h, i, j, shape)
     }
 
-    /// Whether query `i` sees key `j` ([`AttentionOptions::visible`]).
-    pub fn visible(&self, i: usize, j: usize, seqlen_q: usize, seqlen_k: usize) -> bool {
-        AttentionOptions { causal: self.causal, window: self.window, ..Default::default() }
-            .visible(i, j, seqlen_q, seqlen_k)
+    /// Whether query `i` of batch entry `b` sees key `j` ([`AttentionOptions::visible`]).
+    pub fn visible(&self, b: usize, i: usize, j: usize, seqlen_q: usize, seqlen_k: usize) -> bool {
+        AttentionOptions { causal: self.causal, window: self.window, mask_table: self.mask_table, ..Default::default() }
+            .visible(b, i, j, seqlen_q, seqlen_k)
     }
 }
 
 /// One head's view of the inputs: its Q rows and its (shared, under GQA) K and V rows; `h` is
-/// the query head (ALiBi's slope depends on it).
+/// the query head (ALiBi's slope depends on it), `b` its batch entry (a mask table's rows do).
 struct Head<'a> {
     q: &'a [f32],
     k: &'a [f32],
     v: &'a [f32],
     h: usize,
+    b: usize,
 }
 
 fn head<'a>(q: &'a [f32], k: &'a [f32], v: &'a [f32], shape: &AttentionShape, b: usize, h: usize) -> Head<'a> {
     let (q_start, kv_start) = (shape.q_head_offset(b, h), shape.kv_head_offset(b, h));
     let (q_len, kv_len) = (shape.seqlen_q * shape.head_dim, shape.seqlen_k * shape.head_dim);
-    Head { q: &q[q_start..q_start + q_len], k: &k[kv_start..kv_start + kv_len], v: &v[kv_start..kv_start + kv_len], h }
+    Head {
+        q: &q[q_start..q_start + q_len],
+        k: &k[kv_start..kv_start + kv_len],
+        v: &v[kv_start..kv_start + kv_len],
+        h,
+        b,
+    }
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f64 {
@@ -147,7 +169,7 @@ fn probabilities(q_row: &[f32], i: usize, head: &Head, shape: &AttentionShape, p
         .enumerate()
         .map(|(j, k_row)| {
             params
-                .visible(i, j, shape.seqlen_q, shape.seqlen_k)
+                .visible(head.b, i, j, shape.seqlen_q, shape.seqlen_k)
                 .then(|| params.logit(dot(q_row, k_row), head.h, i, j, shape))
         })
         .collect();
@@ -416,8 +438,9 @@ fn flash_block(
     for (tile_index, (k_tile, v_tile)) in head.k.chunks(block_n * d).zip(head.v.chunks(block_n * d)).enumerate() {
         for i in 0..rows {
             let q_row = &q_block[i * d..(i + 1) * d];
-            let visible =
-                |j: usize| params.visible(first_row + i, tile_index * block_n + j, shape.seqlen_q, shape.seqlen_k);
+            let visible = |j: usize| {
+                params.visible(head.b, first_row + i, tile_index * block_n + j, shape.seqlen_q, shape.seqlen_k)
+            };
             let s: Vec<Option<f64>> = k_tile
                 .chunks_exact(d)
                 .enumerate()

@@ -81,6 +81,11 @@ pub enum Error {
     #[error("attention sinks: {0}")]
     Sinks(String),
 
+    /// A mask given per token ([`crate::MaskTable`]: documents, prefix-LM) with bad input, made
+    /// for another shape or context, or given to an entry point that does not take it.
+    #[error("mask table: {0}")]
+    MaskTable(String),
+
     /// The tile needs more shared memory per block than the device has.
     #[error(
         "the flash {kernel} kernel with block_m={block_m}, block_n={block_n} at head_dim={head_dim} \

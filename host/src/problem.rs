@@ -270,6 +270,74 @@ impl Sinks<'_> {
     }
 }
 
+/// A mask given per token — a document mask, prefix-LM — as the kernels read it: a borrowed
+/// view of a [`MaskTable`](crate::MaskTable) (made by [`Context::document_mask`],
+/// [`Context::document_mask_from_cu_seqlens`] or [`Context::prefix_lm_mask`]), given to
+/// [`AttentionOptions::with_mask_table`].
+///
+/// Query `i` of batch entry `b` may see the keys `start ≤ j < limit` of its band in the table;
+/// the kernels intersect that band with the causal mask and the sliding window (a key is
+/// visible if every part allows it), skip the key tiles no query of a block may see, and mask
+/// element by element only the tiles that straddle a band's edge (`attention::mask` in the
+/// device crate). The flash kernels of both paths and the naive ones take it; a problem run in
+/// chunks (more than 65,535 heads or batch entries) refuses it ([`Error::MaskTable`]).
+///
+/// [`Context::document_mask`]: crate::Context::document_mask
+/// [`Context::document_mask_from_cu_seqlens`]: crate::Context::document_mask_from_cu_seqlens
+/// [`Context::prefix_lm_mask`]: crate::Context::prefix_lm_mask
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MaskTableRef<'a> {
+    /// The device table's address: on a GPU its device pointer, on the emulator its host
+    /// buffer's.
+    pub(crate) address: u64,
+    /// The [`Context`](crate::Context) that made it (its id).
+    pub(crate) owner: u64,
+    /// `[batch, seqlen_q, seqlen_k]` of the problems it masks.
+    pub(crate) dims: [usize; 3],
+    /// The table on the host (`Mask::table_words` per batch entry), for the CPU references.
+    pub(crate) words: &'a [u32],
+    /// What it masks, for messages: `documents` or `prefix-LM`.
+    pub(crate) kind: &'static str,
+}
+
+impl MaskTableRef<'_> {
+    /// Whether query `query` of batch entry `batch` may see key `key` by the table alone.
+    pub fn visible(&self, batch: usize, query: usize, key: usize) -> bool {
+        let [_, seqlen_q, seqlen_k] = self.dims;
+        let words = attn_kernels::attention::mask::Mask::table_words(seqlen_q, seqlen_k);
+        let pair = &self.words[batch * words + 2 * query..][..2];
+        pair[0] as usize <= key && key < pair[1] as usize
+    }
+
+    /// `[batch, seqlen_q, seqlen_k]` of the problems the table masks.
+    pub fn dims(&self) -> [usize; 3] {
+        self.dims
+    }
+
+    /// What the table masks: `documents` or `prefix-LM`.
+    pub fn kind(&self) -> &'static str {
+        self.kind
+    }
+
+    /// Checks that the table fits `shape` on the context with id `context`.
+    ///
+    /// # Errors
+    /// [`Error::MaskTable`] naming what is wrong.
+    pub(crate) fn check(&self, shape: &AttentionShape, context: u64) -> Result<()> {
+        if self.owner != context {
+            return Err(Error::MaskTable(format!("the {} table belongs to another context", self.kind)));
+        }
+        let dims = [shape.batch, shape.seqlen_q, shape.seqlen_k];
+        if self.dims != dims {
+            return Err(Error::MaskTable(format!(
+                "the {} table was made for [batch, seqlen_q, seqlen_k] = {:?}; the problem has {dims:?}",
+                self.kind, self.dims
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// Options shared by every attention entry point.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct AttentionOptions<'a> {
@@ -284,6 +352,9 @@ pub struct AttentionOptions<'a> {
     pub score: ScoreMod,
     /// Attention sinks, one logit per query head ([`Sinks`]); `None`: a plain softmax.
     pub sinks: Option<Sinks<'a>>,
+    /// A mask given per token (documents, prefix-LM: [`MaskTableRef`]), intersected with the
+    /// causal mask and the window; `None`: none.
+    pub mask_table: Option<MaskTableRef<'a>>,
     /// Whether [`Context::attention_backward`](crate::Context::attention_backward) sums dQ in a
     /// fixed order ([`DqAccumulation::Deterministic`]: bit-identical on every run) rather than
     /// in the faster mode. The forward passes are deterministic either way; the calls with an
@@ -332,11 +403,21 @@ impl<'a> AttentionOptions<'a> {
         AttentionOptions { sinks: Some(sinks.into()), ..self }
     }
 
+    /// These options with a mask given per token ([`MaskTableRef`]): `options.with_mask_table(&table)`
+    /// for a [`MaskTable`](crate::MaskTable), which the options borrow.
+    pub fn with_mask_table<'b>(self, table: impl Into<MaskTableRef<'b>>) -> AttentionOptions<'b>
+    where
+        'a: 'b,
+    {
+        AttentionOptions { mask_table: Some(table.into()), ..self }
+    }
+
     /// Whether query `query` sees key `key`: the causal mask's and the window's definitions,
     /// as the CPU references apply them.
-    pub fn visible(&self, query: usize, key: usize, seqlen_q: usize, seqlen_k: usize) -> bool {
+    pub fn visible(&self, batch: usize, query: usize, key: usize, seqlen_q: usize, seqlen_k: usize) -> bool {
         self.causal.visible(query, key, seqlen_q, seqlen_k)
             && self.window.is_none_or(|w| w.contains(query, key, seqlen_q, seqlen_k))
+            && self.mask_table.is_none_or(|t| t.visible(batch, query, key))
     }
 
     /// The kernels' three mask arguments (`attention_kernel!`, `attention::mask::Mask`): whether
@@ -383,17 +464,23 @@ impl<'a> AttentionOptions<'a> {
     /// pass counts 2.5 times this.
     pub fn forward_flops(&self, shape: &AttentionShape) -> f64 {
         let full = shape.forward_flops();
-        if self.window.is_some() {
+        if self.window.is_some() || self.mask_table.is_some() {
+            // The visible keys of each query are one band: the kernels' own mask counts them
+            // (its table pointer is the host copy's here).
             let (causal, offset, start_offset) = self.mask_args(shape);
-            let mask = attn_kernels::attention::mask::Mask::from_args(
-                shape.seqlen_q,
-                shape.seqlen_k,
-                causal,
-                offset,
-                start_offset,
-            );
-            let pairs: usize = (0..shape.seqlen_q).map(|i| mask.key_limit(i).saturating_sub(mask.key_start(i))).sum();
-            return full * pairs as f64 / (shape.seqlen_q * shape.seqlen_k).max(1) as f64;
+            let (sq, sk) = (shape.seqlen_q, shape.seqlen_k);
+            // A table made for another shape (which every launch refuses) is not read.
+            let table = self.mask_table.filter(|t| t.dims == [shape.batch, sq, sk]);
+            let mask = attn_kernels::attention::mask::Mask::from_args(sq, sk, causal, offset, start_offset)
+                .with_table(table.map_or(std::ptr::null(), |t| t.words.as_ptr()));
+            let batches = if table.is_some() { shape.batch } else { 1 };
+            let pairs: usize = (0..batches)
+                .map(|b| {
+                    let mask = mask.for_batch(b);
+                    (0..sq).map(|i| mask.key_limit(i).saturating_sub(mask.key_start(i))).sum::<usize>()
+                })
+                .sum();
+            return full * pairs as f64 / (batches * sq * sk).max(1) as f64;
         }
         if self.causal == Causal::None { full } else { full / 2.0 }
     }
@@ -529,19 +616,45 @@ mod tests {
         all
     }
 
+    /// Mask tables of `seqlen` tokens: one document, one per token, two (split in the middle),
+    /// three (a one-token document between two others), and prefix-LM with prefixes 0, 1, half
+    /// and all of the row.
+    fn small_tables(ctx: &crate::Context, seqlen: usize) -> Vec<crate::MaskTable> {
+        let ids = |split: &dyn Fn(usize) -> i32| (0..seqlen).map(split).collect::<Vec<_>>();
+        let half = seqlen / 2;
+        let mut tables = vec![
+            ctx.document_mask(&ids(&|_| 0), [1, seqlen]).unwrap(),
+            ctx.document_mask(&ids(&|i| i as i32), [1, seqlen]).unwrap(),
+            ctx.document_mask(&ids(&|i| (i < half) as i32), [1, seqlen]).unwrap(),
+            ctx.document_mask(&ids(&|i| (i >= half) as i32 + (i > half) as i32), [1, seqlen]).unwrap(),
+        ];
+        for prefix in [0, 1, half, seqlen] {
+            tables.push(ctx.prefix_lm_mask(&[prefix], seqlen).unwrap());
+        }
+        tables
+    }
+
     /// The kernels' mask (from the three arguments the host passes) is the definition, element
     /// by element; the key ranges of query blocks and the query ranges of key blocks skip only
     /// hidden tiles and skip the per-element mask only on fully visible ones.
     #[test]
     fn the_kernels_mask_is_the_definition_and_skips_only_hidden_tiles() {
-        for options in masks() {
-            for seqlen_q in 1..10 {
-                for seqlen_k in 1..10 {
+        let ctx = crate::Context::cpu_emulated();
+        for seqlen_q in 1..10 {
+            for seqlen_k in 1..10 {
+                let tables = if seqlen_q == seqlen_k { small_tables(&ctx, seqlen_q) } else { Vec::new() };
+                let tables = std::iter::once(None).chain(tables.iter().map(Some));
+                for (options, table) in masks().into_iter().flat_map(|o| tables.clone().map(move |t| (o, t))) {
+                    let options = match table {
+                        Some(table) => options.with_mask_table(table),
+                        None => options,
+                    };
                     let shape =
                         AttentionShape { batch: 1, num_heads_q: 1, num_heads_kv: 1, seqlen_q, seqlen_k, head_dim: 8 };
                     let (causal, offset, start) = options.mask_args(&shape);
-                    let mask = Mask::from_args(seqlen_q, seqlen_k, causal, offset, start);
-                    let sees = |i: usize, j: usize| options.visible(i, j, seqlen_q, seqlen_k);
+                    let words = options.mask_table.map_or(std::ptr::null(), |t| t.words.as_ptr());
+                    let mask = Mask::from_args(seqlen_q, seqlen_k, causal, offset, start).with_table(words);
+                    let sees = |i: usize, j: usize| options.visible(0, i, j, seqlen_q, seqlen_k);
                     let what = format!("{options:?} on {seqlen_q} × {seqlen_k}");
                     for i in 0..seqlen_q {
                         for j in 0..seqlen_k {

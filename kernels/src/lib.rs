@@ -117,8 +117,8 @@ pub use pastey;
 /// kernel of every tier takes appended after its own, in this order:
 ///
 /// `batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim` (rebuilt into the body's
-/// [`layout::AttentionShape`]), `causal, causal_offset, window_offset` (rebuilt into its
-/// [`attention::mask::Mask`]), `softcap, alibi_max_bias` (its
+/// [`layout::AttentionShape`]), `causal, causal_offset, window_offset, mask_table` (rebuilt
+/// into its [`attention::mask::Mask`]), `softcap, alibi_max_bias, sinks` (its
 /// [`attention::score::ScoreArgs`]) and the scale (`f32`, named by the caller: the forward kernels take
 /// `scale · log₂e`, the others `scale`). They arrive as plain integers rather than as structs:
 /// rustc warns that structs passed by value to `extern "gpu-kernel"` functions may not match what
@@ -143,13 +143,15 @@ macro_rules! attention_kernel {
             causal: usize,
             causal_offset: isize,
             window_offset: isize,
+            mask_table: *const u32,
             softcap: f32,
             alibi_max_bias: f32,
             sinks: *const f32,
             $scale: f32,
         ) {
             let $shape = $crate::layout::AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
-            let $mask = $crate::attention::mask::Mask::from_args(seqlen_q, seqlen_k, causal, causal_offset, window_offset);
+            let $mask = $crate::attention::mask::Mask::from_args(seqlen_q, seqlen_k, causal, causal_offset, window_offset)
+                .with_table(mask_table);
             let $score = $crate::attention::score::ScoreArgs { softcap, alibi_max_bias, sinks };
             $body
         }

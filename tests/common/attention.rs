@@ -79,7 +79,7 @@ impl Problem {
         grads
     }
 
-    pub fn params(&self, options: &AttentionOptions) -> cpu::Params<'static> {
+    pub fn params<'a>(&self, options: &AttentionOptions<'a>) -> cpu::Params<'a> {
         cpu::Params::of(options, self.shape.head_dim)
     }
 }

@@ -91,6 +91,17 @@ pub struct Args {
     /// The window, score modification and sinks (`super::ModelArgs`).
     #[command(flatten)]
     pub model: super::ModelArgs,
+    /// A document mask (packed sequences): every batch entry's row is cut into documents of
+    /// LEN,LEN,... tokens (the tokens after them form one more document), and each token sees
+    /// only the tokens of its own document; with --causal top-left each document is causal on
+    /// its own. Needs seqlen_q = seqlen_k.
+    #[arg(long, value_name = "LEN,LEN,...", value_delimiter = ',', conflicts_with = "prefix_lm")]
+    pub documents: Option<Vec<usize>>,
+    /// Prefix-LM: the first PREFIX tokens of every row see each other in both directions, every
+    /// later token the prefix and the tokens before it. A causal mask of its own (no --causal).
+    /// Needs seqlen_q = seqlen_k.
+    #[arg(long, value_name = "PREFIX")]
+    pub prefix_lm: Option<usize>,
     /// Softmax scale; default 1/sqrt(head_dim).
     #[arg(long, allow_negative_numbers = true)]
     pub scale: Option<f32>,
@@ -337,6 +348,7 @@ pub fn run(args: &Args) -> Result<()> {
         ..Default::default()
     };
     options.checked_scale(shape.head_dim)?;
+    check_mask_table_args(args, &shape)?;
     let sinks = args.model.sinks.map(|sink| vec![sink; shape.num_heads_q]);
     let sinks = sinks.as_deref();
     if let Some(out) = &args.out {
@@ -369,6 +381,16 @@ pub fn run(args: &Args) -> Result<()> {
     }
     let ctx = ctx.map(|ctx| super::with_kernels(ctx, args.kernels)).transpose()?;
     print_problem(&inputs, &shape, dtype, args);
+    // A mask table lives on the context that runs the kernels; the CPU reference alone reads
+    // its host copy, made on an emulator context.
+    let table = match &ctx {
+        Some(ctx) => mask_table(args, &shape, ctx)?,
+        None => mask_table(args, &shape, &Context::cpu_emulated())?,
+    };
+    let options = match &table {
+        Some(table) => options.with_mask_table(table),
+        None => options,
+    };
 
     let rounded = inputs.converted(dtype);
     let (warmup, repeats) = match &ctx {
@@ -414,6 +436,65 @@ pub fn run(args: &Args) -> Result<()> {
     if args.check { verdicts.finish() } else { Ok(()) }
 }
 
+/// Refuses `--documents` and `--prefix-lm` where they cannot apply, before any device work.
+///
+/// # Errors
+/// [`Error::Argument`] for a table on unequal sequence lengths, documents longer than the row,
+/// a document of 0 tokens, a prefix longer than the row, or a prefix with --causal.
+fn check_mask_table_args(args: &Args, shape: &AttentionShape) -> Result<()> {
+    if args.documents.is_none() && args.prefix_lm.is_none() {
+        return Ok(());
+    }
+    let flag = if args.documents.is_some() { "--documents" } else { "--prefix-lm" };
+    if shape.seqlen_q != shape.seqlen_k {
+        return Err(Error::Argument(format!(
+            "{flag} needs seqlen_q = seqlen_k (one token axis); got {} and {}",
+            shape.seqlen_q, shape.seqlen_k
+        )));
+    }
+    if let Some(lengths) = &args.documents {
+        if lengths.contains(&0) {
+            return Err(Error::Argument("--documents: a document has at least 1 token".into()));
+        }
+        let total: usize = lengths.iter().sum();
+        if total > shape.seqlen_q {
+            return Err(Error::Argument(format!(
+                "--documents: the documents hold {total} tokens, more than seqlen = {}",
+                shape.seqlen_q
+            )));
+        }
+    }
+    if let Some(prefix) = args.prefix_lm {
+        if prefix > shape.seqlen_q {
+            return Err(Error::Argument(format!("--prefix-lm {prefix} is longer than seqlen = {}", shape.seqlen_q)));
+        }
+        if args.causal != CausalArg::None {
+            return Err(Error::Argument(
+                "--prefix-lm is a causal mask of its own; leave out --causal (it would hide the prefix's later keys)"
+                    .into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The mask table of `--documents` or `--prefix-lm` (the same for every batch entry), on `ctx`.
+fn mask_table(args: &Args, shape: &AttentionShape, ctx: &Context) -> Result<Option<crate::MaskTable>> {
+    let (batch, seqlen) = (shape.batch, shape.seqlen_q);
+    if let Some(lengths) = &args.documents {
+        // Document `d` is id `d`; the tokens after the listed documents are one more.
+        let mut row: Vec<i32> =
+            lengths.iter().enumerate().flat_map(|(d, &n)| std::iter::repeat_n(d as i32, n)).collect();
+        row.resize(seqlen, lengths.len() as i32);
+        let ids: Vec<i32> = (0..batch).flat_map(|_| row.iter().copied()).collect();
+        return ctx.document_mask(&ids, [batch, seqlen]).map(Some);
+    }
+    match args.prefix_lm {
+        Some(prefix) => ctx.prefix_lm_mask(&vec![prefix; batch], seqlen).map(Some),
+        None => Ok(None),
+    }
+}
+
 fn print_problem(inputs: &Inputs, shape: &AttentionShape, dtype: DType, args: &Args) {
     let files: Vec<String> = inputs
         .all()
@@ -431,9 +512,16 @@ fn print_problem(inputs: &Inputs, shape: &AttentionShape, dtype: DType, args: &A
         s.seqlen_k,
         s.head_dim,
         args.causal.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string()),
-        args.model.describe(),
+        args.model.describe() + &describe_mask_table(args),
         AttentionOptions { scale: args.scale, ..Default::default() }.scale_for(s.head_dim)
     );
+}
+
+/// `--documents` or `--prefix-lm` for the problem's line: `, documents 100,200 (+ the rest)`.
+fn describe_mask_table(args: &Args) -> String {
+    let lengths = args.documents.as_ref().map(|l| l.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(","));
+    lengths.map_or_else(String::new, |l| format!(", documents {l} (+ the rest)"))
+        + &args.prefix_lm.map_or_else(String::new, |p| format!(", prefix-LM {p}"))
 }
 
 fn describe_paths(out: &Path, written: &[PathBuf]) -> String {

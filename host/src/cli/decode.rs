@@ -224,6 +224,7 @@ fn check<T: Element>(
         window: options.window,
         score: options.score,
         sinks: sinks.as_deref(),
+        mask_table: None,
     };
     let reference = cpu::decode(&q_logical, &seqs, (hq, hkv, sq, d), params)?;
     let out = ctx.attention_with_kv_cache(q, cache, None, options)?;

@@ -4,7 +4,7 @@
 
 use cudarc::driver::LaunchConfig;
 
-use crate::problem::{AttentionOptions, AttentionShape, Sinks};
+use crate::problem::{AttentionOptions, AttentionShape, MaskTableRef, Sinks};
 use crate::runtime::{Context, KernelArg, NullPointer};
 
 /// Blocks for a grid-stride loop over `work` items at `per_block` items per block: enough to
@@ -20,13 +20,15 @@ pub(super) fn one_dim(blocks: u32, threads: usize) -> LaunchConfig {
 
 /// The problem as kernel arguments, in the kernels' order: the shape's six integers, then (with a
 /// mask) the mask flag, the diagonal's offset and the window's left edge
-/// ([`AttentionOptions::mask_args`]), the score modification's cap and ALiBi `max_bias`
+/// ([`AttentionOptions::mask_args`]), the mask table's address ([`crate::MaskTableRef`], or
+/// null), the score modification's cap and ALiBi `max_bias`
 /// ([`crate::ScoreMod`]) and the attention sinks' address ([`crate::Sinks`], or null).
 pub(super) struct ProblemArgs<'a> {
     shape: [usize; 6],
     causal: usize,
     causal_offset: isize,
     window_offset: isize,
+    mask_table: Option<MaskTableRef<'a>>,
     softcap: f32,
     alibi_max_bias: f32,
     sinks: Option<Sinks<'a>>,
@@ -34,6 +36,9 @@ pub(super) struct ProblemArgs<'a> {
 
 /// The sinks argument of a problem without sinks.
 const NO_SINKS: NullPointer = NullPointer("f32");
+
+/// The mask-table argument of a problem without one.
+const NO_MASK_TABLE: NullPointer = NullPointer("i32");
 
 impl<'a> ProblemArgs<'a> {
     pub(super) fn new(shape: &AttentionShape, options: &AttentionOptions<'a>) -> Self {
@@ -45,6 +50,7 @@ impl<'a> ProblemArgs<'a> {
             causal,
             causal_offset,
             window_offset,
+            mask_table: options.mask_table,
             softcap,
             alibi_max_bias,
             sinks: options.sinks,
@@ -63,8 +69,8 @@ impl<'a> ProblemArgs<'a> {
         args
     }
 
-    /// `head`, the shape, the mask flag and offsets, the score modification and the sinks,
-    /// then `tail`.
+    /// `head`, the shape, the mask flag, offsets and table, the score modification and the
+    /// sinks, then `tail`.
     pub(super) fn with_mask<'b>(
         &'b self,
         head: &[&'b dyn KernelArg],
@@ -74,9 +80,21 @@ impl<'a> ProblemArgs<'a> {
             Some(sinks) => sinks,
             None => &NO_SINKS,
         };
+        let mask_table: &dyn KernelArg = match &self.mask_table {
+            Some(table) => table,
+            None => &NO_MASK_TABLE,
+        };
         let mut args = self.with_shape(
             head,
-            &[&self.causal, &self.causal_offset, &self.window_offset, &self.softcap, &self.alibi_max_bias, sinks],
+            &[
+                &self.causal,
+                &self.causal_offset,
+                &self.window_offset,
+                mask_table,
+                &self.softcap,
+                &self.alibi_max_bias,
+                sinks,
+            ],
         );
         args.extend_from_slice(tail);
         args

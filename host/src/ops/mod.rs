@@ -351,11 +351,13 @@ impl Context {
 
     /// Checks the attention sinks of `options` (if any) against `shape` and this context, and
     /// refuses them where they are not taken: a problem with query rows but no keys (whose LSE
-    /// would be the sinks' values, which no kernel writes) and one run in chunks.
+    /// would be the sinks' values, which no kernel writes) and one run in chunks. Checks the
+    /// mask table too ([`Context::check_mask_table`]): every flash entry point calls this.
     ///
     /// # Errors
-    /// [`Error::Sinks`].
+    /// [`Error::Sinks`], [`Error::MaskTable`].
     pub(crate) fn check_sinks(&self, shape: &AttentionShape, options: &AttentionOptions) -> Result<()> {
+        self.check_mask_table(shape, options)?;
         let Some(sinks) = options.sinks else { return Ok(()) };
         sinks.check(shape, self.id())?;
         if shape.seqlen_k == 0 && shape.query_rows() > 0 {
@@ -364,6 +366,23 @@ impl Context {
         if self.needs_chunks(shape) {
             return Err(Error::Sinks(format!(
                 "{} heads × {} batch entries is more than one grid holds; sinks are not split into chunks",
+                shape.num_heads_q, shape.batch
+            )));
+        }
+        Ok(())
+    }
+
+    /// Checks the mask table of `options` (if any) against `shape` and this context, and
+    /// refuses it for a problem run in chunks (whose folded batch entries are not the table's).
+    ///
+    /// # Errors
+    /// [`Error::MaskTable`].
+    pub(crate) fn check_mask_table(&self, shape: &AttentionShape, options: &AttentionOptions) -> Result<()> {
+        let Some(table) = options.mask_table else { return Ok(()) };
+        table.check(shape, self.id())?;
+        if self.needs_chunks(shape) {
+            return Err(Error::MaskTable(format!(
+                "{} heads × {} batch entries is more than one grid holds; a mask table is not split into chunks",
                 shape.num_heads_q, shape.batch
             )));
         }

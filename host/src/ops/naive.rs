@@ -82,6 +82,7 @@ impl Context {
     ) -> Result<()> {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
         refuse_sinks(options)?;
+        self.check_mask_table(&shape, options)?;
         if shape.is_empty() {
             return self.write_empty_forward(&shape, out, options);
         }
@@ -157,6 +158,7 @@ impl Context {
             self.alloc_output(&AttentionShape::from_qkv_allowing_empty(q.shape(), k.shape(), v.shape())?.lse_shape())?;
         let shape = self.check_backward(q, k, v, o, &lse, d_o, grads)?;
         refuse_sinks(options)?;
+        self.check_mask_table(&shape, options)?;
         if options.score.softcap.is_some() {
             // Its dS kernel has no factor for the softcap's derivative.
             return Err(Error::ScoreMod(

@@ -79,6 +79,18 @@ impl KernelArg for NullPointer {
     }
 }
 
+/// A mask table: its address (see [`crate::MaskTableRef`]), a `u32` pointer.
+impl KernelArg for crate::problem::MaskTableRef<'_> {
+    fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) -> Result<()> {
+        builder.arg(&self.address);
+        Ok(())
+    }
+
+    fn emulated(&self) -> Result<Arg> {
+        Ok(Arg::PtrU32(self.address as *mut u32))
+    }
+}
+
 /// Attention sinks: their address (see [`crate::Sinks`]), an `f32` pointer.
 impl KernelArg for crate::problem::Sinks<'_> {
     fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) -> Result<()> {

@@ -15,9 +15,13 @@
 //! What a query sees is a band: keys from `key_start(query)` up to (not including)
 //! `key_limit(query)`, both non-decreasing in the query. That one shape covers no mask, both
 //! causal alignments and sliding windows (local attention, Beltagy et al. 2020; Mistral, Gemma),
-//! and it is what lets whole tiles be skipped from both ends. A new kind of band is a change
-//! here, in the kernel-argument list of `attention_kernel!` (`lib.rs`), and on the host
-//! (`ProblemArgs`).
+//! and it is what lets whole tiles be skipped from both ends. Bands that two offsets cannot
+//! express — a document mask (each token sees only its own document), prefix-LM (a
+//! bidirectional prefix, causal after it) — come as a *band table* ([`Mask::table`]): one
+//! band per query and one per key, built on the host (`MaskTable`) and intersected here with
+//! the offsets' band, so that every tier skips and masks tiles for them with no code of its
+//! own. A new kind of band is a change here, in the kernel-argument list of `attention_kernel!`
+//! (`lib.rs`), and on the host (`ProblemArgs`); a new table-built mask is host code only.
 
 // ANCHOR: mask
 /// Which keys each query may attend to, and the sequence bounds.
@@ -33,6 +37,9 @@
 ///   `causal` never a `start_offset` above `offset` (so every row's band, before clamping to
 ///   the sequence, holds at least its diagonal key).
 ///
+/// * a band table ([`Mask::table`], or null): per query, the keys `start ≤ j < limit` it may
+///   see at most, intersected with the two edges above.
+///
 /// Queries at or past `seqlen_q` (padding rows of the last tile) see no key at all.
 #[derive(Clone, Copy)]
 pub struct Mask {
@@ -41,6 +48,15 @@ pub struct Mask {
     pub causal: bool,
     pub offset: isize,
     pub start_offset: isize,
+    /// The band table of the block's batch entry ([`Mask::for_batch`]), or null: `seqlen_q`
+    /// pairs of `u32` (the first key query `i` may see, the end of its keys), then `seqlen_k`
+    /// pairs (the first query that may see key `j`, the end of those queries). Both pairs' ends
+    /// are non-decreasing along the sequence, and the two halves describe the same visible
+    /// pairs (the host builds both from one definition), with every query's band holding a key
+    /// its neighbours' bands hold too (true of every mask whose queries see their own key:
+    /// documents, prefix-LM), so that the keys of a query tile and the queries of a key tile
+    /// are each one range. One batch entry's table is [`Mask::table_words`] long.
+    pub table: *const u32,
 }
 
 impl Mask {
@@ -50,10 +66,65 @@ impl Mask {
     pub const NO_LEFT_EDGE: isize = isize::MIN / 4;
 
     /// The mask as kernels receive it: the sequence lengths, `causal` (0 or 1), the causal
-    /// offset and the left edge's offset (see the type's docs).
+    /// offset and the left edge's offset (see the type's docs); no band table.
     #[inline(always)]
     pub fn from_args(seqlen_q: usize, seqlen_k: usize, causal: usize, offset: isize, start_offset: isize) -> Self {
-        Self { seqlen_q, seqlen_k, causal: causal != 0, offset, start_offset }
+        Self { seqlen_q, seqlen_k, causal: causal != 0, offset, start_offset, table: core::ptr::null() }
+    }
+
+    /// This mask intersected with the band table at `table` (null: none), whose first batch
+    /// entry it reads until [`Mask::for_batch`] picks another.
+    #[inline(always)]
+    pub fn with_table(self, table: *const u32) -> Self {
+        Self { table, ..self }
+    }
+
+    /// `u32` words of one batch entry's band table ([`Mask::table`]): a pair per query and a
+    /// pair per key.
+    pub const fn table_words(seqlen_q: usize, seqlen_k: usize) -> usize {
+        2 * (seqlen_q + seqlen_k)
+    }
+
+    /// The mask of batch entry `batch`: its band table, when there is one (the kernels call it
+    /// once they know their block's batch entry; without a table it changes nothing).
+    #[inline(always)]
+    pub fn for_batch(self, batch: usize) -> Self {
+        if self.table.is_null() {
+            self
+        } else {
+            // SAFETY: the host's table has `batch` entries of `table_words` words (a pointer
+            // computed inside it).
+            Self { table: unsafe { self.table.add(batch * Self::table_words(self.seqlen_q, self.seqlen_k)) }, ..self }
+        }
+    }
+
+    /// Pair `index` of the band table (`index < seqlen_q + seqlen_k`).
+    ///
+    /// Volatile loads, so that the compiler reads the pair where the mask is asked for — inside
+    /// the branch of a tile that needs the mask — and does not hoist the reads of a row's pair
+    /// out of the key loop (the pair does not change from tile to tile): hoisted, every row's
+    /// pair stays live in registers for the whole loop, and ptxas gave the tensor-core kernels
+    /// up to 70 more registers a thread, on the plain path too (it allocates for both).
+    #[inline(always)]
+    fn table_pair(&self, index: usize) -> (usize, usize) {
+        // SAFETY: the table holds `seqlen_q + seqlen_k` pairs (the host's contract).
+        unsafe {
+            let pair = self.table.add(2 * index);
+            (core::ptr::read_volatile(pair) as usize, core::ptr::read_volatile(pair.add(1)) as usize)
+        }
+    }
+
+    /// The table's band of query `query` (padding rows take the last row's, which keeps the
+    /// ends non-decreasing).
+    #[inline(always)]
+    fn query_band(&self, query: usize) -> (usize, usize) {
+        self.table_pair(query.min(self.seqlen_q - 1))
+    }
+
+    /// The table's band of key `key`: the queries that may see it.
+    #[inline(always)]
+    fn key_band(&self, key: usize) -> (usize, usize) {
+        self.table_pair(self.seqlen_q + key.min(self.seqlen_k - 1))
     }
 
     /// A sliding window's edge that is open (FlashAttention's `window_size` of −1): see
@@ -97,7 +168,7 @@ impl Mask {
         if causal && start_offset > offset {
             (offset, start_offset) = (-bound, Self::NO_LEFT_EDGE);
         }
-        Self { seqlen_q, seqlen_k, causal, offset, start_offset }
+        Self { seqlen_q, seqlen_k, causal, offset, start_offset, table: core::ptr::null() }
     }
 
     /// The first key query `query` sees (keys before it are left of its window); `seqlen_k` at
@@ -105,7 +176,8 @@ impl Mask {
     /// anyway: their `key_limit` is 0), which keeps it monotone across the sequence's end.
     #[inline(always)]
     pub fn key_start(&self, query: usize) -> usize {
-        (query as isize + self.start_offset).clamp(0, self.seqlen_k as isize) as usize
+        let start = (query as isize + self.start_offset).clamp(0, self.seqlen_k as isize) as usize;
+        if self.table.is_null() { start } else { start.max(self.query_band(query).0) }
     }
 
     /// Number of keys query `query` sees: keys `0 .. key_limit(query)`. Non-decreasing in
@@ -113,25 +185,28 @@ impl Mask {
     #[inline(always)]
     pub fn key_limit(&self, query: usize) -> usize {
         if query >= self.seqlen_q {
-            0
-        } else if self.causal {
+            return 0;
+        }
+        let limit = if self.causal {
             // 0 ≤ result ≤ seqlen_k; computed in isize because the offset can be negative.
             (query as isize + 1 + self.offset).clamp(0, self.seqlen_k as isize) as usize
         } else {
             self.seqlen_k
-        }
+        };
+        if self.table.is_null() { limit } else { limit.min(self.query_band(query).1) }
     }
 
     /// The first query that sees `key` (`seqlen_q` if none does): queries before it can be
     /// skipped by a block that owns this key.
     #[inline(always)]
     pub fn first_query_seeing(&self, key: usize) -> usize {
-        if self.causal {
+        let first = if self.causal {
             // key < query + 1 + offset  ⇔  query ≥ key − offset
             (key as isize - self.offset).clamp(0, self.seqlen_q as isize) as usize
         } else {
             0
-        }
+        };
+        if self.table.is_null() { first } else { first.max(self.key_band(key).0) }
     }
 
     /// The end of the queries that see `key` (`0` if none does): queries at or past it have
@@ -139,7 +214,8 @@ impl Mask {
     #[inline(always)]
     pub fn query_end_seeing(&self, key: usize) -> usize {
         // key ≥ query + start_offset  ⇔  query ≤ key − start_offset
-        (key as isize - self.start_offset + 1).clamp(0, self.seqlen_q as isize) as usize
+        let end = (key as isize - self.start_offset + 1).clamp(0, self.seqlen_q as isize) as usize;
+        if self.table.is_null() { end } else { end.min(self.key_band(key).1) }
     }
 
     /// Whether `key` is visible to `query`.

@@ -216,6 +216,8 @@ impl KeyBlock {
     ) -> Self {
         let k_start = block * BLOCK_N;
         let k_rows = BLOCK_N.min(shape.seqlen_k - k_start);
+        // The caller's mask is the problem's; this block's batch entry may have a band table.
+        let mask = mask.for_batch(batch);
         let first_query = mask.first_query_seeing(k_start);
         let query_end = mask.query_end_seeing(k_start + k_rows - 1);
         // A block that no query sees visits no tile (not the tile that holds row `seqlen_q`,

@@ -235,6 +235,7 @@ pub(crate) unsafe fn flash_backward_kv<
     let scale_log2 = scale * LOG2_E;
     let block = KeyBlock::current::<BLOCK_M, BLOCK_N>(&shape, &mask);
     let (kv_start, kv_rows, kv_head, batch) = (block.k_start, block.k_rows, block.kv_head, block.batch);
+    let mask = mask.for_batch(batch);
     // Global rows are `d` floats long; the tiles are `HEAD_DIM` wide, zero past `d`.
     let d = shape.head_dim;
     let kv_offset = block.first_row_offset(&shape, d);
@@ -389,6 +390,7 @@ pub(crate) unsafe fn flash_backward_q<
     const { assert!(fits_thread_grid((BLOCK_M, ROWS), (BLOCK_N, COLS), (HEAD_DIM, DVEC))) };
     let scale_log2 = scale * LOG2_E;
     let block = QueryBlock::current::<BLOCK_M>(&shape);
+    let mask = mask.for_batch(block.batch);
     let factor = score.softmax_factor(scale_log2);
     let head_score = score.for_head(block.head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
     let (q_start, q_rows) = (block.q_start, block.q_rows);

@@ -92,6 +92,7 @@ pub(crate) unsafe fn flash_forward<
 ) {
     const { assert!(fits_thread_grid((BLOCK_M, ROWS), (BLOCK_N, COLS), (HEAD_DIM, DVEC))) };
     let block = QueryBlock::current::<BLOCK_M>(&shape);
+    let mask = mask.for_batch(block.batch);
     let (q_start, q_rows) = (block.q_start, block.q_rows);
     // This block's head in each tensor. O has Q's layout; LSE has one float per query row.
     // SAFETY: the host sized the grid, so these heads exist.

@@ -48,6 +48,7 @@ fn naive_scores_f32(q: *const f32, k: *const f32, s: *mut f32) |shape, mask, sco
     while row < shape.query_rows() {
         let (q_offset, kv_offset) = row_offsets(&shape, row);
         let head = row / shape.seqlen_q % shape.num_heads_q;
+        let mask = mask.for_batch(row / shape.seqlen_q / shape.num_heads_q);
         let head_score = score.for_head(head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
         let mut j = hw::thread_idx_x();
         while j < shape.seqlen_k {

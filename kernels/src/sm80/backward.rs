@@ -319,6 +319,7 @@ unsafe fn backward_kv_body<
     let scale_log2 = scale * LOG2_E;
     let keep_fragments = keeps_fragments(HEAD_DIM);
     let block = KeyBlock::current::<BLOCK_M, BLOCK_N>(&shape, &mask);
+    let mask = mask.for_batch(block.batch);
     let (kv_start, kv_rows, batch) = (block.k_start, block.k_rows, block.batch);
     // First element of this key block in K, V, dK, dV.
     // Global rows are `d` elements long; the tiles are `HEAD_DIM` wide, zero past `d`.
@@ -617,6 +618,7 @@ unsafe fn backward_q_body<
     let scale_log2 = scale * LOG2_E;
     let keep_fragments = keeps_fragments(HEAD_DIM);
     let block = QueryBlock::current::<BLOCK_M>(&shape);
+    let mask = mask.for_batch(block.batch);
     let (q_start, q_rows) = (block.q_start, block.q_rows);
     let factor = if MODS { 1.0 } else { scale_log2 };
     // Global rows are `d` elements long; the tiles are `HEAD_DIM` wide, zero past `d`.

@@ -157,6 +157,7 @@ unsafe fn forward_body<
     let threads = mma_forward_threads(BLOCK_M);
     let d = row_length::<HEAD_DIM, PADDED>(&shape);
     let block = QueryBlock::current::<BLOCK_M>(&shape);
+    let mask = mask.for_batch(block.batch);
     let (q_start, q_rows) = (block.q_start, block.q_rows);
     // SAFETY: the host sized the grid, so these heads exist (offsets are in elements).
     let (q_head, k_head, v_head, o_head, lse_head) = unsafe {

@@ -706,6 +706,7 @@ unsafe fn flash_backward_wgmma<
     let smem = SharedTiles::<D, STAGES>::new();
     let maps = TensorMaps(maps);
     let block = KeyBlock::hopper_backward::<BLOCK_M, BLOCK_N>(&shape, &mask, DETERMINISTIC);
+    let mask = mask.for_batch(block.batch);
     if hw::thread_idx_x() == 0 {
         // SAFETY: one thread initialises the barriers before the block barrier below.
         unsafe {

@@ -59,7 +59,7 @@ use crate::hw::{
     mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait, mn_major_descriptor, named_barrier_arrive,
     named_barrier_sync, prefetch_tensor_map, warpgroup_id, wgmma_commit, wgmma_fence, wgmma_wait,
 };
-use crate::layout::{AttentionShape, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS};
+use crate::layout::{AttentionShape, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS, div_rem};
 use crate::sm90::pipeline::{AlignedShared, SWIZZLE_COLUMNS, load_swizzled_tile, ring_slot, take_role, wait_slot_free};
 
 /// The first of the named barriers of the ping-pong schedule, one per consumer warpgroup (0 is
@@ -206,6 +206,7 @@ unsafe fn produce<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, co
     let (mut ring, mut local) = (0, 0);
     for unit in units {
         let block = order.block(shape, unit);
+        let mask = mask.for_batch(block.batch);
         let keys = mask.keys_for(block.q_start, block.q_rows);
         let kv_tiles = keys.tiles(BLOCK_N);
         let q_head = block.batch * shape.num_heads_q + block.head;
@@ -666,6 +667,8 @@ unsafe fn flash_forward_wgmma<
             // zeros past it, the stores skip it.
             let (head_dim, first_row) = (shape.head_dim, unit.head as usize * shape.seqlen_q);
             let heads = unsafe { (o.add(first_row * head_dim), lse.add(first_row)) };
+            // The unit's batch entry (its head counts over all batches), for a band table.
+            let mask = mask.for_batch(div_rem(unit.head as usize, shape.num_heads_q).0);
             unsafe {
                 consume::<T, BLOCK_M, D, BLOCK_N, STAGES, N_TILES, P_STEPS, D_TILES, PINGPONG>(
                     smem, unit, &shape, mask, score, scale_log2, heads, head_dim,

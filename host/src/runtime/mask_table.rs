@@ -1,0 +1,238 @@
+//! **Runtime layer.** Masks given per token — document masks, prefix-LM — as band tables on a
+//! device ([`MaskTable`]), made by the [`Context`]'s constructors from what a data loader has:
+//! per-token document ids, `cu_seqlens`, prefix lengths.
+//!
+//! Each of these masks lets query `i` see one contiguous band of keys, `start(i) ≤ j <
+//! limit(i)`, whose ends never decrease along the sequence — the shape of mask the kernels
+//! skip tiles for (`attention::mask` in the device crate). The table holds, per batch entry,
+//! that band for every query and, derived from the same bands, the band of queries that see
+//! each key (what the backward's key blocks need); the kernels intersect both with the causal
+//! mask and the window of the call.
+
+use attn_kernels::attention::mask::Mask;
+
+use super::context::Context;
+use super::tensor::{DeviceTensor, Storage};
+use crate::error::{Error, Result};
+use crate::problem::MaskTableRef;
+
+/// A mask given per token, on the device of the [`Context`] that made it: a document mask
+/// ([`Context::document_mask`], [`Context::document_mask_from_cu_seqlens`]) or prefix-LM
+/// ([`Context::prefix_lm_mask`]). Given to [`AttentionOptions::with_mask_table`], which borrows
+/// it, for problems of the `[batch, seqlen, seqlen]` it was made for; one table serves every
+/// layer and both passes.
+///
+/// [`AttentionOptions::with_mask_table`]: crate::AttentionOptions::with_mask_table
+pub struct MaskTable {
+    /// `[batch, seqlen_q + seqlen_k, 2]` `(start, end)` pairs (`Mask::table`'s layout).
+    device: DeviceTensor<i32>,
+    /// The same words on the host, for the CPU references and the flop counts.
+    words: Vec<u32>,
+    dims: [usize; 3],
+    kind: &'static str,
+}
+
+impl std::fmt::Debug for MaskTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MaskTable({}, [batch, seqlen_q, seqlen_k] = {:?})", self.kind, self.dims)
+    }
+}
+
+impl MaskTable {
+    /// Whether query `query` of batch entry `batch` may see key `key` by the table alone.
+    pub fn visible(&self, batch: usize, query: usize, key: usize) -> bool {
+        MaskTableRef::from(self).visible(batch, query, key)
+    }
+
+    /// `[batch, seqlen_q, seqlen_k]` of the problems the table masks.
+    pub fn dims(&self) -> [usize; 3] {
+        self.dims
+    }
+
+    /// What the table masks: `documents` or `prefix-LM`.
+    pub fn kind(&self) -> &'static str {
+        self.kind
+    }
+}
+
+/// The table as the options borrow it.
+impl<'a> From<&'a MaskTable> for MaskTableRef<'a> {
+    fn from(table: &'a MaskTable) -> Self {
+        let address = match table.device.storage() {
+            Storage::Cuda(slice) => cudarc::driver::DevicePtr::device_ptr(slice, slice.stream()).0,
+            Storage::Host(buffer) => buffer.as_ptr() as u64,
+        };
+        Self { address, owner: table.device.owner(), dims: table.dims, words: &table.words, kind: table.kind }
+    }
+}
+
+impl Context {
+    /// A document mask (packed sequences: several documents end to end in one row, each token
+    /// seeing only the tokens of its own document), from per-token document ids: `document_ids`
+    /// is `[batch, seqlen]`, row-major, and a document is a run of consecutive tokens with the
+    /// same id. Combine it with [`Causal::TopLeft`](crate::Causal::TopLeft) for causal language
+    /// models: each document is then causal on its own.
+    ///
+    /// # Errors
+    /// [`Error::MaskTable`] when `document_ids` does not hold `batch · seqlen` ids, when an id
+    /// comes back in a row after another document (documents must be contiguous), or when
+    /// `seqlen` exceeds `i32::MAX`; errors of the upload.
+    pub fn document_mask(&self, document_ids: &[i32], [batch, seqlen]: [usize; 2]) -> Result<MaskTable> {
+        if Some(document_ids.len()) != batch.checked_mul(seqlen) {
+            return Err(Error::MaskTable(format!(
+                "{} document ids for [batch, seqlen] = [{batch}, {seqlen}]",
+                document_ids.len()
+            )));
+        }
+        let mut bands = Vec::with_capacity(document_ids.len());
+        for (b, row) in document_ids.chunks(seqlen.max(1)).enumerate().take(batch) {
+            let mut finished = std::collections::HashSet::new();
+            let mut start = 0;
+            while start < row.len() {
+                let id = row[start];
+                let end = start + row[start..].iter().take_while(|&&x| x == id).count();
+                if !finished.insert(id) {
+                    return Err(Error::MaskTable(format!(
+                        "document id {id} comes back at token {start} of batch entry {b} after another document; \
+                         a document's tokens must be consecutive"
+                    )));
+                }
+                bands.extend(std::iter::repeat_n((start, end), end - start));
+                start = end;
+            }
+        }
+        self.mask_table(bands, [batch, seqlen], "documents")
+    }
+
+    /// A document mask for one packed row (`batch` = 1) from `cu_seqlens`, FlashAttention's
+    /// variable-length convention: document `d` holds tokens `cu_seqlens[d] .. cu_seqlens[d +
+    /// 1]`, and the row `cu_seqlens.last()` tokens. See [`Context::document_mask`].
+    ///
+    /// # Errors
+    /// [`Error::MaskTable`] when `cu_seqlens` is empty, does not start at 0 or decreases;
+    /// errors of the upload.
+    pub fn document_mask_from_cu_seqlens(&self, cu_seqlens: &[i32]) -> Result<MaskTable> {
+        if cu_seqlens.first() != Some(&0) {
+            return Err(Error::MaskTable(format!("cu_seqlens must start at 0; got {:?}", cu_seqlens.first())));
+        }
+        if let Some(d) = cu_seqlens.windows(2).position(|w| w[1] < w[0]) {
+            return Err(Error::MaskTable(format!(
+                "cu_seqlens must not decrease; entry {} is {} after {}",
+                d + 1,
+                cu_seqlens[d + 1],
+                cu_seqlens[d]
+            )));
+        }
+        let bands = cu_seqlens
+            .windows(2)
+            .flat_map(|w| {
+                let (start, end) = (w[0] as usize, w[1] as usize);
+                std::iter::repeat_n((start, end), end - start)
+            })
+            .collect::<Vec<_>>();
+        let seqlen = bands.len();
+        self.mask_table(bands, [1, seqlen], "documents")
+    }
+
+    /// Prefix-LM (Raffel et al. 2020, T5's "prefix LM"; Wang et al. 2022): the first
+    /// `prefix_lengths[b]` tokens of batch entry `b` see each other in both directions, every
+    /// later token sees the prefix and the tokens before it (causal). `batch` is
+    /// `prefix_lengths.len()`. It is a causal mask of its own: give it without [`Causal`], or
+    /// the causal mask hides the prefix's keys from the prefix's earlier queries again.
+    ///
+    /// [`Causal`]: crate::Causal
+    ///
+    /// # Errors
+    /// [`Error::MaskTable`] when a prefix is longer than `seqlen`, or `seqlen` exceeds
+    /// `i32::MAX`; errors of the upload.
+    pub fn prefix_lm_mask(&self, prefix_lengths: &[usize], seqlen: usize) -> Result<MaskTable> {
+        if let Some((b, &p)) = prefix_lengths.iter().enumerate().find(|&(_, &p)| p > seqlen) {
+            return Err(Error::MaskTable(format!(
+                "the prefix of batch entry {b} has {p} tokens, more than seqlen = {seqlen}"
+            )));
+        }
+        let bands =
+            prefix_lengths.iter().flat_map(|&p| (0..seqlen).map(move |i| (0, (i + 1).max(p)))).collect::<Vec<_>>();
+        self.mask_table(bands, [prefix_lengths.len(), seqlen], "prefix-LM")
+    }
+
+    /// The table of per-query key bands `bands` (`[batch, seqlen]`, each `(start, limit)`, both
+    /// non-decreasing along a row), uploaded.
+    fn mask_table(
+        &self,
+        bands: Vec<(usize, usize)>,
+        [batch, seqlen]: [usize; 2],
+        kind: &'static str,
+    ) -> Result<MaskTable> {
+        if seqlen > i32::MAX as usize {
+            return Err(Error::MaskTable(format!("seqlen = {seqlen} is more than a table holds (i32::MAX)")));
+        }
+        let words = table_words(&bands, batch, seqlen);
+        let signed: Vec<i32> = words.iter().map(|&w| w as i32).collect();
+        let device = self.upload(&signed, &[batch, 2 * seqlen, 2])?;
+        Ok(MaskTable { device, words, dims: [batch, seqlen, seqlen], kind })
+    }
+}
+
+/// The table's words (`Mask::table`'s layout) for per-query bands `bands` of `batch` rows of
+/// `seqlen` tokens (queries and keys alike): each row's query pairs, then its key pairs, the
+/// queries that see key `k` being those whose band holds it — from the first query whose limit
+/// is past `k` to the first whose start is past it (both ends non-decreasing, like the bands').
+fn table_words(bands: &[(usize, usize)], batch: usize, seqlen: usize) -> Vec<u32> {
+    let mut words = Vec::with_capacity(batch * Mask::table_words(seqlen, seqlen));
+    for row in bands.chunks(seqlen.max(1)).take(batch) {
+        debug_assert!(row.windows(2).all(|w| w[0].0 <= w[1].0 && w[0].1 <= w[1].1), "bands must not decrease");
+        words.extend(row.iter().flat_map(|&(start, limit)| [start as u32, limit as u32]));
+        let (mut first, mut end) = (0, 0);
+        for key in 0..seqlen {
+            while first < seqlen && row[first].1 <= key {
+                first += 1;
+            }
+            while end < seqlen && row[end].0 <= key {
+                end += 1;
+            }
+            words.extend([first as u32, end as u32]);
+        }
+    }
+    words
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The key pairs describe the same visible pairs as the query pairs, for documents (with an
+    /// empty one) and prefix-LM.
+    #[test]
+    fn key_bands_are_the_query_bands_transposed() {
+        let docs = [(0, 3), (0, 3), (0, 3), (3, 4), (4, 9), (4, 9), (4, 9), (4, 9), (4, 9)];
+        let prefix: Vec<_> = (0..9).map(|i| (0, (i + 1).max(4))).collect();
+        for bands in [&docs[..], &prefix] {
+            let words = table_words(bands, 1, 9);
+            for q in 0..9 {
+                for k in 0..9 {
+                    let by_query = words[2 * q] as usize <= k && k < words[2 * q + 1] as usize;
+                    let by_key = words[18 + 2 * k] as usize <= q && q < words[18 + 2 * k + 1] as usize;
+                    assert_eq!(by_query, by_key, "query {q}, key {k}: {bands:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_inputs_are_typed_errors() {
+        let ctx = Context::cpu_emulated();
+        let err = |r: Result<MaskTable>| matches!(r, Err(Error::MaskTable(_)));
+        assert!(err(ctx.document_mask(&[1, 1, 2], [2, 2])));
+        assert!(err(ctx.document_mask(&[1, 2, 1, 3], [1, 4])));
+        assert!(err(ctx.document_mask_from_cu_seqlens(&[])));
+        assert!(err(ctx.document_mask_from_cu_seqlens(&[1, 4])));
+        assert!(err(ctx.document_mask_from_cu_seqlens(&[0, 4, 3])));
+        assert!(err(ctx.prefix_lm_mask(&[2, 9], 8)));
+        let table = ctx.document_mask(&[5, 5, 7, 7, 1, 2, 2, 2], [2, 4]).unwrap();
+        assert!(table.visible(0, 1, 0) && !table.visible(0, 2, 1) && !table.visible(1, 1, 0) && table.visible(1, 3, 1));
+        let from_cu = ctx.document_mask_from_cu_seqlens(&[0, 2, 2, 4]).unwrap();
+        assert_eq!(from_cu.dims(), [1, 4, 4]);
+        assert!(from_cu.visible(0, 3, 2) && !from_cu.visible(0, 2, 1));
+    }
+}

@@ -1,0 +1,101 @@
+//! Masks given per token ([`attn_host::MaskTable`]: document masks, prefix-LM; the band table
+//! of `kernels/src/attention/mask.rs`) on the GPU, forward and backward, against the float64
+//! reference: the `f32` flash kernels in both dQ modes, and the 16-bit kernels that the
+//! context's kernel path runs with the built-in tiles (`mma.sync` on the sm_80 path, `wgmma` on
+//! sm_90a), `f16` and `bf16`, both dQ modes (the deterministic Hopper backward's turns follow
+//! the table's tile ranges); packed pretraining rows (documents of 1 to 700 tokens, different
+//! in every batch entry, causal and with a sliding window), one row from `cu_seqlens`, GQA,
+//! prefix-LM, head dims between the compiled ones, and grids deep enough for the Hopper
+//! forward's three consumers.
+
+mod common;
+
+use attn_host::check::random_normal;
+use attn_host::{
+    AttentionOptions, AttentionShape, Causal, Context, DType, DqAccumulation, MaskTable, SlidingWindow, TileConfig,
+    bf16, f16,
+};
+use common::attention::{Kernel, check};
+use common::gpu;
+use common::tensor_cores::{Inputs, check16};
+
+fn shape(batch: usize, heads_q: usize, heads_kv: usize, seqlen: usize, d: usize) -> AttentionShape {
+    AttentionShape {
+        batch,
+        num_heads_q: heads_q,
+        num_heads_kv: heads_kv,
+        seqlen_q: seqlen,
+        seqlen_k: seqlen,
+        head_dim: d,
+    }
+}
+
+/// Packed rows: each batch entry cut into documents of random lengths from 1 to `longest`
+/// tokens (the seed makes every entry's cuts its own).
+fn packed_documents(ctx: &Context, batch: usize, seqlen: usize, longest: usize, seed: u64) -> MaskTable {
+    let draws = random_normal(batch * seqlen, seed);
+    let mut ids = Vec::with_capacity(batch * seqlen);
+    for b in 0..batch {
+        let (mut document, mut left) = (0, 0usize);
+        for t in 0..seqlen {
+            if left == 0 {
+                document += 1;
+                // 1 ..= longest tokens, from one normal draw.
+                left = 1 + ((draws[b * seqlen + t].abs() * longest as f32 / 2.5) as usize).min(longest - 1);
+            }
+            ids.push(document);
+            left -= 1;
+        }
+    }
+    ctx.document_mask(&ids, [batch, seqlen]).unwrap()
+}
+
+#[test]
+fn f32_kernels_take_mask_tables() {
+    let Some(ctx) = gpu("f32_kernels_take_mask_tables") else { return };
+    let docs = packed_documents(ctx, 2, 300, 120, 1000);
+    let prefix = ctx.prefix_lm_mask(&[0, 77], 300).unwrap();
+    let cases = [
+        (shape(2, 6, 2, 300, 64), AttentionOptions::causal(Causal::TopLeft).with_mask_table(&docs)),
+        (shape(2, 4, 4, 300, 32), AttentionOptions::default().with_mask_table(&docs)),
+        (shape(2, 4, 1, 300, 128), AttentionOptions::default().with_mask_table(&prefix)),
+    ];
+    for (i, (shape, options)) in cases.into_iter().enumerate() {
+        for mode in [DqAccumulation::Atomic, DqAccumulation::Deterministic] {
+            let tile = TileConfig::default_for_dtype(DType::F32, shape.head_dim);
+            check(ctx, shape, Kernel::Flash(tile, mode), options, 1010 + i as u64, true);
+        }
+    }
+}
+
+#[test]
+fn tensor_core_kernels_take_mask_tables() {
+    let Some(ctx) = gpu("tensor_core_kernels_take_mask_tables") else { return };
+    let window = SlidingWindow::new(Some(255), Some(0));
+    let pretraining = packed_documents(ctx, 2, 2048, 700, 1020);
+    let deep = packed_documents(ctx, 3, 1100, 300, 1021);
+    let short = packed_documents(ctx, 4, 333, 90, 1022);
+    let packed = ctx.document_mask_from_cu_seqlens(&[0, 1, 200, 200, 577, 1000]).unwrap();
+    let prefix = ctx.prefix_lm_mask(&[0, 64, 500, 700], 700).unwrap();
+    let causal = AttentionOptions::causal(Causal::TopLeft);
+    let cases = [
+        // Packed pretraining: GQA, causal documents, and a sliding window inside them.
+        (shape(2, 16, 4, 2048, 64), causal.with_mask_table(&pretraining)),
+        (shape(2, 8, 8, 2048, 128), causal.with_window(window).with_mask_table(&pretraining)),
+        (shape(4, 4, 2, 333, 96), AttentionOptions::default().with_mask_table(&short)),
+        (shape(1, 8, 2, 1000, 128), causal.with_mask_table(&packed)),
+        (shape(4, 6, 6, 700, 80), AttentionOptions::default().with_mask_table(&prefix)),
+        (shape(4, 4, 2, 700, 256), AttentionOptions::with_scale(0.25).with_softcap(2.0).with_mask_table(&prefix)),
+        // Deep enough for the Hopper forward's three consumers at head_dim 64.
+        (shape(3, 16, 4, 1100, 64), causal.with_mask_table(&deep)),
+    ];
+    for (i, (shape, options)) in cases.into_iter().enumerate() {
+        let fwd = TileConfig::default_for_dtype(DType::F16, shape.head_dim);
+        let bwd = TileConfig::default_backward_for_dtype(DType::F16, shape.head_dim);
+        let seed = 1030 + 2 * i as u64;
+        let atomic = Some((bwd, DqAccumulation::Atomic));
+        let deterministic = Some((bwd, DqAccumulation::Deterministic));
+        check16::<f16>(ctx, shape, fwd, atomic, options, seed, Inputs::Normal);
+        check16::<bf16>(ctx, shape, fwd, deterministic, options, seed + 1, Inputs::Normal);
+    }
+}
