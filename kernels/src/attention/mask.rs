@@ -101,10 +101,10 @@ impl Mask {
     /// Pair `index` of the band table (`index < seqlen_q + seqlen_k`).
     ///
     /// Volatile loads, so that the compiler reads the pair where the mask is asked for — inside
-    /// the branch of a tile that needs the mask — and does not hoist the reads of a row's pair
-    /// out of the key loop (the pair does not change from tile to tile): hoisted, every row's
-    /// pair stays live in registers for the whole loop, and ptxas gave the tensor-core kernels
-    /// up to 70 more registers a thread, on the plain path too (it allocates for both).
+    /// the branch of a tile that needs the mask — rather than hoisting a row's pair out of the
+    /// key loop to keep it live there. (The table's branches still cost some kernels registers
+    /// on the plain path, which volatile reads did not win back: PERFORMANCE.md, 2026-12-02
+    /// (evening).)
     #[inline(always)]
     fn table_pair(&self, index: usize) -> (usize, usize) {
         // SAFETY: the table holds `seqlen_q + seqlen_k` pairs (the host's contract).
