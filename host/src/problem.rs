@@ -338,6 +338,29 @@ impl MaskTableRef<'_> {
     }
 }
 
+/// The table's words (`Mask::table`'s layout) for per-query bands `bands` of `batch` rows of
+/// `seqlen` tokens (queries and keys alike): each row's query pairs, then its key pairs, the
+/// queries that see key `k` being those whose band holds it — from the first query whose limit
+/// is past `k` to the first whose start is past it (both ends non-decreasing, like the bands').
+pub(crate) fn table_words(bands: &[(usize, usize)], batch: usize, seqlen: usize) -> Vec<u32> {
+    let mut words = Vec::with_capacity(batch * attn_kernels::attention::mask::Mask::table_words(seqlen, seqlen));
+    for row in bands.chunks(seqlen.max(1)).take(batch) {
+        debug_assert!(row.windows(2).all(|w| w[0].0 <= w[1].0 && w[0].1 <= w[1].1), "bands must not decrease");
+        words.extend(row.iter().flat_map(|&(start, limit)| [start as u32, limit as u32]));
+        let (mut first, mut end) = (0, 0);
+        for key in 0..seqlen {
+            while first < seqlen && row[first].1 <= key {
+                first += 1;
+            }
+            while end < seqlen && row[end].0 <= key {
+                end += 1;
+            }
+            words.extend([first as u32, end as u32]);
+        }
+    }
+    words
+}
+
 /// Options shared by every attention entry point.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct AttentionOptions<'a> {
@@ -616,22 +639,30 @@ mod tests {
         all
     }
 
-    /// Mask tables of `seqlen` tokens: one document, one per token, two (split in the middle),
+    /// The words of mask tables of `seqlen` tokens: one document, one per token, two (split in the middle),
     /// three (a one-token document between two others), and prefix-LM with prefixes 0, 1, half
     /// and all of the row.
-    fn small_tables(ctx: &crate::Context, seqlen: usize) -> Vec<crate::MaskTable> {
-        let ids = |split: &dyn Fn(usize) -> i32| (0..seqlen).map(split).collect::<Vec<_>>();
+    fn small_tables(seqlen: usize) -> Vec<Vec<u32>> {
+        let documents = |id: &dyn Fn(usize) -> usize| -> Vec<(usize, usize)> {
+            (0..seqlen)
+                .map(|i| {
+                    let start = (0..=i).rev().take_while(|&t| id(t) == id(i)).last().unwrap_or(i);
+                    let end = (i..seqlen).take_while(|&t| id(t) == id(i)).last().unwrap_or(i) + 1;
+                    (start, end)
+                })
+                .collect()
+        };
         let half = seqlen / 2;
-        let mut tables = vec![
-            ctx.document_mask(&ids(&|_| 0), [1, seqlen]).unwrap(),
-            ctx.document_mask(&ids(&|i| i as i32), [1, seqlen]).unwrap(),
-            ctx.document_mask(&ids(&|i| (i < half) as i32), [1, seqlen]).unwrap(),
-            ctx.document_mask(&ids(&|i| (i >= half) as i32 + (i > half) as i32), [1, seqlen]).unwrap(),
+        let mut bands = vec![
+            documents(&|_| 0),
+            documents(&|i| i),
+            documents(&|i| (i < half) as usize),
+            documents(&|i| (i >= half) as usize + (i > half) as usize),
         ];
         for prefix in [0, 1, half, seqlen] {
-            tables.push(ctx.prefix_lm_mask(&[prefix], seqlen).unwrap());
+            bands.push((0..seqlen).map(|i| (0, (i + 1).max(prefix))).collect());
         }
-        tables
+        bands.iter().map(|b| table_words(b, 1, seqlen)).collect()
     }
 
     /// The kernels' mask (from the three arguments the host passes) is the definition, element
@@ -639,11 +670,12 @@ mod tests {
     /// hidden tiles and skip the per-element mask only on fully visible ones.
     #[test]
     fn the_kernels_mask_is_the_definition_and_skips_only_hidden_tiles() {
-        let ctx = crate::Context::cpu_emulated();
         for seqlen_q in 1..10 {
             for seqlen_k in 1..10 {
-                let tables = if seqlen_q == seqlen_k { small_tables(&ctx, seqlen_q) } else { Vec::new() };
-                let tables = std::iter::once(None).chain(tables.iter().map(Some));
+                let words = if seqlen_q == seqlen_k { small_tables(seqlen_q) } else { Vec::new() };
+                let dims = [1, seqlen_q, seqlen_k];
+                let tables = words.iter().map(|w| MaskTableRef { address: 0, owner: 0, dims, words: w, kind: "test" });
+                let tables = std::iter::once(None).chain(tables.map(Some));
                 for (options, table) in masks().into_iter().flat_map(|o| tables.clone().map(move |t| (o, t))) {
                     let options = match table {
                         Some(table) => options.with_mask_table(table),
@@ -659,6 +691,15 @@ mod tests {
                     for i in 0..seqlen_q {
                         for j in 0..seqlen_k {
                             assert_eq!(mask.visible(i, j), sees(i, j), "{what}: ({i}, {j})");
+                        }
+                    }
+                    // The per-row bands the kernels mask with, padding rows and columns included.
+                    let inside = |x: usize, (start, width): (usize, usize)| x.wrapping_sub(start) < width;
+                    for i in 0..seqlen_q + 3 {
+                        for j in 0..seqlen_k + 3 {
+                            let want = i < seqlen_q && j < seqlen_k && sees(i, j);
+                            assert_eq!(inside(j, mask.keys_seen_by(i)), want, "{what}: keys of {i}, {j}");
+                            assert_eq!(inside(i, mask.queries_seeing(j)), want, "{what}: queries of {j}, {i}");
                         }
                     }
                     for (bm, bn) in [(1, 1), (2, 3), (4, 2), (16, 16)] {

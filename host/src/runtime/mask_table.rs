@@ -9,12 +9,10 @@
 //! each key (what the backward's key blocks need); the kernels intersect both with the causal
 //! mask and the window of the call.
 
-use attn_kernels::attention::mask::Mask;
-
 use super::context::Context;
 use super::tensor::{DeviceTensor, Storage};
 use crate::error::{Error, Result};
-use crate::problem::MaskTableRef;
+use crate::problem::{MaskTableRef, table_words};
 
 /// A mask given per token, on the device of the [`Context`] that made it: a document mask
 /// ([`Context::document_mask`], [`Context::document_mask_from_cu_seqlens`]) or prefix-LM
@@ -172,29 +170,6 @@ impl Context {
         let device = self.upload(&signed, &[batch, 2 * seqlen, 2])?;
         Ok(MaskTable { device, words, dims: [batch, seqlen, seqlen], kind })
     }
-}
-
-/// The table's words (`Mask::table`'s layout) for per-query bands `bands` of `batch` rows of
-/// `seqlen` tokens (queries and keys alike): each row's query pairs, then its key pairs, the
-/// queries that see key `k` being those whose band holds it — from the first query whose limit
-/// is past `k` to the first whose start is past it (both ends non-decreasing, like the bands').
-fn table_words(bands: &[(usize, usize)], batch: usize, seqlen: usize) -> Vec<u32> {
-    let mut words = Vec::with_capacity(batch * Mask::table_words(seqlen, seqlen));
-    for row in bands.chunks(seqlen.max(1)).take(batch) {
-        debug_assert!(row.windows(2).all(|w| w[0].0 <= w[1].0 && w[0].1 <= w[1].1), "bands must not decrease");
-        words.extend(row.iter().flat_map(|&(start, limit)| [start as u32, limit as u32]));
-        let (mut first, mut end) = (0, 0);
-        for key in 0..seqlen {
-            while first < seqlen && row[first].1 <= key {
-                first += 1;
-            }
-            while end < seqlen && row[end].0 <= key {
-                end += 1;
-            }
-            words.extend([first as u32, end as u32]);
-        }
-    }
-    words
 }
 
 #[cfg(test)]

@@ -70,43 +70,19 @@ pub fn mask_fragments<const N: usize, const TRANSPOSED: bool>(
     (first_row, first_col): (usize, usize),
     mask: &Mask,
 ) {
-    // Index loops, sums left to right from the first row and column, and the mask itself rather
-    // than a closure over it: the form the kernels had before this helper existed, which LLVM
-    // and ptxas turn into the fewest registers. (A closure is inlined later than this function,
-    // after the loops are unrolled, and moved some kernels by a few registers, one of them over
-    // its launch bound into a spill.)
-    if TRANSPOSED {
-        for nt in 0..N {
-            for e in 0..4 {
-                let row = first_row + lane.g + 8 * (e / 2);
-                let col = first_col + 8 * nt + 2 * lane.t + e % 2;
-                if !mask.visible(col, row) {
-                    frags[nt][e] = value;
-                }
-            }
-        }
-    } else {
-        // The lane's two query rows see the keys `start[h] .. start[h] + width[h]`: worked out
-        // once per row, so that each entry costs one subtraction and one comparison (a key left
-        // of `start` wraps around to a huge offset), not the two edges' arithmetic. The
-        // per-entry form made the diagonal tiles of causal forwards slow enough to cost them
-        // 4–10 % (PERFORMANCE.md, 2026-12-02).
-        let mut start = [0; 2];
-        let mut width = [0; 2];
-        for h in 0..2 {
-            let row = first_row + lane.g + 8 * h;
-            start[h] = mask.key_start(row);
-            width[h] = mask.key_limit(row).saturating_sub(start[h]);
-        }
-        for nt in 0..N {
-            for e in 0..4 {
-                let col = first_col + 8 * nt + 2 * lane.t + e % 2;
-                if col.wrapping_sub(start[e / 2]) >= width[e / 2] {
-                    frags[nt][e] = value;
-                }
-            }
-        }
+    // The lane's two rows (a query each, or with `TRANSPOSED` a key each) see the columns
+    // `start[h] .. start[h] + width[h]`: worked out once per row, so that each entry costs one
+    // subtraction and one comparison ([`mask_columns`]), not the two edges' arithmetic (or a
+    // band table's reads). The per-entry form made the diagonal tiles of causal forwards slow
+    // enough to cost them 4–10 % (PERFORMANCE.md, 2026-12-02); the transposed tiles' rows are
+    // keys, whose queries are a band too ([`Mask::queries_seeing`]).
+    let mut start = [0; 2];
+    let mut width = [0; 2];
+    for h in 0..2 {
+        let row = first_row + lane.g + 8 * h;
+        (start[h], width[h]) = if TRANSPOSED { mask.queries_seeing(row) } else { mask.keys_seen_by(row) };
     }
+    mask_columns(frags, lane, value, first_col, (start, width));
 }
 
 /// Sets the entries of `frags` (scores of keys `first_col + 8nt + 0..8`) outside the keys

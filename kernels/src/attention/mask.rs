@@ -117,13 +117,13 @@ impl Mask {
     /// The table's band of query `query` (padding rows take the last row's, which keeps the
     /// ends non-decreasing).
     #[inline(always)]
-    fn query_band(&self, query: usize) -> (usize, usize) {
+    fn table_query_pair(&self, query: usize) -> (usize, usize) {
         self.table_pair(query.min(self.seqlen_q - 1))
     }
 
     /// The table's band of key `key`: the queries that may see it.
     #[inline(always)]
-    fn key_band(&self, key: usize) -> (usize, usize) {
+    fn table_key_pair(&self, key: usize) -> (usize, usize) {
         self.table_pair(self.seqlen_q + key.min(self.seqlen_k - 1))
     }
 
@@ -177,7 +177,7 @@ impl Mask {
     #[inline(always)]
     pub fn key_start(&self, query: usize) -> usize {
         let start = (query as isize + self.start_offset).clamp(0, self.seqlen_k as isize) as usize;
-        if self.table.is_null() { start } else { start.max(self.query_band(query).0) }
+        if self.table.is_null() { start } else { start.max(self.table_query_pair(query).0) }
     }
 
     /// Number of keys query `query` sees: keys `0 .. key_limit(query)`. Non-decreasing in
@@ -193,7 +193,7 @@ impl Mask {
         } else {
             self.seqlen_k
         };
-        if self.table.is_null() { limit } else { limit.min(self.query_band(query).1) }
+        if self.table.is_null() { limit } else { limit.min(self.table_query_pair(query).1) }
     }
 
     /// The first query that sees `key` (`seqlen_q` if none does): queries before it can be
@@ -206,7 +206,7 @@ impl Mask {
         } else {
             0
         };
-        if self.table.is_null() { first } else { first.max(self.key_band(key).0) }
+        if self.table.is_null() { first } else { first.max(self.table_key_pair(key).0) }
     }
 
     /// The end of the queries that see `key` (`0` if none does): queries at or past it have
@@ -215,13 +215,36 @@ impl Mask {
     pub fn query_end_seeing(&self, key: usize) -> usize {
         // key ≥ query + start_offset  ⇔  query ≤ key − start_offset
         let end = (key as isize - self.start_offset + 1).clamp(0, self.seqlen_q as isize) as usize;
-        if self.table.is_null() { end } else { end.min(self.key_band(key).1) }
+        if self.table.is_null() { end } else { end.min(self.table_key_pair(key).1) }
     }
 
     /// Whether `key` is visible to `query`.
     #[inline(always)]
     pub fn visible(&self, query: usize, key: usize) -> bool {
         self.key_start(query) <= key && key < self.key_limit(query)
+    }
+
+    /// The keys query `query` sees, as `(start, width)`: keys `start .. start + width` (width
+    /// 0: none; padding rows see none). What a kernel works out once per row of a tile that
+    /// needs the mask, so that an entry costs one subtraction and one comparison
+    /// (`key.wrapping_sub(start) < width`, a key left of `start` wrapping to a huge offset)
+    /// rather than the edges' arithmetic (and a band table's reads) per entry.
+    #[inline(always)]
+    pub fn keys_seen_by(&self, query: usize) -> (usize, usize) {
+        let start = self.key_start(query);
+        (start, self.key_limit(query).saturating_sub(start))
+    }
+
+    /// The queries that see key `key`, as `(start, width)` ([`Mask::keys_seen_by`] for the
+    /// transposed tiles of the backward, whose rows are keys): a band too, the same pairs as
+    /// [`Mask::visible`] (padding keys, at or past `seqlen_k`, are seen by none).
+    #[inline(always)]
+    pub fn queries_seeing(&self, key: usize) -> (usize, usize) {
+        if key >= self.seqlen_k {
+            return (0, 0);
+        }
+        let first = self.first_query_seeing(key);
+        (first, self.query_end_seeing(key).saturating_sub(first))
     }
 
     /// The keys that query rows `q_start .. q_start + q_rows` (`q_rows ≥ 1`) visit.

@@ -305,7 +305,7 @@ pub(crate) unsafe fn flash_backward_kv<
             // Tiles where some query cannot see some key (the causal diagonal, a window's edges,
             // the ragged ends) pay for the per-element mask.
             if mask.tile_needs_mask(q_start, BLOCK_M, kv_start, BLOCK_N) {
-                mask_tile(&mut pt, first_key, lane, 0.0, |r, c| mask.visible(q_start + c, kv_start + r));
+                mask_tile(&mut pt, first_key, lane, 0.0, q_start, |r| mask.queries_seeing(kv_start + r));
             }
             // dV += Pᵀ dO. A row group reads back only the key rows it wrote: a warp barrier.
             store_tile(pt_tile, &pt, first_key, lane);
@@ -450,7 +450,7 @@ pub(crate) unsafe fn flash_backward_q<
         }
         let mut p = probabilities(s, factor, |i, _| lse2[i]);
         if keys.needs_mask(kv_start, BLOCK_N) {
-            mask_tile(&mut p, first_row, lane, 0.0, |r, c| mask.visible(q_start + r, kv_start + c));
+            mask_tile(&mut p, first_row, lane, 0.0, kv_start, |r| mask.keys_seen_by(q_start + r));
         }
         let mut dp = a_bt::<HEAD_DIM, ROWS, COLS>(do_tile, v_tile, first_row, lane);
         if score.is_softcapped() {

@@ -151,7 +151,7 @@ pub(crate) unsafe fn flash_forward<
         // edges, the ragged end of the keys) pay for the per-element mask.
         let masked = keys.needs_mask(kv_start, BLOCK_N);
         if masked {
-            mask_tile(&mut s, first_row, lane, f32::NEG_INFINITY, |r, c| mask.visible(q_start + r, kv_start + c));
+            mask_tile(&mut s, first_row, lane, f32::NEG_INFINITY, kv_start, |r| mask.keys_seen_by(q_start + r));
         }
         let alpha = softmax.update(&mut s);
         for i in 0..ROWS {

@@ -133,19 +133,25 @@ fn accumulate_b_row<const STEP: usize, const ROWS: usize, const DVEC: usize, con
     }
 }
 
-/// Sets `x[i][j] = value` wherever `visible(first_row + i, lane + 8j)` is false (tile-local
-/// row and column; the caller maps them to queries and keys).
+/// Sets `x[i][j] = value` wherever column `first_col + lane + 8j` lies outside the band of
+/// tile row `first_row + i`: `band(row)` gives the row's `(start, width)` in the same numbering
+/// as `first_col` (the caller maps tile rows and columns to queries and keys:
+/// `Mask::keys_seen_by`, or `Mask::queries_seeing` for a tile whose rows are keys). The band is
+/// worked out once per row; an entry costs one subtraction and one comparison (a column left
+/// of `start` wraps around to a huge offset).
 #[inline(always)]
 pub fn mask_tile<const ROWS: usize, const COLS: usize>(
     x: &mut [[f32; COLS]; ROWS],
     first_row: usize,
     lane: usize,
     value: f32,
-    visible: impl Fn(usize, usize) -> bool,
+    first_col: usize,
+    band: impl Fn(usize) -> (usize, usize),
 ) {
     for i in 0..ROWS {
+        let (start, width) = band(first_row + i);
         for j in 0..COLS {
-            if !visible(first_row + i, lane + LANES * j) {
+            if (first_col + lane + LANES * j).wrapping_sub(start) >= width {
                 x[i][j] = value;
             }
         }
