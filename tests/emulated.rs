@@ -646,6 +646,9 @@ fn emulated_mask_tables_in_every_family() {
     let [q, k, v] = [1, 2, 3].map(|seed| ctx.upload(&random_normal(n, seed), &one_row.q_shape()).unwrap());
     let wrong_shape = ctx.attention(&q, &k, &v, &AttentionOptions::default().with_mask_table(&docs));
     assert!(matches!(wrong_shape, Err(Error::MaskTable(_))), "{:?}", wrong_shape.map(|_| ()));
+    let prefix_one = ctx.prefix_lm_mask(&[10], seqlen).unwrap();
+    let undone = ctx.attention(&q, &k, &v, &AttentionOptions::causal(Causal::TopLeft).with_mask_table(&prefix_one));
+    assert!(matches!(undone, Err(Error::MaskTable(_))), "{:?}", undone.map(|_| ()));
     let naive = ctx.attention_naive(&q, &k, &v, &AttentionOptions::default().with_mask_table(&docs));
     assert!(matches!(naive, Err(Error::MaskTable(_))), "{naive:?}");
     let other = Context::cpu_emulated().with_grid_limit(1);

@@ -301,9 +301,13 @@ pub struct MaskTableRef<'a> {
 }
 
 impl MaskTableRef<'_> {
-    /// Whether query `query` of batch entry `batch` may see key `key` by the table alone.
+    /// Whether query `query` of batch entry `batch` may see key `key` by the table alone (false
+    /// outside the table's `[batch, seqlen_q, seqlen_k]`).
     pub fn visible(&self, batch: usize, query: usize, key: usize) -> bool {
-        let [_, seqlen_q, seqlen_k] = self.dims;
+        let [batches, seqlen_q, seqlen_k] = self.dims;
+        if batch >= batches || query >= seqlen_q || key >= seqlen_k {
+            return false;
+        }
         let words = attn_kernels::attention::mask::Mask::table_words(seqlen_q, seqlen_k);
         let pair = &self.words[batch * words + 2 * query..][..2];
         pair[0] as usize <= key && key < pair[1] as usize

@@ -456,7 +456,7 @@ fn check_mask_table_args(args: &Args, shape: &AttentionShape) -> Result<()> {
         if lengths.contains(&0) {
             return Err(Error::Argument("--documents: a document has at least 1 token".into()));
         }
-        let total: usize = lengths.iter().sum();
+        let total = lengths.iter().try_fold(0usize, |sum, &n| sum.checked_add(n)).unwrap_or(usize::MAX);
         if total > shape.seqlen_q {
             return Err(Error::Argument(format!(
                 "--documents: the documents hold {total} tokens, more than seqlen = {}",
@@ -512,15 +512,19 @@ fn print_problem(inputs: &Inputs, shape: &AttentionShape, dtype: DType, args: &A
         s.seqlen_k,
         s.head_dim,
         args.causal.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string()),
-        args.model.describe() + &describe_mask_table(args),
+        args.model.describe() + &describe_mask_table(args, s.seqlen_q),
         AttentionOptions { scale: args.scale, ..Default::default() }.scale_for(s.head_dim)
     );
 }
 
-/// `--documents` or `--prefix-lm` for the problem's line: `, documents 100,200 (+ the rest)`.
-fn describe_mask_table(args: &Args) -> String {
-    let lengths = args.documents.as_ref().map(|l| l.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(","));
-    lengths.map_or_else(String::new, |l| format!(", documents {l} (+ the rest)"))
+/// `--documents` or `--prefix-lm` for the problem's line: `, documents 100,200 (+ the rest)`
+/// (the rest only when the listed documents leave tokens of a row of `seqlen`).
+fn describe_mask_table(args: &Args, seqlen: usize) -> String {
+    let lengths = args.documents.as_ref().map(|l| {
+        let rest = if l.iter().sum::<usize>() < seqlen { " (+ the rest)" } else { "" };
+        l.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(",") + rest
+    });
+    lengths.map_or_else(String::new, |l| format!(", documents {l}"))
         + &args.prefix_lm.map_or_else(String::new, |p| format!(", prefix-LM {p}"))
 }
 

@@ -373,13 +373,21 @@ impl Context {
     }
 
     /// Checks the mask table of `options` (if any) against `shape` and this context, and
-    /// refuses it for a problem run in chunks (whose folded batch entries are not the table's).
+    /// refuses it for a problem run in chunks (whose folded batch entries are not the table's)
+    /// and prefix-LM together with a causal mask (which would undo the prefix).
     ///
     /// # Errors
     /// [`Error::MaskTable`].
     pub(crate) fn check_mask_table(&self, shape: &AttentionShape, options: &AttentionOptions) -> Result<()> {
         let Some(table) = options.mask_table else { return Ok(()) };
         table.check(shape, self.id())?;
+        if table.kind == "prefix-LM" && options.causal != crate::problem::Causal::None {
+            return Err(Error::MaskTable(
+                "prefix-LM is a causal mask of its own; with `Causal` the prefix's queries would not see the \
+                 prefix's later keys (leave `causal` at `Causal::None`)"
+                    .into(),
+            ));
+        }
         if self.needs_chunks(shape) {
             return Err(Error::MaskTable(format!(
                 "{} heads × {} batch entries is more than one grid holds; a mask table is not split into chunks",

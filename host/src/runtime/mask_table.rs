@@ -53,6 +53,14 @@ impl MaskTable {
     }
 }
 
+/// Refuses a row longer than a table's `i32` entries hold, before any band is built.
+fn check_seqlen(seqlen: usize) -> Result<()> {
+    if seqlen > i32::MAX as usize {
+        return Err(Error::MaskTable(format!("seqlen = {seqlen} is more than a table holds (i32::MAX)")));
+    }
+    Ok(())
+}
+
 /// The table as the options borrow it.
 impl<'a> From<&'a MaskTable> for MaskTableRef<'a> {
     fn from(table: &'a MaskTable) -> Self {
@@ -76,6 +84,7 @@ impl Context {
     /// comes back in a row after another document (documents must be contiguous), or when
     /// `seqlen` exceeds `i32::MAX`; errors of the upload.
     pub fn document_mask(&self, document_ids: &[i32], [batch, seqlen]: [usize; 2]) -> Result<MaskTable> {
+        check_seqlen(seqlen)?;
         if Some(document_ids.len()) != batch.checked_mul(seqlen) {
             return Err(Error::MaskTable(format!(
                 "{} document ids for [batch, seqlen] = [{batch}, {seqlen}]",
@@ -104,7 +113,9 @@ impl Context {
 
     /// A document mask for one packed row (`batch` = 1) from `cu_seqlens`, FlashAttention's
     /// variable-length convention: document `d` holds tokens `cu_seqlens[d] .. cu_seqlens[d +
-    /// 1]`, and the row `cu_seqlens.last()` tokens. See [`Context::document_mask`].
+    /// 1]`, and the row exactly `cu_seqlens.last()` tokens (a row padded past its last document
+    /// needs one more entry, the padding as a document of its own). See
+    /// [`Context::document_mask`].
     ///
     /// # Errors
     /// [`Error::MaskTable`] when `cu_seqlens` is empty, does not start at 0 or decreases;
@@ -144,6 +155,7 @@ impl Context {
     /// [`Error::MaskTable`] when a prefix is longer than `seqlen`, or `seqlen` exceeds
     /// `i32::MAX`; errors of the upload.
     pub fn prefix_lm_mask(&self, prefix_lengths: &[usize], seqlen: usize) -> Result<MaskTable> {
+        check_seqlen(seqlen)?;
         if let Some((b, &p)) = prefix_lengths.iter().enumerate().find(|&(_, &p)| p > seqlen) {
             return Err(Error::MaskTable(format!(
                 "the prefix of batch entry {b} has {p} tokens, more than seqlen = {seqlen}"
@@ -162,9 +174,7 @@ impl Context {
         [batch, seqlen]: [usize; 2],
         kind: &'static str,
     ) -> Result<MaskTable> {
-        if seqlen > i32::MAX as usize {
-            return Err(Error::MaskTable(format!("seqlen = {seqlen} is more than a table holds (i32::MAX)")));
-        }
+        check_seqlen(seqlen)?;
         let words = table_words(&bands, batch, seqlen);
         let signed: Vec<i32> = words.iter().map(|&w| w as i32).collect();
         let device = self.upload(&signed, &[batch, 2 * seqlen, 2])?;
@@ -209,5 +219,7 @@ mod tests {
         let from_cu = ctx.document_mask_from_cu_seqlens(&[0, 2, 2, 4]).unwrap();
         assert_eq!(from_cu.dims(), [1, 4, 4]);
         assert!(from_cu.visible(0, 3, 2) && !from_cu.visible(0, 2, 1));
+        // Outside the table: not visible (not the key half or the next entry read as queries).
+        assert!(!table.visible(0, 4, 0) && !table.visible(2, 0, 0) && !table.visible(0, 0, 4));
     }
 }
