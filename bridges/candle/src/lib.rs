@@ -20,7 +20,8 @@
 //! ```
 //!
 //! [`FlashAttention`] holds every option: the layout (BSHD, as above, or BHSD), the causal mask
-//! in either alignment, a sliding window, softcapping, ALiBi, a deterministic backward.
+//! in either alignment, a sliding window, softcapping, ALiBi, a deterministic backward, and a
+//! variable-length batch packed in one row ([`flash_attn_varlen`], [`FlashAttention::varlen`]).
 //! Grouped-query attention comes from the shapes: K and V may have fewer heads than Q, a divisor
 //! of them.
 //!
@@ -39,7 +40,7 @@
 
 use std::sync::Mutex;
 
-use attn_host::{AttentionOptions, AttentionShape, Context, DeviceTensor, Element, bf16, f16};
+use attn_host::{AttentionOptions, AttentionShape, Context, DeviceTensor, Element, MaskTable, bf16, f16};
 pub use attn_host::{Causal, SlidingWindow};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, D, DType, Device, Layout, Shape, Storage, Tensor, WithDType};
@@ -73,6 +74,48 @@ pub fn flash_attn_windowed(
     window_size_right: Option<usize>,
 ) -> candle_core::Result<Tensor> {
     FlashAttention::new().scale(softmax_scale).window(window_size_left, window_size_right).forward(q, k, v)
+}
+
+/// Attention over a variable-length batch, as `candle_flash_attn::flash_attn_varlen`: the
+/// sequences are packed end to end, Q `[total_q, num_heads_q, head_dim]` and K, V `[total_k,
+/// num_heads_kv, head_dim]`, sequence `s` holding rows `seqlens_q[s] .. seqlens_q[s + 1]` (a `u32`
+/// tensor of `batch + 1` prefix sums; `seqlens_k` likewise), and each query attends only to the
+/// keys of its own sequence (`causal`: only to those at or before it). Returns O in Q's shape
+/// and dtype; its gradient runs our backward kernels.
+///
+/// The batch runs as one packed row with a document mask ([`FlashAttention::varlen`]), so the
+/// kernels skip the key tiles of other sequences and the work follows the real tokens. Queries
+/// and keys must share their lengths (`seqlens_q` equal to `seqlens_k`: self-attention, as in
+/// training and prefill); `max_seqlen_q` and `max_seqlen_k` are only checked (the kernels need
+/// no bound), so code written for `candle_flash_attn` runs unchanged.
+///
+/// # Errors
+/// As [`FlashAttention::forward`], and `candle_core::Error::Msg` for offsets that are not `u32`
+/// prefix sums from 0 to the rows of Q, K and V, for different query and key lengths, and for a
+/// sequence longer than its `max_seqlen`.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqlens_q: &Tensor,
+    seqlens_k: &Tensor,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    softmax_scale: f32,
+    causal: bool,
+) -> candle_core::Result<Tensor> {
+    let (cu_q, cu_k) = (seqlens_q.to_vec1::<u32>()?, seqlens_k.to_vec1::<u32>()?);
+    if cu_q != cu_k {
+        candle_core::bail!("attn_candle: flash_attn_varlen takes queries and keys of the same lengths (seqlens_q = seqlens_k)");
+    }
+    let longest = cu_q.windows(2).map(|w| w[1].saturating_sub(w[0]) as usize).max().unwrap_or(0);
+    if longest > max_seqlen_q.min(max_seqlen_k) {
+        candle_core::bail!(
+            "attn_candle: a sequence of {longest} tokens is longer than max_seqlen_q = {max_seqlen_q} or max_seqlen_k = {max_seqlen_k}"
+        );
+    }
+    FlashAttention::new().scale(softmax_scale).causal(causal).varlen(&cu_q).forward_varlen(q, k, v)
 }
 
 /// Attention written with candle's own operations, for comparisons (the tests' oracle, the
@@ -135,8 +178,10 @@ pub enum TensorLayout {
 /// let o = attention.forward(&q, &k, &v)?;
 /// # Ok(()) }
 /// ```
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct FlashAttention {
+    /// The offsets of a packed row's sequences ([`FlashAttention::varlen`]).
+    cu_seqlens: Option<std::sync::Arc<[u32]>>,
     scale: Option<f32>,
     causal: Causal,
     window: Option<SlidingWindow>,
@@ -208,6 +253,50 @@ impl FlashAttention {
         self
     }
 
+    /// A variable-length batch packed in one row: sequence `s` holds tokens `cu_seqlens[s] ..
+    /// cu_seqlens[s + 1]` (prefix sums from 0 to the row's length; FlashAttention's
+    /// `cu_seqlens`), and each token attends only to its own sequence (a document mask: the
+    /// kernels skip the other sequences' tiles). Run it with [`FlashAttention::forward_varlen`] on
+    /// `[total, heads, head_dim]` tensors, or with [`FlashAttention::forward`] on a batch of one
+    /// row; causal masks, windows and ALiBi then count positions inside each sequence.
+    pub fn varlen(mut self, cu_seqlens: &[u32]) -> Self {
+        self.cu_seqlens = Some(cu_seqlens.into());
+        self
+    }
+
+    /// [`FlashAttention::forward`] on packed `[total, heads, head_dim]` Q, K, V (the varlen
+    /// layout: [`FlashAttention::varlen`]); returns O `[total, num_heads_q, head_dim]`.
+    ///
+    /// # Errors
+    /// As [`FlashAttention::forward`]; `candle_core::Error::Msg` for tensors that are not
+    /// 3-dimensional, or without [`FlashAttention::varlen`].
+    pub fn forward_varlen(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
+        for (name, t) in [("q", q), ("k", k), ("v", v)] {
+            if t.rank() != 3 {
+                candle_core::bail!(
+                    "attn_candle: {name} has shape {:?}; varlen attention takes [total, heads, head_dim] tensors",
+                    t.dims()
+                );
+            }
+        }
+        if self.cu_seqlens.is_none() {
+            candle_core::bail!("attn_candle: forward_varlen needs the sequences' offsets (FlashAttention::varlen)");
+        }
+        let packed = self.clone().layout(TensorLayout::Bshd);
+        packed.forward(&q.unsqueeze(0)?, &k.unsqueeze(0)?, &v.unsqueeze(0)?)?.squeeze(0)
+    }
+
+    /// The document mask of [`FlashAttention::varlen`]'s offsets on `ctx`, if there are any.
+    fn document_table(&self, ctx: &Context) -> candle_core::Result<Option<MaskTable>> {
+        let Some(cu_seqlens) = &self.cu_seqlens else { return Ok(None) };
+        let offsets = cu_seqlens
+            .iter()
+            .map(|&x| i32::try_from(x))
+            .collect::<Result<Vec<i32>, _>>()
+            .map_err(|_| candle_core::Error::Msg("attn_candle: an offset of cu_seqlens exceeds i32::MAX".into()))?;
+        ctx.document_mask_from_cu_seqlens(&offsets).map(Some).map_err(wrap)
+    }
+
     fn options(&self) -> AttentionOptions<'static> {
         let mut options = AttentionOptions { scale: self.scale, causal: self.causal, ..Default::default() };
         if let Some(window) = self.window {
@@ -267,7 +356,7 @@ impl FlashAttention {
             };
             candle_core::bail!("attn_candle: {e} (shapes in {order})");
         }
-        let o = q.apply_op3(&k, &v, AttentionOp { options: *self, lse: Mutex::new(None) })?;
+        let o = q.apply_op3(&k, &v, AttentionOp { options: self.clone(), lse: Mutex::new(None) })?;
         match self.layout {
             TensorLayout::Bshd => o.transpose(1, 2),
             TensorLayout::Bhsd => Ok(o),
@@ -335,6 +424,15 @@ struct AttentionOp {
     lse: Mutex<Option<SavedLse>>,
 }
 
+/// `options` with the document mask `table`, where there is one. (The table lives to the end of
+/// the op's call; its device memory is freed in stream order, after the kernels that read it.)
+fn with_table<'a>(options: AttentionOptions<'static>, table: &'a Option<MaskTable>) -> AttentionOptions<'a> {
+    match table {
+        Some(table) => options.with_mask_table(table),
+        None => options,
+    }
+}
+
 fn wrap(error: attn_host::Error) -> candle_core::Error {
     candle_core::Error::wrap(error)
 }
@@ -370,7 +468,8 @@ impl AttentionOp {
         let ctx = Context::cpu_emulated();
         let upload = |s, l: &Layout| ctx.upload(host_slice::<T>(s, l)?, l.dims()).map_err(wrap);
         let (q, k, v) = (upload(q, lq)?, upload(k, lk)?, upload(v, lv)?);
-        let options = self.options.options();
+        let table = self.options.document_table(&ctx)?;
+        let options = with_table(self.options.options(), &table);
         let out = ctx
             .flash_attention_forward(&q, &k, &v, &options, ctx.default_tile(<T as Element>::DTYPE, shape.head_dim))
             .map_err(wrap)?;
@@ -394,7 +493,8 @@ impl AttentionOp {
             Some(SavedLse::Host(lse)) => ctx.upload(lse, &q.shape()[..3]).map_err(wrap)?,
             _ => candle_core::bail!("attn_candle: the backward ran before its forward"),
         };
-        let options = self.options.options();
+        let table = self.options.document_table(&ctx)?;
+        let options = with_table(self.options.options(), &table);
         let (tile, dq_mode) = ctx.default_backward_plan(<T as Element>::DTYPE, q.shape()[3], options.deterministic);
         let grads = ctx.flash_attention_backward(&q, &k, &v, &o, &lse, &d_o, &options, tile, dq_mode).map_err(wrap)?;
         let host = |t: DeviceTensor<T>| Tensor::from_vec(t.to_host().map_err(wrap)?, t.shape(), &Device::Cpu);
@@ -469,7 +569,8 @@ mod cuda {
             let shape = problem(lq, lk, lv)?;
             let ctx = context(&q.device)?;
             let (q_t, k_t, v_t) = (borrow::<T>(&ctx, q, lq)?, borrow::<T>(&ctx, k, lk)?, borrow::<T>(&ctx, v, lv)?);
-            let options = self.options.options();
+            let table = self.options.document_table(&ctx)?;
+            let options = with_table(self.options.options(), &table);
             let tile = ctx.default_tile(<T as Element>::DTYPE, shape.head_dim);
             let out = ctx.flash_attention_forward(&q_t, &k_t, &v_t, &options, tile).map_err(wrap)?;
             self.save(SavedLse::Cuda(give(&q.device, out.lse)?));
@@ -510,7 +611,8 @@ mod cuda {
                 }
                 _ => candle_core::bail!("attn_candle: the backward ran before its forward"),
             };
-            let options = self.options.options();
+            let table = self.options.document_table(&ctx)?;
+            let options = with_table(self.options.options(), &table);
             let (tile, dq_mode) = ctx.default_backward_plan(<T as Element>::DTYPE, q.shape()[3], options.deterministic);
             let grads =
                 ctx.flash_attention_backward(&q, &k, &v, &o, &lse, &d_o, &options, tile, dq_mode).map_err(wrap)?;

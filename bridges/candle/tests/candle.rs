@@ -171,6 +171,73 @@ fn cuda_tensors_match_plain_attention_forward_and_backward() -> candle_core::Res
     Ok(())
 }
 
+/// `flash_attn_varlen` on packed sequences of `lengths` (GQA 4/2, head_dim 64, causal and not)
+/// against plain attention over the whole packed row with each query seeing only its own
+/// sequence, forward and backward.
+fn check_varlen(device: &Device, dtype: DType, lengths: &[u32]) -> candle_core::Result<()> {
+    let (hq, hkv, d) = (4, 2, 64);
+    let total = lengths.iter().sum::<u32>() as usize;
+    let cu: Vec<u32> = std::iter::once(0).chain(lengths.iter().scan(0, |end, &n| { *end += n; Some(*end) })).collect();
+    let document = |t: usize| cu.partition_point(|&start| start as usize <= t);
+    let longest = *lengths.iter().max().unwrap() as usize;
+    let seqlens = Tensor::new(cu.as_slice(), device)?;
+    for causal in [false, true] {
+        let scale = 1.0 / (d as f64).sqrt();
+        let seed = |s: u64, h: usize| -> candle_core::Result<Tensor> {
+            let values = attn_host::check::random_normal(total * h * d, 7000 + s + causal as u64 * 10);
+            Tensor::from_vec(values, (total, h, d), device)?.to_dtype(dtype)
+        };
+        let (q, k, v, d_o) = (seed(0, hq)?, seed(1, hkv)?, seed(2, hkv)?, seed(3, hq)?);
+        let visible = |i: usize, j: usize| document(i) == document(j) && (!causal || j <= i);
+        // The packed row as one BHSD batch entry, for the plain attention.
+        let bhsd = |t: &Tensor| t.unsqueeze(0)?.transpose(1, 2)?.contiguous();
+        let grads_of = |f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
+                        inputs: [&Tensor; 4]|
+         -> candle_core::Result<[Tensor; 4]> {
+            let [q, k, v, d_o] = inputs;
+            let (q, k, v) = (Var::from_tensor(q)?, Var::from_tensor(k)?, Var::from_tensor(v)?);
+            let o = f(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
+            let grads = (o.to_dtype(DType::F64)? * d_o.to_dtype(DType::F64)?)?.sum_all()?.backward()?;
+            let g = |var: &Var| grads.get(var.as_tensor()).cloned().ok_or(candle_core::Error::Msg("no gradient".into()));
+            Ok([o, g(&q)?, g(&k)?, g(&v)?])
+        };
+        let ours = grads_of(
+            &|q, k, v| {
+                attn_candle::flash_attn_varlen(q, k, v, &seqlens, &seqlens, longest, longest, scale as f32, causal)
+            },
+            [&q, &k, &v, &d_o],
+        )?;
+        let plain = |q: &Tensor, k: &Tensor, v: &Tensor| -> candle_core::Result<Tensor> {
+            let o = attn_candle::plain_attention(&bhsd(q)?, &bhsd(k)?, &bhsd(v)?, scale, visible)?;
+            o.transpose(1, 2)?.squeeze(0)
+        };
+        let f64s = [&q, &k, &v, &d_o].map(|t| t.to_dtype(DType::F64).unwrap());
+        let truth = grads_of(&plain, [&f64s[0], &f64s[1], &f64s[2], &f64s[3]])?;
+        let same = grads_of(&plain, [&q, &k, &v, &d_o])?;
+        for (i, name) in ["O", "dQ", "dK", "dV"].iter().enumerate() {
+            assert_eq!(ours[i].dims(), truth[i].dims(), "{name}");
+            let (error, plain_error) = (relative_error(&ours[i], &truth[i])?, relative_error(&same[i], &truth[i])?);
+            let bound = 2.0 * plain_error + floor(dtype);
+            println!("varlen {device:?} {dtype:?} {lengths:?} causal={causal} {name}: ours {error:.2e}, plain {plain_error:.2e}");
+            assert!(error <= bound, "varlen {name} {lengths:?} causal={causal} {dtype:?}: {error:.3e} > {bound:.3e}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn varlen_batches_match_plain_attention_per_sequence() -> candle_core::Result<()> {
+    for dtype in [DType::F32, DType::BF16] {
+        check_varlen(&Device::Cpu, dtype, &[9, 0, 40, 1, 23])?;
+    }
+    if let Some(device) = gpu("varlen_batches_match_plain_attention_per_sequence") {
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            check_varlen(&device, dtype, &[300, 1, 700, 0, 129, 64])?;
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn flash_attn_is_candle_flash_attns_call() -> candle_core::Result<()> {
     // candle_flash_attn::flash_attn(q, k, v, softmax_scale, causal): BSHD, bottom-right causal.
@@ -210,5 +277,20 @@ fn bad_inputs_are_errors_that_say_why() -> candle_core::Result<()> {
     assert!(!message(attn_candle::flash_attn(&wide, &wide, &wide, 1.0, false)).is_empty(), "head_dim 300");
     let error = message(FlashAttention::new().scale(f32::NAN).forward(&q, &q, &q));
     assert!(!error.is_empty(), "a NaN scale");
+    // Varlen: offsets that do not end at the rows, different query and key lengths, a sequence
+    // longer than max_seqlen, a 4-dimensional Q.
+    let packed = t(&[10, 2, 64], DType::F32)?;
+    let offsets = |cu: &[u32]| Tensor::new(cu, &device);
+    let varlen = |cu_q: &[u32], cu_k: &[u32], max: usize| {
+        attn_candle::flash_attn_varlen(&packed, &packed, &packed, &offsets(cu_q)?, &offsets(cu_k)?, max, max, 1.0, true)
+    };
+    let error = message(varlen(&[0, 4, 9], &[0, 4, 9], 5));
+    assert!(error.contains("cu_seqlens") || error.contains("10"), "{error}");
+    let error = message(varlen(&[0, 4, 10], &[0, 5, 10], 6));
+    assert!(error.contains("same lengths"), "{error}");
+    let error = message(varlen(&[0, 4, 10], &[0, 4, 10], 5));
+    assert!(error.contains("max_seqlen"), "{error}");
+    let error = message(FlashAttention::new().varlen(&[0, 2]).forward_varlen(&q, &q, &q));
+    assert!(error.contains("[total, heads, head_dim]"), "{error}");
     Ok(())
 }

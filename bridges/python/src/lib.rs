@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use attn_host::{
     Alibi, AttentionOptions, AttentionOutput, AttentionShape, Causal, Context, DType, DeviceTensor, Element, Error,
-    Gradients, SlidingWindow, bf16, f16,
+    Gradients, MaskTable, SlidingWindow, bf16, f16,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -146,6 +146,30 @@ fn sinks_of(ctx: &Context, address: u64, shape: &AttentionShape) -> Result<Optio
     (address != 0).then(|| borrow::<f32>(ctx, address, &[shape.num_heads_q])).transpose()
 }
 
+/// The document mask of a packed row from its `cu_seqlens` (FlashAttention's variable-length
+/// convention: document `d` holds tokens `cu_seqlens[d] .. cu_seqlens[d + 1]`), if it has any.
+/// Built on `ctx` for each call: a host loop over the row and one upload, freed in stream order
+/// after the kernels that read it.
+fn documents_of(ctx: &Context, cu_seqlens: &[i32]) -> Result<Option<MaskTable>, Error> {
+    (!cu_seqlens.is_empty()).then(|| ctx.document_mask_from_cu_seqlens(cu_seqlens)).transpose()
+}
+
+/// `options` with the call's sinks and document mask, where it has them.
+fn with_tensors<'a>(
+    options: &AttentionOptions<'a>,
+    sinks: &'a Option<DeviceTensor<f32>>,
+    documents: &'a Option<MaskTable>,
+) -> AttentionOptions<'a> {
+    let mut options = *options;
+    if let Some(sinks) = sinks {
+        options = options.with_sinks(sinks);
+    }
+    if let Some(documents) = documents {
+        options = options.with_mask_table(documents);
+    }
+    options
+}
+
 /// A borrowed tensor of `shape` at `address`.
 fn borrow<T: Element>(ctx: &Context, address: u64, shape: &[usize]) -> Result<DeviceTensor<T>, Error> {
     // SAFETY: the Python side passes the data_ptr() of a live, contiguous tensor of this shape
@@ -169,6 +193,7 @@ fn forward_typed<T: Element>(
     shape: AttentionShape,
     p: &ForwardPointers,
     options: &AttentionOptions,
+    cu_seqlens: &[i32],
 ) -> Result<(), Error> {
     let (q_shape, kv_shape) = (shape.q_shape(), shape.kv_shape());
     let (q, k, v) =
@@ -176,10 +201,8 @@ fn forward_typed<T: Element>(
     let mut out =
         AttentionOutput { o: borrow::<T>(ctx, p.o, &q_shape)?, lse: borrow::<f32>(ctx, p.lse, &shape.lse_shape())? };
     let sinks = sinks_of(ctx, p.sinks, &shape)?;
-    let options = match &sinks {
-        Some(sinks) => options.with_sinks(sinks),
-        None => *options,
-    };
+    let documents = documents_of(ctx, cu_seqlens)?;
+    let options = with_tensors(options, &sinks, &documents);
     let tile = ctx.default_tile(T::DTYPE, shape.head_dim);
     ctx.flash_attention_forward_into(&q, &k, &v, &mut out, &options, tile)
 }
@@ -200,6 +223,7 @@ fn backward_typed<T: Element>(
     shape: AttentionShape,
     p: &BackwardPointers,
     options: &AttentionOptions,
+    cu_seqlens: &[i32],
 ) -> Result<(), Error> {
     let (q_shape, kv_shape) = (shape.q_shape(), shape.kv_shape());
     let f = &p.forward;
@@ -217,10 +241,8 @@ fn backward_typed<T: Element>(
         d_sinks: sinks_of(ctx, p.d_sinks, &shape)?,
     };
     let sinks = sinks_of(ctx, f.sinks, &shape)?;
-    let options = match &sinks {
-        Some(sinks) => options.with_sinks(sinks),
-        None => *options,
-    };
+    let documents = documents_of(ctx, cu_seqlens)?;
+    let options = with_tensors(options, &sinks, &documents);
     let (tile, dq_mode) = ctx.default_backward_plan(T::DTYPE, shape.head_dim, options.deterministic);
     ctx.flash_attention_backward_into(&q, &k, &v, &o, &lse, &d_o, &mut grads, &options, tile, dq_mode)
 }
@@ -248,10 +270,11 @@ fn dtype_of(name: &str) -> PyResult<DType> {
 /// Attention forward on PyTorch's memory: O (`[B, Hq, Sq, D]`, the inputs' type) and LSE
 /// (`[B, Hq, Sq]` float32, natural log) written at `o` and `lse`, from contiguous Q `[B, Hq, Sq,
 /// D]` and K, V `[B, Hkv, Sk, D]` at `q`, `k`, `v`; `softcap` and `alibi_max_bias` (0: none)
-/// modify the scores, `sinks` (0: none) is the address of `[Hq]` float32 sink logits. Queued on
-/// `stream`; returns at once.
+/// modify the scores, `sinks` (0: none) is the address of `[Hq]` float32 sink logits, and a
+/// non-empty `cu_seqlens` makes a document mask of the (single, packed) row: each query sees only
+/// the keys of its own document. Queued on `stream`; returns at once.
 #[pyfunction]
-#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, causal, bottom_right, window_left, window_right, scale=None, softcap=0.0, alibi_max_bias=0.0, sinks=0))]
+#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, causal, bottom_right, window_left, window_right, scale=None, softcap=0.0, alibi_max_bias=0.0, sinks=0, cu_seqlens=Vec::new()))]
 #[allow(clippy::too_many_arguments)]
 fn forward(
     py: Python<'_>,
@@ -272,6 +295,7 @@ fn forward(
     softcap: f32,
     alibi_max_bias: f32,
     sinks: u64,
+    cu_seqlens: Vec<i32>,
 ) -> PyResult<()> {
     let dtype = dtype_of(dtype)?;
     let mask = MaskArgs { causal, bottom_right, window_left, window_right };
@@ -279,17 +303,17 @@ fn forward(
     let pointers = ForwardPointers { q, k, v, sinks, o, lse };
     py.detach(|| {
         let ctx = context(device, stream)?;
-        by_dtype!(dtype, forward_typed(&ctx, shape_of(sizes), &pointers, &options))
+        by_dtype!(dtype, forward_typed(&ctx, shape_of(sizes), &pointers, &options, &cu_seqlens))
     })
     .map_err(to_py)
 }
 
 /// Attention backward on PyTorch's memory: dQ, dK, dV written at `dq`, `dk`, `dv` (Q's and K's
 /// shapes and type), and with sinks their gradient at `d_sinks` (`[Hq]` float32), from the
-/// forward's inputs and options, O and LSE and from dO (O's shape). `deterministic` sums dQ in a
+/// forward's inputs and options (`cu_seqlens` included), O and LSE and from dO (O's shape). `deterministic` sums dQ in a
 /// fixed order, bit-identical on every run. Queued on `stream`; returns at once.
 #[pyfunction]
-#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, d_o, dq, dk, dv, causal, bottom_right, window_left, window_right, deterministic, scale=None, softcap=0.0, alibi_max_bias=0.0, sinks=0, d_sinks=0))]
+#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, d_o, dq, dk, dv, causal, bottom_right, window_left, window_right, deterministic, scale=None, softcap=0.0, alibi_max_bias=0.0, sinks=0, d_sinks=0, cu_seqlens=Vec::new()))]
 #[allow(clippy::too_many_arguments)]
 fn backward(
     py: Python<'_>,
@@ -316,6 +340,7 @@ fn backward(
     alibi_max_bias: f32,
     sinks: u64,
     d_sinks: u64,
+    cu_seqlens: Vec<i32>,
 ) -> PyResult<()> {
     let dtype = dtype_of(dtype)?;
     let mask = MaskArgs { causal, bottom_right, window_left, window_right };
@@ -324,7 +349,7 @@ fn backward(
     let pointers = BackwardPointers { forward, d_o, dq, dk, dv, d_sinks };
     py.detach(|| {
         let ctx = context(device, stream)?;
-        by_dtype!(dtype, backward_typed(&ctx, shape_of(sizes), &pointers, &options))
+        by_dtype!(dtype, backward_typed(&ctx, shape_of(sizes), &pointers, &options, &cu_seqlens))
     })
     .map_err(to_py)
 }

@@ -238,6 +238,66 @@ class Cases(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "together|both"):
             ra.attention(q, q, q, softcap=30.0, alibi=True)
 
+    def test_varlen(self):
+        """`attention_varlen` against each sequence attended on its own (float64 truth and PyTorch's
+        same-precision attention, concatenated), forward and backward, with GQA, empty and one-token
+        sequences, causal and not, a window, ALiBi and sinks."""
+        cases = [  # (lengths on CPU, lengths on CUDA, dtype, Hq, Hkv, D, is_causal, window, alibi, with sinks)
+            ([5, 0, 70, 1, 40], [300, 1, 1000, 77, 0, 513, 2048], torch.float16, 4, 2, 64, True, None, None, False),
+            ([33, 17], [128, 129, 4096, 127], torch.bfloat16, 2, 2, 128, False, None, None, False),
+            ([20, 0, 45], [640, 0, 700, 65], torch.float32, 2, 1, 32, True, (16, 0), None, False),
+            ([30, 9, 26], [1000, 33, 999], torch.float16, 4, 4, 96, True, None, True, True),
+        ]
+        for device in DEVICES:
+            for small, big, dtype, hq, hkv, d, is_causal, window, alibi, with_sinks in cases:
+                lengths = big if device == "cuda" else small
+                what = f"{device} {dtype} lengths={lengths} H={hq}/{hkv} D={d} causal={is_causal} w={window}"
+                with self.subTest(what):
+                    g = torch.Generator().manual_seed(len(what))
+                    total = sum(lengths)
+                    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+                    make = lambda h: torch.randn(total, h, d, generator=g)
+                    q64, k64, v64, do64 = make(hq), make(hkv), make(hkv), make(hq)
+                    sinks64 = torch.randn(hq, generator=g) + 1.0 if with_sinks else None
+                    results = {}
+                    for name, t in (("truth", torch.float64), ("plain", dtype)):
+                        q, k, v = (leaf(x, t) for x in (q64, k64, v64))
+                        sinks = None if sinks64 is None else leaf(sinks64, torch.float64)
+                        parts = []
+                        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+                            if a == b:
+                                continue
+                            bhsd = lambda x: x[a:b].transpose(0, 1).unsqueeze(0)
+                            mask = reference_mask(b - a, b - a, is_causal, False, window)
+                            o = modified_attention(bhsd(q), bhsd(k), bhsd(v), mask, None, alibi, sinks)
+                            parts.append(o.squeeze(0).transpose(0, 1))
+                        o = torch.cat(parts)
+                        o.backward(do64.to(t))
+                        results[name] = (o, q.grad, k.grad, v.grad) + ((sinks.grad,) if with_sinks else ())
+                    q, k, v = (leaf(x, dtype, device) for x in (q64, k64, v64))
+                    sinks = None if sinks64 is None else leaf(sinks64, torch.float32, device)
+                    o, lse = ra.attention_varlen(q, k, v, cu.to(device), is_causal=is_causal, window=window,
+                                                 alibi=alibi, sinks=sinks, return_lse=True)
+                    self.assertEqual(o.shape, (total, hq, d))
+                    self.assertEqual(lse.shape, (hq, total))
+                    o.backward(do64.to(dtype).to(device))
+                    ours = (o, q.grad, k.grad, v.grad) + ((sinks.grad,) if with_sinks else ())
+                    for name, x, plain, truth in zip(("O", "dQ", "dK", "dV", "dSinks"), ours, results["plain"],
+                                                     results["truth"]):
+                        bound = 2 * rel(plain, truth) + FLOOR[dtype] * (2 if name == "dSinks" else 1)
+                        self.assertLessEqual(rel(x.cpu(), truth), bound, f"{what}: {name}")
+
+    def test_varlen_errors_say_why(self):
+        q = torch.randn(10, 2, 64)
+        with self.assertRaisesRegex(ValueError, "cu_seqlens"):
+            ra.attention_varlen(q, q, q, torch.tensor([0, 4, 9]))  # ends before the 10 tokens
+        with self.assertRaisesRegex(ValueError, "cu_seqlens"):
+            ra.attention_varlen(q, q, q, torch.tensor([0, 6, 4, 10]))  # decreases
+        with self.assertRaisesRegex(ValueError, "3-dimensional"):
+            ra.attention_varlen(q.unsqueeze(0), q, q, torch.tensor([0, 10]))
+        with self.assertRaisesRegex(ValueError, "divide"):
+            ra.attention_varlen(q, torch.randn(10, 3, 64), torch.randn(10, 3, 64), torch.tensor([0, 10]))
+
     def test_compile(self):
         for device in DEVICES:
             # Inductor needs a compiler for CPU code; aot_eager traces the same graph (fake

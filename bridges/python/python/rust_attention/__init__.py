@@ -10,7 +10,9 @@ tests) of float32, float16 or bfloat16, Q `[B, Hq, Sq, D]` and K, V `[B, Hkv, Sk
 `[B, S, H, D]` with `layout="bshd"`), head_dim 1 to 256, a causal mask aligned top-left (PyTorch's
 `is_causal`) or bottom-right (FlashAttention's), grouped-query attention with `enable_gqa=True`,
 a sliding window, logit softcapping, ALiBi, attention sinks (with their gradient), and a
-deterministic backward. There is no dropout and no `attn_mask`.
+deterministic backward. There is no dropout and no `attn_mask`. `attention_varlen` takes a
+variable-length batch packed end to end (`[total, H, D]` with `cu_seqlens`, FlashAttention's
+varlen layout).
 
 Under it are two `torch.library` custom ops, `rust_attention::forward` (O and the logsumexp) and
 `rust_attention::backward` (dQ, dK, dV), with an autograd formula and fake (meta) kernels, so
@@ -25,7 +27,7 @@ import torch
 
 from . import _native
 
-__all__ = ["attention", "device_name", "forward_kernel"]
+__all__ = ["attention", "attention_varlen", "device_name", "forward_kernel"]
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _ALIGNMENTS = ("top-left", "bottom-right")
@@ -60,26 +62,34 @@ def _address(t):
     return 0 if t is None else t.data_ptr()
 
 
+def _offsets(cu_seqlens):
+    """The document offsets as a list of ints for the native side (empty for none); a CUDA tensor
+    is read back to the host, which waits for the work that produced it."""
+    return [] if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()]
+
+
 @torch.library.custom_op("rust_attention::forward", mutates_args=())
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bottom_right: bool, window_left: int,
     window_right: int, scale: float, deterministic: bool, softcap: float, alibi: float, sinks: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """O `[B, Hq, Sq, D]` and LSE `[B, Hq, Sq]` (float32) of BHSD Q, K, V (`deterministic` is for the
-    backward; `softcap`, `alibi` 0 for none; `sinks` `[Hq]` float32 or None)."""
+    backward; `softcap`, `alibi` 0 for none; `sinks` `[Hq]` float32 or None; `cu_seqlens` the
+    document offsets of a packed row, B = 1, or None)."""
     q, k, v = _ready(q), _ready(k), _ready(v)
     sinks = None if sinks is None else _ready(sinks)
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     _native.forward(_device_index(q), _stream(q), _DTYPES[q.dtype], _sizes(q, k), q.data_ptr(), k.data_ptr(),
                     v.data_ptr(), o.data_ptr(), lse.data_ptr(), causal, bottom_right, window_left, window_right, scale,
-                    softcap, alibi, _address(sinks))
+                    softcap, alibi, _address(sinks), _offsets(cu_seqlens))
     return o, lse
 
 
 @_forward.register_fake
 def _forward_fake(q, k, v, causal, bottom_right, window_left, window_right, scale, deterministic, softcap, alibi,
-                  sinks):
+                  sinks, cu_seqlens=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -87,7 +97,7 @@ def _forward_fake(q, k, v, causal, bottom_right, window_left, window_right, scal
 def _backward(
     d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     causal: bool, bottom_right: bool, window_left: int, window_right: int, scale: float, deterministic: bool,
-    softcap: float, alibi: float, sinks: Optional[torch.Tensor],
+    softcap: float, alibi: float, sinks: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV of the forward above for dO (O's shape), and dSinks (`[Hq]` float32; empty without sinks)."""
     d_o, q, k, v, o, lse = (_ready(t) for t in (d_o, q, k, v, o, lse))
@@ -97,33 +107,71 @@ def _backward(
     _native.backward(_device_index(q), _stream(q), _DTYPES[q.dtype], _sizes(q, k), q.data_ptr(), k.data_ptr(),
                      v.data_ptr(), o.data_ptr(), lse.data_ptr(), d_o.data_ptr(), dq.data_ptr(), dk.data_ptr(),
                      dv.data_ptr(), causal, bottom_right, window_left, window_right, deterministic, scale, softcap,
-                     alibi, _address(sinks), 0 if sinks is None else d_sinks.data_ptr())
+                     alibi, _address(sinks), 0 if sinks is None else d_sinks.data_ptr(), _offsets(cu_seqlens))
     return dq, dk, dv, d_sinks
 
 
 @_backward.register_fake
 def _backward_fake(d_o, q, k, v, o, lse, causal, bottom_right, window_left, window_right, scale, deterministic,
-                   softcap, alibi, sinks):
+                   softcap, alibi, sinks, cu_seqlens=None):
     like = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)
     return like(q), like(k), like(v), q.new_empty(0 if sinks is None else q.shape[1], dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, bottom_right, window_left, window_right, scale, deterministic, softcap, alibi, sinks = inputs
+    q, k, v, causal, bottom_right, window_left, window_right, scale, deterministic, softcap, alibi, sinks, cu_seqlens = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, sinks)
+    ctx.save_for_backward(q, k, v, o, lse, sinks, cu_seqlens)
     ctx.mask = (causal, bottom_right, window_left, window_right)
     ctx.scale, ctx.deterministic, ctx.score = scale, deterministic, (softcap, alibi)
     ctx.mark_non_differentiable(lse)
 
 
 def _autograd_backward(ctx, d_o, _d_lse):
-    q, k, v, o, lse, sinks = ctx.saved_tensors
-    dq, dk, dv, d_sinks = _backward(d_o, q, k, v, o, lse, *ctx.mask, ctx.scale, ctx.deterministic, *ctx.score, sinks)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, (None if sinks is None else d_sinks)
+    q, k, v, o, lse, sinks, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv, d_sinks = _backward(d_o, q, k, v, o, lse, *ctx.mask, ctx.scale, ctx.deterministic, *ctx.score, sinks,
+                                    cu_seqlens)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, (None if sinks is None else d_sinks), None
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def _check_tensors(q, k, v, rank):
+    """q, k, v: tensors of `rank` dimensions, of one dtype the kernels take, on one device."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != rank:
+            raise ValueError(f"{name} must be a {rank}-dimensional tensor")
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name} is {t.dtype}; the kernels take float32, float16 and bfloat16")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError("q, k and v must have one dtype and one device")
+
+
+def _score_options(hq, d, device, scale, window, deterministic, softcap, alibi, sinks):
+    """The options both entry points share, checked and in the ops' form: the scale, the window's
+    reaches (-1: no edge), the dQ mode, the cap and ALiBi's max_bias (0: none), the sinks (float32)."""
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, not {scale}")
+    left, right = -1, -1  # -1: no edge on that side
+    if window is not None:
+        if len(window) != 2 or any(w is not None and (int(w) != w or w < 0) for w in window):
+            raise ValueError(f"window must be (left, right), each a non-negative int or None, not {window!r}")
+        left, right = (-1 if w is None else int(w) for w in window)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    cap = 0.0 if softcap is None else float(softcap)
+    if softcap is not None and not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"softcap must be a positive finite number, not {softcap!r}")
+    max_bias = 0.0 if alibi is None or alibi is False else 8.0 if alibi is True else float(alibi)
+    if alibi not in (None, False, True) and not (math.isfinite(max_bias) and max_bias > 0):
+        raise ValueError(f"alibi must be True or a positive finite max_bias, not {alibi!r}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.shape != (hq,) or sinks.device != device:
+            raise ValueError(f"sinks must be a tensor of shape ({hq},) (one per query head) on q's device")
+        sinks = sinks.float()
+    return scale, left, right, bool(deterministic), cap, max_bias, sinks
 
 
 def attention(q, k, v, *, is_causal=False, causal_alignment="top-left", scale=None, enable_gqa=False,
@@ -169,13 +217,7 @@ def attention(q, k, v, *, is_causal=False, causal_alignment="top-left", scale=No
         raise ValueError(f"layout must be 'bhsd' or 'bshd', not {layout!r}")
     if causal_alignment not in _ALIGNMENTS:
         raise ValueError(f"causal_alignment must be 'top-left' or 'bottom-right', not {causal_alignment!r}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-dimensional tensor")
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"{name} is {t.dtype}; the kernels take float32, float16 and bfloat16")
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise ValueError("q, k and v must have one dtype and one device")
+    _check_tensors(q, k, v, 4)
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     b, hq, sq, d = q.shape
@@ -186,32 +228,66 @@ def attention(q, k, v, *, is_causal=False, causal_alignment="top-left", scale=No
         raise ValueError(f"q has {hq} heads and k, v {hkv}: pass enable_gqa=True for grouped-query attention")
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"the {hkv} key/value heads must divide the {hq} query heads")
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, not {scale}")
-    left, right = -1, -1  # -1: no edge on that side
-    if window is not None:
-        if len(window) != 2 or any(w is not None and (int(w) != w or w < 0) for w in window):
-            raise ValueError(f"window must be (left, right), each a non-negative int or None, not {window!r}")
-        left, right = (-1 if w is None else int(w) for w in window)
-    if deterministic is None:
-        deterministic = torch.are_deterministic_algorithms_enabled()
-    cap = 0.0 if softcap is None else float(softcap)
-    if softcap is not None and not (math.isfinite(cap) and cap > 0):
-        raise ValueError(f"softcap must be a positive finite number, not {softcap!r}")
-    max_bias = 0.0 if alibi is None or alibi is False else 8.0 if alibi is True else float(alibi)
-    if alibi not in (None, False, True) and not (math.isfinite(max_bias) and max_bias > 0):
-        raise ValueError(f"alibi must be True or a positive finite max_bias, not {alibi!r}")
-    if sinks is not None:
-        if not isinstance(sinks, torch.Tensor) or sinks.shape != (hq,) or sinks.device != q.device:
-            raise ValueError(f"sinks must be a tensor of shape ({hq},) (one per query head) on q's device")
-        sinks = sinks.float()
+    scale, left, right, deterministic, cap, max_bias, sinks = _score_options(
+        hq, d, q.device, scale, window, deterministic, softcap, alibi, sinks)
     bottom_right = causal_alignment == "bottom-right"
     o, lse = torch.ops.rust_attention.forward(q, k, v, bool(is_causal), bottom_right, left, right, scale,
                                               bool(deterministic), cap, max_bias, sinks)
     if layout == "bshd":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
+
+
+def attention_varlen(q, k, v, cu_seqlens, *, is_causal=False, scale=None, window=None, deterministic=None,
+                     return_lse=False, softcap=None, alibi=None, sinks=None):
+    """Attention over a variable-length batch packed end to end, FlashAttention's
+    `flash_attn_varlen_func` layout: sequence `s` holds tokens `cu_seqlens[s] .. cu_seqlens[s + 1]`
+    of Q, K and V, and each token attends only to the tokens of its own sequence.
+
+    The batch runs as one packed row with a document mask (`Context::document_mask_from_cu_seqlens`
+    in the Rust library): the kernels skip every key tile outside a query tile's sequences and
+    mask only the tiles that straddle a boundary, so the work follows the real tokens, not the
+    longest sequence times the batch. Queries and keys share the lengths (self-attention: training
+    and prefill); a sequence of length 0 is allowed.
+
+    Args:
+        q: `[total, Hq, D]`, float32/float16/bfloat16, `total = cu_seqlens[-1]`.
+        k, v: `[total, Hkv, D]`, Q's dtype and device; Hkv divides Hq (grouped-query attention).
+        cu_seqlens: the `batch + 1` prefix sums of the lengths, starting at 0 and non-decreasing
+            (int tensor on any device, or a list); read to the host once per call.
+        is_causal: each sequence causal on its own (key j hidden from query i when j > i).
+        scale, window, deterministic, return_lse, softcap, alibi, sinks: as in `attention`
+            (a window and ALiBi's distances are counted inside each sequence).
+
+    Returns:
+        O `[total, Hq, D]` (and with `return_lse` the LSE `[Hq, total]`, float32, natural log, as
+        FlashAttention's varlen functions return it). Its backward runs our backward kernels.
+
+    Raises:
+        ValueError: for shapes, dtypes, devices, offsets or options these kernels do not take.
+    """
+    _check_tensors(q, k, v, 3)
+    total, hq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != total or k.shape[2] != d:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [total, Hkv, D] with q's total and D")
+    hkv = k.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"the {hkv} key/value heads must divide the {hq} query heads")
+    offsets = torch.as_tensor(cu_seqlens).detach().to("cpu", torch.int64)
+    if offsets.dim() != 1 or offsets.numel() < 1 or int(offsets[0]) != 0 or int(offsets[-1]) != total \
+            or bool((offsets[1:] < offsets[:-1]).any()):
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the {total} tokens of q; "
+                         f"got {offsets.tolist()[:8]}{'...' if offsets.numel() > 8 else ''}")
+    if total > 2**31 - 1:
+        raise ValueError(f"{total} tokens exceed the 2**31 - 1 a packed row holds")
+    scale, left, right, deterministic, cap, max_bias, sinks = _score_options(
+        hq, d, q.device, scale, window, deterministic, softcap, alibi, sinks)
+    # [total, H, D] is BSHD with B = 1: the kernels read it as [1, H, total, D].
+    q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
+    o, lse = torch.ops.rust_attention.forward(q4, k4, v4, bool(is_causal), False, left, right, scale, deterministic,
+                                              cap, max_bias, sinks, offsets.to(torch.int32))
+    o = o.transpose(1, 2).squeeze(0)
+    return (o, lse.squeeze(0)) if return_lse else o
 
 
 def device_name(device=None):
