@@ -105,6 +105,14 @@ def modified_attention(q, k, v, mask, softcap, alibi, sinks):
 
 
 class Cases(unittest.TestCase):
+    def assert_oracle(self, what, dtype, ours, results):
+        """Each of O, dQ, dK, dV (and dSinks) within twice the plain same-precision error plus the
+        floor. dSinks sums dO·O over whole rows, and the kernels take that sum (D) from the O they
+        rounded to the inputs' dtype, a rounding the plain autograd does not do: twice the floor there."""
+        for name, x, plain, truth in zip(("O", "dQ", "dK", "dV", "dSinks"), ours, results["plain"], results["truth"]):
+            bound = 2 * rel(plain, truth) + FLOOR[dtype] * (2 if name == "dSinks" else 1)
+            self.assertLessEqual(rel(x.cpu(), truth), bound, f"{what}: {name}")
+
     def check(self, device, dtype, b, hq, hkv, sq, sk, d, is_causal=False, bottom_right=False, window=None,
               layout="bhsd", deterministic=False):
         g = torch.Generator().manual_seed(hash((b, hq, hkv, sq, sk, d, is_causal, bottom_right)) % 2**31)
@@ -190,13 +198,7 @@ class Cases(unittest.TestCase):
                                      sinks=sinks, causal_alignment="bottom-right" if bottom_right else "top-left")
                     o.backward(do64.to(dtype).to(device))
                     ours = (o, q.grad, k.grad, v.grad) + ((sinks.grad,) if with_sinks else ())
-                    for name, x, plain, truth in zip(("O", "dQ", "dK", "dV", "dSinks"), ours, results["plain"],
-                                                     results["truth"]):
-                        # dSinks sums dO·O over whole rows, and the kernels take that sum (D) from
-                        # the O they rounded to the inputs' dtype, a rounding the plain autograd
-                        # does not do: twice the floor there.
-                        bound = 2 * rel(plain, truth) + FLOOR[dtype] * (2 if name == "dSinks" else 1)
-                        self.assertLessEqual(rel(x.cpu(), truth), bound, f"{what}: {name}")
+                    self.assert_oracle(what, dtype, ours, results)
 
     def test_lse(self):
         for device in DEVICES:
@@ -282,10 +284,7 @@ class Cases(unittest.TestCase):
                     self.assertEqual(lse.shape, (hq, total))
                     o.backward(do64.to(dtype).to(device))
                     ours = (o, q.grad, k.grad, v.grad) + ((sinks.grad,) if with_sinks else ())
-                    for name, x, plain, truth in zip(("O", "dQ", "dK", "dV", "dSinks"), ours, results["plain"],
-                                                     results["truth"]):
-                        bound = 2 * rel(plain, truth) + FLOOR[dtype] * (2 if name == "dSinks" else 1)
-                        self.assertLessEqual(rel(x.cpu(), truth), bound, f"{what}: {name}")
+                    self.assert_oracle(what, dtype, ours, results)
 
     def test_varlen_errors_say_why(self):
         q = torch.randn(10, 2, 64)
