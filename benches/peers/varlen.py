@@ -7,7 +7,8 @@ packed end to end into one row; we run it with a document mask (`rust-attention 
 the kernels skip every key tile of another sequence), and, when the `rust_attention` wheel is
 installed, through the PyTorch bridge's `attention_varlen` (`[total, H, D]` in and out, which adds
 a transposition each way). The peers: PyTorch SDPA's cuDNN backend on `[B, H, longest, D]` (the
-padded batch, what a framework without varlen runs) and `torch.ops.aten._flash_attention_forward`
+padded batch, what a framework without varlen runs; timed without a key-padding mask, which would
+only add to its time) and `torch.ops.aten._flash_attention_forward`
 with `cu_seqlens` (FA2's varlen forward, which PyTorch ships). CUDA events, warm-up, median.
 
 TFLOP/s are counted on the real tokens, Σ 4·H·L²·D (half of it causal; backward 2.5×), for every
@@ -64,13 +65,13 @@ def peers(lengths, h, d, dtype, causal, warmup, repeats):
     do = torch.randn_like(q)
     found = {}
 
-    def both(name, run, args):
+    def both(name, run, args, grad):
         def forward(_):
             with torch.no_grad():
                 run()
 
         def backward(out):
-            torch.autograd.grad(out, args, do if out.shape == do.shape else do_padded)
+            torch.autograd.grad(out, args, grad)
 
         for pass_, fn, setup in (("forward", forward, lambda: None), ("backward", backward, run)):
             try:
@@ -81,14 +82,16 @@ def peers(lengths, h, d, dtype, causal, warmup, repeats):
 
     try:
         import rust_attention as ra
-        both("bridge", lambda: ra.attention_varlen(q, k, v, cu, is_causal=causal), (q, k, v))
+        cu_host = cu.cpu()  # offsets on the host, as a training loop keeps them: no synchronisation
+        both("bridge", lambda: ra.attention_varlen(q, k, v, cu_host, is_causal=causal), (q, k, v), do)
     except ImportError:
         print("rust_attention is not installed: no bridge column", file=sys.stderr)
     padded = lambda: torch.randn(b, h, longest, d, device="cuda", dtype=t, requires_grad=True)
     qp, kp, vp = padded(), padded(), padded()
     do_padded = torch.randn_like(qp)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        both("cudnn padded", lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=causal), (qp, kp, vp))
+        both("cudnn padded", lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=causal), (qp, kp, vp),
+             do_padded)
     try:
         fa2 = lambda: torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, longest, longest, 0.0, causal, False)
         with torch.no_grad():

@@ -87,12 +87,12 @@ pub fn flash_attn_windowed(
 /// kernels skip the key tiles of other sequences and the work follows the real tokens. Queries
 /// and keys must share their lengths (`seqlens_q` equal to `seqlens_k`: self-attention, as in
 /// training and prefill); `max_seqlen_q` and `max_seqlen_k` are only checked (the kernels need
-/// no bound), so code written for `candle_flash_attn` runs unchanged.
+/// no bound), so self-attention code written for `candle_flash_attn` runs unchanged.
 ///
 /// # Errors
-/// As [`FlashAttention::forward`], and `candle_core::Error::Msg` for offsets that are not `u32`
-/// prefix sums from 0 to the rows of Q, K and V, for different query and key lengths, and for a
-/// sequence longer than its `max_seqlen`.
+/// As [`FlashAttention::forward_varlen`], and `candle_core::Error::Msg` for offsets that are not
+/// a 1-dimensional `u32` tensor, for different query and key lengths, and for a sequence longer
+/// than its `max_seqlen`.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen(
     q: &Tensor,
@@ -105,7 +105,17 @@ pub fn flash_attn_varlen(
     softmax_scale: f32,
     causal: bool,
 ) -> candle_core::Result<Tensor> {
-    let (cu_q, cu_k) = (seqlens_q.to_vec1::<u32>()?, seqlens_k.to_vec1::<u32>()?);
+    let offsets = |name: &str, t: &Tensor| {
+        if t.dtype() != DType::U32 || t.rank() != 1 {
+            candle_core::bail!(
+                "attn_candle: {name} must be a 1-dimensional u32 tensor of offsets, not {:?} of shape {:?}",
+                t.dtype(),
+                t.dims()
+            );
+        }
+        t.to_vec1::<u32>()
+    };
+    let (cu_q, cu_k) = (offsets("seqlens_q", seqlens_q)?, offsets("seqlens_k", seqlens_k)?);
     if cu_q != cu_k {
         candle_core::bail!("attn_candle: flash_attn_varlen takes queries and keys of the same lengths (seqlens_q = seqlens_k)");
     }
@@ -269,7 +279,8 @@ impl FlashAttention {
     ///
     /// # Errors
     /// As [`FlashAttention::forward`]; `candle_core::Error::Msg` for tensors that are not
-    /// 3-dimensional, or without [`FlashAttention::varlen`].
+    /// 3-dimensional, without [`FlashAttention::varlen`], or for offsets that do not start at 0,
+    /// decrease, or do not end at the rows of Q, K and V.
     pub fn forward_varlen(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
         for (name, t) in [("q", q), ("k", k), ("v", v)] {
             if t.rank() != 3 {
@@ -279,8 +290,20 @@ impl FlashAttention {
                 );
             }
         }
-        if self.cu_seqlens.is_none() {
+        let Some(cu_seqlens) = &self.cu_seqlens else {
             candle_core::bail!("attn_candle: forward_varlen needs the sequences' offsets (FlashAttention::varlen)");
+        };
+        let rows = [q.dim(0)?, k.dim(0)?, v.dim(0)?];
+        let (first, last) = (cu_seqlens.first().copied(), cu_seqlens.last().copied());
+        if first != Some(0)
+            || rows.iter().any(|&n| last != Some(n as u32) || n > u32::MAX as usize)
+            || cu_seqlens.windows(2).any(|w| w[1] < w[0])
+        {
+            candle_core::bail!(
+                "attn_candle: cu_seqlens must start at 0, never decrease and end at the rows of q, k and v ({rows:?}); \
+                 got {} offsets from {first:?} to {last:?}",
+                cu_seqlens.len()
+            );
         }
         let packed = self.clone().layout(TensorLayout::Bshd);
         packed.forward(&q.unsqueeze(0)?, &k.unsqueeze(0)?, &v.unsqueeze(0)?)?.squeeze(0)

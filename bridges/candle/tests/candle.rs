@@ -285,7 +285,19 @@ fn bad_inputs_are_errors_that_say_why() -> candle_core::Result<()> {
         attn_candle::flash_attn_varlen(&packed, &packed, &packed, &offsets(cu_q)?, &offsets(cu_k)?, max, max, 1.0, true)
     };
     let error = message(varlen(&[0, 4, 9], &[0, 4, 9], 5));
-    assert!(error.contains("cu_seqlens") || error.contains("10"), "{error}");
+    assert!(error.contains("cu_seqlens must start at 0"), "{error}");
+    let error = message(attn_candle::flash_attn_varlen(
+        &packed,
+        &packed,
+        &packed,
+        &Tensor::new(&[0i64, 10], &device)?,
+        &offsets(&[0, 10])?,
+        10,
+        10,
+        1.0,
+        false,
+    ));
+    assert!(error.contains("u32 tensor"), "{error}");
     let error = message(varlen(&[0, 4, 10], &[0, 5, 10], 6));
     assert!(error.contains("same lengths"), "{error}");
     let error = message(varlen(&[0, 4, 10], &[0, 4, 10], 5));

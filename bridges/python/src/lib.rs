@@ -149,9 +149,9 @@ fn sinks_of(ctx: &Context, address: u64, shape: &AttentionShape) -> Result<Optio
 /// The document mask of a packed row from its `cu_seqlens` (FlashAttention's variable-length
 /// convention: document `d` holds tokens `cu_seqlens[d] .. cu_seqlens[d + 1]`), if it has any.
 /// Built on `ctx` for each call: a host loop over the row and one upload, freed in stream order
-/// after the kernels that read it.
-fn documents_of(ctx: &Context, cu_seqlens: &[i32]) -> Result<Option<MaskTable>, Error> {
-    (!cu_seqlens.is_empty()).then(|| ctx.document_mask_from_cu_seqlens(cu_seqlens)).transpose()
+/// after the kernels that read it. (An empty list is an error of the library's, not "no mask".)
+fn documents_of(ctx: &Context, cu_seqlens: Option<&[i32]>) -> Result<Option<MaskTable>, Error> {
+    cu_seqlens.map(|offsets| ctx.document_mask_from_cu_seqlens(offsets)).transpose()
 }
 
 /// `options` with the call's sinks and document mask, where it has them.
@@ -193,7 +193,7 @@ fn forward_typed<T: Element>(
     shape: AttentionShape,
     p: &ForwardPointers,
     options: &AttentionOptions,
-    cu_seqlens: &[i32],
+    cu_seqlens: Option<&[i32]>,
 ) -> Result<(), Error> {
     let (q_shape, kv_shape) = (shape.q_shape(), shape.kv_shape());
     let (q, k, v) =
@@ -223,7 +223,7 @@ fn backward_typed<T: Element>(
     shape: AttentionShape,
     p: &BackwardPointers,
     options: &AttentionOptions,
-    cu_seqlens: &[i32],
+    cu_seqlens: Option<&[i32]>,
 ) -> Result<(), Error> {
     let (q_shape, kv_shape) = (shape.q_shape(), shape.kv_shape());
     let f = &p.forward;
@@ -270,11 +270,11 @@ fn dtype_of(name: &str) -> PyResult<DType> {
 /// Attention forward on PyTorch's memory: O (`[B, Hq, Sq, D]`, the inputs' type) and LSE
 /// (`[B, Hq, Sq]` float32, natural log) written at `o` and `lse`, from contiguous Q `[B, Hq, Sq,
 /// D]` and K, V `[B, Hkv, Sk, D]` at `q`, `k`, `v`; `softcap` and `alibi_max_bias` (0: none)
-/// modify the scores, `sinks` (0: none) is the address of `[Hq]` float32 sink logits, and a
-/// non-empty `cu_seqlens` makes a document mask of the (single, packed) row: each query sees only
-/// the keys of its own document. Queued on `stream`; returns at once.
+/// modify the scores, `sinks` (0: none) is the address of `[Hq]` float32 sink logits, and
+/// `cu_seqlens` (None: none) makes a document mask of the (single, packed) row: each query sees
+/// only the keys of its own document. Queued on `stream`; returns at once.
 #[pyfunction]
-#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, causal, bottom_right, window_left, window_right, scale=None, softcap=0.0, alibi_max_bias=0.0, sinks=0, cu_seqlens=Vec::new()))]
+#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, causal, bottom_right, window_left, window_right, scale=None, softcap=0.0, alibi_max_bias=0.0, sinks=0, cu_seqlens=None))]
 #[allow(clippy::too_many_arguments)]
 fn forward(
     py: Python<'_>,
@@ -295,7 +295,7 @@ fn forward(
     softcap: f32,
     alibi_max_bias: f32,
     sinks: u64,
-    cu_seqlens: Vec<i32>,
+    cu_seqlens: Option<Vec<i32>>,
 ) -> PyResult<()> {
     let dtype = dtype_of(dtype)?;
     let mask = MaskArgs { causal, bottom_right, window_left, window_right };
@@ -303,17 +303,18 @@ fn forward(
     let pointers = ForwardPointers { q, k, v, sinks, o, lse };
     py.detach(|| {
         let ctx = context(device, stream)?;
-        by_dtype!(dtype, forward_typed(&ctx, shape_of(sizes), &pointers, &options, &cu_seqlens))
+        by_dtype!(dtype, forward_typed(&ctx, shape_of(sizes), &pointers, &options, cu_seqlens.as_deref()))
     })
     .map_err(to_py)
 }
 
 /// Attention backward on PyTorch's memory: dQ, dK, dV written at `dq`, `dk`, `dv` (Q's and K's
 /// shapes and type), and with sinks their gradient at `d_sinks` (`[Hq]` float32), from the
-/// forward's inputs and options (`cu_seqlens` included), O and LSE and from dO (O's shape). `deterministic` sums dQ in a
-/// fixed order, bit-identical on every run. Queued on `stream`; returns at once.
+/// forward's inputs and options (`cu_seqlens` included), O and LSE and from dO (O's shape).
+/// `deterministic` sums dQ in a fixed order, bit-identical on every run. Queued on `stream`;
+/// returns at once.
 #[pyfunction]
-#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, d_o, dq, dk, dv, causal, bottom_right, window_left, window_right, deterministic, scale=None, softcap=0.0, alibi_max_bias=0.0, sinks=0, d_sinks=0, cu_seqlens=Vec::new()))]
+#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, d_o, dq, dk, dv, causal, bottom_right, window_left, window_right, deterministic, scale=None, softcap=0.0, alibi_max_bias=0.0, sinks=0, d_sinks=0, cu_seqlens=None))]
 #[allow(clippy::too_many_arguments)]
 fn backward(
     py: Python<'_>,
@@ -340,7 +341,7 @@ fn backward(
     alibi_max_bias: f32,
     sinks: u64,
     d_sinks: u64,
-    cu_seqlens: Vec<i32>,
+    cu_seqlens: Option<Vec<i32>>,
 ) -> PyResult<()> {
     let dtype = dtype_of(dtype)?;
     let mask = MaskArgs { causal, bottom_right, window_left, window_right };
@@ -349,7 +350,7 @@ fn backward(
     let pointers = BackwardPointers { forward, d_o, dq, dk, dv, d_sinks };
     py.detach(|| {
         let ctx = context(device, stream)?;
-        by_dtype!(dtype, backward_typed(&ctx, shape_of(sizes), &pointers, &options, &cu_seqlens))
+        by_dtype!(dtype, backward_typed(&ctx, shape_of(sizes), &pointers, &options, cu_seqlens.as_deref()))
     })
     .map_err(to_py)
 }

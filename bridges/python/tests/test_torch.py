@@ -281,13 +281,46 @@ class Cases(unittest.TestCase):
                     o, lse = ra.attention_varlen(q, k, v, cu.to(device), is_causal=is_causal, window=window,
                                                  alibi=alibi, sinks=sinks, return_lse=True)
                     self.assertEqual(o.shape, (total, hq, d))
+                    self.assertTrue(o.is_contiguous())
                     self.assertEqual(lse.shape, (hq, total))
+                    if not with_sinks and alibi is None:
+                        # The LSE of each row over its own sequence's visible keys (from the
+                        # inputs rounded to the dtype, as the kernels read them).
+                        want = torch.full((hq, total), float("-inf"), dtype=torch.float64)
+                        g = hq // hkv
+                        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+                            if a == b:
+                                continue
+                            rounded = lambda x: x[a:b].to(dtype).double()
+                            kk = rounded(k64).repeat_interleave(g, dim=1)
+                            scores = torch.einsum("qhd,khd->hqk", rounded(q64), kk) / math.sqrt(d)
+                            mask = reference_mask(b - a, b - a, is_causal, False, window)
+                            want[:, a:b] = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1)
+                        self.assertLess((lse.detach().cpu().double() - want).abs().max().item(), 1e-3, what)
                     o.backward(do64.to(dtype).to(device))
                     ours = (o, q.grad, k.grad, v.grad) + ((sinks.grad,) if with_sinks else ())
                     self.assert_oracle(what, dtype, ours, results)
 
+    def test_varlen_edges(self):
+        """No tokens at all, offsets as int64 and as a list, and a row of one sequence against the
+        plain call."""
+        for device in DEVICES:
+            empty = torch.randn(0, 2, 64, device=device, requires_grad=True)
+            o = ra.attention_varlen(empty, empty, empty, [0, 0, 0])
+            self.assertEqual(o.shape, (0, 2, 64))
+            x = torch.randn(12, 2, 32, device=device)
+            bhsd = x.transpose(0, 1).unsqueeze(0)
+            whole = ra.attention(bhsd, bhsd, bhsd, is_causal=True)
+            for offsets in ([0, 12], torch.tensor([0, 12], dtype=torch.int64, device=device)):
+                o = ra.attention_varlen(x, x, x, offsets, is_causal=True)
+                self.assertLess(rel(o, whole.squeeze(0).transpose(0, 1)), 1e-5, device)
+
     def test_varlen_errors_say_why(self):
         q = torch.randn(10, 2, 64)
+        with self.assertRaisesRegex(ValueError, "integers"):
+            ra.attention_varlen(q, q, q, torch.tensor([0.0, 10.0]))
+        with self.assertRaisesRegex(ValueError, "1-dimensional"):
+            ra.attention_varlen(q, q, q, torch.tensor([[0, 10]]))
         with self.assertRaisesRegex(ValueError, "cu_seqlens"):
             ra.attention_varlen(q, q, q, torch.tensor([0, 4, 9]))  # ends before the 10 tokens
         with self.assertRaisesRegex(ValueError, "cu_seqlens"):
@@ -314,6 +347,19 @@ class Cases(unittest.TestCase):
             compiled_grads = torch.autograd.grad(compiled(q, k, v), (q, k, v))
             for a, b in zip(eager_grads, compiled_grads):
                 self.assertTrue(torch.allclose(a, b, atol=1e-3, rtol=1e-3), device)
+            # The varlen entry too, offsets on the host.
+            packed = [t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v)]
+            cu = torch.tensor([0, 20, 20, 64], dtype=torch.int32)
+
+            def g(q, k, v):
+                return (ra.attention_varlen(q, k, v, cu, is_causal=True) * 2).sum()
+
+            torch._dynamo.reset()
+            compiled = torch.compile(g, backend=backend, fullgraph=True)
+            eager_grads = torch.autograd.grad(g(*packed), packed)
+            compiled_grads = torch.autograd.grad(compiled(*packed), packed)
+            for a, b in zip(eager_grads, compiled_grads):
+                self.assertTrue(torch.allclose(a, b, atol=1e-3, rtol=1e-3), f"{device} varlen")
 
 
 class TinyGpt(torch.nn.Module):

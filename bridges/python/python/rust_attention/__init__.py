@@ -63,9 +63,8 @@ def _address(t):
 
 
 def _offsets(cu_seqlens):
-    """The document offsets as a list of ints for the native side (empty for none); a CUDA tensor
-    is read back to the host, which waits for the work that produced it."""
-    return [] if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()]
+    """The document offsets as a list of ints for the native side, or None for no document mask."""
+    return None if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()]
 
 
 @torch.library.custom_op("rust_attention::forward", mutates_args=())
@@ -245,16 +244,18 @@ def attention_varlen(q, k, v, cu_seqlens, *, is_causal=False, scale=None, window
     of Q, K and V, and each token attends only to the tokens of its own sequence.
 
     The batch runs as one packed row with a document mask (`Context::document_mask_from_cu_seqlens`
-    in the Rust library): the kernels skip every key tile outside a query tile's sequences and
-    mask only the tiles that straddle a boundary, so the work follows the real tokens, not the
-    longest sequence times the batch. Queries and keys share the lengths (self-attention: training
+    in the Rust library, built and uploaded for the forward and again for the backward): the
+    kernels skip every key tile outside a query tile's sequences and mask only the tiles that
+    straddle a boundary, so the work follows the real tokens, not the longest sequence times the
+    batch. Q, K, V are copied to `[1, H, total, D]` for the kernels (they read that layout). Queries and keys share the lengths (self-attention: training
     and prefill); a sequence of length 0 is allowed.
 
     Args:
         q: `[total, Hq, D]`, float32/float16/bfloat16, `total = cu_seqlens[-1]`.
         k, v: `[total, Hkv, D]`, Q's dtype and device; Hkv divides Hq (grouped-query attention).
         cu_seqlens: the `batch + 1` prefix sums of the lengths, starting at 0 and non-decreasing
-            (int tensor on any device, or a list); read to the host once per call.
+            (an integer tensor or a list). Read to the host once per call: a CPU tensor costs no
+            synchronisation, a CUDA one waits for the work before it.
         is_causal: each sequence causal on its own (key j hidden from query i when j > i).
         scale, window, deterministic, return_lse, softcap, alibi, sinks: as in `attention`
             (a window and ALiBi's distances are counted inside each sequence).
@@ -273,11 +274,19 @@ def attention_varlen(q, k, v, cu_seqlens, *, is_causal=False, scale=None, window
     hkv = k.shape[1]
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"the {hkv} key/value heads must divide the {hq} query heads")
-    offsets = torch.as_tensor(cu_seqlens).detach().to("cpu", torch.int64)
-    if offsets.dim() != 1 or offsets.numel() < 1 or int(offsets[0]) != 0 or int(offsets[-1]) != total \
-            or bool((offsets[1:] < offsets[:-1]).any()):
-        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the {total} tokens of q; "
-                         f"got {offsets.tolist()[:8]}{'...' if offsets.numel() > 8 else ''}")
+    offsets = torch.as_tensor(cu_seqlens).detach()
+    if offsets.dtype.is_floating_point or offsets.dtype.is_complex or offsets.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must hold integers, not {offsets.dtype}")
+    if offsets.dim() != 1:
+        raise ValueError(f"cu_seqlens must be 1-dimensional (batch + 1 offsets), not of shape {tuple(offsets.shape)}")
+    # On the host once: a CUDA tensor is read back here (a synchronisation), and the backward
+    # reuses the host copy.
+    offsets = offsets.to("cpu", torch.int64)
+    if not torch.compiler.is_compiling():  # traced, the values are unknown; the native side checks them
+        if offsets.numel() < 1 or int(offsets[0]) != 0 or int(offsets[-1]) != total \
+                or bool((offsets[1:] < offsets[:-1]).any()):
+            raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the {total} tokens of q; "
+                             f"got {offsets.tolist()[:8]}{'...' if offsets.numel() > 8 else ''}")
     if total > 2**31 - 1:
         raise ValueError(f"{total} tokens exceed the 2**31 - 1 a packed row holds")
     scale, left, right, deterministic, cap, max_bias, sinks = _score_options(
@@ -286,7 +295,8 @@ def attention_varlen(q, k, v, cu_seqlens, *, is_causal=False, scale=None, window
     q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
     o, lse = torch.ops.rust_attention.forward(q4, k4, v4, bool(is_causal), False, left, right, scale, deterministic,
                                               cap, max_bias, sinks, offsets.to(torch.int32))
-    o = o.transpose(1, 2).squeeze(0)
+    # Contiguous, as FlashAttention's varlen output (a model reshapes it to [total, Hq·D] next).
+    o = o.transpose(1, 2).squeeze(0).contiguous()
     return (o, lse.squeeze(0)) if return_lse else o
 
 
