@@ -20,12 +20,10 @@ padded work is printed beside it.
 import argparse
 import os
 import random
-import re
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sdpa_bench import time_it  # noqa: E402  (beside this file)
+from sdpa_bench import our_times, time_it  # noqa: E402  (beside this file)
 
 
 def real_flops(lengths, h, d, causal, pass_):
@@ -39,15 +37,7 @@ def ours(binary, lengths, h, d, dtype, causal, warmup, repeats):
     args = [binary, "attn", "--random", f"1x{h}x{h}x{total}x{total}x{d}", "--dtype", dtype,
             "--causal", "top-left" if causal else "none", "--documents", ",".join(map(str, lengths)),
             "--warmup", str(warmup), "--repeats", str(repeats)]
-    run = subprocess.run(args, capture_output=True, text=True)
-    found = {}
-    for line in run.stdout.splitlines():
-        m = re.match(r"\|\s*flash (forward|backward)[^|]*\(([^)]*)\)\s*\|\s*([\d.]+)\s*\|", line)
-        if m:
-            found[m.group(1)] = float(m.group(3))
-    if not found:
-        print(f"our binary failed: {run.stdout.strip()[-400:]} {run.stderr.strip()[-400:]}", file=sys.stderr)
-    return found
+    return our_times(args, f"the packed row of {len(lengths)} sequences")
 
 
 def peers(lengths, h, d, dtype, causal, warmup, repeats):
