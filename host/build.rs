@@ -60,25 +60,32 @@ struct ModuleGroup {
     opt_flags: Option<&'static str>,
 }
 
-/// The kernels are compiled into three PTX modules, each optimised with its own flags: the
+/// The kernels are compiled into five PTX modules, each optimised with its own flags: the
 /// CUDA-core kernels (f32, vector add, naive attention) at LLVM's default unrolling budget, which
 /// they were tuned at (more unrolling makes their backward kernels spill), the tensor-core
-/// kernels (f16, bf16) with [`UNROLL`], both for `sm_80` (every GPU from Ampere on), and the
-/// Hopper kernels (`hopper_*`, `wgmma` and TMA) for `sm_90a`, which only compute capability 9.0
-/// runs. The host loads the modules its GPU can run and looks kernels up by name.
+/// kernels (f16, bf16) with [`UNROLL`], both for `sm_80` (every GPU from Ampere on), each with
+/// a module of its own for the flash kernels' band-table twins (`_table`, which only problems
+/// with a band table run), and the Hopper kernels (`hopper_*`, `wgmma` and TMA) for `sm_90a`,
+/// which only compute capability 9.0 runs. The host loads a module the first time it looks up
+/// one of its kernels, by name (the driver compiles it then: smaller modules, less waiting).
 const MODULE_GROUPS: &[ModuleGroup] = &[
     ModuleGroup { name: "cuda_cores", arch: BASE_ARCH, ptx_version: PTX_VERSION, opt_flags: None },
     ModuleGroup { name: "tensor_cores", arch: BASE_ARCH, ptx_version: PTX_VERSION, opt_flags: Some(UNROLL) },
     ModuleGroup { name: "hopper", arch: "sm_90a", ptx_version: PTX_VERSION_HOPPER, opt_flags: Some(UNROLL) },
+    ModuleGroup { name: "cuda_cores_tables", arch: BASE_ARCH, ptx_version: PTX_VERSION, opt_flags: None },
+    ModuleGroup { name: "tensor_cores_tables", arch: BASE_ARCH, ptx_version: PTX_VERSION, opt_flags: Some(UNROLL) },
 ];
 
 /// The module group of kernel `entry`. The host's registry (`module_of`) is generated from the
 /// modules' entry lists, not from this rule.
 fn group_of(entry: &str) -> &'static str {
+    let twin = entry.ends_with(TABLE_TWIN);
     if entry.starts_with("hopper_") {
         "hopper"
     } else if entry.contains("_f16") || entry.contains("_bf16") {
-        "tensor_cores"
+        if twin { "tensor_cores_tables" } else { "tensor_cores" }
+    } else if twin {
+        "cuda_cores_tables"
     } else {
         "cuda_cores"
     }
@@ -157,6 +164,9 @@ const FLASH_FAMILIES: &[(&str, &str)] = &[
     ("flash_bwd_dq", "BackwardDq"),
 ];
 
+/// The suffix of a flash kernel's band-table twin (`kernels/src/lib.rs`, `attention_kernel!`).
+const TABLE_TWIN: &str = "_table";
+
 /// Element types in kernel names and their `DType` variants.
 const DTYPES: &[(&str, &str)] = &[("f32", "F32"), ("f16", "F16"), ("bf16", "Bf16")];
 
@@ -169,6 +179,12 @@ fn registry_source(entries: &[String]) -> String {
     let mut hopper = String::new();
     let mut decoders = Vec::new();
     for name in entries {
+        // A flash kernel's `_table` twin (the entry for problems with a band table,
+        // `attention_kernel!`) is not an instance of its own: the host derives its name from
+        // the plain one's (`ProblemArgs::entry`). It is in the emulator's list below.
+        if name.ends_with(TABLE_TWIN) {
+            continue;
+        }
         if let Some(decoder) = decoder_instance(name) {
             decoders.push(decoder);
             continue;

@@ -495,6 +495,13 @@ mod tests {
             let module = PTX[module_of(name)];
             assert!(module.contains(&format!(".entry {name}(")), "{name} missing from its PTX module");
         }
+        // Every sm_80 flash instance has its band-table twin, in a module of twins.
+        for instance in FLASH_INSTANCES {
+            let twin = format!("{}_table", instance.entry);
+            let module = module_of(&twin);
+            assert!(MODULES[module].ends_with("_tables"), "{twin} is not in a module of twins");
+            assert!(PTX[module].contains(&format!(".entry {twin}(")), "{twin} missing from its PTX module");
+        }
     }
 
     #[test]

@@ -124,11 +124,45 @@ pub use pastey;
 /// rustc warns that structs passed by value to `extern "gpu-kernel"` functions may not match what
 /// the driver passes. This list is the one place to change when the problem gains an argument
 /// (a new kind of mask); the host's launchers push the same list (`ProblemArgs`).
+///
+/// With `table twin` after the argument list, the kernel comes as two entries: `$name`, whose
+/// body sees a mask that never has a band table (the table argument is ignored:
+/// [`attention::mask::Mask::specialised`]), and `${name}_table`, whose body reads the table.
+/// The body gets a fifth name, a `const bool` that is true in the twin, to pick its own copies
+/// by. Why two entries rather than one kernel with two copies: a kernel has one register
+/// allocation, the largest any of its copies needs, and the table's copy needed more than the
+/// sm_80 kernels had (PERFORMANCE.md, "table twins"). The host launches the twin exactly when a
+/// table is bound (`ProblemArgs::entry`); every sm_80-path flash kernel has one.
 macro_rules! attention_kernel {
     (
         $(#[$attr:meta])*
         fn $name:ident($($arg:ident: $ty:ty),* $(,)?)
         |$shape:ident, $mask:ident, $score:ident, $scale:ident| $body:block
+    ) => {
+        attention_kernel!(@entry $(#[$attr])* fn $name($($arg: $ty),*)
+            |$shape, $mask, $score, $scale| any, $body);
+    };
+    (
+        $(#[$attr:meta])*
+        fn $name:ident($($arg:ident: $ty:ty),* $(,)?) table twin
+        |$shape:ident, $mask:ident, $score:ident, $scale:ident, $table:ident| $body:block
+    ) => {
+        attention_kernel!(@entry $(#[$attr])* fn $name($($arg: $ty),*)
+            |$shape, $mask, $score, $scale| no_table,
+            { #[allow(dead_code)] const $table: bool = false; $body });
+        $crate::pastey::paste! {
+            attention_kernel!(@entry
+                $(#[$attr])*
+                #[doc = "\n\nThe `_table` twin: for problems with a band table (see `attention_kernel!`)."]
+                fn [<$name _table>]($($arg: $ty),*)
+                |$shape, $mask, $score, $scale| any,
+                { #[allow(dead_code)] const $table: bool = true; $body });
+        }
+    };
+    (
+        @entry $(#[$attr:meta])*
+        fn $name:ident($($arg:ident: $ty:ty),*)
+        |$shape:ident, $mask:ident, $score:ident, $scale:ident| $tables:ident, $body:block
     ) => {
         kernel! {
         $(#[$attr])*
@@ -150,13 +184,18 @@ macro_rules! attention_kernel {
             $scale: f32,
         ) {
             let $shape = $crate::layout::AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
-            let $mask = $crate::attention::mask::Mask::from_args(seqlen_q, seqlen_k, causal, causal_offset, window_offset)
-                .with_table(mask_table);
+            let $mask = attention_kernel!(@$tables
+                $crate::attention::mask::Mask::from_args(seqlen_q, seqlen_k, causal, causal_offset, window_offset)
+                    .with_table(mask_table)
+            );
             let $score = $crate::attention::score::ScoreArgs { softcap, alibi_max_bias, sinks };
             $body
         }
         }
     };
+    // The mask of an entry that reads a band table if one is bound, and of one that never does.
+    (@any $mask:expr) => { $mask };
+    (@no_table $mask:expr) => { $mask.specialised::<false>() };
 }
 
 /// Calls `$instance!(a, b, c)` for every combination of one value from each of the three lists:

@@ -2,6 +2,8 @@
 //! the kernels take it ([`ProblemArgs`]), one-dimensional grid-stride launches and the
 //! FlashAttention grids.
 
+use std::borrow::Cow;
+
 use cudarc::driver::LaunchConfig;
 
 use crate::problem::{AttentionOptions, AttentionShape, MaskTableRef, Sinks};
@@ -54,6 +56,17 @@ impl<'a> ProblemArgs<'a> {
             softcap,
             alibi_max_bias,
             sinks: options.sinks,
+        }
+    }
+
+    /// The entry to launch for the sm_80-path flash kernel `entry`: its `_table` twin when the
+    /// problem has a band table, else `entry` itself. Every kernel of the sm_80 modules' flash
+    /// families has both; the plain one never reads the table (`attention_kernel!` in
+    /// `kernels/src/lib.rs` says why they are two).
+    pub(super) fn entry(&self, entry: &'static str) -> Cow<'static, str> {
+        match self.mask_table {
+            Some(_) => Cow::Owned(format!("{entry}_table")),
+            None => Cow::Borrowed(entry),
         }
     }
 

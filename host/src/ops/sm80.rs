@@ -43,7 +43,7 @@ impl Context {
         );
         let args = ProblemArgs::new(&shape, options);
         let head: [&dyn KernelArg; 5] = [q, k, v, &out.o, &out.lse];
-        self.launch(entry, config, &args.with_mask(&head, &[&scale_log2]))
+        self.launch(&args.entry(entry), config, &args.with_mask(&head, &[&scale_log2]))
     }
     // ANCHOR_END: flash_forward_launch
 
@@ -77,6 +77,7 @@ impl Context {
         self.sink_gradient(&shape, lse, &delta, options, grads)?;
         let scale = options.checked_scale(shape.head_dim)?;
         let args = ProblemArgs::new(&shape, options);
+        let entries: Vec<_> = entries.into_iter().map(|entry| args.entry(entry)).collect();
         let d = shape.head_dim;
         let config = |kernel: FlashKernel| {
             let blocks = match kernel {
@@ -96,27 +97,27 @@ impl Context {
                 // The kernel adds into dQ: start from zero.
                 self.fill_zeros(&mut grads.dq)?;
                 let head: [&dyn KernelArg; 9] = [q_, k_, v_, do_, lse_, delta_, &grads.dq, &grads.dk, &grads.dv];
-                self.launch(entries[0], config(FlashKernel::Backward), &args.with_mask(&head, &[&scale]))
+                self.launch(&entries[0], config(FlashKernel::Backward), &args.with_mask(&head, &[&scale]))
             }
             (DType::F32, DqAccumulation::Deterministic) => {
                 let head: [&dyn KernelArg; 9] = [q_, k_, v_, do_, lse_, delta_, &grads.dq, &grads.dk, &grads.dv];
                 let args = args.with_mask(&head, &[&scale]);
-                self.launch(entries[0], config(FlashKernel::BackwardDkDv), &args)?;
-                self.launch(entries[1], config(FlashKernel::BackwardDq), &args)
+                self.launch(&entries[0], config(FlashKernel::BackwardDkDv), &args)?;
+                self.launch(&entries[1], config(FlashKernel::BackwardDq), &args)
             }
             // The tensor-core kernels add dQ into an f32 accumulator, rounded to T at the end.
             (_, DqAccumulation::Atomic) => {
                 let mut accum = self.alloc_output::<f32>(&shape.q_shape())?;
                 self.fill_zeros(&mut accum)?;
                 let head: [&dyn KernelArg; 9] = [q_, k_, v_, do_, lse_, delta_, &accum, &grads.dk, &grads.dv];
-                self.launch(entries[0], config(FlashKernel::Backward), &args.with_mask(&head, &[&scale]))?;
+                self.launch(&entries[0], config(FlashKernel::Backward), &args.with_mask(&head, &[&scale]))?;
                 self.round_to(&accum, &mut grads.dq)
             }
             (_, DqAccumulation::Deterministic) => {
                 let head: [&dyn KernelArg; 8] = [q_, k_, v_, do_, lse_, delta_, &grads.dk, &grads.dv];
-                self.launch(entries[0], config(FlashKernel::BackwardDkDv), &args.with_mask(&head, &[&scale]))?;
+                self.launch(&entries[0], config(FlashKernel::BackwardDkDv), &args.with_mask(&head, &[&scale]))?;
                 let head: [&dyn KernelArg; 7] = [q_, k_, v_, do_, lse_, delta_, &grads.dq];
-                self.launch(entries[1], config(FlashKernel::BackwardDq), &args.with_mask(&head, &[&scale]))
+                self.launch(&entries[1], config(FlashKernel::BackwardDq), &args.with_mask(&head, &[&scale]))
             }
         }
     }

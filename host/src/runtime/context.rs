@@ -1,5 +1,5 @@
-//! **Runtime layer.** The context: a CUDA device with one stream and the embedded PTX module
-//! loaded once, or the CPU emulator running the same kernels' source on the host. It owns what
+//! **Runtime layer.** The context: a CUDA device with one stream and the embedded PTX modules
+//! (each compiled by the driver the first time one of its kernels runs), or the CPU emulator running the same kernels' source on the host. It owns what
 //! needs the device: tensors' memory ([`Context::upload`]), kernel launches (`Context::launch`),
 //! the kernel path and the tensor-map cache. The attention operations on it are in
 //! [`crate::ops`].
@@ -46,12 +46,10 @@ pub struct Context {
 }
 
 pub(crate) enum Backend {
-    /// `modules[kernels::module_of(entry)]` holds kernel `entry`; `None` for a module this GPU
-    /// cannot run (the sm_90a one off Hopper).
     Cuda {
         cuda: Arc<CudaContext>,
         stream: Arc<CudaStream>,
-        modules: Vec<Option<Arc<CudaModule>>>,
+        modules: Arc<Modules>,
         /// The Hopper kernels' tensor maps already in device memory, by content
         /// ([`TensorMapCache`]).
         tensor_maps: TensorMapCache,
@@ -69,6 +67,54 @@ fn next_context_id() -> u64 {
 
 /// The oldest compute capability the embedded `sm_80` PTX runs on.
 const MIN_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
+
+/// The kernels' PTX modules (`kernels::PTX`) on one CUDA context. The driver compiles a PTX
+/// module for the GPU when it is loaded, which for the larger modules takes tens of seconds on a
+/// machine whose driver cache does not hold them yet; so each module is loaded the first time
+/// one of its kernels is looked up, and a program that runs only `f16` kernels never compiles
+/// the `f32` ones, nor one that binds no band table the tables' twins. (Under CUDA graph
+/// capture, run each call once before capturing, as for any library that compiles on first use.)
+pub(crate) struct Modules {
+    cuda: Arc<CudaContext>,
+    /// Whether this GPU runs module `i`: the sm_80 modules run on every supported GPU, the
+    /// sm_90a one (Hopper's `wgmma` and TMA) only on compute capability 9.0.
+    runnable: Vec<bool>,
+    loaded: Vec<Mutex<Option<Arc<CudaModule>>>>,
+}
+
+impl Modules {
+    fn new(cuda: Arc<CudaContext>, hopper: bool) -> Self {
+        let runnable = kernels::MODULE_ARCHS.iter().map(|&arch| arch != "sm_90a" || hopper).collect();
+        let loaded = kernels::PTX.iter().map(|_| Mutex::new(None)).collect();
+        Self { cuda, runnable, loaded }
+    }
+
+    /// Module `index`, loaded (and compiled by the driver) on the first call.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for a module this GPU cannot run; [`Error::Driver`] if the driver
+    /// cannot load it.
+    fn get(&self, index: usize, device: &str) -> Result<Arc<CudaModule>> {
+        if !self.runnable[index] {
+            return Err(Error::Unsupported {
+                what: "this kernel's sm_90a module (compute capability 9.0)",
+                device: device.to_string(),
+            });
+        }
+        // One thread compiles a module while the others wait for it (nothing else is locked).
+        let mut slot = self.loaded[index].lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(module) = &*slot {
+            return Ok(module.clone());
+        }
+        let (group, arch) = (kernels::MODULES[index], kernels::MODULE_ARCHS[index]);
+        let module = self
+            .cuda
+            .load_module(Ptx::from_src(kernels::PTX[index]))
+            .during(format!("loading the kernels' PTX module ({group}, {arch})"))?;
+        *slot = Some(module.clone());
+        Ok(module)
+    }
+}
 
 impl Context {
     /// Opens device `ordinal` and loads the kernels (the driver compiles the PTX for the device,
@@ -158,7 +204,7 @@ impl Context {
     }
 
     /// [`Context::new`] and [`Context::on_stream`] on the CUDA context `cuda` and `stream`: reads
-    /// the device, loads the modules it runs.
+    /// the device (its kernel modules load on first use: [`Modules`]).
     fn with_cuda(cuda: Arc<CudaContext>, stream: Arc<CudaStream>) -> Result<Self> {
         let ordinal = cuda.ordinal();
         let attribute = |attribute| cuda.attribute(attribute).during("reading device attributes");
@@ -181,20 +227,8 @@ impl Context {
             let (major, minor) = info.compute_capability;
             return Err(Error::UnsupportedDevice { name: info.name, major, minor, needed: "8.0 (Ampere)" });
         }
-        // The sm_80 modules run on every supported GPU; the sm_90a one (Hopper's `wgmma` and
-        // TMA) only on compute capability 9.0, so elsewhere it is not loaded.
         let hopper = info.compute_capability == (9, 0);
-        let modules = kernels::PTX
-            .iter()
-            .zip(kernels::MODULES.iter().zip(kernels::MODULE_ARCHS))
-            .map(|(ptx, (group, arch))| match *arch {
-                "sm_90a" if !hopper => Ok(None),
-                _ => cuda
-                    .load_module(Ptx::from_src(*ptx))
-                    .map(Some)
-                    .during(format!("loading the kernels' PTX module ({group}, {arch})")),
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let modules = Arc::new(Modules::new(cuda.clone(), hopper));
         let preferred = if hopper { KernelPath::Sm90a } else { KernelPath::Sm80 };
         let context = Self {
             id: next_context_id(),
@@ -372,11 +406,7 @@ impl Context {
     fn function(&self, entry: &str) -> Result<CudaFunction> {
         match &self.backend {
             Backend::Cuda { modules, .. } => {
-                let index = kernels::module_of(entry);
-                let module = modules[index].as_ref().ok_or_else(|| Error::Unsupported {
-                    what: "this kernel's sm_90a module (compute capability 9.0)",
-                    device: self.info.name.clone(),
-                })?;
+                let module = modules.get(kernels::module_of(entry), &self.info.name)?;
                 module.load_function(entry).during(format!("looking up kernel {entry}"))
             }
             Backend::Emulated => Err(Error::NotOnEmulator("information about a compiled kernel")),
@@ -560,7 +590,7 @@ impl Context {
     /// Whether this context loaded the `sm_90a` kernels: a GPU of compute capability 9.0.
     pub fn has_hopper_kernels(&self) -> bool {
         match &self.backend {
-            Backend::Cuda { modules, .. } => modules.iter().all(Option::is_some),
+            Backend::Cuda { modules, .. } => modules.runnable.iter().all(|&runnable| runnable),
             Backend::Emulated => false,
         }
     }

@@ -70,6 +70,23 @@ pub fn mask_fragments<const N: usize, const TRANSPOSED: bool>(
     (first_row, first_col): (usize, usize),
     mask: &Mask,
 ) {
+    if TRANSPOSED && !mask.has_table() {
+        // The backward's transposed tiles without a band table test entry by entry: in the
+        // `mma.sync` dK/dV kernels this form needs fewer registers than the per-row bands
+        // below (18 fewer at head_dim 128, PERFORMANCE.md, "table twins"), and their masked tiles
+        // are few. Index loops, sums from the first row and column, and the mask itself rather
+        // than a closure over it: the form LLVM and ptxas turn into the fewest registers.
+        for nt in 0..N {
+            for e in 0..4 {
+                let row = first_row + lane.g + 8 * (e / 2);
+                let col = first_col + 8 * nt + 2 * lane.t + e % 2;
+                if !mask.visible(col, row) {
+                    frags[nt][e] = value;
+                }
+            }
+        }
+        return;
+    }
     // The lane's two rows (a query each, or with `TRANSPOSED` a key each) see the columns
     // `start[h] .. start[h] + width[h]`: worked out once per row, so that each entry costs one
     // subtraction and one comparison ([`mask_columns`]), not the two edges' arithmetic (or a

@@ -79,6 +79,25 @@ impl Mask {
         Self { table, ..self }
     }
 
+    /// Whether a band table is bound (always false in a mask that [`Mask::specialised`] made
+    /// table-free, as the compiler can see).
+    #[inline(always)]
+    pub fn has_table(&self) -> bool {
+        !self.table.is_null()
+    }
+
+    /// The mask as a kernel compiled for problems with (`TABLE`) or without a band table sees
+    /// it. Without, the table is dropped: a null the compiler can see, so that every table
+    /// branch below folds away and the kernel is the code it was before tables existed (the
+    /// host launches that kernel only when no table is bound, so nothing is lost: the `table
+    /// twin` entries of `attention_kernel!`). Why two kernels: the table's branches, even never
+    /// taken, cost the `mma.sync` kernels and the `f32` backward registers, spills and resident
+    /// blocks (PERFORMANCE.md, 2026-12-03, and its "table twins" entry).
+    #[inline(always)]
+    pub fn specialised<const TABLE: bool>(self) -> Self {
+        if TABLE { self } else { Self { table: core::ptr::null(), ..self } }
+    }
+
     /// `u32` words of one batch entry's band table ([`Mask::table`]): a pair per query and a
     /// pair per key.
     pub const fn table_words(seqlen_q: usize, seqlen_k: usize) -> usize {

@@ -33,7 +33,9 @@
 //! copy is an entry of its own (`_mods`, which the host picks), because two copies in one kernel
 //! share one register allocation, and the modified copy's spills cost the plain one 5–10 %
 //! there. The `f32` kernels (levels 3, 4) and the naive scores test per tile and are not
-//! duplicated.
+//! duplicated. Band tables ([`crate::attention::mask::Mask::table`]) take the entry route on
+//! the whole sm_80 path (levels 3–6): each kernel has a `_table` twin (`attention_kernel!`), and
+//! the plain entry's copies never see a table.
 //!
 //! The backward recomputes `y` the same way. Softcapping changes the derivative: dS (the
 //! gradient of the logits, `P ∘ (dP − D)`) is multiplied by `1 − tanh²`, which the kernels fold

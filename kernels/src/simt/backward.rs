@@ -529,7 +529,7 @@ macro_rules! flash_backward_instance {
             dq: *mut f32,
             dk: *mut f32,
             dv: *mut f32,
-        ) |$shape, $mask, $score, $scale| {
+        ) table twin |$shape, $mask, $score, $scale, TABLE| {
             let $t = BackwardTensors { q, k, v, d_o, lse, delta, dq, dk, dv };
             unsafe { $body }
         }

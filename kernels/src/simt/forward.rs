@@ -199,7 +199,7 @@ macro_rules! flash_forward_instance {
                 v: *const f32,
                 o: *mut f32,
                 lse: *mut f32,
-            ) |shape, mask, score, scale_log2| {
+            ) table twin |shape, mask, score, scale_log2, TABLE| {
                 unsafe {
                     flash_forward::<
                         $block_m,

@@ -824,7 +824,7 @@ macro_rules! flash_backward_mma_instance {
             lse: *const f32,
             delta: *const f32,
             $($out: $out_ty,)*
-        ) |$shape, $mask, $score, $scale| {
+        ) table twin |$shape, $mask, $score, $scale, TABLE| {
             let $x = BackwardTensors { q, k, v, d_o, lse, delta };
             unsafe { $body }
         }

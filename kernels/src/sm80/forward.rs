@@ -58,7 +58,8 @@ use crate::sm80::pipeline::KvRing;
 /// The kernel body shared by every instance. `WARP_TILES`, `D_STEPS`, `N_TILES` and `D_TILES`
 /// size the register arrays (`BLOCK_M / 64`, `HEAD_DIM / 16`, `BLOCK_N / 8`, `HEAD_DIM / 8`; see
 /// the module docs); the instance macro derives them, because array lengths must be plain const
-/// parameters.
+/// parameters. `TABLE` is true in the `_table` twin (`attention_kernel!`), whose `mask` may hold
+/// a band table; in the plain entry it holds none.
 ///
 /// Grid: `(ceil(seqlen_q / BLOCK_M), num_heads_q, batch)`; block: 4 warps; dynamic
 /// shared memory: `layout::mma_forward_smem_bytes(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)` bytes.
@@ -80,6 +81,7 @@ pub(crate) unsafe fn flash_forward_mma<
     const D_STEPS: usize,
     const N_TILES: usize,
     const D_TILES: usize,
+    const TABLE: bool,
 >(
     q: *const u16,
     k: *const u16,
@@ -91,10 +93,11 @@ pub(crate) unsafe fn flash_forward_mma<
     score: ScoreArgs,
     scale_log2: f32,
 ) {
-    // Three copies of the body: modified scores (and any sinks), sinks alone, and one that runs
-    // exactly the code of the plain path (`attention::score` says why).
+    // Copies of the body: modified scores (and anything else); sinks or a band table without
+    // modified scores; and, in the entry without a table, one that runs exactly the code of the
+    // plain path, with none of them (`attention::score` says why).
     macro_rules! body {
-        ($mods:literal, $sinks:literal) => {
+        ($mods:literal, $extras:literal) => {
             forward_body::<
                 T,
                 BLOCK_M,
@@ -107,13 +110,13 @@ pub(crate) unsafe fn flash_forward_mma<
                 N_TILES,
                 D_TILES,
                 $mods,
-                $sinks,
+                $extras,
             >(q, k, v, o, lse, shape, mask, score, scale_log2)
         };
     }
     // SAFETY: the caller's contract.
     unsafe {
-        match (score.is_active(), score.has_sinks()) {
+        match (score.is_active(), TABLE || score.has_sinks()) {
             (true, _) => body!(true, true),
             (false, true) => body!(false, true),
             (false, false) => body!(false, false),
@@ -122,7 +125,7 @@ pub(crate) unsafe fn flash_forward_mma<
 }
 
 /// [`flash_forward_mma`]'s body, with (`MODS`) or without a score modification, with
-/// (`SINKS`) or without attention sinks.
+/// (`EXTRAS`: this copy tests for each at run time) or without attention sinks and a band table.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn forward_body<
@@ -137,7 +140,7 @@ unsafe fn forward_body<
     const N_TILES: usize,
     const D_TILES: usize,
     const MODS: bool,
-    const SINKS: bool,
+    const EXTRAS: bool,
 >(
     q: *const u16,
     k: *const u16,
@@ -274,7 +277,7 @@ unsafe fn forward_body<
     // writes to global memory are whole 16-byte chunks. Those rows may belong to a ring slot that
     // other warps are still reading in their last iteration: wait for them first.
     // SAFETY: the host checked the sinks' length (`ScoreArgs::sink`).
-    let sink = if SINKS { unsafe { score.sink(block.head) } } else { f32::NEG_INFINITY };
+    let sink = if EXTRAS && score.has_sinks() { unsafe { score.sink(block.head) } } else { f32::NEG_INFINITY };
     let finished: [([f32; 2], [f32; 2]); WARP_TILES] = core::array::from_fn(|r| softmax[r].finish(sink));
     hw::sync_threads();
     let inv_sum: [[f32; 2]; WARP_TILES] = core::array::from_fn(|r| finished[r].0);
@@ -297,7 +300,8 @@ unsafe fn forward_body<
 
 /// One entry per tile and format, named `flash_fwd_{f16,bf16}_m{block_m}_n{block_n}_d{head_dim}_s{stages}`
 /// (an exact instance), with `_padded` after it for the padded instance of the same tile
-/// (`layout::row_length`); `sm80_forward_tiles!` and `sm80_padded_forward_tiles!` (in
+/// (`layout::row_length`), and of each a `_table` twin for problems with a band table
+/// (`attention_kernel!`); `sm80_forward_tiles!` and `sm80_padded_forward_tiles!` (in
 /// [`crate::configs`]) list the tiles.
 macro_rules! flash_forward_mma_instance {
     ($dtype:ident, $format:ident, $block_m:literal, $block_n:literal, $head_dim:literal, $stages:literal) => {
@@ -324,7 +328,7 @@ macro_rules! flash_forward_mma_instance {
             v: *const u16,
             o: *mut u16,
             lse: *mut f32,
-        ) |shape, mask, score, scale_log2| {
+        ) table twin |shape, mask, score, scale_log2, TABLE| {
             unsafe {
                 flash_forward_mma::<
                     hw::$format,
@@ -337,6 +341,7 @@ macro_rules! flash_forward_mma_instance {
                     { $head_dim / 16 },
                     { $block_n / 8 },
                     { $head_dim / 8 },
+                    TABLE,
                 >(q, k, v, o, lse, shape, mask, score, scale_log2)
             }
         }
