@@ -182,7 +182,10 @@ fn registry_source(entries: &[String]) -> String {
         // A flash kernel's `_table` twin (the entry for problems with a band table,
         // `attention_kernel!`) is not an instance of its own: the host derives its name from
         // the plain one's (`ProblemArgs::entry`). It is in the emulator's list below.
-        if name.ends_with(TABLE_TWIN) {
+        if let Some(plain) = name.strip_suffix(TABLE_TWIN) {
+            if flash_instance(plain).is_none_or(|f| f.hopper) {
+                fail(&format!("kernel {name} ends in {TABLE_TWIN} but is no sm_80 flash kernel's twin"));
+            }
             continue;
         }
         if let Some(decoder) = decoder_instance(name) {
@@ -504,6 +507,8 @@ fn with_launch_bounds(ptx: String) -> String {
         out.push('\n');
         if let Some(name) = line.trim_start().strip_prefix(".visible .entry ") {
             let name = name.split('(').next().unwrap_or_default().trim();
+            // A band-table twin has its plain entry's bounds (`attention_kernel!`).
+            let name = name.strip_suffix(TABLE_TWIN).unwrap_or(name);
             pending = configs::LAUNCH_BOUNDS.iter().find(|(n, _, _)| name == *n).map(|&(_, t, b)| (t, b));
         } else if line.trim_start().starts_with(')')
             && let Some((threads, blocks)) = pending.take()

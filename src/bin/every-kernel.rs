@@ -1,4 +1,4 @@
-//! Launches every kernel of the PTX module once, at small shapes chosen to be awkward (ragged
+//! Launches every kernel of the PTX modules once (but the sm_80 flash kernels' band-table twins), at small shapes chosen to be awkward (ragged
 //! tails in both sequence lengths, a causal mask with seqlen_q ≠ seqlen_k or a sliding window, a GQA group), and
 //! checks every result against the CPU reference. It is the workload of `scripts/sanitize`
 //! (compute-sanitizer's memcheck, racecheck, synccheck and initcheck), and a quick smoke test for

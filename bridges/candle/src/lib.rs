@@ -536,8 +536,8 @@ mod cuda {
     use std::sync::{Arc, OnceLock};
 
     /// The kernels' context on `device`'s stream: made on first use and kept (with the stream, so
-    /// its handle is never reused). The first per CUDA context loads the kernels; the others share
-    /// them ([`Context::with_stream`]).
+    /// its handle is never reused). The contexts of one CUDA context share its kernel modules
+    /// ([`Context::with_stream`]), each loaded the first time a kernel of it runs.
     pub(super) fn context(device: &CudaDevice) -> candle_core::Result<Arc<Context>> {
         static CONTEXTS: OnceLock<Mutex<HashMap<usize, Arc<Context>>>> = OnceLock::new();
         let stream = device.cuda_stream();

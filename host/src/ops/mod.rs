@@ -156,7 +156,8 @@ impl Context {
 
     /// The kernel entry [`Context::flash_attention_forward`] launches for element type `dtype`,
     /// `shape`, mask `causal` and `tile` on this context: a Hopper kernel
-    /// (`hopper_flash_fwd_…`) or the sm_80 kernel of the tile.
+    /// (`hopper_flash_fwd_…`) or the sm_80 kernel of the tile (whose `_table` twin runs instead
+    /// when the options bind a band table).
     ///
     /// # Errors
     /// As [`TileConfig::validate_kernel`].

@@ -117,8 +117,9 @@ impl Modules {
 }
 
 impl Context {
-    /// Opens device `ordinal` and loads the kernels (the driver compiles the PTX for the device,
-    /// which takes a moment the first time).
+    /// Opens device `ordinal`. Its kernels load on first use, a module at a time (the driver
+    /// compiles the PTX for the device then, which takes a while the first time: [`Modules`]),
+    /// so a driver that cannot compile them fails the first call that needs them.
     ///
     /// # Errors
     /// [`Error::NoDriver`] without an NVIDIA driver, [`Error::NoDevice`] for a missing ordinal,
@@ -587,7 +588,8 @@ impl Context {
 
     // The kernel path.
 
-    /// Whether this context loaded the `sm_90a` kernels: a GPU of compute capability 9.0.
+    /// Whether this context runs the `sm_90a` kernels: a GPU of compute capability 9.0 (their
+    /// module loads on first use).
     pub fn has_hopper_kernels(&self) -> bool {
         match &self.backend {
             Backend::Cuda { modules, .. } => modules.runnable.iter().all(|&runnable| runnable),
@@ -595,7 +597,7 @@ impl Context {
         }
     }
 
-    /// `Ok` if this context loaded the sm_90a kernels.
+    /// `Ok` if this context runs the sm_90a kernels.
     ///
     /// # Errors
     /// [`Error::Unsupported`] naming the device otherwise.

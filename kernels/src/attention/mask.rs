@@ -121,9 +121,9 @@ impl Mask {
     ///
     /// Volatile loads, so that the compiler reads the pair where the mask is asked for — inside
     /// the branch of a tile that needs the mask — rather than hoisting a row's pair out of the
-    /// key loop to keep it live there. (The table's branches still cost some kernels registers
-    /// on the plain path, which volatile reads did not win back: PERFORMANCE.md, 2026-12-02
-    /// (evening).)
+    /// key loop to keep it live there. (The table's branches still cost kernels registers even
+    /// when never taken, which volatile reads did not win back: PERFORMANCE.md, 2026-12-02
+    /// (evening); hence the sm_80 path's table-free entries, [`Mask::specialised`].)
     #[inline(always)]
     fn table_pair(&self, index: usize) -> (usize, usize) {
         // SAFETY: the table holds `seqlen_q + seqlen_k` pairs (the host's contract).
