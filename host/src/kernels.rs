@@ -484,6 +484,58 @@ pub(crate) fn backward_kernels(dq: DqAccumulation) -> &'static [FlashKernel] {
     }
 }
 
+/// The PTX of kernel `entry` alone, as a module of its own: module `module_of(entry)`'s text with
+/// every other entry left out (its header, the declarations before the first entry and the
+/// functions after the last are shared by all of them). `None` if the module has no such entry.
+///
+/// Why: the driver compiles a whole module when it is loaded, and the larger modules hold
+/// hundreds of kernels (the tensor-core one, 40 MB of PTX, took minutes on an H200 that had no
+/// cached copy, PERFORMANCE.md, "modules load on first use"); one kernel's module takes a
+/// fraction of a second, and a program compiles only the kernels it runs. The driver's cache
+/// (`~/.nv/ComputeCache`) keeps each kernel's compiled code across runs.
+pub fn entry_ptx(entry: &str) -> Option<String> {
+    let ptx = PTX[module_of(entry)];
+    let head = format!(".visible .entry {entry}(");
+    let start = ptx.find(&head)?;
+    // The entry's text ends with the brace that closes its body: count braces from its first
+    // (inline `asm!` blocks have braces of their own, balanced, some at the start of a line),
+    // skipping comments.
+    let mut depth = 0usize;
+    let mut end = None;
+    let mut offset = start;
+    for line in ptx[start..].split_inclusive('\n') {
+        let code = line.split("//").next().unwrap_or_default();
+        for c in code.chars() {
+            match c {
+                '{' => depth += 1,
+                '}' => {
+                    depth = depth.checked_sub(1)?;
+                    if depth == 0 {
+                        end = Some(offset + line.len());
+                    }
+                }
+                _ => {}
+            }
+        }
+        offset += line.len();
+        if end.is_some() {
+            break;
+        }
+    }
+    let end = end?;
+    // Everything before the first entry (header, function declarations, the dynamic shared
+    // memory's declaration), and the function definitions after the last one.
+    let first_entry = ptx.find(".visible .entry ")?;
+    let last_entry = ptx.rfind(".visible .entry ")?;
+    let tail = ptx[last_entry..].find("\n.func ").map_or(ptx.len(), |at| last_entry + at + 1);
+    let mut module = String::with_capacity(first_entry + (end - start) + (ptx.len() - tail) + 1);
+    module.push_str(&ptx[..first_entry]);
+    module.push_str(&ptx[start..end]);
+    module.push('\n');
+    module.push_str(&ptx[tail..]);
+    Some(module)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -502,6 +554,33 @@ mod tests {
             assert!(MODULES[module].ends_with("_tables"), "{twin} is not in a module of twins");
             assert!(PTX[module].contains(&format!(".entry {twin}(")), "{twin} missing from its PTX module");
         }
+    }
+
+    /// Every kernel's own module holds exactly that entry, whole, and what it calls.
+    #[test]
+    fn every_entry_splits_into_a_module_of_its_own() {
+        for ptx in PTX {
+            let names: Vec<&str> = ptx
+                .lines()
+                .filter_map(|line| line.strip_prefix(".visible .entry "))
+                .map(|rest| rest.split('(').next().unwrap())
+                .collect();
+            assert!(!names.is_empty());
+            for name in names {
+                let module = entry_ptx(name).unwrap_or_else(|| panic!("{name}: no module"));
+                assert_eq!(module.matches(".visible .entry ").count(), 1, "{name}");
+                assert!(module.contains(&format!(".visible .entry {name}(")), "{name}");
+                assert!(module.starts_with(&ptx[..ptx.find(".visible .entry ").unwrap()]), "{name}: header");
+                let code: String = module.lines().map(|l| l.split("//").next().unwrap()).collect();
+                assert_eq!(code.matches('{').count(), code.matches('}').count(), "{name}: braces");
+                // Every function it calls is defined in it.
+                for callee in module.lines().filter_map(|l| l.trim().strip_prefix("call.uni ")) {
+                    let callee = callee.trim_start_matches('(').split([',', ' ', ';', '(']).next().unwrap();
+                    assert!(module.contains(&format!(".func {callee}(")), "{name} calls {callee}, not in its module");
+                }
+            }
+        }
+        assert_eq!(entry_ptx("no_such_kernel"), None);
     }
 
     #[test]

@@ -68,58 +68,65 @@ fn next_context_id() -> u64 {
 /// The oldest compute capability the embedded `sm_80` PTX runs on.
 const MIN_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
 
-/// The kernels' PTX modules (`kernels::PTX`) on one CUDA context. The driver compiles a PTX
-/// module for the GPU when it is loaded, which for the larger modules takes tens of seconds on a
-/// machine whose driver cache does not hold them yet; so each module is loaded the first time
-/// one of its kernels is looked up, and a program that runs only `f16` kernels never compiles
-/// the `f32` ones, nor one that binds no band table the tables' twins. (Under CUDA graph
-/// capture, run each call once before capturing, as for any library that compiles on first use.)
+/// The kernels on one CUDA context, each loaded as a PTX module of its own
+/// ([`kernels::entry_ptx`]) the first time it is looked up. The driver compiles a PTX module for
+/// the GPU when it is loaded, a whole module at once: the tensor-core module's hundreds of
+/// kernels took minutes on an H200 whose driver cache did not hold them, one kernel takes a
+/// fraction of a second. So a program compiles only the kernels it runs, on their first call.
+/// (Under CUDA graph capture, run each call once before capturing, as for any library that
+/// compiles on first use.)
 pub(crate) struct Modules {
     cuda: Arc<CudaContext>,
-    /// Whether this GPU runs module `i`: the sm_80 modules run on every supported GPU, the
-    /// sm_90a one (Hopper's `wgmma` and TMA) only on compute capability 9.0.
+    /// Whether this GPU runs the kernels of module `i`: the sm_80 modules run on every supported
+    /// GPU, the sm_90a one (Hopper's `wgmma` and TMA) only on compute capability 9.0.
     runnable: Vec<bool>,
-    loaded: Vec<Mutex<Option<Arc<CudaModule>>>>,
+    /// The kernels loaded so far, by entry name.
+    loaded: Mutex<HashMap<String, Arc<CudaModule>>>,
 }
 
 impl Modules {
     fn new(cuda: Arc<CudaContext>, hopper: bool) -> Self {
         let runnable = kernels::MODULE_ARCHS.iter().map(|&arch| arch != "sm_90a" || hopper).collect();
-        let loaded = kernels::PTX.iter().map(|_| Mutex::new(None)).collect();
-        Self { cuda, runnable, loaded }
+        Self { cuda, runnable, loaded: Mutex::new(HashMap::new()) }
     }
 
-    /// Module `index`, loaded (and compiled by the driver) on the first call.
+    /// Kernel `entry`, loaded (and compiled by the driver) on the first call.
     ///
     /// # Errors
-    /// [`Error::Unsupported`] for a module this GPU cannot run; [`Error::Driver`] if the driver
-    /// cannot load it.
-    fn get(&self, index: usize, device: &str) -> Result<Arc<CudaModule>> {
+    /// [`Error::Unsupported`] for a kernel of the sm_90a module off compute capability 9.0;
+    /// [`Error::Driver`] for a name of no kernel, or if the driver cannot load it.
+    fn function(&self, entry: &str, device: &str) -> Result<CudaFunction> {
+        let index = kernels::module_of(entry);
         if !self.runnable[index] {
             return Err(Error::Unsupported {
                 what: "this kernel's sm_90a module (compute capability 9.0)",
                 device: device.to_string(),
             });
         }
-        // One thread compiles a module while the others wait for it (nothing else is locked).
-        let mut slot = self.loaded[index].lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(module) = &*slot {
-            return Ok(module.clone());
-        }
-        let (group, arch) = (kernels::MODULES[index], kernels::MODULE_ARCHS[index]);
-        let module = self
-            .cuda
-            .load_module(Ptx::from_src(kernels::PTX[index]))
-            .during(format!("loading the kernels' PTX module ({group}, {arch})"))?;
-        *slot = Some(module.clone());
-        Ok(module)
+        // One thread compiles a kernel while the others wait for it (nothing else is locked).
+        let mut loaded = self.loaded.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let module = match loaded.get(entry) {
+            Some(module) => module.clone(),
+            None => {
+                let (group, arch) = (kernels::MODULES[index], kernels::MODULE_ARCHS[index]);
+                // A name of no kernel loads the whole module, whose lookup then says so.
+                let ptx = kernels::entry_ptx(entry).unwrap_or_else(|| kernels::PTX[index].to_string());
+                let module = self
+                    .cuda
+                    .load_module(Ptx::from_src(ptx))
+                    .during(format!("loading kernel {entry} (module {group}, {arch})"))?;
+                loaded.insert(entry.to_string(), module.clone());
+                module
+            }
+        };
+        module.load_function(entry).during(format!("looking up kernel {entry}"))
     }
 }
 
 impl Context {
-    /// Opens device `ordinal`. Its kernels load on first use, a module at a time (the driver
-    /// compiles the PTX for the device then, which takes a while the first time: [`Modules`]),
-    /// so a driver that cannot compile them fails the first call that needs them.
+    /// Opens device `ordinal`. Its kernels load on first use, one at a time (the driver compiles
+    /// each for the device then: [`Modules`]), so a driver that cannot compile them fails the
+    /// first call that needs them.
     ///
     /// # Errors
     /// [`Error::NoDriver`] without an NVIDIA driver, [`Error::NoDevice`] for a missing ordinal,
@@ -407,8 +414,7 @@ impl Context {
     fn function(&self, entry: &str) -> Result<CudaFunction> {
         match &self.backend {
             Backend::Cuda { modules, .. } => {
-                let module = modules.get(kernels::module_of(entry), &self.info.name)?;
-                module.load_function(entry).during(format!("looking up kernel {entry}"))
+                modules.function(entry, &self.info.name)
             }
             Backend::Emulated => Err(Error::NotOnEmulator("information about a compiled kernel")),
         }
