@@ -94,7 +94,8 @@ impl Modules {
     ///
     /// # Errors
     /// [`Error::Unsupported`] for a kernel of the sm_90a module off compute capability 9.0;
-    /// [`Error::Driver`] for a name of no kernel, or if the driver cannot load it.
+    /// [`Error::Argument`] for a name of no kernel; [`Error::Driver`] if the driver cannot load
+    /// it.
     fn function(&self, entry: &str, device: &str) -> Result<CudaFunction> {
         let index = kernels::module_of(entry);
         if !self.runnable[index] {
@@ -109,8 +110,10 @@ impl Modules {
             Some(module) => module.clone(),
             None => {
                 let (group, arch) = (kernels::MODULES[index], kernels::MODULE_ARCHS[index]);
-                // A name of no kernel loads the whole module, whose lookup then says so.
-                let ptx = kernels::entry_ptx(entry).unwrap_or_else(|| kernels::PTX[index].to_string());
+                // A name of no kernel is refused here, rather than by compiling a whole module
+                // (minutes) to learn that it is not in it.
+                let ptx = kernels::entry_ptx(entry)
+                    .ok_or_else(|| Error::Argument(format!("no kernel named {entry} in the PTX")))?;
                 let module = self
                     .cuda
                     .load_module(Ptx::from_src(ptx))
@@ -413,9 +416,7 @@ impl Context {
 
     fn function(&self, entry: &str) -> Result<CudaFunction> {
         match &self.backend {
-            Backend::Cuda { modules, .. } => {
-                modules.function(entry, &self.info.name)
-            }
+            Backend::Cuda { modules, .. } => modules.function(entry, &self.info.name),
             Backend::Emulated => Err(Error::NotOnEmulator("information about a compiled kernel")),
         }
     }
