@@ -164,8 +164,8 @@ const FLASH_FAMILIES: &[(&str, &str)] = &[
     ("flash_bwd_dq", "BackwardDq"),
 ];
 
-/// The suffix of a flash kernel's band-table twin (`kernels/src/lib.rs`, `attention_kernel!`).
-const TABLE_TWIN: &str = "_table";
+/// The suffix of a flash kernel's band-table twin.
+const TABLE_TWIN: &str = configs::TABLE_TWIN_SUFFIX;
 
 /// Element types in kernel names and their `DType` variants.
 const DTYPES: &[(&str, &str)] = &[("f32", "F32"), ("f16", "F16"), ("bf16", "Bf16")];

@@ -484,6 +484,16 @@ pub(crate) fn backward_kernels(dq: DqAccumulation) -> &'static [FlashKernel] {
     }
 }
 
+/// The band-table twin of the sm_80-path flash kernel `entry`: the kernel that runs in its place
+/// when the problem has a mask table ([`crate::MaskTable`]). Every instance of
+/// [`FLASH_INSTANCES`] has one, named `entry` +
+/// [`TABLE_TWIN_SUFFIX`](attn_kernels::configs::TABLE_TWIN_SUFFIX); the plain kernel never reads
+/// the table, which keeps its registers what they were before tables existed (`attention_kernel!`
+/// in `kernels/src/lib.rs`).
+pub fn table_twin(entry: &str) -> String {
+    format!("{entry}{}", attn_kernels::configs::TABLE_TWIN_SUFFIX)
+}
+
 /// The PTX of kernel `entry` alone, as a module of its own: module `module_of(entry)`'s text with
 /// every other entry left out (its header, the declarations before the first entry and the
 /// functions after the last are shared by all of them). `None` if the module has no such entry.
@@ -549,7 +559,7 @@ mod tests {
         }
         // Every sm_80 flash instance has its band-table twin, in a module of twins.
         for instance in FLASH_INSTANCES {
-            let twin = format!("{}_table", instance.entry);
+            let twin = table_twin(instance.entry);
             let module = module_of(&twin);
             assert!(MODULES[module].ends_with("_tables"), "{twin} is not in a module of twins");
             assert!(PTX[module].contains(&format!(".entry {twin}(")), "{twin} missing from its PTX module");

@@ -12,6 +12,15 @@
 //! as `$instance!(dtype, Format, …)` for the 16-bit tiers, first for every configuration in `f16`
 //! (`hw::F16`), then in `bf16` (`hw::Bf16`).
 
+/// The suffix of a flash kernel's band-table twin: every sm_80-path flash kernel `name` (levels
+/// 3–6) is compiled twice, `name` for problems without a band table (the mask made table-free
+/// where the kernel starts) and `name` + this for problems with one (`attention_kernel!`'s
+/// `table twin` form in `lib.rs`, which spells the same suffix in the identifiers it makes;
+/// the host's test `every_entry_is_in_the_ptx` checks that they agree). `host/build.rs` puts the
+/// twins in modules of their own and gives them their plain kernel's launch bounds; the host
+/// launches a twin exactly when a table is bound (`attn_host::kernels::table_twin`).
+pub const TABLE_TWIN_SUFFIX: &str = "_table";
+
 /// Calls `$instance!(block_m, block_n, head_dim)` for every compiled `f32` FlashAttention tile
 /// (levels 3 and 4): every `block_m` and `block_n` of 16, 32, 64 with every head_dim of 32, 64,
 /// 128, and the tiles of 16 and 32 at head_dim 256 (larger ones need more shared memory than

@@ -1,5 +1,6 @@
-//! Launches every kernel of the PTX modules once (but the sm_80 flash kernels' band-table twins), at small shapes chosen to be awkward (ragged
-//! tails in both sequence lengths, a causal mask with seqlen_q ≠ seqlen_k or a sliding window, a GQA group), and
+//! Launches every kernel of the PTX modules, at small shapes chosen to be awkward (ragged tails in
+//! both sequence lengths, a causal mask with seqlen_q ≠ seqlen_k or a sliding window, a GQA group;
+//! each sm_80 flash case again with a document mask, which runs the kernels' `_table` twins), and
 //! checks every result against the CPU reference. It is the workload of `scripts/sanitize`
 //! (compute-sanitizer's memcheck, racecheck, synccheck and initcheck), and a quick smoke test for
 //! a new GPU. It fails unless it has launched every kernel the registry lists.
@@ -14,8 +15,18 @@ use attn_host::dtype::{from_f32_slice, to_f32_vec};
 use attn_host::kernels::{DECODE_INSTANCES, FLASH_INSTANCES, entry};
 use attn_host::{
     AttentionOptions, AttentionShape, Causal, Context, DType, DecodeOptions, DeviceTensor, DqAccumulation, Element,
-    FlashKernel as Family, KvCache, Layout, Result, TileConfig, cpu,
+    FlashKernel as Family, KvCache, Layout, MaskTable, Result, TileConfig, cpu,
 };
+
+/// The query length of the flash cases without a table (those with the document mask, which is
+/// square, run `KEYS` queries).
+const QUERIES: usize = 37;
+/// The key length of every flash case.
+const KEYS: usize = 45;
+
+/// The documents of the table cases, as `cu_seqlens` over the `KEYS` tokens: boundaries that cut
+/// every tile of the compiled sizes off its start.
+const DOCUMENTS: [i32; 4] = [0, 13, 30, KEYS as i32];
 
 fn main() -> ExitCode {
     match run() {
@@ -43,6 +54,7 @@ fn run() -> Result<()> {
     };
     println!("every-kernel on {}", ctx.device().name);
     let mut launched: BTreeSet<&'static str> = BTreeSet::new();
+    let documents = ctx.document_mask_from_cu_seqlens(&DOCUMENTS)?;
 
     // The KV-cache decoders first: a handful of launches.
     let mut decoders = BTreeSet::new();
@@ -57,9 +69,10 @@ fn run() -> Result<()> {
     within("vector_add", relative_l2_error(&c, &cpu::vector_add(&a, &b)?), 1e-7)?;
     launched.insert(entry::VECTOR_ADD_F32);
 
-    for (i, head_dim) in TileConfig::compiled_head_dims_for(DType::F32).into_iter().enumerate() {
-        let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q: 37, seqlen_k: 45, head_dim };
-        let options = mask(i);
+    let f32_cases = TileConfig::compiled_head_dims_for(DType::F32).into_iter().enumerate();
+    for ((i, head_dim), table) in f32_cases.flat_map(|case| [(case, None), (case, Some(&documents))]) {
+        let (options, seqlen_q) = mask(i, table);
+        let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q, seqlen_k: KEYS, head_dim };
         let host = [shape.q_shape(), shape.kv_shape(), shape.kv_shape(), shape.q_shape()]
             .iter()
             .enumerate()
@@ -85,7 +98,7 @@ fn run() -> Result<()> {
             within(&format!("{what} dV"), relative_l2_error(&g.dv.to_host()?, &backward.dv), 1e-4)
         };
 
-        if head_dim == TileConfig::compiled_head_dims_for(DType::F32)[0] {
+        if head_dim == TileConfig::compiled_head_dims_for(DType::F32)[0] && table.is_none() {
             let out = ctx.attention_naive(&dq, &dk, &dv, &options)?;
             check_forward("naive forward", &out)?;
             check_backward("naive backward", &ctx.attention_naive_backward(&dq, &dk, &dv, &out.o, &ddo, &options)?)?;
@@ -99,7 +112,7 @@ fn run() -> Result<()> {
             ]);
         }
 
-        if head_dim == TileConfig::compiled_head_dims_for(DType::F32)[0] {
+        if head_dim == TileConfig::compiled_head_dims_for(DType::F32)[0] && table.is_none() {
             // Attention sinks: the forward's extra term and their gradient's own kernel.
             let sinks: Vec<f32> = random_normal(shape.num_heads_q, 7).iter().map(|x| 1.0 + x).collect();
             let device_sinks = ctx.upload(&sinks, &[shape.num_heads_q])?;
@@ -128,7 +141,12 @@ fn run() -> Result<()> {
         }
 
         for tile in TileConfig::compiled(head_dim) {
-            let name = format!("d{head_dim} m{} n{}", tile.block_m, tile.block_n);
+            let name = format!(
+                "d{head_dim} m{} n{}{}",
+                tile.block_m,
+                tile.block_n,
+                if table.is_some() { " table" } else { "" }
+            );
             let out = ctx.flash_attention_forward(&dq, &dk, &dv, &options, tile)?;
             check_forward(&format!("flash forward {name}"), &out)?;
             for mode in [DqAccumulation::Atomic, DqAccumulation::Deterministic] {
@@ -137,18 +155,18 @@ fn run() -> Result<()> {
                 check_backward(&format!("flash backward {mode:?} {name}"), &grads)?;
             }
             for family in [Family::Forward, Family::Backward, Family::BackwardDkDv, Family::BackwardDq] {
-                launched.insert(tile.compiled_entry(family, head_dim)?);
+                launched.insert(twin_if(table, tile.compiled_entry(family, head_dim)?));
             }
         }
     }
 
-    tensor_core_kernels::<attn_host::f16>(&ctx, &mut launched)?;
-    tensor_core_kernels::<attn_host::bf16>(&ctx, &mut launched)?;
+    tensor_core_kernels::<attn_host::f16>(&ctx, &documents, &mut launched)?;
+    tensor_core_kernels::<attn_host::bf16>(&ctx, &documents, &mut launched)?;
 
     // Every kernel, but of the decoders only those a decoding step picks on this device (the
     // deepest ring that fits; `RUST_ATTENTION_DECODE_STAGES` runs the others).
-    let all: BTreeSet<&'static str> =
-        entry::ALL.iter().copied().chain(FLASH_INSTANCES.iter().map(|i| i.entry)).chain(decoders).collect();
+    let flash = FLASH_INSTANCES.iter().flat_map(|i| [i.entry, twin_if(Some(&documents), i.entry)]);
+    let all: BTreeSet<&'static str> = entry::ALL.iter().copied().chain(flash).chain(decoders).collect();
     let missed: Vec<_> = all.difference(&launched).collect();
     if !missed.is_empty() {
         return Err(attn_host::Error::Shape(format!("kernels never launched: {missed:?}")));
@@ -161,29 +179,47 @@ fn run() -> Result<()> {
     Ok(())
 }
 
-/// The mask of the `i`-th case: a bottom-right causal mask, or every other case a sliding
-/// window of 7 keys before and 3 after the diagonal (on 37 × 45, narrower than every key tile,
-/// so that tiles are skipped at both ends).
-fn mask(i: usize) -> AttentionOptions<'static> {
-    if i.is_multiple_of(2) {
+/// The mask of the `i`-th case and its query length: a bottom-right causal mask, or every other
+/// case a sliding window of 7 keys before and 3 after the diagonal (on 37 × 45, narrower than
+/// every key tile, so that tiles are skipped at both ends); with `table`, that mask and the
+/// document mask together, on `KEYS` × `KEYS`.
+fn mask(i: usize, table: Option<&MaskTable>) -> (AttentionOptions<'_>, usize) {
+    let options = if i.is_multiple_of(2) {
         AttentionOptions::causal(Causal::BottomRight)
     } else {
         AttentionOptions::default().with_window(attn_host::SlidingWindow::new(Some(7), Some(3)))
+    };
+    match table {
+        Some(table) => (options.with_mask_table(table), KEYS),
+        None => (options, QUERIES),
+    }
+}
+
+/// `entry`, or with a table its band-table twin (the kernel a problem with a table launches).
+fn twin_if(table: Option<&MaskTable>, entry: &'static str) -> &'static str {
+    match table {
+        // The names live as long as the program: a few hundred short strings.
+        Some(_) => Box::leak(attn_host::kernels::table_twin(entry).into_boxed_str()),
+        None => entry,
     }
 }
 
 /// Every tensor-core instance for `T` (forward tiles, backward tiles in both dQ modes), with the
 /// preprocessing and dQ-conversion kernels, on the same awkward shape, checked against the CPU
 /// reference on the rounded inputs at the tolerances of the tests.
-fn tensor_core_kernels<T: Element>(ctx: &Context, launched: &mut BTreeSet<&'static str>) -> Result<()> {
+fn tensor_core_kernels<T: Element>(
+    ctx: &Context,
+    documents: &MaskTable,
+    launched: &mut BTreeSet<&'static str>,
+) -> Result<()> {
     let dtype = T::DTYPE;
     let (o_tolerance, grad_tolerance) = if dtype == DType::Bf16 { (1e-2, 2e-2) } else { (3e-3, 1e-2) };
     // Each compiled head_dim runs its exact instances, and 3 less its padded ones (with rows that
     // are not 16-byte aligned, the hardest case of the padded copies).
     let head_dims = TileConfig::compiled_head_dims_for(dtype).into_iter().flat_map(|d| [d, d - 3]);
-    for (i, head_dim) in head_dims.enumerate() {
-        let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q: 37, seqlen_k: 45, head_dim };
-        let options = mask(i);
+    for ((i, head_dim), table) in head_dims.enumerate().flat_map(|case| [(case, None), (case, Some(documents))]) {
+        let (options, seqlen_q) = mask(i, table);
+        let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q, seqlen_k: KEYS, head_dim };
         let shapes = [shape.q_shape(), shape.kv_shape(), shape.kv_shape(), shape.q_shape()];
         let host: Vec<Vec<f32>> = shapes
             .iter()
@@ -198,23 +234,27 @@ fn tensor_core_kernels<T: Element>(ctx: &Context, launched: &mut BTreeSet<&'stat
         let backward = cpu::attention_backward(&host[0], &host[1], &host[2], &host[3], &shape, params)?;
         let widened = |t: &DeviceTensor<T>| t.to_host().map(|x| to_f32_vec(&x));
         for tile in TileConfig::compiled_for(Family::Forward, dtype, head_dim) {
-            let what = format!("{dtype} flash forward d{head_dim} {tile}");
+            let what =
+                format!("{dtype} flash forward d{head_dim} {tile}{}", if table.is_some() { " table" } else { "" });
             let out = ctx.flash_attention_forward(q, k, v, &options, tile)?;
             within(&format!("{what} O"), relative_l2_error(&widened(&out.o)?, &forward.o), o_tolerance)?;
             within(&format!("{what} LSE"), lse_error(&out.lse.to_host()?, &forward.lse), 1e-4)?;
-            launched.insert(tile.compiled_entry_for(Family::Forward, dtype, head_dim)?);
+            launched.insert(twin_if(table, tile.compiled_entry_for(Family::Forward, dtype, head_dim)?));
         }
         let out = ctx.flash_attention_forward(q, k, v, &options, TileConfig::default_for_dtype(dtype, head_dim))?;
         for tile in TileConfig::compiled_for(Family::Backward, dtype, head_dim) {
             for mode in [DqAccumulation::Atomic, DqAccumulation::Deterministic] {
-                let what = format!("{dtype} flash backward {mode:?} d{head_dim} {tile}");
+                let what = format!(
+                    "{dtype} flash backward {mode:?} d{head_dim} {tile}{}",
+                    if table.is_some() { " table" } else { "" }
+                );
                 let g = ctx.flash_attention_backward(q, k, v, &out.o, &out.lse, d_o, &options, tile, mode)?;
                 within(&format!("{what} dQ"), relative_l2_error(&widened(&g.dq)?, &backward.dq), grad_tolerance)?;
                 within(&format!("{what} dK"), relative_l2_error(&widened(&g.dk)?, &backward.dk), grad_tolerance)?;
                 within(&format!("{what} dV"), relative_l2_error(&widened(&g.dv)?, &backward.dv), grad_tolerance)?;
             }
             for family in [Family::Backward, Family::BackwardDkDv, Family::BackwardDq] {
-                launched.insert(tile.compiled_entry_for(family, dtype, head_dim)?);
+                launched.insert(twin_if(table, tile.compiled_entry_for(family, dtype, head_dim)?));
             }
         }
     }

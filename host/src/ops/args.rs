@@ -65,7 +65,7 @@ impl<'a> ProblemArgs<'a> {
     /// `kernels/src/lib.rs` says why they are two).
     pub(super) fn entry(&self, entry: &'static str) -> Cow<'static, str> {
         match self.mask_table {
-            Some(_) => Cow::Owned(format!("{entry}_table")),
+            Some(_) => Cow::Owned(crate::kernels::table_twin(entry)),
             None => Cow::Borrowed(entry),
         }
     }

@@ -80,9 +80,13 @@ pub(crate) struct Modules {
     /// Whether this GPU runs the kernels of module `i`: the sm_80 modules run on every supported
     /// GPU, the sm_90a one (Hopper's `wgmma` and TMA) only on compute capability 9.0.
     runnable: Vec<bool>,
-    /// The kernels loaded so far, by entry name.
-    loaded: Mutex<HashMap<String, Arc<CudaModule>>>,
+    /// The kernels looked up so far, by entry name: a slot each, filled by the first lookup.
+    loaded: Mutex<HashMap<String, Slot>>,
 }
+
+/// A kernel's place in [`Modules`]: empty until its first lookup has loaded it (or after a
+/// failed load, which the next lookup tries again).
+type Slot = Arc<Mutex<Option<Arc<CudaModule>>>>;
 
 impl Modules {
     fn new(cuda: Arc<CudaContext>, hopper: bool) -> Self {
@@ -104,9 +108,18 @@ impl Modules {
                 device: device.to_string(),
             });
         }
-        // One thread compiles a kernel while the others wait for it (nothing else is locked).
-        let mut loaded = self.loaded.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let module = match loaded.get(entry) {
+        // The map is locked only to find the kernel's slot; the slot is locked while the driver
+        // compiles the kernel, so threads that need other kernels compile theirs meanwhile and
+        // those that need this one wait for it.
+        let slot = {
+            let mut loaded = self.loaded.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            match loaded.get(entry) {
+                Some(slot) => slot.clone(),
+                None => loaded.entry(entry.to_string()).or_default().clone(),
+            }
+        };
+        let mut slot = slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let module = match &*slot {
             Some(module) => module.clone(),
             None => {
                 let (group, arch) = (kernels::MODULES[index], kernels::MODULE_ARCHS[index]);
@@ -118,7 +131,7 @@ impl Modules {
                     .cuda
                     .load_module(Ptx::from_src(ptx))
                     .during(format!("loading kernel {entry} (module {group}, {arch})"))?;
-                loaded.insert(entry.to_string(), module.clone());
+                *slot = Some(module.clone());
                 module
             }
         };
@@ -127,9 +140,9 @@ impl Modules {
 }
 
 impl Context {
-    /// Opens device `ordinal`. Its kernels load on first use, one at a time (the driver compiles
-    /// each for the device then: [`Modules`]), so a driver that cannot compile them fails the
-    /// first call that needs them.
+    /// Opens device `ordinal`. Its kernels load on first use, each on its own (the driver
+    /// compiles each for the device then, several at once from several threads: [`Modules`]), so
+    /// a driver that cannot compile them fails the first call that needs them.
     ///
     /// # Errors
     /// [`Error::NoDriver`] without an NVIDIA driver, [`Error::NoDevice`] for a missing ordinal,
