@@ -661,6 +661,49 @@ fn emulated_mask_tables_in_every_family() {
     report("emulated_mask_tables_in_every_family", count);
 }
 
+/// Packed batches whose sequences have query and key lengths of their own
+/// ([`Context::varlen_mask`]): chunked prefill (fewer new queries than keys, bottom-right causal,
+/// with and without a window) and cross-attention (no mask, one sequence with more queries than
+/// keys), in the `f32` flash kernels in both dQ modes, the tensor cores (f16 and bf16) and the
+/// naive kernels; a mask of the call's own beside a varlen table is a typed error.
+#[test]
+fn emulated_varlen_batches_with_their_own_lengths() {
+    use attn_host::{AttentionOptions, Error, SlidingWindow};
+    let ctx = emulator();
+    // Four sequences: new queries 5, 17, 1, 20 against keys 30, 17, 40, 21.
+    let (cu_q, cu_k) = ([0, 5, 22, 23, 43], [0, 30, 47, 87, 108]);
+    let prefill = ctx.varlen_mask(&cu_q, &cu_k, Causal::BottomRight, None).unwrap();
+    let local = ctx.varlen_mask(&cu_q, &cu_k, Causal::BottomRight, Some(SlidingWindow::left(6))).unwrap();
+    // Cross-attention: 12 queries against 7 keys in the second sequence.
+    let cross = ctx.varlen_mask(&[0, 9, 21, 30], &[0, 25, 32, 60], Causal::None, None).unwrap();
+    let shape = |table: &attn_host::MaskTable, head_dim| {
+        let [batch, seqlen_q, seqlen_k] = table.dims();
+        AttentionShape { batch, num_heads_q: 2, num_heads_kv: 1, seqlen_q, seqlen_k, head_dim }
+    };
+    let mut count = 0;
+    for (i, table) in [&prefill, &local, &cross].into_iter().enumerate() {
+        let options = AttentionOptions::default().with_mask_table(table);
+        for mode in [DqAccumulation::Atomic, DqAccumulation::Deterministic] {
+            check(ctx, shape(table, 32), Kernel::Flash(TileConfig::new(16, 16), mode), options, 900 + count, true);
+            count += 1;
+        }
+        let dtype = if i % 2 == 0 { attn_host::DType::F16 } else { attn_host::DType::Bf16 };
+        let tiles = (TileConfig::default_for_dtype(dtype, 64), TileConfig::default_backward_for_dtype(dtype, 64));
+        let run = if i % 2 == 0 { check16::<attn_host::f16> } else { check16::<attn_host::bf16> };
+        let mode = if i % 2 == 0 { DqAccumulation::Deterministic } else { DqAccumulation::Atomic };
+        run(ctx, shape(table, 64), tiles.0, Some((tiles.1, mode)), options, 900 + count, Inputs::Normal);
+        count += 1;
+    }
+    check(ctx, shape(&prefill, 24), Kernel::Naive, AttentionOptions::default().with_mask_table(&prefill), 950, true);
+    count += 1;
+    let s = shape(&prefill, 16);
+    let [q, k, v] = [(s.q_shape(), 1), (s.kv_shape(), 2), (s.kv_shape(), 3)]
+        .map(|(dims, seed)| ctx.upload(&random_normal(dims.iter().product(), seed), &dims).unwrap());
+    let causal = ctx.attention(&q, &k, &v, &AttentionOptions::causal(Causal::BottomRight).with_mask_table(&prefill));
+    assert!(matches!(causal, Err(Error::MaskTable(_))), "{:?}", causal.map(|_| ()));
+    report("emulated_varlen_batches_with_their_own_lengths", count);
+}
+
 /// Right-edge-only windows over more keys than queries: key blocks past every query's right edge
 /// must write zero dK and dV (found on the H200 by the tensor-core proptest).
 #[test]

@@ -6,7 +6,8 @@
 //! the table's tile ranges); packed pretraining rows (documents of 1 to 700 tokens, different
 //! in every batch entry, causal and with a sliding window), one row from `cu_seqlens`, GQA,
 //! prefix-LM, head dims between the compiled ones, and grids deep enough for the Hopper
-//! forward's three consumers.
+//! forward's three consumers; packed batches whose queries and keys differ in length
+//! ([`Context::varlen_mask`]: chunked prefill, with a window, and cross-attention).
 
 mod common;
 
@@ -97,5 +98,54 @@ fn tensor_core_kernels_take_mask_tables() {
         let deterministic = Some((bwd, DqAccumulation::Deterministic));
         check16::<f16>(ctx, shape, fwd, atomic, options, seed, Inputs::Normal);
         check16::<bf16>(ctx, shape, fwd, deterministic, options, seed + 1, Inputs::Normal);
+    }
+}
+
+/// `cu_seqlens` of `count` sequences of `min ..= max` tokens (from normal draws of `seed`).
+fn offsets(count: usize, (min, max): (usize, usize), seed: u64) -> Vec<i32> {
+    let draws = random_normal(count, seed);
+    let mut cu = vec![0i32];
+    for x in draws {
+        let length = min + ((x.abs() * (max - min) as f32 / 2.5) as usize).min(max - min);
+        cu.push(cu.last().unwrap() + length as i32);
+    }
+    cu
+}
+
+#[test]
+fn varlen_batches_with_their_own_lengths() {
+    let Some(ctx) = gpu("varlen_batches_with_their_own_lengths") else { return };
+    // Chunked prefill: 1-200 new queries per sequence against a cache of 0-1500 keys and
+    // themselves, bottom-right causal; with a window of 256 keys the older ones are seen by no
+    // query (gaps: the deterministic backward leaves the Hopper kernel then).
+    let new = offsets(8, (1, 200), 1100);
+    let cached = offsets(8, (0, 1500), 1101);
+    let cu_k: Vec<i32> = new.iter().zip(&cached).map(|(n, c)| n + c).collect();
+    let prefill = ctx.varlen_mask(&new, &cu_k, Causal::BottomRight, None).unwrap();
+    let window = Some(SlidingWindow::new(Some(255), Some(0)));
+    let local = ctx.varlen_mask(&new, &cu_k, Causal::BottomRight, window).unwrap();
+    // Cross-attention: 1-300 queries against 1-300 keys, no mask.
+    let cross = ctx.varlen_mask(&offsets(6, (1, 300), 1102), &offsets(6, (1, 300), 1103), Causal::None, None).unwrap();
+    let varlen = |table: &MaskTable, heads_q, heads_kv, d| {
+        let [batch, seqlen_q, seqlen_k] = table.dims();
+        AttentionShape { batch, num_heads_q: heads_q, num_heads_kv: heads_kv, seqlen_q, seqlen_k, head_dim: d }
+    };
+    let options = |table| AttentionOptions::default().with_mask_table(table);
+    let cases = [
+        (varlen(&prefill, 16, 4, 128), options(&prefill)),
+        (varlen(&local, 8, 2, 64), options(&local)),
+        (varlen(&cross, 4, 4, 96), options(&cross)),
+        (varlen(&prefill, 4, 1, 64), options(&prefill).with_softcap(20.0)),
+    ];
+    for (i, (shape, options)) in cases.into_iter().enumerate() {
+        let fwd = TileConfig::default_for_dtype(DType::F16, shape.head_dim);
+        let bwd = TileConfig::default_backward_for_dtype(DType::F16, shape.head_dim);
+        let seed = 1110 + 4 * i as u64;
+        check16::<f16>(ctx, shape, fwd, Some((bwd, DqAccumulation::Atomic)), options, seed, Inputs::Normal);
+        check16::<bf16>(ctx, shape, fwd, Some((bwd, DqAccumulation::Deterministic)), options, seed + 1, Inputs::Normal);
+        if shape.head_dim <= 128 {
+            let tile = TileConfig::default_for_dtype(DType::F32, shape.head_dim);
+            check(ctx, shape, Kernel::Flash(tile, DqAccumulation::Deterministic), options, seed + 2, true);
+        }
     }
 }

@@ -81,7 +81,7 @@ pub enum Error {
     #[error("attention sinks: {0}")]
     Sinks(String),
 
-    /// A mask given per token ([`crate::MaskTable`]: documents, prefix-LM) with bad input, made
+    /// A mask given per token ([`crate::MaskTable`]: documents, prefix-LM, varlen) with bad input, made
     /// for another shape or context, or given to an entry point that does not take it.
     #[error("mask table: {0}")]
     MaskTable(String),

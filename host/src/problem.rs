@@ -296,8 +296,12 @@ pub struct MaskTableRef<'a> {
     pub(crate) dims: [usize; 3],
     /// The table on the host (`Mask::table_words` per batch entry), for the CPU references.
     pub(crate) words: &'a [u32],
-    /// What it masks, for messages: `documents` or `prefix-LM`.
+    /// What it masks, for messages: `documents`, `prefix-LM` or `varlen`.
     pub(crate) kind: &'static str,
+    /// Whether it leaves keys between two queries' bands, or queries between two keys', that
+    /// nobody sees ([`table_gap`]): a varlen table can. Every kernel masks such tiles; only the
+    /// Hopper backward's deterministic dQ turns need none.
+    pub(crate) gapped: bool,
 }
 
 impl MaskTableRef<'_> {
@@ -318,7 +322,7 @@ impl MaskTableRef<'_> {
         self.dims
     }
 
-    /// What the table masks: `documents` or `prefix-LM`.
+    /// What the table masks: `documents`, `prefix-LM` or `varlen`.
     pub fn kind(&self) -> &'static str {
         self.kind
     }
@@ -342,27 +346,82 @@ impl MaskTableRef<'_> {
     }
 }
 
-/// The table's words (`Mask::table`'s layout) for per-query bands `bands` of `batch` rows of
-/// `seqlen` tokens (queries and keys alike): each row's query pairs, then its key pairs, the
-/// queries that see key `k` being those whose band holds it — from the first query whose limit
-/// is past `k` to the first whose start is past it (both ends non-decreasing, like the bands').
-pub(crate) fn table_words(bands: &[(usize, usize)], batch: usize, seqlen: usize) -> Vec<u32> {
-    let mut words = Vec::with_capacity(batch * attn_kernels::attention::mask::Mask::table_words(seqlen, seqlen));
-    for row in bands.chunks(seqlen.max(1)).take(batch) {
+/// The table's words (`Mask::table`'s layout) for per-query bands `bands` (`[batch, seqlen_q]`,
+/// each `(start, limit)` with `start ≤ limit ≤ seqlen_k`): each row's query pairs, then its
+/// `seqlen_k` key pairs, the queries that see key `k` being those whose band holds it — from the
+/// first query whose limit is past `k` to the first whose start is past it (both ends
+/// non-decreasing, like the bands').
+pub(crate) fn table_words(bands: &[(usize, usize)], batch: usize, seqlen_q: usize, seqlen_k: usize) -> Vec<u32> {
+    let mut words = Vec::with_capacity(batch * attn_kernels::attention::mask::Mask::table_words(seqlen_q, seqlen_k));
+    for b in 0..batch {
+        let row = &bands[b * seqlen_q..(b + 1) * seqlen_q];
         debug_assert!(row.windows(2).all(|w| w[0].0 <= w[1].0 && w[0].1 <= w[1].1), "bands must not decrease");
+        debug_assert!(row.iter().all(|&(start, limit)| start <= limit && limit <= seqlen_k), "bands within the keys");
         words.extend(row.iter().flat_map(|&(start, limit)| [start as u32, limit as u32]));
         let (mut first, mut end) = (0, 0);
-        for key in 0..seqlen {
-            while first < seqlen && row[first].1 <= key {
+        for key in 0..seqlen_k {
+            while first < seqlen_q && row[first].1 <= key {
                 first += 1;
             }
-            while end < seqlen && row[end].0 <= key {
+            while end < seqlen_q && row[end].0 <= key {
                 end += 1;
             }
             words.extend([first as u32, end as u32]);
         }
     }
     words
+}
+
+/// Per-query key bands (`(start, limit)` in packed-row coordinates, as [`table_words`] takes
+/// them) of a packed row of variable-length sequences: sequence `s` holds queries `cu_q[s] ..
+/// cu_q[s + 1]` and keys `cu_k[s] .. cu_k[s + 1]`, and `causal` and `window` apply to each on
+/// its own lengths — the kernels' own mask (`Mask::banded`, through
+/// [`AttentionOptions::mask_args`]) computes each sequence's bands, so they are the same
+/// definition. A query that sees no key gets the empty band at its limit, which keeps both
+/// ends non-decreasing. `cu_q` and `cu_k` have the same length, start at 0 and never decrease.
+pub(crate) fn varlen_bands(
+    cu_q: &[usize],
+    cu_k: &[usize],
+    causal: Causal,
+    window: Option<SlidingWindow>,
+) -> Vec<(usize, usize)> {
+    use attn_kernels::attention::mask::Mask;
+    let mut bands = Vec::with_capacity(cu_q.last().copied().unwrap_or(0));
+    let options = AttentionOptions { causal, window, ..Default::default() };
+    for (q, k) in cu_q.windows(2).zip(cu_k.windows(2)) {
+        let (seqlen_q, seqlen_k) = (q[1] - q[0], k[1] - k[0]);
+        let shape = AttentionShape { batch: 1, num_heads_q: 1, num_heads_kv: 1, seqlen_q, seqlen_k, head_dim: 1 };
+        let (causal, offset, start_offset) = options.mask_args(&shape);
+        let mask = Mask::from_args(seqlen_q, seqlen_k, causal, offset, start_offset);
+        bands.extend((0..seqlen_q).map(|i| {
+            let (start, limit) = (mask.key_start(i), mask.key_limit(i));
+            (k[0] + start.min(limit), k[0] + limit)
+        }));
+    }
+    bands
+}
+
+/// Where a table (`words`, [`table_words`]'s layout, for `seqlen_q` queries and `seqlen_k`
+/// keys per batch entry) leaves a gap between neighbours: `("query", i)` when query `i`'s band
+/// starts past the limit of query `i − 1`'s (the keys between are seen by no query), `("key",
+/// j)` when the first query of key `j` comes after the end of key `j − 1`'s queries. The kernels
+/// need none: they take the keys of a block of queries as one range, from its first row's start
+/// to its last row's limit (and the queries of a block of keys likewise), and the Hopper
+/// backward's dQ turns (`sm90::backward::turn`) count on the key blocks that reach a query tile
+/// being consecutive. Every mask of one sequence (causal, windows) and every document or
+/// prefix-LM table has none; a packed row of sequences whose queries and keys differ in length
+/// can.
+pub(crate) fn table_gap(words: &[u32], seqlen_q: usize, seqlen_k: usize) -> Option<(&'static str, usize)> {
+    let pair = |index: usize| (words[2 * index], words[2 * index + 1]);
+    // The first `i` of `count` pairs from `from` whose start is past pair `i − 1`'s end.
+    let first_gap = |from: usize, count: usize| (1..count).find(|&i| pair(from + i).0 > pair(from + i - 1).1);
+    let batches = words.len() / (2 * (seqlen_q + seqlen_k)).max(1);
+    (0..batches).find_map(|b| {
+        let base = b * (seqlen_q + seqlen_k);
+        first_gap(base, seqlen_q)
+            .map(|i| ("query", i))
+            .or_else(|| first_gap(base + seqlen_q, seqlen_k).map(|j| ("key", j)))
+    })
 }
 
 /// Options shared by every attention entry point.
@@ -445,6 +504,13 @@ impl<'a> AttentionOptions<'a> {
         self.causal.visible(query, key, seqlen_q, seqlen_k)
             && self.window.is_none_or(|w| w.contains(query, key, seqlen_q, seqlen_k))
             && self.mask_table.is_none_or(|t| t.visible(batch, query, key))
+    }
+
+    /// Whether the mask table leaves keys or queries between neighbours that nobody sees
+    /// ([`table_gap`]; a varlen table can): the Hopper backward's deterministic dQ turns need
+    /// none, so such a problem's deterministic backward runs the sm_80 kernels.
+    pub(crate) fn has_gapped_table(&self) -> bool {
+        self.mask_table.is_some_and(|t| t.gapped)
     }
 
     /// The kernels' three mask arguments (`attention_kernel!`, `attention::mask::Mask`): whether
@@ -666,7 +732,58 @@ mod tests {
         for prefix in [0, 1, half, seqlen] {
             bands.push((0..seqlen).map(|i| (0, (i + 1).max(prefix))).collect());
         }
-        bands.iter().map(|b| table_words(b, 1, seqlen)).collect()
+        bands.iter().map(|b| table_words(b, 1, seqlen, seqlen)).collect()
+    }
+
+    /// The tables of packed rows of two sequences, split at a few points of `seqlen_q` and
+    /// `seqlen_k` (empty sequences too), and of three whose middle one has keys but no queries
+    /// or queries but no keys (gaps), under each causal mask with and without a window; each
+    /// checked against the definition (a query sees the keys of its own sequence that the mask,
+    /// on that sequence's lengths, lets it see).
+    fn varlen_tables(seqlen_q: usize, seqlen_k: usize) -> Vec<Vec<u32>> {
+        let splits = |n: usize| {
+            let mut at = vec![0, 1.min(n), n / 2, n];
+            at.dedup();
+            at
+        };
+        let mut rows: Vec<(Vec<usize>, Vec<usize>)> = Vec::new();
+        for a in splits(seqlen_q) {
+            for b in splits(seqlen_k) {
+                rows.push((vec![0, a, seqlen_q], vec![0, b, seqlen_k]));
+            }
+        }
+        let (a, b) = (seqlen_q / 2, seqlen_k / 2);
+        rows.push((vec![0, a, a, seqlen_q], vec![0, b / 2, b, seqlen_k]));
+        rows.push((vec![0, a / 2, a, seqlen_q], vec![0, b, b, seqlen_k]));
+        // (sequence, position in it, its length) of row `x` of a packed row with offsets `cu`.
+        let locate = |cu: &[usize], x: usize| {
+            let s = cu.partition_point(|&c| c <= x) - 1;
+            (s, x - cu[s], cu[s + 1] - cu[s])
+        };
+        let mut tables = Vec::new();
+        for (cu_q, cu_k) in &rows {
+            for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+                for window in [None, Some(SlidingWindow::left(1))] {
+                    let bands = varlen_bands(cu_q, cu_k, causal, window);
+                    let words = table_words(&bands, 1, seqlen_q, seqlen_k);
+                    let dims = [1, seqlen_q, seqlen_k];
+                    let gapped = table_gap(&words, seqlen_q, seqlen_k).is_some();
+                    let table = MaskTableRef { address: 0, owner: 0, dims, words: &words, kind: "varlen", gapped };
+                    for i in 0..seqlen_q {
+                        for j in 0..seqlen_k {
+                            let ((sq, t, lq), (sk, u, lk)) = (locate(cu_q, i), locate(cu_k, j));
+                            let want = sq == sk
+                                && causal.visible(t, u, lq, lk)
+                                && window.is_none_or(|w| w.contains(t, u, lq, lk));
+                            let what = format!("{causal:?} {window:?} {cu_q:?} / {cu_k:?}");
+                            assert_eq!(table.visible(0, i, j), want, "{what}: ({i}, {j})");
+                        }
+                    }
+                    tables.push(words);
+                }
+            }
+        }
+        tables
     }
 
     /// The kernels' mask (from the three arguments the host passes) is the definition, element
@@ -678,9 +795,23 @@ mod tests {
             for seqlen_k in 1..10 {
                 let words = if seqlen_q == seqlen_k { small_tables(seqlen_q) } else { Vec::new() };
                 let dims = [1, seqlen_q, seqlen_k];
-                let tables = words.iter().map(|w| MaskTableRef { address: 0, owner: 0, dims, words: w, kind: "test" });
+                let tables = words.iter().map(|w| MaskTableRef {
+                    address: 0,
+                    owner: 0,
+                    dims,
+                    words: w,
+                    kind: "test",
+                    gapped: false,
+                });
                 let tables = std::iter::once(None).chain(tables.map(Some));
-                for (options, table) in masks().into_iter().flat_map(|o| tables.clone().map(move |t| (o, t))) {
+                // Varlen tables carry their sequences' masks: the calls refuse a mask of their own.
+                let varlen = varlen_tables(seqlen_q, seqlen_k);
+                let varlen = varlen.iter().map(|w| {
+                    let gapped = table_gap(w, seqlen_q, seqlen_k).is_some();
+                    MaskTableRef { address: 0, owner: 0, dims, words: w, kind: "varlen", gapped }
+                });
+                let cases = masks().into_iter().flat_map(|o| tables.clone().map(move |t| (o, t)));
+                for (options, table) in cases.chain(varlen.map(|t| (AttentionOptions::default(), Some(t)))) {
                     let options = match table {
                         Some(table) => options.with_mask_table(table),
                         None => options,
@@ -731,8 +862,10 @@ mod tests {
                         };
                         // The deterministic Hopper backward's turns (`sm90::backward::turn`): the
                         // key blocks that visit a query tile are consecutive, from the block of
-                        // its first row's start to the block of its last row's limit.
-                        for tile in 0..seqlen_q.div_ceil(bm) {
+                        // its first row's start to the block of its last row's limit. (A table
+                        // with gaps never gets there: `AttentionOptions::has_gapped_table`.)
+                        let gapped = options.has_gapped_table();
+                        for tile in (0..seqlen_q.div_ceil(bm)).filter(|_| !gapped) {
                             let visitors: Vec<usize> = (0..seqlen_k.div_ceil(bn))
                                 .filter(|&b| (key_block(b).first_tile..key_block(b).end_tile).contains(&tile))
                                 .collect();

@@ -146,12 +146,30 @@ fn sinks_of(ctx: &Context, address: u64, shape: &AttentionShape) -> Result<Optio
     (address != 0).then(|| borrow::<f32>(ctx, address, &[shape.num_heads_q])).transpose()
 }
 
-/// The document mask of a packed row from its `cu_seqlens` (FlashAttention's variable-length
-/// convention: document `d` holds tokens `cu_seqlens[d] .. cu_seqlens[d + 1]`), if it has any.
-/// Built on `ctx` for each call: a host loop over the row and one upload, freed in stream order
-/// after the kernels that read it. (An empty list is an error of the library's, not "no mask".)
-fn documents_of(ctx: &Context, cu_seqlens: Option<&[i32]>) -> Result<Option<MaskTable>, Error> {
-    cu_seqlens.map(|offsets| ctx.document_mask_from_cu_seqlens(offsets)).transpose()
+/// The mask table of a packed row, if the call has one (FlashAttention's variable-length
+/// convention): from `cu_seqlens` alone a document mask (document `d` holds queries and keys
+/// `cu_seqlens[d] .. cu_seqlens[d + 1]`); with `cu_seqlens_k` too a varlen table
+/// (`Context::varlen_mask`: sequence `s` holds keys `cu_seqlens_k[s] .. cu_seqlens_k[s + 1]`),
+/// which takes over `options`' causal mask and window to apply them to each sequence on its own
+/// lengths. Built on `ctx` for each call: a host loop over the row and one upload, freed in
+/// stream order after the kernels that read it. (An empty list is an error of the library's,
+/// not "no mask".)
+fn table_of(
+    ctx: &Context,
+    cu_seqlens: Option<&[i32]>,
+    cu_seqlens_k: Option<&[i32]>,
+    options: &mut AttentionOptions,
+) -> Result<Option<MaskTable>, Error> {
+    match (cu_seqlens, cu_seqlens_k) {
+        (Some(cu_q), Some(cu_k)) => {
+            let (causal, window) = (options.causal, options.window.take());
+            options.causal = Causal::None;
+            ctx.varlen_mask(cu_q, cu_k, causal, window).map(Some)
+        }
+        (Some(cu), None) => ctx.document_mask_from_cu_seqlens(cu).map(Some),
+        (None, Some(_)) => Err(Error::MaskTable("cu_seqlens_k without cu_seqlens (the queries' offsets)".into())),
+        (None, None) => Ok(None),
+    }
 }
 
 /// `options` with the call's sinks and document mask, where it has them.
@@ -193,7 +211,7 @@ fn forward_typed<T: Element>(
     shape: AttentionShape,
     p: &ForwardPointers,
     options: &AttentionOptions,
-    cu_seqlens: Option<&[i32]>,
+    (cu_seqlens, cu_seqlens_k): (Option<&[i32]>, Option<&[i32]>),
 ) -> Result<(), Error> {
     let (q_shape, kv_shape) = (shape.q_shape(), shape.kv_shape());
     let (q, k, v) =
@@ -201,8 +219,9 @@ fn forward_typed<T: Element>(
     let mut out =
         AttentionOutput { o: borrow::<T>(ctx, p.o, &q_shape)?, lse: borrow::<f32>(ctx, p.lse, &shape.lse_shape())? };
     let sinks = sinks_of(ctx, p.sinks, &shape)?;
-    let documents = documents_of(ctx, cu_seqlens)?;
-    let options = with_tensors(options, &sinks, &documents);
+    let mut options = *options;
+    let table = table_of(ctx, cu_seqlens, cu_seqlens_k, &mut options)?;
+    let options = with_tensors(&options, &sinks, &table);
     let tile = ctx.default_tile(T::DTYPE, shape.head_dim);
     ctx.flash_attention_forward_into(&q, &k, &v, &mut out, &options, tile)
 }
@@ -223,7 +242,7 @@ fn backward_typed<T: Element>(
     shape: AttentionShape,
     p: &BackwardPointers,
     options: &AttentionOptions,
-    cu_seqlens: Option<&[i32]>,
+    (cu_seqlens, cu_seqlens_k): (Option<&[i32]>, Option<&[i32]>),
 ) -> Result<(), Error> {
     let (q_shape, kv_shape) = (shape.q_shape(), shape.kv_shape());
     let f = &p.forward;
@@ -241,8 +260,9 @@ fn backward_typed<T: Element>(
         d_sinks: sinks_of(ctx, p.d_sinks, &shape)?,
     };
     let sinks = sinks_of(ctx, f.sinks, &shape)?;
-    let documents = documents_of(ctx, cu_seqlens)?;
-    let options = with_tensors(options, &sinks, &documents);
+    let mut options = *options;
+    let table = table_of(ctx, cu_seqlens, cu_seqlens_k, &mut options)?;
+    let options = with_tensors(&options, &sinks, &table);
     let (tile, dq_mode) = ctx.default_backward_plan(T::DTYPE, shape.head_dim, options.deterministic);
     ctx.flash_attention_backward_into(&q, &k, &v, &o, &lse, &d_o, &mut grads, &options, tile, dq_mode)
 }
@@ -272,9 +292,10 @@ fn dtype_of(name: &str) -> PyResult<DType> {
 /// D]` and K, V `[B, Hkv, Sk, D]` at `q`, `k`, `v`; `softcap` and `alibi_max_bias` (0: none)
 /// modify the scores, `sinks` (0: none) is the address of `[Hq]` float32 sink logits, and
 /// `cu_seqlens` (None: none) makes a document mask of the (single, packed) row: each query sees
-/// only the keys of its own document. Queued on `stream`; returns at once.
+/// only the keys of its own document; with `cu_seqlens_k` the keys have lengths of their own
+/// (`table_of`). Queued on `stream`; returns at once.
 #[pyfunction]
-#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, causal, bottom_right, window_left, window_right, scale=None, softcap=0.0, alibi_max_bias=0.0, sinks=0, cu_seqlens=None))]
+#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, causal, bottom_right, window_left, window_right, scale=None, softcap=0.0, alibi_max_bias=0.0, sinks=0, cu_seqlens=None, cu_seqlens_k=None))]
 #[allow(clippy::too_many_arguments)]
 fn forward(
     py: Python<'_>,
@@ -296,14 +317,16 @@ fn forward(
     alibi_max_bias: f32,
     sinks: u64,
     cu_seqlens: Option<Vec<i32>>,
+    cu_seqlens_k: Option<Vec<i32>>,
 ) -> PyResult<()> {
     let dtype = dtype_of(dtype)?;
     let mask = MaskArgs { causal, bottom_right, window_left, window_right };
     let options = options_of(mask, ScoreArgs { softcap, alibi_max_bias }, scale, false)?;
+    let offsets = (cu_seqlens.as_deref(), cu_seqlens_k.as_deref());
     let pointers = ForwardPointers { q, k, v, sinks, o, lse };
     py.detach(|| {
         let ctx = context(device, stream)?;
-        by_dtype!(dtype, forward_typed(&ctx, shape_of(sizes), &pointers, &options, cu_seqlens.as_deref()))
+        by_dtype!(dtype, forward_typed(&ctx, shape_of(sizes), &pointers, &options, offsets))
     })
     .map_err(to_py)
 }
@@ -314,7 +337,7 @@ fn forward(
 /// `deterministic` sums dQ in a fixed order, bit-identical on every run. Queued on `stream`;
 /// returns at once.
 #[pyfunction]
-#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, d_o, dq, dk, dv, causal, bottom_right, window_left, window_right, deterministic, scale=None, softcap=0.0, alibi_max_bias=0.0, sinks=0, d_sinks=0, cu_seqlens=None))]
+#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, d_o, dq, dk, dv, causal, bottom_right, window_left, window_right, deterministic, scale=None, softcap=0.0, alibi_max_bias=0.0, sinks=0, d_sinks=0, cu_seqlens=None, cu_seqlens_k=None))]
 #[allow(clippy::too_many_arguments)]
 fn backward(
     py: Python<'_>,
@@ -342,15 +365,17 @@ fn backward(
     sinks: u64,
     d_sinks: u64,
     cu_seqlens: Option<Vec<i32>>,
+    cu_seqlens_k: Option<Vec<i32>>,
 ) -> PyResult<()> {
     let dtype = dtype_of(dtype)?;
     let mask = MaskArgs { causal, bottom_right, window_left, window_right };
     let options = options_of(mask, ScoreArgs { softcap, alibi_max_bias }, scale, deterministic)?;
+    let offsets = (cu_seqlens.as_deref(), cu_seqlens_k.as_deref());
     let forward = ForwardPointers { q, k, v, sinks, o, lse };
     let pointers = BackwardPointers { forward, d_o, dq, dk, dv, d_sinks };
     py.detach(|| {
         let ctx = context(device, stream)?;
-        by_dtype!(dtype, backward_typed(&ctx, shape_of(sizes), &pointers, &options, cu_seqlens.as_deref()))
+        by_dtype!(dtype, backward_typed(&ctx, shape_of(sizes), &pointers, &options, offsets))
     })
     .map_err(to_py)
 }

@@ -301,6 +301,49 @@ class Cases(unittest.TestCase):
                     ours = (o, q.grad, k.grad, v.grad) + ((sinks.grad,) if with_sinks else ())
                     self.assert_oracle(what, dtype, ours, results)
 
+    def test_varlen_with_key_lengths_of_their_own(self):
+        """`attention_varlen` with `cu_seqlens_k`: chunked prefill (new queries against a cache and
+        themselves, bottom-right causal, with a window too) and cross-attention (no mask, a
+        sequence with more queries than keys, one with no queries), each sequence against its own
+        attention, forward and backward."""
+        cases = [  # (queries, keys) on CPU, on CUDA, dtype, Hq, Hkv, D, is_causal, window
+            (([3, 1], [20, 9]), ([1, 64, 7, 200], [1500, 64, 900, 1200]), torch.float16, 4, 2, 64, True, None),
+            (([2, 5], [30, 9]), ([16, 130, 1], [700, 1000, 300]), torch.bfloat16, 2, 1, 128, True, (40, 0)),
+            (([7, 0, 5], [3, 6, 8]), ([300, 0, 77], [100, 50, 1000]), torch.float32, 2, 2, 32, False, None),
+        ]
+        for device in DEVICES:
+            for small, big, dtype, hq, hkv, d, is_causal, window in cases:
+                lq, lk = big if device == "cuda" else small
+                what = f"{device} {dtype} q={lq} k={lk} H={hq}/{hkv} D={d} causal={is_causal} w={window}"
+                with self.subTest(what):
+                    g = torch.Generator().manual_seed(len(what))
+                    cu_q = torch.tensor([0] + lq).cumsum(0).to(torch.int32)
+                    cu_k = torch.tensor([0] + lk).cumsum(0).to(torch.int32)
+                    q64, do64 = torch.randn(sum(lq), hq, d, generator=g), torch.randn(sum(lq), hq, d, generator=g)
+                    k64, v64 = torch.randn(sum(lk), hkv, d, generator=g), torch.randn(sum(lk), hkv, d, generator=g)
+                    results = {}
+                    for name, t in (("truth", torch.float64), ("plain", dtype)):
+                        q, k, v = (leaf(x, t) for x in (q64, k64, v64))
+                        parts = []
+                        for s in range(len(lq)):
+                            (a, b), (c, e) = cu_q[s:s + 2].tolist(), cu_k[s:s + 2].tolist()
+                            if a == b:
+                                continue
+                            bhsd = lambda x, lo, hi: x[lo:hi].transpose(0, 1).unsqueeze(0)
+                            mask = reference_mask(b - a, e - c, is_causal, True, window)
+                            o = modified_attention(bhsd(q, a, b), bhsd(k, c, e), bhsd(v, c, e), mask, None, None, None)
+                            # A row that sees no key is 0 (the kernels' empty-row convention).
+                            parts.append(torch.nan_to_num(o, nan=0.0).squeeze(0).transpose(0, 1))
+                        o = torch.cat(parts)
+                        o.backward(do64.to(t))
+                        results[name] = (o, q.grad, k.grad, v.grad)
+                    q, k, v = (leaf(x, dtype, device) for x in (q64, k64, v64))
+                    o = ra.attention_varlen(q, k, v, cu_q.to(device), cu_seqlens_k=cu_k, is_causal=is_causal,
+                                            window=window)
+                    self.assertEqual(o.shape, (sum(lq), hq, d))
+                    o.backward(do64.to(dtype).to(device))
+                    self.assert_oracle(what, dtype, (o, q.grad, k.grad, v.grad), results)
+
     def test_varlen_edges(self):
         """No tokens at all, offsets as int64 and as a list, and a row of one sequence against the
         plain call."""
@@ -329,6 +372,13 @@ class Cases(unittest.TestCase):
             ra.attention_varlen(q.unsqueeze(0), q, q, torch.tensor([0, 10]))
         with self.assertRaisesRegex(ValueError, "divide"):
             ra.attention_varlen(q, torch.randn(10, 3, 64), torch.randn(10, 3, 64), torch.tensor([0, 10]))
+        kv = torch.randn(12, 2, 64)
+        with self.assertRaisesRegex(ValueError, "cu_seqlens_k"):
+            ra.attention_varlen(q, kv, kv, [0, 4, 10], cu_seqlens_k=[0, 12])  # two sequences, one key list
+        with self.assertRaisesRegex(ValueError, "cu_seqlens_k"):
+            ra.attention_varlen(q, kv, kv, [0, 10], cu_seqlens_k=[0, 11])  # ends before the 12 keys
+        with self.assertRaisesRegex(ValueError, "alibi"):
+            ra.attention_varlen(q, kv, kv, [0, 10], cu_seqlens_k=[0, 12], alibi=True)
 
     def test_compile(self):
         for device in DEVICES:

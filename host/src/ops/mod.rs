@@ -240,7 +240,9 @@ impl Context {
         if self.needs_chunks(&shape) {
             return self.backward_in_chunks(&shape, (q, k, v), (o, lse, d_o), grads, options, tile, dq);
         }
-        if let Some(kernel) = self.target().hopper_backward(T::DTYPE, shape.head_dim, tile, dq) {
+        // A table with gaps leaves key blocks out of a query tile's turns: the sm_80 kernels.
+        let turns_hold = dq == DqAccumulation::Atomic || !options.has_gapped_table();
+        if let Some(kernel) = self.target().hopper_backward(T::DTYPE, shape.head_dim, tile, dq).filter(|_| turns_hold) {
             return self.launch_hopper_backward(kernel, &shape, q, k, v, o, lse, d_o, grads, options);
         }
         self.flash_attention_backward_sm80_into(&shape, q, k, v, o, lse, d_o, grads, options, tile, dq)
@@ -374,8 +376,10 @@ impl Context {
     }
 
     /// Checks the mask table of `options` (if any) against `shape` and this context, and
-    /// refuses it for a problem run in chunks (whose folded batch entries are not the table's)
-    /// and prefix-LM together with a causal mask (which would undo the prefix).
+    /// refuses it for a problem run in chunks (whose folded batch entries are not the table's),
+    /// prefix-LM together with a causal mask (which would undo the prefix), and a varlen table
+    /// together with a causal mask, window or ALiBi of the call (aligned to the packed row, not
+    /// to its sequences).
     ///
     /// # Errors
     /// [`Error::MaskTable`].
@@ -386,6 +390,17 @@ impl Context {
             return Err(Error::MaskTable(
                 "prefix-LM is a causal mask of its own; with `Causal` the prefix's queries would not see the \
                  prefix's later keys (leave `causal` at `Causal::None`)"
+                    .into(),
+            ));
+        }
+        if table.kind == "varlen"
+            && (options.causal != crate::problem::Causal::None
+                || options.window.is_some()
+                || options.score.alibi.is_some())
+        {
+            return Err(Error::MaskTable(
+                "a varlen table applies its causal mask and window to each sequence (Context::varlen_mask); the \
+                 call's own causal mask, window or ALiBi would be aligned to the packed row instead (leave them out)"
                     .into(),
             ));
         }

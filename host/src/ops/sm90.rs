@@ -13,7 +13,7 @@ use cudarc::driver::sys::{CUtensorMap, CUtensorMapSwizzle};
 use super::args::{ProblemArgs, flash_config};
 use super::{AttentionOutput, Gradients};
 use crate::dtype::Element;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kernels::{HopperInstance, HopperVariant};
 use crate::layout::{hopper_backward_smem_bytes, hopper_forward_smem_bytes, hopper_forward_threads};
 use crate::problem::{AttentionOptions, AttentionShape, DqAccumulation, check_flash_grid};
@@ -143,7 +143,8 @@ impl Context {
     /// [`DqAccumulation::Deterministic`]: crate::DqAccumulation::Deterministic
     ///
     /// # Errors
-    /// As [`Context::flash_attention_forward_hopper`].
+    /// As [`Context::flash_attention_forward_hopper`]; [`Error::MaskTable`] for deterministic
+    /// dQ with a varlen table that has gaps ([`Context::varlen_mask`] says which).
     #[allow(clippy::too_many_arguments)]
     pub fn flash_attention_backward_hopper<T: Element>(
         &self,
@@ -183,6 +184,14 @@ impl Context {
             return self.write_empty_backward(&shape, grads, options);
         }
         let kernel = HopperBackward::for_problem(T::DTYPE, shape.head_dim, dq)?;
+        if dq == DqAccumulation::Deterministic && options.has_gapped_table() {
+            return Err(Error::MaskTable(
+                "this varlen table leaves keys or queries that nobody sees between two sequences; the deterministic \
+                 Hopper backward's key blocks take turns on each query tile and need none (run it atomic, or through \
+                 Context::flash_attention_backward, which runs the sm_80 kernels then)"
+                    .into(),
+            ));
+        }
         self.launch_hopper_backward(kernel, &shape, q, k, v, o, lse, d_o, grads, options)
     }
 

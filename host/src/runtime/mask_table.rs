@@ -12,13 +12,14 @@
 use super::context::Context;
 use super::tensor::{DeviceTensor, Storage};
 use crate::error::{Error, Result};
-use crate::problem::{MaskTableRef, table_words};
+use crate::problem::{Causal, MaskTableRef, SlidingWindow, table_gap, table_words, varlen_bands};
 
 /// A mask given per token, on the device of the [`Context`] that made it: a document mask
-/// ([`Context::document_mask`], [`Context::document_mask_from_cu_seqlens`]) or prefix-LM
-/// ([`Context::prefix_lm_mask`]). Given to [`AttentionOptions::with_mask_table`], which borrows
-/// it, for problems of the `[batch, seqlen, seqlen]` it was made for; one table serves every
-/// layer and both passes.
+/// ([`Context::document_mask`], [`Context::document_mask_from_cu_seqlens`]), prefix-LM
+/// ([`Context::prefix_lm_mask`]) or a packed batch of sequences whose queries and keys differ in
+/// length ([`Context::varlen_mask`]). Given to [`AttentionOptions::with_mask_table`], which
+/// borrows it, for problems of the `[batch, seqlen_q, seqlen_k]` it was made for ([`MaskTable::dims`]);
+/// one table serves every layer and both passes.
 ///
 /// [`AttentionOptions::with_mask_table`]: crate::AttentionOptions::with_mask_table
 pub struct MaskTable {
@@ -28,6 +29,8 @@ pub struct MaskTable {
     words: Vec<u32>,
     dims: [usize; 3],
     kind: &'static str,
+    /// [`MaskTableRef`]'s `gapped`.
+    gapped: bool,
 }
 
 impl std::fmt::Debug for MaskTable {
@@ -47,10 +50,26 @@ impl MaskTable {
         self.dims
     }
 
-    /// What the table masks: `documents` or `prefix-LM`.
+    /// What the table masks: `documents`, `prefix-LM` or `varlen`.
     pub fn kind(&self) -> &'static str {
         self.kind
     }
+}
+
+/// Checks `cu_seqlens` (named `name` in messages): not empty, starting at 0, never decreasing.
+fn check_cu_seqlens(name: &str, cu_seqlens: &[i32]) -> Result<()> {
+    if cu_seqlens.first() != Some(&0) {
+        return Err(Error::MaskTable(format!("{name} must start at 0; got {:?}", cu_seqlens.first())));
+    }
+    if let Some(d) = cu_seqlens.windows(2).position(|w| w[1] < w[0]) {
+        return Err(Error::MaskTable(format!(
+            "{name} must not decrease; entry {} is {} after {}",
+            d + 1,
+            cu_seqlens[d + 1],
+            cu_seqlens[d]
+        )));
+    }
+    Ok(())
 }
 
 /// Refuses a row longer than a table's `i32` entries hold, before any band is built.
@@ -68,7 +87,9 @@ impl<'a> From<&'a MaskTable> for MaskTableRef<'a> {
             Storage::Cuda(slice) => cudarc::driver::DevicePtr::device_ptr(slice, slice.stream()).0,
             Storage::Host(buffer) => buffer.as_ptr() as u64,
         };
-        Self { address, owner: table.device.owner(), dims: table.dims, words: &table.words, kind: table.kind }
+        let (owner, dims, words, kind, gapped) =
+            (table.device.owner(), table.dims, &table.words, table.kind, table.gapped);
+        Self { address, owner, dims, words, kind, gapped }
     }
 }
 
@@ -108,7 +129,7 @@ impl Context {
                 start = end;
             }
         }
-        self.mask_table(bands, [batch, seqlen], "documents")
+        self.mask_table(bands, [batch, seqlen, seqlen], "documents")
     }
 
     /// A document mask for one packed row (`batch` = 1) from `cu_seqlens`, FlashAttention's
@@ -121,17 +142,7 @@ impl Context {
     /// [`Error::MaskTable`] when `cu_seqlens` is empty, does not start at 0 or decreases;
     /// errors of the upload.
     pub fn document_mask_from_cu_seqlens(&self, cu_seqlens: &[i32]) -> Result<MaskTable> {
-        if cu_seqlens.first() != Some(&0) {
-            return Err(Error::MaskTable(format!("cu_seqlens must start at 0; got {:?}", cu_seqlens.first())));
-        }
-        if let Some(d) = cu_seqlens.windows(2).position(|w| w[1] < w[0]) {
-            return Err(Error::MaskTable(format!(
-                "cu_seqlens must not decrease; entry {} is {} after {}",
-                d + 1,
-                cu_seqlens[d + 1],
-                cu_seqlens[d]
-            )));
-        }
+        check_cu_seqlens("cu_seqlens", cu_seqlens)?;
         let bands = cu_seqlens
             .windows(2)
             .flat_map(|w| {
@@ -140,7 +151,60 @@ impl Context {
             })
             .collect::<Vec<_>>();
         let seqlen = bands.len();
-        self.mask_table(bands, [1, seqlen], "documents")
+        self.mask_table(bands, [1, seqlen, seqlen], "documents")
+    }
+
+    /// A packed batch of sequences whose queries and keys differ in length (FlashAttention's
+    /// `flash_attn_varlen_func` with its `cu_seqlens_q` and `cu_seqlens_k`): sequence `s` holds
+    /// queries `cu_seqlens_q[s] .. cu_seqlens_q[s + 1]` and keys `cu_seqlens_k[s] ..
+    /// cu_seqlens_k[s + 1]` of one packed row, its queries see only its keys, and `causal` and
+    /// `window` apply to each sequence on its own lengths, as [`Causal`] and [`SlidingWindow`]
+    /// define them for a problem of those lengths (`Causal::BottomRight`, FlashAttention's
+    /// alignment, lets a sequence's last query see all of its keys). For chunked prefill (each
+    /// sequence's new queries against its cached keys and themselves) and cross-attention over
+    /// ragged batches; with equal lengths it is [`Context::document_mask_from_cu_seqlens`] with
+    /// the mask applied per document.
+    ///
+    /// The table is `[1, total_q, total_k]` (`total_q = cu_seqlens_q.last()`): give it, through
+    /// [`AttentionOptions::with_mask_table`](crate::AttentionOptions::with_mask_table), to a
+    /// problem of batch 1 with Q `[1, Hq, total_q, D]` and K, V `[1, Hkv, total_k, D]`, with no
+    /// causal mask, window or ALiBi of the call's own (those would be aligned to the packed row,
+    /// not to each sequence; the calls refuse them). A query that sees no key follows the
+    /// empty-row convention.
+    ///
+    /// Keys that no query sees (a window's older keys, a sequence with keys but no queries) and
+    /// queries that see no key are correct everywhere, but where they lie between two sequences
+    /// (a *gap*) they are not free: a block of queries takes its keys as one range, from its
+    /// first row's start to its last row's limit, so a query tile that straddles the gap masks
+    /// every key tile inside it rather than skipping it. And the Hopper backward's deterministic
+    /// dQ (its key blocks take turns on each query tile, and a block that reaches none of a tile
+    /// would never take its turn) runs on the sm_80 kernels for a table with gaps.
+    ///
+    /// # Errors
+    /// [`Error::MaskTable`] when the two lists differ in length, one is empty, does not start at
+    /// 0 or decreases; errors of the upload.
+    pub fn varlen_mask(
+        &self,
+        cu_seqlens_q: &[i32],
+        cu_seqlens_k: &[i32],
+        causal: Causal,
+        window: Option<SlidingWindow>,
+    ) -> Result<MaskTable> {
+        check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)?;
+        check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)?;
+        if cu_seqlens_q.len() != cu_seqlens_k.len() {
+            return Err(Error::MaskTable(format!(
+                "cu_seqlens_q has {} entries and cu_seqlens_k {}; both are the batch + 1 offsets of the same sequences",
+                cu_seqlens_q.len(),
+                cu_seqlens_k.len()
+            )));
+        }
+        let to_usize = |cu: &[i32]| cu.iter().map(|&x| x as usize).collect::<Vec<_>>();
+        let (cu_q, cu_k) = (to_usize(cu_seqlens_q), to_usize(cu_seqlens_k));
+        let (total_q, total_k) = (cu_q[cu_q.len() - 1], cu_k[cu_k.len() - 1]);
+        let bands = varlen_bands(&cu_q, &cu_k, causal, window);
+        let words = table_words(&bands, 1, total_q, total_k);
+        self.upload_table(words, [1, total_q, total_k], "varlen")
     }
 
     /// Prefix-LM (Raffel et al. 2020, T5's "prefix LM"; Wang et al. 2022): the first
@@ -163,22 +227,28 @@ impl Context {
         }
         let bands =
             prefix_lengths.iter().flat_map(|&p| (0..seqlen).map(move |i| (0, (i + 1).max(p)))).collect::<Vec<_>>();
-        self.mask_table(bands, [prefix_lengths.len(), seqlen], "prefix-LM")
+        self.mask_table(bands, [prefix_lengths.len(), seqlen, seqlen], "prefix-LM")
     }
 
-    /// The table of per-query key bands `bands` (`[batch, seqlen]`, each `(start, limit)`, both
+    /// The table of per-query key bands `bands` (`[batch, seqlen_q]`, each `(start, limit)`, both
     /// non-decreasing along a row), uploaded.
     fn mask_table(
         &self,
         bands: Vec<(usize, usize)>,
-        [batch, seqlen]: [usize; 2],
+        [batch, seqlen_q, seqlen_k]: [usize; 3],
         kind: &'static str,
     ) -> Result<MaskTable> {
-        check_seqlen(seqlen)?;
-        let words = table_words(&bands, batch, seqlen);
+        check_seqlen(seqlen_q.max(seqlen_k))?;
+        self.upload_table(table_words(&bands, batch, seqlen_q, seqlen_k), [batch, seqlen_q, seqlen_k], kind)
+    }
+
+    /// A table's words ([`table_words`]), uploaded.
+    fn upload_table(&self, words: Vec<u32>, dims: [usize; 3], kind: &'static str) -> Result<MaskTable> {
+        let [batch, seqlen_q, seqlen_k] = dims;
         let signed: Vec<i32> = words.iter().map(|&w| w as i32).collect();
-        let device = self.upload(&signed, &[batch, 2 * seqlen, 2])?;
-        Ok(MaskTable { device, words, dims: [batch, seqlen, seqlen], kind })
+        let device = self.upload(&signed, &[batch, seqlen_q + seqlen_k, 2])?;
+        let gapped = table_gap(&words, seqlen_q, seqlen_k).is_some();
+        Ok(MaskTable { device, words, dims, kind, gapped })
     }
 }
 
@@ -193,7 +263,7 @@ mod tests {
         let docs = [(0, 3), (0, 3), (0, 3), (3, 4), (4, 9), (4, 9), (4, 9), (4, 9), (4, 9)];
         let prefix: Vec<_> = (0..9).map(|i| (0, (i + 1).max(4))).collect();
         for bands in [&docs[..], &prefix] {
-            let words = table_words(bands, 1, 9);
+            let words = table_words(bands, 1, 9, 9);
             for q in 0..9 {
                 for k in 0..9 {
                     let by_query = words[2 * q] as usize <= k && k < words[2 * q + 1] as usize;
@@ -219,6 +289,20 @@ mod tests {
         let from_cu = ctx.document_mask_from_cu_seqlens(&[0, 2, 2, 4]).unwrap();
         assert_eq!(from_cu.dims(), [1, 4, 4]);
         assert!(from_cu.visible(0, 3, 2) && !from_cu.visible(0, 2, 1));
+        // Varlen: lists of different lengths are refused; a sequence with keys but no queries
+        // between two others, or top-left causal over more keys than queries, leaves keys
+        // between the neighbours' bands (a gap) that no query sees.
+        assert!(err(ctx.varlen_mask(&[0, 2], &[0, 2, 4], Causal::None, None)));
+        assert!(err(ctx.varlen_mask(&[0, -2], &[0, 2], Causal::None, None)));
+        assert!(ctx.varlen_mask(&[0, 2, 2, 4], &[0, 2, 5, 7], Causal::None, None).unwrap().gapped);
+        assert!(ctx.varlen_mask(&[0, 3, 4], &[0, 5, 9], Causal::TopLeft, None).unwrap().gapped);
+        assert!(!ctx.varlen_mask(&[0, 3, 4], &[0, 5, 9], Causal::BottomRight, None).unwrap().gapped);
+        // Chunked prefill: 2 and 3 new queries against 6 and 3 keys, bottom-right causal.
+        let prefill = ctx.varlen_mask(&[0, 2, 5], &[0, 6, 9], Causal::BottomRight, None).unwrap();
+        assert_eq!(prefill.dims(), [1, 5, 9]);
+        assert!(prefill.visible(0, 0, 4) && !prefill.visible(0, 0, 5) && prefill.visible(0, 1, 5));
+        assert!(!prefill.visible(0, 1, 6) && prefill.visible(0, 2, 6) && !prefill.visible(0, 2, 7));
+        assert!(prefill.visible(0, 4, 8) && !prefill.visible(0, 4, 5));
         // Outside the table: not visible (not the key half or the next entry read as queries).
         assert!(!table.visible(0, 4, 0) && !table.visible(2, 0, 0) && !table.visible(0, 0, 4));
     }

@@ -9,7 +9,7 @@
 //! | `kernel_arg` | `KernelArg`: scalars and tensors as kernel arguments |
 //! | `tensor_map` | [`TensorMap`] and the tensor-map cache of the Hopper kernels' TMA loads |
 //! | `context` | [`Context`]: opening the device, loading the PTX, allocating, launching, the kernel path |
-//! | `mask_table` | [`MaskTable`]: masks given per token (documents, prefix-LM) as band tables on a device |
+//! | `mask_table` | [`MaskTable`]: masks given per token (documents, prefix-LM, varlen batches) as band tables on a device |
 //! | [`timing`] | CUDA-event timing |
 //!
 //! Inside the folder the order is `tensor` < `kernel_arg` < `tensor_map` < `context` <

@@ -52,10 +52,10 @@ pub struct Mask {
     /// pairs of `u32` (the first key query `i` may see, the end of its keys), then `seqlen_k`
     /// pairs (the first query that may see key `j`, the end of those queries). Both pairs' ends
     /// are non-decreasing along the sequence, and the two halves describe the same visible
-    /// pairs (the host builds both from one definition), with every query's band holding a key
-    /// its neighbours' bands hold too (true of every mask whose queries see their own key:
-    /// documents, prefix-LM), so that the keys of a query tile and the queries of a key tile
-    /// are each one range. One batch entry's table is [`Mask::table_words`] long.
+    /// pairs (the host builds both from one definition); a tile's range runs from its first
+    /// row's start to its last row's limit, and tiles inside it that no row sees (a varlen
+    /// table's gaps, host `table_gap`) are masked, not skipped; the Hopper backward's dQ turns
+    /// need no gap. One batch entry's table is [`Mask::table_words`] long.
     pub table: *const u32,
 }
 

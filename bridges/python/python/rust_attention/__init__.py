@@ -71,24 +71,25 @@ def _offsets(cu_seqlens):
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bottom_right: bool, window_left: int,
     window_right: int, scale: float, deterministic: bool, softcap: float, alibi: float, sinks: Optional[torch.Tensor],
-    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """O `[B, Hq, Sq, D]` and LSE `[B, Hq, Sq]` (float32) of BHSD Q, K, V (`deterministic` is for the
     backward; `softcap`, `alibi` 0 for none; `sinks` `[Hq]` float32 or None; `cu_seqlens` the
-    document offsets of a packed row, B = 1, or None)."""
+    document offsets of a packed row, B = 1, or None; `cu_seqlens_k` the keys' own offsets, or
+    None when they are the queries')."""
     q, k, v = _ready(q), _ready(k), _ready(v)
     sinks = None if sinks is None else _ready(sinks)
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     _native.forward(_device_index(q), _stream(q), _DTYPES[q.dtype], _sizes(q, k), q.data_ptr(), k.data_ptr(),
                     v.data_ptr(), o.data_ptr(), lse.data_ptr(), causal, bottom_right, window_left, window_right, scale,
-                    softcap, alibi, _address(sinks), _offsets(cu_seqlens))
+                    softcap, alibi, _address(sinks), _offsets(cu_seqlens), _offsets(cu_seqlens_k))
     return o, lse
 
 
 @_forward.register_fake
 def _forward_fake(q, k, v, causal, bottom_right, window_left, window_right, scale, deterministic, softcap, alibi,
-                  sinks, cu_seqlens=None):
+                  sinks, cu_seqlens=None, cu_seqlens_k=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -97,6 +98,7 @@ def _backward(
     d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     causal: bool, bottom_right: bool, window_left: int, window_right: int, scale: float, deterministic: bool,
     softcap: float, alibi: float, sinks: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV of the forward above for dO (O's shape), and dSinks (`[Hq]` float32; empty without sinks)."""
     d_o, q, k, v, o, lse = (_ready(t) for t in (d_o, q, k, v, o, lse))
@@ -106,31 +108,33 @@ def _backward(
     _native.backward(_device_index(q), _stream(q), _DTYPES[q.dtype], _sizes(q, k), q.data_ptr(), k.data_ptr(),
                      v.data_ptr(), o.data_ptr(), lse.data_ptr(), d_o.data_ptr(), dq.data_ptr(), dk.data_ptr(),
                      dv.data_ptr(), causal, bottom_right, window_left, window_right, deterministic, scale, softcap,
-                     alibi, _address(sinks), 0 if sinks is None else d_sinks.data_ptr(), _offsets(cu_seqlens))
+                     alibi, _address(sinks), 0 if sinks is None else d_sinks.data_ptr(), _offsets(cu_seqlens),
+                     _offsets(cu_seqlens_k))
     return dq, dk, dv, d_sinks
 
 
 @_backward.register_fake
 def _backward_fake(d_o, q, k, v, o, lse, causal, bottom_right, window_left, window_right, scale, deterministic,
-                   softcap, alibi, sinks, cu_seqlens=None):
+                   softcap, alibi, sinks, cu_seqlens=None, cu_seqlens_k=None):
     like = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)
     return like(q), like(k), like(v), q.new_empty(0 if sinks is None else q.shape[1], dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, bottom_right, window_left, window_right, scale, deterministic, softcap, alibi, sinks, cu_seqlens = inputs
+    (q, k, v, causal, bottom_right, window_left, window_right, scale, deterministic, softcap, alibi, sinks, cu_seqlens,
+     cu_seqlens_k) = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, sinks, cu_seqlens)
+    ctx.save_for_backward(q, k, v, o, lse, sinks, cu_seqlens, cu_seqlens_k)
     ctx.mask = (causal, bottom_right, window_left, window_right)
     ctx.scale, ctx.deterministic, ctx.score = scale, deterministic, (softcap, alibi)
     ctx.mark_non_differentiable(lse)
 
 
 def _autograd_backward(ctx, d_o, _d_lse):
-    q, k, v, o, lse, sinks, cu_seqlens = ctx.saved_tensors
+    q, k, v, o, lse, sinks, cu_seqlens, cu_seqlens_k = ctx.saved_tensors
     dq, dk, dv, d_sinks = _backward(d_o, q, k, v, o, lse, *ctx.mask, ctx.scale, ctx.deterministic, *ctx.score, sinks,
-                                    cu_seqlens)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, (None if sinks is None else d_sinks), None
+                                    cu_seqlens, cu_seqlens_k)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, (None if sinks is None else d_sinks), None, None
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -237,8 +241,29 @@ def attention(q, k, v, *, is_causal=False, causal_alignment="top-left", scale=No
     return (o, lse) if return_lse else o
 
 
-def attention_varlen(q, k, v, cu_seqlens, *, is_causal=False, scale=None, window=None, deterministic=None,
-                     return_lse=False, softcap=None, alibi=None, sinks=None):
+def _host_offsets(cu_seqlens, name, total):
+    """`cu_seqlens` (a tensor or a list) as a CPU int64 tensor, checked: integers, 1-dimensional,
+    starting at 0, never decreasing, ending at `total`."""
+    offsets = torch.as_tensor(cu_seqlens).detach()
+    if offsets.dtype.is_floating_point or offsets.dtype.is_complex or offsets.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integers, not {offsets.dtype}")
+    if offsets.dim() != 1:
+        raise ValueError(f"{name} must be 1-dimensional (batch + 1 offsets), not of shape {tuple(offsets.shape)}")
+    # On the host once: a CUDA tensor is read back here (a synchronisation), and the backward
+    # reuses the host copy.
+    offsets = offsets.to("cpu", torch.int64)
+    if not torch.compiler.is_compiling():  # traced, the values are unknown; the native side checks them
+        if offsets.numel() < 1 or int(offsets[0]) != 0 or int(offsets[-1]) != total \
+                or bool((offsets[1:] < offsets[:-1]).any()):
+            raise ValueError(f"{name} must start at 0, never decrease and end at the {total} tokens; "
+                             f"got {offsets.tolist()[:8]}{'...' if offsets.numel() > 8 else ''}")
+    if total > 2**31 - 1:
+        raise ValueError(f"{total} tokens exceed the 2**31 - 1 a packed row holds")
+    return offsets
+
+
+def attention_varlen(q, k, v, cu_seqlens, *, cu_seqlens_k=None, is_causal=False, scale=None, window=None,
+                     deterministic=None, return_lse=False, softcap=None, alibi=None, sinks=None):
     """Attention over a variable-length batch packed end to end, FlashAttention's
     `flash_attn_varlen_func` layout: sequence `s` holds tokens `cu_seqlens[s] .. cu_seqlens[s + 1]`
     of Q, K and V, and each token attends only to the tokens of its own sequence.
@@ -247,18 +272,25 @@ def attention_varlen(q, k, v, cu_seqlens, *, is_causal=False, scale=None, window
     in the Rust library, built and uploaded for the forward and again for the backward): the
     kernels skip every key tile outside a query tile's sequences and mask only the tiles that
     straddle a boundary, so the work follows the real tokens, not the longest sequence times the
-    batch. Q, K, V are copied to `[1, H, total, D]` for the kernels (they read that layout). Queries and keys share the lengths (self-attention: training
-    and prefill); a sequence of length 0 is allowed.
+    batch. Q, K, V are copied to `[1, H, total, D]` for the kernels (they read that layout). By
+    default queries and keys share the lengths (self-attention: training and prefill); with
+    `cu_seqlens_k` the keys have lengths of their own (chunked prefill against a cache,
+    cross-attention: `Context::varlen_mask`). A sequence of length 0 is allowed.
 
     Args:
         q: `[total, Hq, D]`, float32/float16/bfloat16, `total = cu_seqlens[-1]`.
-        k, v: `[total, Hkv, D]`, Q's dtype and device; Hkv divides Hq (grouped-query attention).
+        k, v: `[total_k, Hkv, D]`, Q's dtype and device; Hkv divides Hq (grouped-query attention);
+            `total_k` is `total`, or `cu_seqlens_k[-1]` with `cu_seqlens_k`.
         cu_seqlens: the `batch + 1` prefix sums of the lengths, starting at 0 and non-decreasing
             (an integer tensor or a list). Read to the host once per call: a CPU tensor costs no
             synchronisation, a CUDA one waits for the work before it.
-        is_causal: each sequence causal on its own (key j hidden from query i when j > i).
+        cu_seqlens_k: the keys' `batch + 1` offsets, as `cu_seqlens`; None: the queries'.
+        is_causal: each sequence causal on its own (key j hidden from query i when j > i; with
+            `cu_seqlens_k`, aligned bottom-right as FlashAttention's: a sequence's last query sees
+            all of its keys, key j hidden when j > i + len_k - len_q).
         scale, window, deterministic, return_lse, softcap, alibi, sinks: as in `attention`
-            (a window and ALiBi's distances are counted inside each sequence).
+            (a window and ALiBi's distances are counted inside each sequence; with
+            `cu_seqlens_k` the window is aligned bottom-right too, and ALiBi is refused).
 
     Returns:
         O `[total, Hq, D]` (and with `return_lse` the LSE `[Hq, total]`, float32, natural log, as
@@ -269,32 +301,29 @@ def attention_varlen(q, k, v, cu_seqlens, *, is_causal=False, scale=None, window
     """
     _check_tensors(q, k, v, 3)
     total, hq, d = q.shape
-    if k.shape != v.shape or k.shape[0] != total or k.shape[2] != d:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [total, Hkv, D] with q's total and D")
+    total_k = total if cu_seqlens_k is None else k.shape[0]
+    if k.shape != v.shape or k.shape[0] != total_k or k.shape[2] != d:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [total, Hkv, D] with q's total "
+                         f"(or cu_seqlens_k's) and D")
     hkv = k.shape[1]
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"the {hkv} key/value heads must divide the {hq} query heads")
-    offsets = torch.as_tensor(cu_seqlens).detach()
-    if offsets.dtype.is_floating_point or offsets.dtype.is_complex or offsets.dtype == torch.bool:
-        raise ValueError(f"cu_seqlens must hold integers, not {offsets.dtype}")
-    if offsets.dim() != 1:
-        raise ValueError(f"cu_seqlens must be 1-dimensional (batch + 1 offsets), not of shape {tuple(offsets.shape)}")
-    # On the host once: a CUDA tensor is read back here (a synchronisation), and the backward
-    # reuses the host copy.
-    offsets = offsets.to("cpu", torch.int64)
-    if not torch.compiler.is_compiling():  # traced, the values are unknown; the native side checks them
-        if offsets.numel() < 1 or int(offsets[0]) != 0 or int(offsets[-1]) != total \
-                or bool((offsets[1:] < offsets[:-1]).any()):
-            raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the {total} tokens of q; "
-                             f"got {offsets.tolist()[:8]}{'...' if offsets.numel() > 8 else ''}")
-    if total > 2**31 - 1:
-        raise ValueError(f"{total} tokens exceed the 2**31 - 1 a packed row holds")
+    offsets = _host_offsets(cu_seqlens, "cu_seqlens", total)
+    offsets_k = None if cu_seqlens_k is None else _host_offsets(cu_seqlens_k, "cu_seqlens_k", total_k)
+    if offsets_k is not None and offsets_k.numel() != offsets.numel():
+        raise ValueError(f"cu_seqlens_k has {offsets_k.numel()} offsets and cu_seqlens {offsets.numel()}; "
+                         f"both are the batch + 1 offsets of the same sequences")
+    if offsets_k is not None and alibi not in (None, False):
+        raise ValueError("alibi with cu_seqlens_k: ALiBi's distances would count across the packed row, "
+                         "not inside each sequence; it is not supported there")
     scale, left, right, deterministic, cap, max_bias, sinks = _score_options(
         hq, d, q.device, scale, window, deterministic, softcap, alibi, sinks)
     # [total, H, D] is BSHD with B = 1: the kernels read it as [1, H, total, D].
     q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
-    o, lse = torch.ops.rust_attention.forward(q4, k4, v4, bool(is_causal), False, left, right, scale, deterministic,
-                                              cap, max_bias, sinks, offsets.to(torch.int32))
+    bottom_right = offsets_k is not None
+    o, lse = torch.ops.rust_attention.forward(q4, k4, v4, bool(is_causal), bottom_right, left, right, scale,
+                                              deterministic, cap, max_bias, sinks, offsets.to(torch.int32),
+                                              None if offsets_k is None else offsets_k.to(torch.int32))
     # Contiguous, as FlashAttention's varlen output (a model reshapes it to [total, Hq·D] next).
     o = o.transpose(1, 2).squeeze(0).contiguous()
     return (o, lse.squeeze(0)) if return_lse else o
