@@ -47,7 +47,7 @@ pub fn run(ctx: &Context, args: &Args) -> Result<Vec<Check>> {
     let grads =
         ctx.flash_attention_backward(&q_dev, &k_dev, &v_dev, &fwd.o, &fwd.lse, &d_o_dev, &options, tile, dq_mode)?;
     let reference = cpu::attention_backward(&q, &k, &v, &d_o, &shape, common::params(&options, &shape))?;
-    let kernel = ctx.backward_kernel_label(DType::F16, args.head_dim, tile, dq_mode);
+    let kernel = ctx.backward_kernel_label(DType::F16, args.head_dim, tile, dq_mode, &options);
     println!("tensor-core backward (f16, {kernel}, dQ {dq_mode:?}), {}", common::describe(&shape, &options));
     Ok(vec![
         Check::new("dQ", relative_l2_error(&common::host(&grads.dq)?, &reference.dq), Tolerance::F16.grad),

@@ -280,16 +280,35 @@ fn attn_emulated_path() {
     }
 }
 
-/// `--documents` and `--prefix-lm` (a `MaskTable` on the context that runs the kernels), checked
-/// against the reference on the emulator (f32 and bf16, forward and backward) and on the CPU
-/// path; what cannot apply is refused before any device work.
+/// `--documents` (with `--documents-k`: a varlen table) and `--prefix-lm` (a `MaskTable` on the
+/// context that runs the kernels), checked against the reference on the emulator (f32 and bf16,
+/// forward and backward) and on the CPU path; what cannot apply is refused before any device
+/// work.
 #[test]
 fn attn_document_masks_and_prefix_lm() {
-    let runs: [&[&str]; 4] = [
+    let runs: [&[&str]; 6] = [
         &["--random", "2x2x40x32", "--documents", "7,20", "--causal", "top-left", "--device", "cpu-emulated"],
         &["--random", "1x2x1x40x40x64", "--dtype", "bf16", "--prefix-lm", "13", "--device", "cpu-emulated"],
         &["--random", "1x2x40x64", "--dtype", "f16", "--documents", "1,30", "--device", "cpu-emulated"],
         &["--random", "2x2x40x16", "--prefix-lm", "5", "--device", "cpu"],
+        // Chunked prefill: 7 and 20 new queries against 15 and 0 keys, the rest 3 against 35.
+        &["--random", "2x4x2x30x50x32", "--documents", "7,20", "--documents-k", "15,0", "--causal", "bottom-right"],
+        &[
+            "--random",
+            "1x2x1x20x44x64",
+            "--dtype",
+            "bf16",
+            "--documents",
+            "9,11",
+            "--documents-k",
+            "30,14",
+            "--window",
+            "5,0",
+            "--causal",
+            "top-left",
+            "--device",
+            "cpu-emulated",
+        ],
     ];
     for args in runs {
         run_attn(&strings(&[args, &["--check"]].concat())).unwrap_or_else(|e| panic!("{args:?}: {e}"));
@@ -302,6 +321,10 @@ fn attn_document_masks_and_prefix_lm() {
     refused(&["--random", "1x2x40x16", "--documents", "30,30", "--device", "cpu"], "more than seqlen");
     refused(&["--random", "1x2x1x30x40x16", "--documents", "3", "--device", "cpu"], "seqlen_q = seqlen_k");
     refused(&["--random", "1x2x40x16", "--prefix-lm", "50", "--device", "cpu"], "longer than seqlen");
+    let varlen = ["--random", "1x2x1x30x40x16", "--documents", "3,4", "--device", "cpu"];
+    refused(&[&varlen[..], &["--documents-k", "3"]].concat(), "one per document");
+    refused(&[&varlen[..], &["--documents-k", "3,40"]].concat(), "more than seqlen_k = 40");
+    refused(&[&varlen[..], &["--documents-k", "3,4", "--alibi"]].concat(), "ALiBi");
 }
 
 #[test]

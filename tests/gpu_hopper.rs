@@ -446,15 +446,16 @@ fn hopper_padded_head_dims_match_the_reference() {
 fn the_kernel_path_picks_the_backward_kernel() {
     let Some(ctx) = hopper("the_kernel_path_picks_the_backward_kernel") else { return };
     let sm90a = sm90a_context(ctx);
+    let none = AttentionOptions::default();
     for head_dim in [64, 128] {
         let tile = TileConfig::default_backward_for_dtype(DType::Bf16, head_dim);
         let mode = sm90a.dq_accumulation_for(DType::Bf16, head_dim);
-        let label = sm90a.backward_kernel_label(DType::Bf16, head_dim, tile, mode);
+        let label = sm90a.backward_kernel_label(DType::Bf16, head_dim, tile, mode, &none);
         // The Hopper backward, with atomic dQ by default ...
         assert!(label.starts_with("sm_90a") && mode == DqAccumulation::Atomic, "{label} {mode:?}");
         // ... and for a deterministic dQ its deterministic instance, unless
         // RUST_ATTENTION_HOPPER_DETERMINISTIC=0 asks for the sm_80 kernels.
-        let label = sm90a.backward_kernel_label(DType::Bf16, head_dim, tile, DqAccumulation::Deterministic);
+        let label = sm90a.backward_kernel_label(DType::Bf16, head_dim, tile, DqAccumulation::Deterministic, &none);
         let hopper = std::env::var("RUST_ATTENTION_HOPPER_DETERMINISTIC").as_deref() != Ok("0");
         let expected = if hopper { "sm_90a m64_n128_s2_deterministic" } else { "sm_80" };
         assert!(label.starts_with(expected), "{label}");

@@ -270,6 +270,38 @@ impl Sinks<'_> {
     }
 }
 
+/// What a mask table masks, by the call that made it; some options cannot join some kinds
+/// (`Context::check_mask_table`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MaskTableKind {
+    /// Tokens see only their own document ([`Context::document_mask`],
+    /// [`Context::document_mask_from_cu_seqlens`]).
+    ///
+    /// [`Context::document_mask`]: crate::Context::document_mask
+    /// [`Context::document_mask_from_cu_seqlens`]: crate::Context::document_mask_from_cu_seqlens
+    Documents,
+    /// A bidirectional prefix, causal after it ([`Context::prefix_lm_mask`]): a causal mask of
+    /// its own.
+    ///
+    /// [`Context::prefix_lm_mask`]: crate::Context::prefix_lm_mask
+    PrefixLm,
+    /// Packed sequences with queries and keys of their own lengths, their causal mask and window
+    /// applied per sequence ([`Context::varlen_mask`]).
+    ///
+    /// [`Context::varlen_mask`]: crate::Context::varlen_mask
+    Varlen,
+}
+
+impl std::fmt::Display for MaskTableKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Documents => "documents",
+            Self::PrefixLm => "prefix-LM",
+            Self::Varlen => "varlen",
+        })
+    }
+}
+
 /// A mask given per token — a document mask, prefix-LM — as the kernels read it: a borrowed
 /// view of a [`MaskTable`](crate::MaskTable) (made by [`Context::document_mask`],
 /// [`Context::document_mask_from_cu_seqlens`] or [`Context::prefix_lm_mask`]), given to
@@ -296,8 +328,8 @@ pub struct MaskTableRef<'a> {
     pub(crate) dims: [usize; 3],
     /// The table on the host (`Mask::table_words` per batch entry), for the CPU references.
     pub(crate) words: &'a [u32],
-    /// What it masks, for messages: `documents`, `prefix-LM` or `varlen`.
-    pub(crate) kind: &'static str,
+    /// What it masks.
+    pub(crate) kind: MaskTableKind,
     /// Whether it leaves keys between two queries' bands, or queries between two keys', that
     /// nobody sees ([`table_gap`]): a varlen table can. Every kernel masks such tiles; only the
     /// Hopper backward's deterministic dQ turns need none.
@@ -322,8 +354,8 @@ impl MaskTableRef<'_> {
         self.dims
     }
 
-    /// What the table masks: `documents`, `prefix-LM` or `varlen`.
-    pub fn kind(&self) -> &'static str {
+    /// What the table masks.
+    pub fn kind(&self) -> MaskTableKind {
         self.kind
     }
 
@@ -507,10 +539,18 @@ impl<'a> AttentionOptions<'a> {
     }
 
     /// Whether the mask table leaves keys or queries between neighbours that nobody sees
-    /// ([`table_gap`]; a varlen table can): the Hopper backward's deterministic dQ turns need
-    /// none, so such a problem's deterministic backward runs the sm_80 kernels.
+    /// ([`table_gap`]; a varlen table can).
     pub(crate) fn has_gapped_table(&self) -> bool {
         self.mask_table.is_some_and(|t| t.gapped)
+    }
+
+    /// Whether the Hopper backward can run these options in dQ mode `dq`: its deterministic dQ
+    /// has each query tile's key blocks take turns, and a key block that reaches none of the
+    /// tile's rows (a gap of a varlen table: [`AttentionOptions::has_gapped_table`]) would never
+    /// take its turn, so that one case runs the sm_80 kernels. The one home of this rule: the
+    /// selection policy, the explicit Hopper call and the kernel labels ask it.
+    pub(crate) fn hopper_backward_allowed(&self, dq: DqAccumulation) -> bool {
+        dq == DqAccumulation::Atomic || !self.has_gapped_table()
     }
 
     /// The kernels' three mask arguments (`attention_kernel!`, `attention::mask::Mask`): whether
@@ -768,7 +808,8 @@ mod tests {
                     let words = table_words(&bands, 1, seqlen_q, seqlen_k);
                     let dims = [1, seqlen_q, seqlen_k];
                     let gapped = table_gap(&words, seqlen_q, seqlen_k).is_some();
-                    let table = MaskTableRef { address: 0, owner: 0, dims, words: &words, kind: "varlen", gapped };
+                    let table =
+                        MaskTableRef { address: 0, owner: 0, dims, words: &words, kind: MaskTableKind::Varlen, gapped };
                     for i in 0..seqlen_q {
                         for j in 0..seqlen_k {
                             let ((sq, t, lq), (sk, u, lk)) = (locate(cu_q, i), locate(cu_k, j));
@@ -800,7 +841,7 @@ mod tests {
                     owner: 0,
                     dims,
                     words: w,
-                    kind: "test",
+                    kind: MaskTableKind::Documents,
                     gapped: false,
                 });
                 let tables = std::iter::once(None).chain(tables.map(Some));
@@ -808,7 +849,7 @@ mod tests {
                 let varlen = varlen_tables(seqlen_q, seqlen_k);
                 let varlen = varlen.iter().map(|w| {
                     let gapped = table_gap(w, seqlen_q, seqlen_k).is_some();
-                    MaskTableRef { address: 0, owner: 0, dims, words: w, kind: "varlen", gapped }
+                    MaskTableRef { address: 0, owner: 0, dims, words: w, kind: MaskTableKind::Varlen, gapped }
                 });
                 let cases = masks().into_iter().flat_map(|o| tables.clone().map(move |t| (o, t)));
                 for (options, table) in cases.chain(varlen.map(|t| (AttentionOptions::default(), Some(t)))) {

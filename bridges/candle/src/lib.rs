@@ -78,21 +78,23 @@ pub fn flash_attn_windowed(
 
 /// Attention over a variable-length batch, as `candle_flash_attn::flash_attn_varlen`: the
 /// sequences are packed end to end, Q `[total_q, num_heads_q, head_dim]` and K, V `[total_k,
-/// num_heads_kv, head_dim]`, sequence `s` holding rows `seqlens_q[s] .. seqlens_q[s + 1]` (a `u32`
-/// tensor of `batch + 1` prefix sums; `seqlens_k` likewise), and each query attends only to the
-/// keys of its own sequence (`causal`: only to those at or before it). Returns O in Q's shape
-/// and dtype; its gradient runs our backward kernels.
+/// num_heads_kv, head_dim]`, sequence `s` holding query rows `seqlens_q[s] .. seqlens_q[s + 1]`
+/// and key rows `seqlens_k[s] .. seqlens_k[s + 1]` (`u32` tensors of `batch + 1` prefix sums),
+/// and each query attends only to the keys of its own sequence (`causal`: only to those at or
+/// before it, aligned bottom-right per sequence as in FlashAttention, so that a sequence's last
+/// query sees all of its keys). Returns O in Q's shape and dtype; its gradient runs our
+/// backward kernels.
 ///
-/// The batch runs as one packed row with a document mask ([`FlashAttention::varlen`]), so the
-/// kernels skip the key tiles of other sequences and the work follows the real tokens. Queries
-/// and keys must share their lengths (`seqlens_q` equal to `seqlens_k`: self-attention, as in
-/// training and prefill); `max_seqlen_q` and `max_seqlen_k` are only checked (the kernels need
-/// no bound), so self-attention code written for `candle_flash_attn` runs unchanged.
+/// The batch runs as one packed row with a mask table, so the kernels skip the key tiles of
+/// other sequences and the work follows the real tokens: a document mask where queries and keys
+/// share their lengths (self-attention: training, prefill; [`FlashAttention::varlen`]), a
+/// varlen table where they differ (chunked prefill against cached keys, cross-attention;
+/// [`FlashAttention::varlen_qk`]). `max_seqlen_q` and `max_seqlen_k` are only checked (the
+/// kernels need no bound), so code written for `candle_flash_attn` runs unchanged.
 ///
 /// # Errors
 /// As [`FlashAttention::forward_varlen`], and `candle_core::Error::Msg` for offsets that are not
-/// a 1-dimensional `u32` tensor, for different query and key lengths, and for a sequence longer
-/// than its `max_seqlen`.
+/// a 1-dimensional `u32` tensor, and for a sequence longer than its `max_seqlen`.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen(
     q: &Tensor,
@@ -116,16 +118,17 @@ pub fn flash_attn_varlen(
         t.to_vec1::<u32>()
     };
     let (cu_q, cu_k) = (offsets("seqlens_q", seqlens_q)?, offsets("seqlens_k", seqlens_k)?);
-    if cu_q != cu_k {
-        candle_core::bail!("attn_candle: flash_attn_varlen takes queries and keys of the same lengths (seqlens_q = seqlens_k)");
+    for (name, cu, max) in [("q", &cu_q, max_seqlen_q), ("k", &cu_k, max_seqlen_k)] {
+        let longest = cu.windows(2).map(|w| w[1].saturating_sub(w[0]) as usize).max().unwrap_or(0);
+        if longest > max {
+            candle_core::bail!(
+                "attn_candle: a sequence of {longest} tokens in seqlens_{name} is longer than max_seqlen_{name} = {max}"
+            );
+        }
     }
-    let longest = cu_q.windows(2).map(|w| w[1].saturating_sub(w[0]) as usize).max().unwrap_or(0);
-    if longest > max_seqlen_q.min(max_seqlen_k) {
-        candle_core::bail!(
-            "attn_candle: a sequence of {longest} tokens is longer than max_seqlen_q = {max_seqlen_q} or max_seqlen_k = {max_seqlen_k}"
-        );
-    }
-    FlashAttention::new().scale(softmax_scale).causal(causal).varlen(&cu_q).forward_varlen(q, k, v)
+    let attention = FlashAttention::new().scale(softmax_scale).causal(causal);
+    let attention = if cu_q == cu_k { attention.varlen(&cu_q) } else { attention.varlen_qk(&cu_q, &cu_k) };
+    attention.forward_varlen(q, k, v)
 }
 
 /// Attention written with candle's own operations, for comparisons (the tests' oracle, the
@@ -190,8 +193,12 @@ pub enum TensorLayout {
 /// ```
 #[derive(Clone, Debug, Default)]
 pub struct FlashAttention {
-    /// The offsets of a packed row's sequences ([`FlashAttention::varlen`]).
+    /// The offsets of a packed row's sequences ([`FlashAttention::varlen`]); their queries'
+    /// where they have keys of their own lengths.
     cu_seqlens: Option<std::sync::Arc<[u32]>>,
+    /// The offsets of the sequences' keys, where they differ from `cu_seqlens`
+    /// ([`FlashAttention::varlen_qk`]).
+    cu_seqlens_k: Option<std::sync::Arc<[u32]>>,
     scale: Option<f32>,
     causal: Causal,
     window: Option<SlidingWindow>,
@@ -270,17 +277,34 @@ impl FlashAttention {
     /// `[total, heads, head_dim]` tensors, or with [`FlashAttention::forward`] on a batch of one
     /// row; causal masks, windows and ALiBi then count positions inside each sequence.
     pub fn varlen(mut self, cu_seqlens: &[u32]) -> Self {
-        self.cu_seqlens = Some(cu_seqlens.into());
+        (self.cu_seqlens, self.cu_seqlens_k) = (Some(cu_seqlens.into()), None);
+        self
+    }
+
+    /// A variable-length batch whose queries and keys differ in length: sequence `s` holds
+    /// queries `cu_seqlens_q[s] .. cu_seqlens_q[s + 1]` and keys `cu_seqlens_k[s] ..
+    /// cu_seqlens_k[s + 1]` of one packed row (FlashAttention's `cu_seqlens_q` and
+    /// `cu_seqlens_k`), its queries see only its keys, and the causal mask and window apply to
+    /// each sequence on its own lengths ([`Context::varlen_mask`]; [`FlashAttention::causal`]'s
+    /// bottom-right alignment lets a sequence's last query see all of its keys). For chunked
+    /// prefill and ragged cross-attention; run it with [`FlashAttention::forward_varlen`] on Q
+    /// `[total_q, Hq, D]` and K, V `[total_k, Hkv, D]`. ALiBi counts positions along the packed
+    /// row, not per sequence, so it is refused here.
+    pub fn varlen_qk(mut self, cu_seqlens_q: &[u32], cu_seqlens_k: &[u32]) -> Self {
+        (self.cu_seqlens, self.cu_seqlens_k) = (Some(cu_seqlens_q.into()), Some(cu_seqlens_k.into()));
         self
     }
 
     /// [`FlashAttention::forward`] on packed `[total, heads, head_dim]` Q, K, V (the varlen
-    /// layout: [`FlashAttention::varlen`]); returns O `[total, num_heads_q, head_dim]`.
+    /// layout: [`FlashAttention::varlen`], or [`FlashAttention::varlen_qk`] where K and V have
+    /// `total_k` rows of their own); returns O `[total_q, num_heads_q, head_dim]`.
     ///
     /// # Errors
     /// As [`FlashAttention::forward`]; `candle_core::Error::Msg` for tensors that are not
-    /// 3-dimensional, without [`FlashAttention::varlen`], or for offsets that do not start at 0,
-    /// decrease, or do not end at the rows of Q, K and V.
+    /// 3-dimensional, without [`FlashAttention::varlen`] or [`FlashAttention::varlen_qk`], for
+    /// offsets that do not start at 0, decrease, or do not end at the rows of Q (and of K and V),
+    /// for query and key offsets of different counts, and for ALiBi with
+    /// [`FlashAttention::varlen_qk`].
     pub fn forward_varlen(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
         for (name, t) in [("q", q), ("k", k), ("v", v)] {
             if t.rank() != 3 {
@@ -293,36 +317,69 @@ impl FlashAttention {
         let Some(cu_seqlens) = &self.cu_seqlens else {
             candle_core::bail!("attn_candle: forward_varlen needs the sequences' offsets (FlashAttention::varlen)");
         };
-        let rows = [q.dim(0)?, k.dim(0)?, v.dim(0)?];
-        let (first, last) = (cu_seqlens.first().copied(), cu_seqlens.last().copied());
-        if first != Some(0)
-            || rows.iter().any(|&n| last != Some(n as u32) || n > u32::MAX as usize)
-            || cu_seqlens.windows(2).any(|w| w[1] < w[0])
-        {
-            candle_core::bail!(
-                "attn_candle: cu_seqlens must start at 0, never decrease and end at the rows of q, k and v ({rows:?}); \
-                 got {} offsets from {first:?} to {last:?}",
-                cu_seqlens.len()
-            );
+        let check = |name: &str, cu: &[u32], tensors: &str, rows: &[usize]| {
+            let (first, last) = (cu.first().copied(), cu.last().copied());
+            if first != Some(0)
+                || rows.iter().any(|&n| last != Some(n as u32) || n > u32::MAX as usize)
+                || cu.windows(2).any(|w| w[1] < w[0])
+            {
+                candle_core::bail!(
+                    "attn_candle: {name} must start at 0, never decrease and end at the rows of {tensors} ({rows:?}); \
+                     got {} offsets from {first:?} to {last:?}",
+                    cu.len()
+                );
+            }
+            Ok(())
+        };
+        let (q_rows, k_rows) = (q.dim(0)?, [k.dim(0)?, v.dim(0)?]);
+        match &self.cu_seqlens_k {
+            None => check("cu_seqlens", cu_seqlens, "q, k and v", &[q_rows, k_rows[0], k_rows[1]])?,
+            Some(cu_k) => {
+                check("cu_seqlens_q", cu_seqlens, "q", &[q_rows])?;
+                check("cu_seqlens_k", cu_k, "k and v", &k_rows)?;
+                if cu_k.len() != cu_seqlens.len() {
+                    candle_core::bail!(
+                        "attn_candle: cu_seqlens_q has {} offsets and cu_seqlens_k {}; one pair per sequence",
+                        cu_seqlens.len(),
+                        cu_k.len()
+                    );
+                }
+                if self.alibi_max_bias.is_some() {
+                    candle_core::bail!(
+                        "attn_candle: ALiBi counts positions along the packed row; with varlen_qk it would cross sequences"
+                    );
+                }
+            }
         }
         let packed = self.clone().layout(TensorLayout::Bshd);
         packed.forward(&q.unsqueeze(0)?, &k.unsqueeze(0)?, &v.unsqueeze(0)?)?.squeeze(0)
     }
 
-    /// The document mask of [`FlashAttention::varlen`]'s offsets on `ctx`, if there are any.
+    /// The mask table of the varlen offsets on `ctx`, if there are any: a document mask for
+    /// [`FlashAttention::varlen`], a varlen table with this causal mask and window per sequence
+    /// for [`FlashAttention::varlen_qk`].
     fn document_table(&self, ctx: &Context) -> candle_core::Result<Option<MaskTable>> {
         let Some(cu_seqlens) = &self.cu_seqlens else { return Ok(None) };
-        let offsets = cu_seqlens
-            .iter()
-            .map(|&x| i32::try_from(x))
-            .collect::<Result<Vec<i32>, _>>()
-            .map_err(|_| candle_core::Error::Msg("attn_candle: an offset of cu_seqlens exceeds i32::MAX".into()))?;
-        ctx.document_mask_from_cu_seqlens(&offsets).map(Some).map_err(wrap)
+        let signed = |cu: &[u32]| {
+            cu.iter()
+                .map(|&x| i32::try_from(x))
+                .collect::<Result<Vec<i32>, _>>()
+                .map_err(|_| candle_core::Error::Msg("attn_candle: an offset of cu_seqlens exceeds i32::MAX".into()))
+        };
+        let table = match &self.cu_seqlens_k {
+            None => ctx.document_mask_from_cu_seqlens(&signed(cu_seqlens)?),
+            Some(cu_k) => ctx.varlen_mask(&signed(cu_seqlens)?, &signed(cu_k)?, self.causal, self.window),
+        };
+        table.map(Some).map_err(wrap)
     }
 
+    /// The kernels' options; with [`FlashAttention::varlen_qk`] the causal mask and window are
+    /// the table's (per sequence), not the call's.
     fn options(&self) -> AttentionOptions<'static> {
-        let mut options = AttentionOptions { scale: self.scale, causal: self.causal, ..Default::default() };
-        if let Some(window) = self.window {
+        let per_sequence = self.cu_seqlens_k.is_some();
+        let causal = if per_sequence { Causal::None } else { self.causal };
+        let mut options = AttentionOptions { scale: self.scale, causal, ..Default::default() };
+        if let Some(window) = self.window.filter(|_| !per_sequence) {
             options = options.with_window(window);
         }
         if let Some(cap) = self.softcap {

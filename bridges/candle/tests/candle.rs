@@ -171,24 +171,41 @@ fn cuda_tensors_match_plain_attention_forward_and_backward() -> candle_core::Res
     Ok(())
 }
 
-/// `flash_attn_varlen` on packed sequences of `lengths` (GQA 4/2, head_dim 64, causal and not)
-/// against plain attention over the whole packed row with each query seeing only its own
-/// sequence, forward and backward.
-fn check_varlen(device: &Device, dtype: DType, lengths: &[u32]) -> candle_core::Result<()> {
+/// `flash_attn_varlen` on packed sequences of `lengths_q` queries and `lengths_k` keys (GQA
+/// 4/2, head_dim 64, causal and not) against plain attention over the whole packed row with
+/// each query seeing only its own sequence (causal: bottom-right in it), forward and backward.
+fn check_varlen(device: &Device, dtype: DType, lengths_q: &[u32], lengths_k: &[u32]) -> candle_core::Result<()> {
     let (hq, hkv, d) = (4, 2, 64);
-    let total = lengths.iter().sum::<u32>() as usize;
-    let cu: Vec<u32> = std::iter::once(0).chain(lengths.iter().scan(0, |end, &n| { *end += n; Some(*end) })).collect();
-    let document = |t: usize| cu.partition_point(|&start| start as usize <= t);
-    let longest = *lengths.iter().max().unwrap() as usize;
-    let seqlens = Tensor::new(cu.as_slice(), device)?;
+    let prefix_sums = |lengths: &[u32]| -> Vec<u32> {
+        std::iter::once(0)
+            .chain(lengths.iter().scan(0, |end, &n| {
+                *end += n;
+                Some(*end)
+            }))
+            .collect()
+    };
+    let (cu_q, cu_k) = (prefix_sums(lengths_q), prefix_sums(lengths_k));
+    let (total_q, total_k) = (*cu_q.last().unwrap() as usize, *cu_k.last().unwrap() as usize);
+    // The sequence of packed row `t` and its position in it.
+    let locate = |cu: &[u32], t: usize| {
+        let s = cu.partition_point(|&start| start as usize <= t) - 1;
+        (s, t - cu[s] as usize)
+    };
+    let longest = |lengths: &[u32]| *lengths.iter().max().unwrap() as usize;
+    let (seqlens_q, seqlens_k) = (Tensor::new(cu_q.as_slice(), device)?, Tensor::new(cu_k.as_slice(), device)?);
     for causal in [false, true] {
         let scale = 1.0 / (d as f64).sqrt();
-        let seed = |s: u64, h: usize| -> candle_core::Result<Tensor> {
-            let values = attn_host::check::random_normal(total * h * d, 7000 + s + causal as u64 * 10);
-            Tensor::from_vec(values, (total, h, d), device)?.to_dtype(dtype)
+        let seed = |s: u64, rows: usize, h: usize| -> candle_core::Result<Tensor> {
+            let values = attn_host::check::random_normal(rows * h * d, 7000 + s + causal as u64 * 10);
+            Tensor::from_vec(values, (rows, h, d), device)?.to_dtype(dtype)
         };
-        let (q, k, v, d_o) = (seed(0, hq)?, seed(1, hkv)?, seed(2, hkv)?, seed(3, hq)?);
-        let visible = |i: usize, j: usize| document(i) == document(j) && (!causal || j <= i);
+        let (q, k, v, d_o) =
+            (seed(0, total_q, hq)?, seed(1, total_k, hkv)?, seed(2, total_k, hkv)?, seed(3, total_q, hq)?);
+        let visible = |i: usize, j: usize| {
+            let ((s, i), (t, j)) = (locate(&cu_q, i), locate(&cu_k, j));
+            let offset = lengths_k[s] as usize;
+            s == t && (!causal || j + lengths_q[s] as usize <= i + offset)
+        };
         // The packed row as one BHSD batch entry, for the plain attention.
         let bhsd = |t: &Tensor| t.unsqueeze(0)?.transpose(1, 2)?.contiguous();
         let grads_of = |f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
@@ -198,12 +215,14 @@ fn check_varlen(device: &Device, dtype: DType, lengths: &[u32]) -> candle_core::
             let (q, k, v) = (Var::from_tensor(q)?, Var::from_tensor(k)?, Var::from_tensor(v)?);
             let o = f(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
             let grads = (o.to_dtype(DType::F64)? * d_o.to_dtype(DType::F64)?)?.sum_all()?.backward()?;
-            let g = |var: &Var| grads.get(var.as_tensor()).cloned().ok_or(candle_core::Error::Msg("no gradient".into()));
+            let g =
+                |var: &Var| grads.get(var.as_tensor()).cloned().ok_or(candle_core::Error::Msg("no gradient".into()));
             Ok([o, g(&q)?, g(&k)?, g(&v)?])
         };
         let ours = grads_of(
             &|q, k, v| {
-                attn_candle::flash_attn_varlen(q, k, v, &seqlens, &seqlens, longest, longest, scale as f32, causal)
+                let (max_q, max_k) = (longest(lengths_q), longest(lengths_k));
+                attn_candle::flash_attn_varlen(q, k, v, &seqlens_q, &seqlens_k, max_q, max_k, scale as f32, causal)
             },
             [&q, &k, &v, &d_o],
         )?;
@@ -218,7 +237,10 @@ fn check_varlen(device: &Device, dtype: DType, lengths: &[u32]) -> candle_core::
             assert_eq!(ours[i].dims(), truth[i].dims(), "{name}");
             let (error, plain_error) = (relative_error(&ours[i], &truth[i])?, relative_error(&same[i], &truth[i])?);
             let bound = 2.0 * plain_error + floor(dtype);
-            println!("varlen {device:?} {dtype:?} {lengths:?} causal={causal} {name}: ours {error:.2e}, plain {plain_error:.2e}");
+            let lengths = (lengths_q, lengths_k);
+            println!(
+                "varlen {device:?} {dtype:?} {lengths:?} causal={causal} {name}: ours {error:.2e}, plain {plain_error:.2e}"
+            );
             assert!(error <= bound, "varlen {name} {lengths:?} causal={causal} {dtype:?}: {error:.3e} > {bound:.3e}");
         }
     }
@@ -228,11 +250,15 @@ fn check_varlen(device: &Device, dtype: DType, lengths: &[u32]) -> candle_core::
 #[test]
 fn varlen_batches_match_plain_attention_per_sequence() -> candle_core::Result<()> {
     for dtype in [DType::F32, DType::BF16] {
-        check_varlen(&Device::Cpu, dtype, &[9, 0, 40, 1, 23])?;
+        check_varlen(&Device::Cpu, dtype, &[9, 0, 40, 1, 23], &[9, 0, 40, 1, 23])?;
+        // Chunked prefill (new queries against longer cached keys), a sequence with keys and
+        // no queries, and one with more queries than keys.
+        check_varlen(&Device::Cpu, dtype, &[5, 0, 17, 30], &[21, 6, 40, 12])?;
     }
     if let Some(device) = gpu("varlen_batches_match_plain_attention_per_sequence") {
         for dtype in [DType::F32, DType::F16, DType::BF16] {
-            check_varlen(&device, dtype, &[300, 1, 700, 0, 129, 64])?;
+            check_varlen(&device, dtype, &[300, 1, 700, 0, 129, 64], &[300, 1, 700, 0, 129, 64])?;
+            check_varlen(&device, dtype, &[16, 1, 300, 0, 129, 200], &[700, 333, 300, 64, 2000, 90])?;
         }
     }
     Ok(())
@@ -298,10 +324,18 @@ fn bad_inputs_are_errors_that_say_why() -> candle_core::Result<()> {
         false,
     ));
     assert!(error.contains("u32 tensor"), "{error}");
-    let error = message(varlen(&[0, 4, 10], &[0, 5, 10], 6));
-    assert!(error.contains("same lengths"), "{error}");
     let error = message(varlen(&[0, 4, 10], &[0, 4, 10], 5));
-    assert!(error.contains("max_seqlen"), "{error}");
+    assert!(error.contains("max_seqlen_q"), "{error}");
+    let error = message(varlen(&[0, 4, 10], &[0, 3, 10], 6));
+    assert!(error.contains("max_seqlen_k"), "{error}");
+    let short_q = t(&[7, 2, 64], DType::F32)?;
+    let qk = |cu_q: &[u32], cu_k: &[u32]| FlashAttention::new().varlen_qk(cu_q, cu_k);
+    let error = message(qk(&[0, 7], &[0, 9]).forward_varlen(&short_q, &packed, &packed));
+    assert!(error.contains("cu_seqlens_k") && error.contains("k and v"), "{error}");
+    let error = message(qk(&[0, 3, 7], &[0, 10]).forward_varlen(&short_q, &packed, &packed));
+    assert!(error.contains("one pair per sequence"), "{error}");
+    let error = message(qk(&[0, 7], &[0, 10]).alibi(8.0).forward_varlen(&short_q, &packed, &packed));
+    assert!(error.contains("ALiBi"), "{error}");
     let error = message(FlashAttention::new().varlen(&[0, 2]).forward_varlen(&q, &q, &q));
     assert!(error.contains("[total, heads, head_dim]"), "{error}");
     Ok(())

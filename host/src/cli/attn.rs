@@ -97,6 +97,13 @@ pub struct Args {
     /// its own. Needs seqlen_q = seqlen_k.
     #[arg(long, value_name = "LEN,LEN,...", value_delimiter = ',', conflicts_with = "prefix_lm")]
     pub documents: Option<Vec<usize>>,
+    /// With --documents, for seqlen_q ≠ seqlen_k (chunked prefill against cached keys, ragged
+    /// cross-attention): the documents' key lengths, one per --documents length (the keys after
+    /// them belong to the one more document). Each document's queries see only its keys, and
+    /// --causal and --window apply inside each document on its own lengths
+    /// (`Context::varlen_mask`).
+    #[arg(long, value_name = "LEN,LEN,...", value_delimiter = ',', requires = "documents")]
+    pub documents_k: Option<Vec<usize>>,
     /// Prefix-LM: the first PREFIX tokens of every row see each other in both directions, every
     /// later token the prefix and the tokens before it. A causal mask of its own (no --causal).
     /// Needs seqlen_q = seqlen_k.
@@ -387,10 +394,7 @@ pub fn run(args: &Args) -> Result<()> {
         Some(ctx) => mask_table(args, &shape, ctx)?,
         None => mask_table(args, &shape, &Context::cpu_emulated())?,
     };
-    let options = match &table {
-        Some(table) => options.with_mask_table(table),
-        None => options,
-    };
+    let options = with_table(options, table.as_ref());
 
     let rounded = inputs.converted(dtype);
     let (warmup, repeats) = match &ctx {
@@ -446,6 +450,9 @@ fn check_mask_table_args(args: &Args, shape: &AttentionShape) -> Result<()> {
         return Ok(());
     }
     let flag = if args.documents.is_some() { "--documents" } else { "--prefix-lm" };
+    if let Some(lengths_k) = &args.documents_k {
+        return check_varlen_args(args, shape, lengths_k);
+    }
     if shape.seqlen_q != shape.seqlen_k {
         return Err(Error::Argument(format!(
             "{flag} needs seqlen_q = seqlen_k (one token axis); got {} and {}",
@@ -478,9 +485,75 @@ fn check_mask_table_args(args: &Args, shape: &AttentionShape) -> Result<()> {
     Ok(())
 }
 
-/// The mask table of `--documents` or `--prefix-lm` (the same for every batch entry), on `ctx`.
+/// Refuses `--documents` with `--documents-k` (key lengths `lengths_k`) where they cannot
+/// apply, before any device work.
+///
+/// # Errors
+/// [`Error::Argument`] for lists of different lengths, a document without queries, documents
+/// longer than seqlen_q or seqlen_k, and ALiBi (whose distances would run along the packed row).
+fn check_varlen_args(args: &Args, shape: &AttentionShape, lengths_k: &[usize]) -> Result<()> {
+    let lengths_q = args.documents.as_deref().unwrap_or_default();
+    if lengths_q.len() != lengths_k.len() {
+        return Err(Error::Argument(format!(
+            "--documents-k lists {} key lengths for {} documents; one per document",
+            lengths_k.len(),
+            lengths_q.len()
+        )));
+    }
+    if lengths_q.contains(&0) {
+        return Err(Error::Argument("--documents: a document has at least 1 query".into()));
+    }
+    for (flag, lengths, seqlen, axis) in [
+        ("--documents", lengths_q, shape.seqlen_q, "seqlen_q"),
+        ("--documents-k", lengths_k, shape.seqlen_k, "seqlen_k"),
+    ] {
+        let total = lengths.iter().try_fold(0usize, |sum, &n| sum.checked_add(n)).unwrap_or(usize::MAX);
+        if total > seqlen {
+            return Err(Error::Argument(format!(
+                "{flag}: the documents hold {total} tokens, more than {axis} = {seqlen}"
+            )));
+        }
+    }
+    if args.model.score().alibi.is_some() {
+        return Err(Error::Argument(
+            "--alibi with --documents-k: ALiBi's distances would run along the packed row, across documents".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The prefix sums of `lengths` and of the rest of a row of `seqlen` tokens, as `i32`
+/// (`cu_seqlens`; [`check_varlen_args`] bounds them by the row).
+fn prefix_sums(lengths: &[usize], seqlen: usize) -> Vec<i32> {
+    let mut cu = vec![0i32];
+    for &n in lengths.iter().chain([&seqlen]) {
+        let end = cu[cu.len() - 1] as usize + n;
+        cu.push(end.min(seqlen) as i32);
+    }
+    cu
+}
+
+/// The options the kernels get with `table`: with `--documents-k` the causal mask and window
+/// are the table's, applied per document, and not the call's.
+fn with_table<'a>(options: AttentionOptions<'a>, table: Option<&'a crate::MaskTable>) -> AttentionOptions<'a> {
+    match table {
+        Some(table) if table.kind() == crate::MaskTableKind::Varlen => {
+            AttentionOptions { causal: crate::Causal::None, window: None, ..options }.with_mask_table(table)
+        }
+        Some(table) => options.with_mask_table(table),
+        None => options,
+    }
+}
+
+/// The mask table of `--documents` (with `--documents-k`, a varlen table) or `--prefix-lm` (the
+/// same for every batch entry), on `ctx`.
 fn mask_table(args: &Args, shape: &AttentionShape, ctx: &Context) -> Result<Option<crate::MaskTable>> {
     let (batch, seqlen) = (shape.batch, shape.seqlen_q);
+    if let (Some(lengths_q), Some(lengths_k)) = (&args.documents, &args.documents_k) {
+        let (cu_q, cu_k) = (prefix_sums(lengths_q, shape.seqlen_q), prefix_sums(lengths_k, shape.seqlen_k));
+        let (causal, window) = (args.causal.into(), args.model.window());
+        return ctx.varlen_mask_repeated(&cu_q, &cu_k, causal, window, batch).map(Some);
+    }
     if let Some(lengths) = &args.documents {
         // Document `d` is id `d`; the tokens after the listed documents are one more.
         let mut row: Vec<i32> =
@@ -520,9 +593,11 @@ fn print_problem(inputs: &Inputs, shape: &AttentionShape, dtype: DType, args: &A
 /// `--documents` or `--prefix-lm` for the problem's line: `, documents 100,200 (+ the rest)`
 /// (the rest only when the listed documents leave tokens of a row of `seqlen`).
 fn describe_mask_table(args: &Args, seqlen: usize) -> String {
+    let list = |l: &[usize]| l.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(",");
     let lengths = args.documents.as_ref().map(|l| {
         let rest = if l.iter().sum::<usize>() < seqlen { " (+ the rest)" } else { "" };
-        l.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(",") + rest
+        let keys = args.documents_k.as_ref().map_or_else(String::new, |k| format!(" with keys {}", list(k)));
+        list(l) + &keys + rest
     });
     lengths.map_or_else(String::new, |l| format!(", documents {l}"))
         + &args.prefix_lm.map_or_else(String::new, |p| format!(", prefix-LM {p}"))
@@ -578,7 +653,10 @@ fn flash_rows<T: Element>(
         })?;
         let mode_name = super::dq_mode_name(ctx, dtype, d, tile, mode);
         rows.push(Row {
-            label: format!("flash backward {dtype}, {mode_name} ({})", ctx.backward_kernel_label(dtype, d, tile, mode)),
+            label: format!(
+                "flash backward {dtype}, {mode_name} ({})",
+                ctx.backward_kernel_label(dtype, d, tile, mode, options)
+            ),
             ms: backward.median_ms,
             flops: 2.5 * flops,
             outputs: gradients(&grads)?,

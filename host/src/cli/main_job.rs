@@ -582,7 +582,7 @@ fn tensor_core_rows<T: Element>(
         format!("flash forward {dtype} ({forward_kernel})"),
         format!(
             "flash backward {dtype}, {mode_name} ({})",
-            ctx.backward_kernel_label(dtype, shape.head_dim, backward_tile, mode)
+            ctx.backward_kernel_label(dtype, shape.head_dim, backward_tile, mode, &options)
         ),
     ];
     let flops = options.forward_flops(&shape);

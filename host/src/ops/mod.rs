@@ -31,7 +31,7 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::kernels::{FlashKernel, backward_kernels, entry};
 use crate::layout::{ELEMENTWISE_THREADS, SOFTMAX_ROWS_PER_BLOCK, SOFTMAX_THREADS};
-use crate::problem::{AttentionOptions, AttentionShape, Causal, DqAccumulation, TileConfig};
+use crate::problem::{AttentionOptions, AttentionShape, Causal, DqAccumulation, MaskTableKind, TileConfig};
 use crate::runtime::{Context, DeviceTensor};
 use crate::select::{HopperForward, KernelPath};
 use args::{grid_stride_blocks, one_dim};
@@ -240,9 +240,8 @@ impl Context {
         if self.needs_chunks(&shape) {
             return self.backward_in_chunks(&shape, (q, k, v), (o, lse, d_o), grads, options, tile, dq);
         }
-        // A table with gaps leaves key blocks out of a query tile's turns: the sm_80 kernels.
-        let turns_hold = dq == DqAccumulation::Atomic || !options.has_gapped_table();
-        if let Some(kernel) = self.target().hopper_backward(T::DTYPE, shape.head_dim, tile, dq).filter(|_| turns_hold) {
+        let allowed = options.hopper_backward_allowed(dq);
+        if let Some(kernel) = self.target().hopper_backward(T::DTYPE, shape.head_dim, tile, dq).filter(|_| allowed) {
             return self.launch_hopper_backward(kernel, &shape, q, k, v, o, lse, d_o, grads, options);
         }
         self.flash_attention_backward_sm80_into(&shape, q, k, v, o, lse, d_o, grads, options, tile, dq)
@@ -286,16 +285,23 @@ impl Context {
         (self.default_backward_tile(dtype, head_dim, dq), dq)
     }
 
-    /// A short name of the kernel [`Context::flash_attention_backward`] runs, for tables:
+    /// A short name of the kernel [`Context::flash_attention_backward`] runs with `options`, for tables:
     /// `sm_90a m64_n128_s2`, `sm_80 m64_n128_s2` or `emulated m64_n128_s2`, with ` on d192`
     /// where the head_dim runs on a larger compiled one (see [`Context::forward_kernel_label`]).
-    pub fn backward_kernel_label(&self, dtype: DType, head_dim: usize, tile: TileConfig, dq: DqAccumulation) -> String {
+    pub fn backward_kernel_label(
+        &self,
+        dtype: DType,
+        head_dim: usize,
+        tile: TileConfig,
+        dq: DqAccumulation,
+        options: &AttentionOptions,
+    ) -> String {
         let on = |compiled: usize| compiled_suffix(head_dim, compiled);
         let padded = TileConfig::padded_head_dim(FlashKernel::Backward, dtype, head_dim).unwrap_or(head_dim);
         if self.is_emulated() {
             return format!("emulated {tile}{}", on(padded));
         }
-        match self.target().hopper_backward(dtype, head_dim, tile, dq) {
+        match self.target().hopper_backward(dtype, head_dim, tile, dq).filter(|_| options.hopper_backward_allowed(dq)) {
             Some(kernel) => format!("{} {}{}", KernelPath::Sm90a, kernel.config_name(), on(kernel.head_dim)),
             None => format!("{} {tile}{}", KernelPath::Sm80, on(padded)),
         }
@@ -386,17 +392,15 @@ impl Context {
     pub(crate) fn check_mask_table(&self, shape: &AttentionShape, options: &AttentionOptions) -> Result<()> {
         let Some(table) = options.mask_table else { return Ok(()) };
         table.check(shape, self.id())?;
-        if table.kind == "prefix-LM" && options.causal != crate::problem::Causal::None {
+        if table.kind == MaskTableKind::PrefixLm && options.causal != Causal::None {
             return Err(Error::MaskTable(
                 "prefix-LM is a causal mask of its own; with `Causal` the prefix's queries would not see the \
                  prefix's later keys (leave `causal` at `Causal::None`)"
                     .into(),
             ));
         }
-        if table.kind == "varlen"
-            && (options.causal != crate::problem::Causal::None
-                || options.window.is_some()
-                || options.score.alibi.is_some())
+        if table.kind == MaskTableKind::Varlen
+            && (options.causal != Causal::None || options.window.is_some() || options.score.alibi.is_some())
         {
             return Err(Error::MaskTable(
                 "a varlen table applies its causal mask and window to each sequence (Context::varlen_mask); the \

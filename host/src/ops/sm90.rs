@@ -184,7 +184,7 @@ impl Context {
             return self.write_empty_backward(&shape, grads, options);
         }
         let kernel = HopperBackward::for_problem(T::DTYPE, shape.head_dim, dq)?;
-        if dq == DqAccumulation::Deterministic && options.has_gapped_table() {
+        if !options.hopper_backward_allowed(dq) {
             return Err(Error::MaskTable(
                 "this varlen table leaves keys or queries that nobody sees between two sequences; the deterministic \
                  Hopper backward's key blocks take turns on each query tile and need none (run it atomic, or through \

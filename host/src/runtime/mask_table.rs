@@ -12,7 +12,7 @@
 use super::context::Context;
 use super::tensor::{DeviceTensor, Storage};
 use crate::error::{Error, Result};
-use crate::problem::{Causal, MaskTableRef, SlidingWindow, table_gap, table_words, varlen_bands};
+use crate::problem::{Causal, MaskTableKind, MaskTableRef, SlidingWindow, table_gap, table_words, varlen_bands};
 
 /// A mask given per token, on the device of the [`Context`] that made it: a document mask
 /// ([`Context::document_mask`], [`Context::document_mask_from_cu_seqlens`]), prefix-LM
@@ -28,7 +28,7 @@ pub struct MaskTable {
     /// The same words on the host, for the CPU references and the flop counts.
     words: Vec<u32>,
     dims: [usize; 3],
-    kind: &'static str,
+    kind: MaskTableKind,
     /// [`MaskTableRef`]'s `gapped`.
     gapped: bool,
 }
@@ -50,8 +50,8 @@ impl MaskTable {
         self.dims
     }
 
-    /// What the table masks: `documents`, `prefix-LM` or `varlen`.
-    pub fn kind(&self) -> &'static str {
+    /// What the table masks.
+    pub fn kind(&self) -> MaskTableKind {
         self.kind
     }
 }
@@ -129,7 +129,7 @@ impl Context {
                 start = end;
             }
         }
-        self.mask_table(bands, [batch, seqlen, seqlen], "documents")
+        self.mask_table(bands, [batch, seqlen, seqlen], MaskTableKind::Documents)
     }
 
     /// A document mask for one packed row (`batch` = 1) from `cu_seqlens`, FlashAttention's
@@ -151,7 +151,7 @@ impl Context {
             })
             .collect::<Vec<_>>();
         let seqlen = bands.len();
-        self.mask_table(bands, [1, seqlen, seqlen], "documents")
+        self.mask_table(bands, [1, seqlen, seqlen], MaskTableKind::Documents)
     }
 
     /// A packed batch of sequences whose queries and keys differ in length (FlashAttention's
@@ -190,6 +190,19 @@ impl Context {
         causal: Causal,
         window: Option<SlidingWindow>,
     ) -> Result<MaskTable> {
+        self.varlen_mask_repeated(cu_seqlens_q, cu_seqlens_k, causal, window, 1)
+    }
+
+    /// [`Context::varlen_mask`] repeated for `batch` batch entries (`[batch, total_q, total_k]`):
+    /// the command line's `--documents-k`, which cuts every batch entry's row alike.
+    pub(crate) fn varlen_mask_repeated(
+        &self,
+        cu_seqlens_q: &[i32],
+        cu_seqlens_k: &[i32],
+        causal: Causal,
+        window: Option<SlidingWindow>,
+        batch: usize,
+    ) -> Result<MaskTable> {
         check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)?;
         check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)?;
         if cu_seqlens_q.len() != cu_seqlens_k.len() {
@@ -202,9 +215,9 @@ impl Context {
         let to_usize = |cu: &[i32]| cu.iter().map(|&x| x as usize).collect::<Vec<_>>();
         let (cu_q, cu_k) = (to_usize(cu_seqlens_q), to_usize(cu_seqlens_k));
         let (total_q, total_k) = (cu_q[cu_q.len() - 1], cu_k[cu_k.len() - 1]);
-        let bands = varlen_bands(&cu_q, &cu_k, causal, window);
-        let words = table_words(&bands, 1, total_q, total_k);
-        self.upload_table(words, [1, total_q, total_k], "varlen")
+        let bands = varlen_bands(&cu_q, &cu_k, causal, window).repeat(batch);
+        let words = table_words(&bands, batch, total_q, total_k);
+        self.upload_table(words, [batch, total_q, total_k], MaskTableKind::Varlen)
     }
 
     /// Prefix-LM (Raffel et al. 2020, T5's "prefix LM"; Wang et al. 2022): the first
@@ -227,7 +240,7 @@ impl Context {
         }
         let bands =
             prefix_lengths.iter().flat_map(|&p| (0..seqlen).map(move |i| (0, (i + 1).max(p)))).collect::<Vec<_>>();
-        self.mask_table(bands, [prefix_lengths.len(), seqlen, seqlen], "prefix-LM")
+        self.mask_table(bands, [prefix_lengths.len(), seqlen, seqlen], MaskTableKind::PrefixLm)
     }
 
     /// The table of per-query key bands `bands` (`[batch, seqlen_q]`, each `(start, limit)`, both
@@ -236,14 +249,14 @@ impl Context {
         &self,
         bands: Vec<(usize, usize)>,
         [batch, seqlen_q, seqlen_k]: [usize; 3],
-        kind: &'static str,
+        kind: MaskTableKind,
     ) -> Result<MaskTable> {
         check_seqlen(seqlen_q.max(seqlen_k))?;
         self.upload_table(table_words(&bands, batch, seqlen_q, seqlen_k), [batch, seqlen_q, seqlen_k], kind)
     }
 
     /// A table's words ([`table_words`]), uploaded.
-    fn upload_table(&self, words: Vec<u32>, dims: [usize; 3], kind: &'static str) -> Result<MaskTable> {
+    fn upload_table(&self, words: Vec<u32>, dims: [usize; 3], kind: MaskTableKind) -> Result<MaskTable> {
         let [batch, seqlen_q, seqlen_k] = dims;
         let signed: Vec<i32> = words.iter().map(|&w| w as i32).collect();
         let device = self.upload(&signed, &[batch, seqlen_q + seqlen_k, 2])?;
