@@ -148,4 +148,47 @@ fn varlen_batches_with_their_own_lengths() {
             check(ctx, shape, Kernel::Flash(tile, DqAccumulation::Deterministic), options, seed + 2, true);
         }
     }
+    hopper_deterministic_takes_a_table_without_gaps(ctx, &prefill);
+}
+
+/// The selection runs a varlen table's deterministic backward on the sm_80 kernels (faster
+/// there; with gaps the only correct choice), so `check16` above never reaches the Hopper
+/// deterministic kernel with one. Called by name it takes a table without gaps: its gradients
+/// must agree with the sm_80 kernels' to bf16's rounding, and two runs must be bit-identical.
+fn hopper_deterministic_takes_a_table_without_gaps(ctx: &Context, table: &MaskTable) {
+    use attn_host::dtype::{from_f32_slice, to_f32_vec};
+    if ctx.kernel_path() != attn_host::KernelPath::Sm90a {
+        return;
+    }
+    let [batch, seqlen_q, seqlen_k] = table.dims();
+    let shape = AttentionShape { batch, num_heads_q: 8, num_heads_kv: 2, seqlen_q, seqlen_k, head_dim: 128 };
+    let options = AttentionOptions::default().with_mask_table(table);
+    let mode = DqAccumulation::Deterministic;
+    let tile = TileConfig::default_backward_for_dtype(DType::Bf16, 128);
+    let label = ctx.backward_kernel_label(DType::Bf16, 128, tile, mode, &options);
+    assert!(label.starts_with("sm_80"), "a varlen table's deterministic backward: {label}");
+    let tensor = |dims: &[usize], seed| {
+        let values = random_normal(dims.iter().product(), seed);
+        ctx.upload(&from_f32_slice::<bf16>(&values), dims).unwrap()
+    };
+    let (q, k, v) = (tensor(&shape.q_shape(), 1130), tensor(&shape.kv_shape(), 1131), tensor(&shape.kv_shape(), 1132));
+    let d_o = tensor(&shape.q_shape(), 1133);
+    let fwd = TileConfig::default_for_dtype(DType::Bf16, 128);
+    let out = ctx.flash_attention_forward(&q, &k, &v, &options, fwd).unwrap();
+    let sm80 = ctx.flash_attention_backward(&q, &k, &v, &out.o, &out.lse, &d_o, &options, tile, mode).unwrap();
+    let hopper = || ctx.flash_attention_backward_hopper(&q, &k, &v, &out.o, &out.lse, &d_o, &options, mode).unwrap();
+    let (first, second) = (hopper(), hopper());
+    for (name, ours, theirs, again) in [
+        ("dQ", &first.dq, &sm80.dq, &second.dq),
+        ("dK", &first.dk, &sm80.dk, &second.dk),
+        ("dV", &first.dv, &sm80.dv, &second.dv),
+    ] {
+        let (ours, again) = (ours.to_host().unwrap(), again.to_host().unwrap());
+        let bits = |t: &[bf16]| t.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+        assert!(bits(&ours) == bits(&again), "{name}: the Hopper deterministic backward differs between two runs");
+        let want: Vec<f64> = to_f32_vec(&theirs.to_host().unwrap()).iter().map(|&x| x as f64).collect();
+        let error = attn_host::check::relative_l2_error(&to_f32_vec(&ours), &want);
+        println!("varlen, Hopper deterministic against sm_80 deterministic, {name}: {error:.2e}");
+        assert!(error < 1e-2, "{name}: {error:.3e}");
+    }
 }

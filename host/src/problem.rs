@@ -548,7 +548,8 @@ impl<'a> AttentionOptions<'a> {
     /// has each query tile's key blocks take turns, and a key block that reaches none of the
     /// tile's rows (a gap of a varlen table: [`AttentionOptions::has_gapped_table`]) would never
     /// take its turn, so that one case runs the sm_80 kernels. The one home of this rule: the
-    /// selection policy, the explicit Hopper call and the kernel labels ask it.
+    /// selection policy (`Target::hopper_backward_for`, which also leaves varlen tables' turns
+    /// out for speed) and the explicit Hopper call ask it.
     pub(crate) fn hopper_backward_allowed(&self, dq: DqAccumulation) -> bool {
         dq == DqAccumulation::Atomic || !self.has_gapped_table()
     }

@@ -6,7 +6,8 @@
 //! - the built-in tiles: [`TileConfig::default_for_dtype`], [`TileConfig::default_backward_for_dtype`];
 //! - the faster dQ mode: [`DqAccumulation::fastest_for`], [`Target::dq_accumulation`];
 //! - whether a Hopper kernel replaces the sm_80 one, and which: [`Target::hopper_forward`],
-//!   [`Target::hopper_backward`] ([`HopperForward::for_problem`], [`HopperBackward::for_problem`]).
+//!   [`Target::hopper_backward`] ([`HopperForward::for_problem`], [`HopperBackward::for_problem`]),
+//!   and for a problem's options [`Target::hopper_backward_for`].
 
 use attn_kernels::attention::schedule::BalancedRows;
 
@@ -15,7 +16,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kernels::{self, FlashKernel, HopperInstance, HopperVariant};
 use crate::layout::{self, DecodeShape};
-use crate::problem::{AttentionShape, Causal, DqAccumulation, TileConfig};
+use crate::problem::{AttentionOptions, AttentionShape, Causal, DqAccumulation, MaskTableKind, TileConfig};
 
 /// Which kernels run a context's 16-bit FlashAttention passes with the built-in tiles.
 ///
@@ -125,6 +126,29 @@ impl Target<'_> {
             && tile == TileConfig::default_backward_for_dtype(dtype, head_dim)
             && (dq == DqAccumulation::Atomic || !sm80_deterministic_override());
         wanted.then(|| HopperBackward::for_problem(dtype, head_dim, dq).ok()).flatten()
+    }
+
+    /// [`Target::hopper_backward`] for a problem with `options`, what the selection policy runs:
+    /// none where the options keep the deterministic Hopper backward out. A varlen table's gaps
+    /// leave its dQ turns without a taker ([`AttentionOptions::hopper_backward_allowed`], a
+    /// matter of correctness), and on every varlen table ([`MaskTableKind::Varlen`]) its turns
+    /// cost more than they do on one sequence: a sequence's key blocks take turns on each of its
+    /// dQ tiles, and where a sequence has more key blocks than query tiles (keys cached before
+    /// the new queries, cross-attention) they queue behind each other, so the sm_80
+    /// deterministic kernels (no turns) measured faster on every such batch (PERFORMANCE.md,
+    /// 2026-12-03, "deterministic varlen"). Document masks keep the Hopper kernel, which is
+    /// faster there.
+    pub(crate) fn hopper_backward_for(
+        &self,
+        dtype: DType,
+        head_dim: usize,
+        tile: TileConfig,
+        dq: DqAccumulation,
+        options: &AttentionOptions,
+    ) -> Option<&'static HopperInstance> {
+        let varlen = options.mask_table.is_some_and(|t| t.kind == MaskTableKind::Varlen);
+        let turns_pay = dq == DqAccumulation::Atomic || !varlen;
+        self.hopper_backward(dtype, head_dim, tile, dq).filter(|_| turns_pay && options.hopper_backward_allowed(dq))
     }
 
     /// [`Context::dq_accumulation_for`](crate::Context::dq_accumulation_for) on this target.

@@ -315,7 +315,9 @@ impl FlashAttention {
             }
         }
         let Some(cu_seqlens) = &self.cu_seqlens else {
-            candle_core::bail!("attn_candle: forward_varlen needs the sequences' offsets (FlashAttention::varlen)");
+            candle_core::bail!(
+                "attn_candle: forward_varlen needs the sequences' offsets (FlashAttention::varlen or varlen_qk)"
+            );
         };
         let check = |name: &str, cu: &[u32], tensors: &str, rows: &[usize]| {
             let (first, last) = (cu.first().copied(), cu.last().copied());

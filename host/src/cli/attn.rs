@@ -94,14 +94,15 @@ pub struct Args {
     /// A document mask (packed sequences): every batch entry's row is cut into documents of
     /// LEN,LEN,... tokens (the tokens after them form one more document), and each token sees
     /// only the tokens of its own document; with --causal top-left each document is causal on
-    /// its own. Needs seqlen_q = seqlen_k.
+    /// its own. Needs seqlen_q = seqlen_k, unless --documents-k gives the documents' key lengths.
     #[arg(long, value_name = "LEN,LEN,...", value_delimiter = ',', conflicts_with = "prefix_lm")]
     pub documents: Option<Vec<usize>>,
-    /// With --documents, for seqlen_q ≠ seqlen_k (chunked prefill against cached keys, ragged
-    /// cross-attention): the documents' key lengths, one per --documents length (the keys after
-    /// them belong to the one more document). Each document's queries see only its keys, and
-    /// --causal and --window apply inside each document on its own lengths
-    /// (`Context::varlen_mask`).
+    /// With --documents: the documents' key lengths, one per --documents length (the keys after
+    /// them belong to the one more document), for documents whose queries and keys differ in
+    /// length (chunked prefill against cached keys, ragged cross-attention; seqlen_q may then
+    /// differ from seqlen_k). Each document's queries see only its keys, and --causal and
+    /// --window apply inside each document on its own lengths (`Context::varlen_mask`). A
+    /// document may have 0 queries or 0 keys.
     #[arg(long, value_name = "LEN,LEN,...", value_delimiter = ',', requires = "documents")]
     pub documents_k: Option<Vec<usize>>,
     /// Prefix-LM: the first PREFIX tokens of every row see each other in both directions, every
@@ -454,8 +455,9 @@ fn check_mask_table_args(args: &Args, shape: &AttentionShape) -> Result<()> {
         return check_varlen_args(args, shape, lengths_k);
     }
     if shape.seqlen_q != shape.seqlen_k {
+        let remedy = if args.documents.is_some() { "; give --documents-k for the documents' key lengths" } else { "" };
         return Err(Error::Argument(format!(
-            "{flag} needs seqlen_q = seqlen_k (one token axis); got {} and {}",
+            "{flag} needs seqlen_q = seqlen_k (one token axis); got {} and {}{remedy}",
             shape.seqlen_q, shape.seqlen_k
         )));
     }
@@ -489,19 +491,17 @@ fn check_mask_table_args(args: &Args, shape: &AttentionShape) -> Result<()> {
 /// apply, before any device work.
 ///
 /// # Errors
-/// [`Error::Argument`] for lists of different lengths, a document without queries, documents
-/// longer than seqlen_q or seqlen_k, and ALiBi (whose distances would run along the packed row).
+/// [`Error::Argument`] for lists of different lengths, documents longer than seqlen_q or
+/// seqlen_k, and ALiBi (whose distances would run along the packed row). A document may have no
+/// queries or no keys (FlashAttention's varlen takes empty sequences too).
 fn check_varlen_args(args: &Args, shape: &AttentionShape, lengths_k: &[usize]) -> Result<()> {
     let lengths_q = args.documents.as_deref().unwrap_or_default();
     if lengths_q.len() != lengths_k.len() {
         return Err(Error::Argument(format!(
-            "--documents-k lists {} key lengths for {} documents; one per document",
+            "--documents-k lists {} key length(s) for {} document(s) in --documents; give one per document",
             lengths_k.len(),
             lengths_q.len()
         )));
-    }
-    if lengths_q.contains(&0) {
-        return Err(Error::Argument("--documents: a document has at least 1 query".into()));
     }
     for (flag, lengths, seqlen, axis) in [
         ("--documents", lengths_q, shape.seqlen_q, "seqlen_q"),
@@ -516,7 +516,9 @@ fn check_varlen_args(args: &Args, shape: &AttentionShape, lengths_k: &[usize]) -
     }
     if args.model.score().alibi.is_some() {
         return Err(Error::Argument(
-            "--alibi with --documents-k: ALiBi's distances would run along the packed row, across documents".into(),
+            "--alibi with --documents-k: ALiBi's distances would run along the packed row, across documents; \
+             leave out --alibi, or use --documents alone (seqlen_q = seqlen_k, each document's keys its queries)"
+                .into(),
         ));
     }
     Ok(())
@@ -585,17 +587,19 @@ fn print_problem(inputs: &Inputs, shape: &AttentionShape, dtype: DType, args: &A
         s.seqlen_k,
         s.head_dim,
         args.causal.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string()),
-        args.model.describe() + &describe_mask_table(args, s.seqlen_q),
+        args.model.describe() + &describe_mask_table(args, s.seqlen_q, s.seqlen_k),
         AttentionOptions { scale: args.scale, ..Default::default() }.scale_for(s.head_dim)
     );
 }
 
 /// `--documents` or `--prefix-lm` for the problem's line: `, documents 100,200 (+ the rest)`
-/// (the rest only when the listed documents leave tokens of a row of `seqlen`).
-fn describe_mask_table(args: &Args, seqlen: usize) -> String {
+/// (the rest only when the listed documents leave tokens of a row: queries of `seqlen_q`, or
+/// keys of `seqlen_k` with `--documents-k`).
+fn describe_mask_table(args: &Args, seqlen_q: usize, seqlen_k: usize) -> String {
     let list = |l: &[usize]| l.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(",");
     let lengths = args.documents.as_ref().map(|l| {
-        let rest = if l.iter().sum::<usize>() < seqlen { " (+ the rest)" } else { "" };
+        let keys_left = args.documents_k.as_ref().is_some_and(|k| k.iter().sum::<usize>() < seqlen_k);
+        let rest = if l.iter().sum::<usize>() < seqlen_q || keys_left { " (+ the rest)" } else { "" };
         let keys = args.documents_k.as_ref().map_or_else(String::new, |k| format!(" with keys {}", list(k)));
         list(l) + &keys + rest
     });

@@ -240,8 +240,7 @@ impl Context {
         if self.needs_chunks(&shape) {
             return self.backward_in_chunks(&shape, (q, k, v), (o, lse, d_o), grads, options, tile, dq);
         }
-        let allowed = options.hopper_backward_allowed(dq);
-        if let Some(kernel) = self.target().hopper_backward(T::DTYPE, shape.head_dim, tile, dq).filter(|_| allowed) {
+        if let Some(kernel) = self.target().hopper_backward_for(T::DTYPE, shape.head_dim, tile, dq, options) {
             return self.launch_hopper_backward(kernel, &shape, q, k, v, o, lse, d_o, grads, options);
         }
         self.flash_attention_backward_sm80_into(&shape, q, k, v, o, lse, d_o, grads, options, tile, dq)
@@ -301,7 +300,7 @@ impl Context {
         if self.is_emulated() {
             return format!("emulated {tile}{}", on(padded));
         }
-        match self.target().hopper_backward(dtype, head_dim, tile, dq).filter(|_| options.hopper_backward_allowed(dq)) {
+        match self.target().hopper_backward_for(dtype, head_dim, tile, dq, options) {
             Some(kernel) => format!("{} {}{}", KernelPath::Sm90a, kernel.config_name(), on(kernel.head_dim)),
             None => format!("{} {tile}{}", KernelPath::Sm80, on(padded)),
         }

@@ -176,9 +176,11 @@ impl Context {
     /// queries that see no key are correct everywhere, but where they lie between two sequences
     /// (a *gap*) they are not free: a block of queries takes its keys as one range, from its
     /// first row's start to its last row's limit, so a query tile that straddles the gap masks
-    /// every key tile inside it rather than skipping it. And the Hopper backward's deterministic
-    /// dQ (its key blocks take turns on each query tile, and a block that reaches none of a tile
-    /// would never take its turn) runs on the sm_80 kernels for a table with gaps.
+    /// every key tile inside it rather than skipping it. And a deterministic backward with a
+    /// varlen table runs the sm_80 kernels: the Hopper kernel's key blocks take turns on each
+    /// query tile, a block that reaches none of a tile (a gap) would never take its turn, and
+    /// where there is no gap the turns of a sequence with more key blocks than query tiles
+    /// queue (1.2–2.2× slower on the H200: PERFORMANCE.md, 2026-12-03, "deterministic varlen").
     ///
     /// # Errors
     /// [`Error::MaskTable`] when the two lists differ in length, one is empty, does not start at
