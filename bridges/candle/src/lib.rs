@@ -360,7 +360,7 @@ impl FlashAttention {
     /// The mask table of the varlen offsets on `ctx`, if there are any: a document mask for
     /// [`FlashAttention::varlen`], a varlen table with this causal mask and window per sequence
     /// for [`FlashAttention::varlen_qk`].
-    fn document_table(&self, ctx: &Context) -> candle_core::Result<Option<MaskTable>> {
+    fn mask_table(&self, ctx: &Context) -> candle_core::Result<Option<MaskTable>> {
         let Some(cu_seqlens) = &self.cu_seqlens else { return Ok(None) };
         let signed = |cu: &[u32]| {
             cu.iter()
@@ -550,7 +550,7 @@ impl AttentionOp {
         let ctx = Context::cpu_emulated();
         let upload = |s, l: &Layout| ctx.upload(host_slice::<T>(s, l)?, l.dims()).map_err(wrap);
         let (q, k, v) = (upload(q, lq)?, upload(k, lk)?, upload(v, lv)?);
-        let table = self.options.document_table(&ctx)?;
+        let table = self.options.mask_table(&ctx)?;
         let options = with_table(self.options.options(), &table);
         let out = ctx
             .flash_attention_forward(&q, &k, &v, &options, ctx.default_tile(<T as Element>::DTYPE, shape.head_dim))
@@ -575,7 +575,7 @@ impl AttentionOp {
             Some(SavedLse::Host(lse)) => ctx.upload(lse, &q.shape()[..3]).map_err(wrap)?,
             _ => candle_core::bail!("attn_candle: the backward ran before its forward"),
         };
-        let table = self.options.document_table(&ctx)?;
+        let table = self.options.mask_table(&ctx)?;
         let options = with_table(self.options.options(), &table);
         let (tile, dq_mode) = ctx.default_backward_plan(<T as Element>::DTYPE, q.shape()[3], options.deterministic);
         let grads = ctx.flash_attention_backward(&q, &k, &v, &o, &lse, &d_o, &options, tile, dq_mode).map_err(wrap)?;
@@ -651,7 +651,7 @@ mod cuda {
             let shape = problem(lq, lk, lv)?;
             let ctx = context(&q.device)?;
             let (q_t, k_t, v_t) = (borrow::<T>(&ctx, q, lq)?, borrow::<T>(&ctx, k, lk)?, borrow::<T>(&ctx, v, lv)?);
-            let table = self.options.document_table(&ctx)?;
+            let table = self.options.mask_table(&ctx)?;
             let options = with_table(self.options.options(), &table);
             let tile = ctx.default_tile(<T as Element>::DTYPE, shape.head_dim);
             let out = ctx.flash_attention_forward(&q_t, &k_t, &v_t, &options, tile).map_err(wrap)?;
@@ -693,7 +693,7 @@ mod cuda {
                 }
                 _ => candle_core::bail!("attn_candle: the backward ran before its forward"),
             };
-            let table = self.options.document_table(&ctx)?;
+            let table = self.options.mask_table(&ctx)?;
             let options = with_table(self.options.options(), &table);
             let (tile, dq_mode) = ctx.default_backward_plan(<T as Element>::DTYPE, q.shape()[3], options.deterministic);
             let grads =

@@ -217,8 +217,9 @@ impl Context {
         let to_usize = |cu: &[i32]| cu.iter().map(|&x| x as usize).collect::<Vec<_>>();
         let (cu_q, cu_k) = (to_usize(cu_seqlens_q), to_usize(cu_seqlens_k));
         let (total_q, total_k) = (cu_q[cu_q.len() - 1], cu_k[cu_k.len() - 1]);
-        let bands = varlen_bands(&cu_q, &cu_k, causal, window).repeat(batch);
-        let words = table_words(&bands, batch, total_q, total_k);
+        // Every batch entry's table is the same words: build one and repeat it.
+        let bands = varlen_bands(&cu_q, &cu_k, causal, window);
+        let words = table_words(&bands, 1, total_q, total_k).repeat(batch);
         self.upload_table(words, [batch, total_q, total_k], MaskTableKind::Varlen)
     }
 
