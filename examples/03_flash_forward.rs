@@ -14,7 +14,7 @@ mod common;
 use std::process::ExitCode;
 
 use attn_host::check::{Tolerance, lse_error, relative_l2_error};
-use attn_host::{Context, Result, TileConfig, cpu};
+use attn_host::{Context, DType, Result, TileConfig, cpu};
 use clap::Parser;
 use common::{CausalArg, Check};
 
@@ -45,7 +45,8 @@ pub struct Args {
 pub fn run(ctx: &Context, args: &Args) -> Result<Vec<Check>> {
     let shape = common::shape(args.seqlen, args.seqlen_k.unwrap_or(args.seqlen), args.head_dim);
     let options = args.causal.options();
-    let default = TileConfig::default_for(args.head_dim);
+    // The fastest compiled tile that fits this GPU (the H200's own where it fits).
+    let default = ctx.default_tile(DType::F32, args.head_dim);
     let tile = TileConfig::new(args.block_m.unwrap_or(default.block_m), args.block_n.unwrap_or(default.block_n));
     let ([q, k, v, _], [q_dev, k_dev, v_dev, _]) = common::inputs::<f32>(ctx, &shape)?;
     let out = ctx.flash_attention_forward(&q_dev, &k_dev, &v_dev, &options, tile)?;

@@ -14,7 +14,7 @@ mod common;
 use std::process::ExitCode;
 
 use attn_host::check::{Tolerance, relative_l2_error};
-use attn_host::{Context, DqAccumulation, Result, TileConfig, cpu};
+use attn_host::{Context, DType, DqAccumulation, Result, cpu};
 use clap::Parser;
 use common::{CausalArg, Check};
 
@@ -44,9 +44,11 @@ pub fn run(ctx: &Context, args: &Args) -> Result<Vec<Check>> {
     let options = args.causal.options();
     let dq_mode = if args.deterministic { DqAccumulation::Deterministic } else { DqAccumulation::Atomic };
     let ([q, k, v, d_o], [q_dev, k_dev, v_dev, d_o_dev]) = common::inputs::<f32>(ctx, &shape)?;
-    // The backward pass needs the forward's O and LSE.
-    let fwd = ctx.flash_attention_forward(&q_dev, &k_dev, &v_dev, &options, TileConfig::default_for(args.head_dim))?;
-    let tile = TileConfig::default_backward_for(args.head_dim);
+    // The backward pass needs the forward's O and LSE. The tiles: the fastest compiled ones that
+    // fit this GPU (the H200's own where they fit).
+    let fwd_tile = ctx.default_tile(DType::F32, args.head_dim);
+    let fwd = ctx.flash_attention_forward(&q_dev, &k_dev, &v_dev, &options, fwd_tile)?;
+    let tile = ctx.default_backward_tile(DType::F32, args.head_dim, dq_mode);
     let grads =
         ctx.flash_attention_backward(&q_dev, &k_dev, &v_dev, &fwd.o, &fwd.lse, &d_o_dev, &options, tile, dq_mode)?;
     let reference = cpu::attention_backward(&q, &k, &v, &d_o, &shape, common::params(&options, &shape))?;

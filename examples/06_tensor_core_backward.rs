@@ -14,7 +14,7 @@ mod common;
 use std::process::ExitCode;
 
 use attn_host::check::{Tolerance, relative_l2_error};
-use attn_host::{Context, DType, Result, TileConfig, cpu, f16};
+use attn_host::{Context, DType, Result, cpu, f16};
 use clap::Parser;
 use common::{CausalArg, Check};
 
@@ -40,10 +40,11 @@ pub fn run(ctx: &Context, args: &Args) -> Result<Vec<Check>> {
     let shape = common::shape(args.seqlen, args.seqlen_k.unwrap_or(args.seqlen), args.head_dim);
     let options = args.causal.options();
     let ([q, k, v, d_o], [q_dev, k_dev, v_dev, d_o_dev]) = common::inputs::<f16>(ctx, &shape)?;
-    let fwd_tile = TileConfig::default_for_dtype(DType::F16, args.head_dim);
+    // The fastest compiled tiles that fit this GPU (the H200's own where they fit).
+    let fwd_tile = ctx.default_tile(DType::F16, args.head_dim);
     let fwd = ctx.flash_attention_forward(&q_dev, &k_dev, &v_dev, &options, fwd_tile)?;
-    let tile = TileConfig::default_backward_for_dtype(DType::F16, args.head_dim);
     let dq_mode = ctx.dq_accumulation_for(DType::F16, args.head_dim);
+    let tile = ctx.default_backward_tile(DType::F16, args.head_dim, dq_mode);
     let grads =
         ctx.flash_attention_backward(&q_dev, &k_dev, &v_dev, &fwd.o, &fwd.lse, &d_o_dev, &options, tile, dq_mode)?;
     let reference = cpu::attention_backward(&q, &k, &v, &d_o, &shape, common::params(&options, &shape))?;

@@ -8,14 +8,17 @@
 //! **From source** (`build-ptx`; the pinned nightly toolchain):
 //!
 //! 1. `cargo rustc -Zbuild-std=core --target nvptx64-nvidia-cuda --crate-type staticlib` builds
-//!    `kernels/` as a static library (panic=abort, one codegen unit). On this target rustc writes
-//!    LLVM bitcode, not machine code, into the archive. The nested cargo gets a target directory
-//!    of its own: sharing ours would deadlock on its lock.
-//! 2. `llvm-link` joins the kernel crate's bitcode with what it uses of `core` and
+//!    `kernels/` as a static library (panic=abort, one codegen unit), twice and at once: for
+//!    `-Ctarget-cpu=sm_80` and for `sm_75` (Turing, where `kernels/src/hw/ptx.rs` picks its
+//!    sm_75 instructions by `cfg(target_feature = "sm_80")`). On this target rustc writes LLVM
+//!    bitcode, not machine code, into the archive. Each nested cargo gets a target directory of
+//!    its own: sharing ours would deadlock on its lock.
+//! 2. `llvm-link` joins each build's kernel bitcode with what it uses of `core` and
 //!    `compiler_builtins` (`--only-needed --internalize`, so nothing else of them is kept).
-//! 3. Per module group ([`MODULE_GROUPS`]): `opt` keeps the group's kernels (internalize +
-//!    globaldce), `opt -O3` with the group's flags, then `llc -mcpu=<arch>` writes PTX text for
-//!    the group's architecture (`sm_80` for the portable kernels, `sm_90a` for the Hopper ones).
+//! 3. Per module group ([`MODULE_GROUPS`], several at a time): `opt` keeps the group's kernels
+//!    (internalize + globaldce), `opt -O3` with the group's flags, then `llc -mcpu=<arch>` writes
+//!    PTX text for the group's architecture (`sm_80` for the portable kernels, `sm_90a` for the
+//!    Hopper ones, `sm_75` for Turing's copies of the `f32` and `f16` ones).
 //! 4. The PTX modules, and a registry generated from their `.entry` names, are written to
 //!    `OUT_DIR/kernels.rs`, which `src/kernels.rs` includes.
 //!
@@ -34,6 +37,11 @@ use std::process::{Command, exit};
 /// group's PTX is then written for the group's own architecture.
 const BASE_ARCH: &str = "sm_80";
 
+/// Turing (compute capability 7.5): the device crate is compiled a second time for it, and its
+/// `f32` and `f16` kernels make modules of their own (Turing has no `bf16` tensor cores, no
+/// `cp.async`, no `wgmma`).
+const TURING_ARCH: &str = "sm_75";
+
 const NVPTX_TARGET: &str = "nvptx64-nvidia-cuda";
 
 /// The PTX ISA version the `sm_80` modules declare: 7.8 (CUDA 11.8) is the first with
@@ -51,8 +59,10 @@ const PTX_VERSION_HOPPER: &str = "ptx80";
 /// registers once ptxas unrolls them itself).
 const UNROLL: &str = "-unroll-threshold=1500";
 
-/// One PTX module: its name, the architecture and PTX version it is written for, and the extra
-/// `opt` flags of its kernels.
+/// One PTX module: its name, the architecture and PTX version it is written for (its bitcode
+/// comes from the device crate's build for that architecture, `sm_80`'s for `sm_90a`), and the
+/// extra `opt` flags of its kernels. A module is known by its name and architecture together:
+/// the `sm_75` modules repeat the `sm_80` names.
 struct ModuleGroup {
     name: &'static str,
     arch: &'static str,
@@ -60,20 +70,41 @@ struct ModuleGroup {
     opt_flags: Option<&'static str>,
 }
 
-/// The kernels are compiled into five PTX modules, each optimised with its own flags: the
+impl ModuleGroup {
+    /// The architecture of the device crate's build that this module is cut from.
+    fn build_arch(&self) -> &'static str {
+        if self.arch == TURING_ARCH { TURING_ARCH } else { BASE_ARCH }
+    }
+
+    /// Whether kernel `entry` belongs to this module.
+    fn holds(&self, entry: &str) -> bool {
+        if self.arch == TURING_ARCH {
+            turing_group_of(entry) == Some(self.name)
+        } else {
+            group_of(entry) == self.name
+        }
+    }
+}
+
+/// The kernels are compiled into nine PTX modules, each optimised with its own flags: the
 /// CUDA-core kernels (f32, vector add, naive attention) at LLVM's default unrolling budget, which
 /// they were tuned at (more unrolling makes their backward kernels spill), the tensor-core
 /// kernels (f16, bf16) with [`UNROLL`], both for `sm_80` (every GPU from Ampere on), each with
 /// a module of its own for the flash kernels' band-table twins (`_table`, which only problems
 /// with a band table run), and the Hopper kernels (`hopper_*`, `wgmma` and TMA) for `sm_90a`,
-/// which only compute capability 9.0 runs. The host loads a module the first time it looks up
-/// one of its kernels, by name (the driver compiles it then: smaller modules, less waiting).
+/// which only compute capability 9.0 runs. The last four repeat the first four's for `sm_75`
+/// (Turing) from the crate's Turing build, without the `bf16` kernels. The host loads a kernel
+/// from its module the first time it looks it up, by name (the driver compiles it then).
 const MODULE_GROUPS: &[ModuleGroup] = &[
     ModuleGroup { name: "cuda_cores", arch: BASE_ARCH, ptx_version: PTX_VERSION, opt_flags: None },
     ModuleGroup { name: "tensor_cores", arch: BASE_ARCH, ptx_version: PTX_VERSION, opt_flags: Some(UNROLL) },
     ModuleGroup { name: "hopper", arch: "sm_90a", ptx_version: PTX_VERSION_HOPPER, opt_flags: Some(UNROLL) },
     ModuleGroup { name: "cuda_cores_tables", arch: BASE_ARCH, ptx_version: PTX_VERSION, opt_flags: None },
     ModuleGroup { name: "tensor_cores_tables", arch: BASE_ARCH, ptx_version: PTX_VERSION, opt_flags: Some(UNROLL) },
+    ModuleGroup { name: "cuda_cores", arch: TURING_ARCH, ptx_version: PTX_VERSION, opt_flags: None },
+    ModuleGroup { name: "tensor_cores", arch: TURING_ARCH, ptx_version: PTX_VERSION, opt_flags: Some(UNROLL) },
+    ModuleGroup { name: "cuda_cores_tables", arch: TURING_ARCH, ptx_version: PTX_VERSION, opt_flags: None },
+    ModuleGroup { name: "tensor_cores_tables", arch: TURING_ARCH, ptx_version: PTX_VERSION, opt_flags: Some(UNROLL) },
 ];
 
 /// The module group of kernel `entry`. The host's registry (`module_of`) is generated from the
@@ -89,6 +120,13 @@ fn group_of(entry: &str) -> &'static str {
     } else {
         "cuda_cores"
     }
+}
+
+/// The `sm_75` module group of kernel `entry`: its `sm_80` group, for every kernel that Turing
+/// runs (not the Hopper ones, not the `bf16` ones).
+fn turing_group_of(entry: &str) -> Option<&'static str> {
+    let group = group_of(entry);
+    (group != "hopper" && !entry.contains("_bf16")).then_some(group)
 }
 
 const KERNEL_CRATE: &str = "attn_kernels";
@@ -115,15 +153,29 @@ fn main() {
     };
 
     let mut generated = String::from("// @generated by host/build.rs from the kernels/ crate.\n\n");
-    // `match` arms of `module_of`: the entries of every module but the first, which is the default.
+    // `match` arms of `module_of`: the entries of every module but the first, which is the
+    // default; of `turing_module_of`: the entries of the sm_75 modules.
     let mut module_arms = String::new();
-    for (index, (_, ptx)) in modules.iter().enumerate().skip(1) {
+    let mut turing_arms = String::new();
+    for (index, (group, ptx)) in modules.iter().enumerate().skip(1) {
         let names: Vec<String> = ptx_entries(ptx).iter().map(|name| format!("{name:?}")).collect();
-        if !names.is_empty() {
-            writeln!(module_arms, "        {} => {index},", names.join(" | ")).unwrap();
+        if names.is_empty() {
+            continue;
+        }
+        let names = names.join(" | ");
+        if group.arch == TURING_ARCH {
+            writeln!(turing_arms, "        {names} => Some({index}),").unwrap();
+        } else {
+            writeln!(module_arms, "        {names} => {index},").unwrap();
         }
     }
-    let mut entries: Vec<String> = modules.iter().flat_map(|(_, ptx)| ptx_entries(ptx)).collect();
+    check_turing_modules(&modules);
+    // The kernels, by name: the sm_75 modules hold copies of sm_80 ones.
+    let mut entries: Vec<String> = modules
+        .iter()
+        .filter(|(group, _)| group.arch != TURING_ARCH)
+        .flat_map(|(_, ptx)| ptx_entries(ptx))
+        .collect();
     entries.sort();
     writeln!(generated, "/// PTX of the `kernels/` crate, one module per group of kernels ([`MODULES`]).").unwrap();
     writeln!(generated, "pub const PTX: &[&str] = &[").unwrap();
@@ -137,11 +189,16 @@ fn main() {
     let archs: Vec<String> = MODULE_GROUPS.iter().map(|g| format!("{:?}", g.arch)).collect();
     writeln!(
         generated,
-        "/// The module groups, in the order of [`PTX`].\npub const MODULES: &[&str] = &[{}];\n\n\
-         /// The architecture each module is written for (`sm_90a` runs on compute capability 9.0 only).\n\
+        "/// The module groups, in the order of [`PTX`] (a name and its [`MODULE_ARCHS`] entry name a module).\n\
+         pub const MODULES: &[&str] = &[{}];\n\n\
+         /// The architecture each module is written for (`sm_90a` runs on compute capability 9.0 only; \
+         `sm_75` is Turing's copy of the `sm_80` modules that have no `bf16`).\n\
          pub const MODULE_ARCHS: &[&str] = &[{}];\n\n\
-         /// The index of the module that holds the kernel `entry` (0 for a name of no module).\n\
-         pub fn module_of(entry: &str) -> usize {{\n    match entry {{\n{module_arms}        _ => 0,\n    }}\n}}\n",
+         /// The index of the `sm_80` or `sm_90a` module that holds the kernel `entry` (0 for a name of no module).\n\
+         pub fn module_of(entry: &str) -> usize {{\n    match entry {{\n{module_arms}        _ => 0,\n    }}\n}}\n\n\
+         /// The index of the `sm_75` (Turing) module that holds the kernel `entry`, if one does: \
+         every kernel of the `sm_80` modules but the `bf16` ones.\n\
+         pub fn turing_module_of(entry: &str) -> Option<usize> {{\n    match entry {{\n{turing_arms}        _ => None,\n    }}\n}}\n",
         groups.join(", "),
         archs.join(", ")
     )
@@ -349,15 +406,26 @@ fn flash_instance(name: &str) -> Option<FlashName> {
     Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages, hopper, hopper_variant, padded })
 }
 
-/// The architecture of module group `group`.
-fn group_arch(group: &str) -> &'static str {
-    MODULE_GROUPS.iter().find(|g| g.name == group).map_or(BASE_ARCH, |g| g.arch)
-}
 
 /// The file name of module group `group`'s PTX (in `OUT_DIR`; shipped in [`SHIPPED_DIR`] with
 /// `.xz` appended): `kernels_sm_80_tensor_cores.ptx`, for one.
-fn module_file(group: &str) -> String {
-    format!("kernels_{}_{group}.ptx", group_arch(group))
+fn module_file(group: &ModuleGroup) -> String {
+    format!("kernels_{}_{}.ptx", group.arch, group.name)
+}
+
+/// Fails the build unless the `sm_75` modules hold exactly the `sm_80` modules' kernels that
+/// Turing runs, module for module: the host takes a Turing kernel by its `sm_80` name.
+fn check_turing_modules(modules: &[(&'static ModuleGroup, String)]) {
+    for (turing, ptx) in modules.iter().filter(|(g, _)| g.arch == TURING_ARCH) {
+        let (_, base) = modules
+            .iter()
+            .find(|(g, _)| g.arch == BASE_ARCH && g.name == turing.name)
+            .unwrap_or_else(|| fail(&format!("the sm_75 module {} has no sm_80 module of that name", turing.name)));
+        let wanted: Vec<String> = ptx_entries(base).into_iter().filter(|e| turing_group_of(e).is_some()).collect();
+        if ptx_entries(ptx) != wanted {
+            fail(&format!("the sm_75 module {} does not hold the same kernels as its sm_80 module", turing.name));
+        }
+    }
 }
 
 /// Where the shipped PTX lives, relative to this crate's manifest.
@@ -365,11 +433,11 @@ const SHIPPED_DIR: &str = "ptx";
 
 /// The PTX of every module group, unpacked from the xz files in `dir` (what a `build-ptx` build
 /// compiled, written there by `scripts/ship-ptx`).
-fn shipped_ptx(dir: &Path) -> Vec<(&'static str, String)> {
+fn shipped_ptx(dir: &Path) -> Vec<(&'static ModuleGroup, String)> {
     MODULE_GROUPS
         .iter()
         .map(|group| {
-            let path = dir.join(format!("{}.xz", module_file(group.name)));
+            let path = dir.join(format!("{}.xz", module_file(group)));
             let damaged = |why: String| -> ! {
                 fail(&format!(
                     "the shipped PTX {} {why}. Build attn-host with its `build-ptx` feature to compile the \
@@ -385,14 +453,54 @@ fn shipped_ptx(dir: &Path) -> Vec<(&'static str, String)> {
             if !ptx.contains(".visible .entry ") {
                 damaged("holds no kernel".into());
             }
-            (group.name, ptx)
+            (group, ptx)
         })
         .collect()
 }
 
-/// Builds `kernels/` and returns the PTX text of each module group.
-fn build_ptx(kernels_dir: &Path, out_dir: &Path, tools: &LlvmTools) -> Vec<(&'static str, String)> {
-    let arch = BASE_ARCH;
+/// Builds `kernels/` and returns the PTX text of each module group, in [`MODULE_GROUPS`]' order.
+fn build_ptx(kernels_dir: &Path, out_dir: &Path, tools: &LlvmTools) -> Vec<(&'static ModuleGroup, String)> {
+    // The two builds of the device crate run at once (each is one codegen unit: one core).
+    let builds: Vec<(&str, Bitcode)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = [BASE_ARCH, TURING_ARCH]
+            .map(|arch| (arch, scope.spawn(move || build_bitcode(kernels_dir, out_dir, arch, tools))))
+            .into_iter()
+            .collect();
+        handles.into_iter().map(|(arch, handle)| (arch, handle.join().unwrap())).collect()
+    });
+    // The module groups, as many at a time as there are cores: each is an `opt` and an `llc` of
+    // its own.
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MODULE_GROUPS.len());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut modules: Vec<(usize, &'static ModuleGroup, String)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let index = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(group) = MODULE_GROUPS.get(index) else { break done };
+                        let (_, bitcode) = builds.iter().find(|(arch, _)| *arch == group.build_arch()).unwrap();
+                        done.push((index, group, module_ptx(group, bitcode, tools)));
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().flat_map(|handle| handle.join().unwrap()).collect()
+    });
+    modules.sort_by_key(|(index, _, _)| *index);
+    modules.into_iter().map(|(_, group, ptx)| (group, ptx)).collect()
+}
+
+/// One build of the device crate: its linked bitcode and the kernels in it.
+struct Bitcode {
+    target_dir: PathBuf,
+    linked: PathBuf,
+    kernels: Vec<String>,
+}
+
+/// Builds `kernels/` for target CPU `arch` and links its bitcode with what it uses of `core`.
+fn build_bitcode(kernels_dir: &Path, out_dir: &Path, arch: &str, tools: &LlvmTools) -> Bitcode {
     let target_dir = out_dir.join("kernels-target").join(arch);
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
@@ -414,7 +522,7 @@ fn build_ptx(kernels_dir: &Path, out_dir: &Path, tools: &LlvmTools) -> Vec<(&'st
     let status = cmd.status().unwrap_or_else(|e| fail(&format!("could not run cargo for the kernels: {e}")));
     if !status.success() {
         fail(&format!(
-            "building kernels/ for {NVPTX_TARGET} failed (see the errors above). If they say that \
+            "building kernels/ for {NVPTX_TARGET} ({arch}) failed (see the errors above). If they say that \
              `core` or the target is missing, {FIX}."
         ));
     }
@@ -467,28 +575,31 @@ fn build_ptx(kernels_dir: &Path, out_dir: &Path, tools: &LlvmTools) -> Vec<(&'st
         .map(String::from)
         .collect();
 
-    let mut modules = Vec::new();
-    for ModuleGroup { name: group, arch, ptx_version, opt_flags } in MODULE_GROUPS {
-        let keep: Vec<&str> = kernels.iter().map(String::as_str).filter(|k| group_of(k) == *group).collect();
-        let (kept_bc, optimized_bc) =
-            (target_dir.join(format!("{group}.bc")), target_dir.join(format!("{group}.opt.bc")));
-        let ptx_path = target_dir.join(format!("{group}.ptx"));
-        // Every other kernel is made internal, and then dropped as unused.
-        run(Command::new(&tools.opt)
-            .args(["-passes=internalize,globaldce", &format!("-internalize-public-api-list={}", keep.join(","))])
-            .arg(&linked_bc)
-            .arg("-o")
-            .arg(&kept_bc));
-        run(Command::new(&tools.opt).arg("-O3").args(opt_flags).arg(&kept_bc).arg("-o").arg(&optimized_bc));
-        run(Command::new(&tools.llc)
-            .args(["-O3", &format!("-mcpu={arch}"), &format!("-mattr=+{ptx_version}")])
-            .arg(&optimized_bc)
-            .arg("-o")
-            .arg(&ptx_path));
-        modules.push((*group, with_launch_bounds(fs::read_to_string(&ptx_path).unwrap())));
-    }
-    modules
+    Bitcode { target_dir, linked: linked_bc, kernels }
 }
+
+/// The PTX of module `group`: its kernels kept from the linked bitcode of its build (every
+/// other one made internal, then dropped as unused), optimised, and written for its
+/// architecture.
+fn module_ptx(group: &ModuleGroup, bitcode: &Bitcode, tools: &LlvmTools) -> String {
+    let ModuleGroup { name, arch, ptx_version, opt_flags } = group;
+    let keep: Vec<&str> = bitcode.kernels.iter().map(String::as_str).filter(|k| group.holds(k)).collect();
+    let file = |extension: &str| bitcode.target_dir.join(format!("{arch}_{name}.{extension}"));
+    let (kept_bc, optimized_bc, ptx_path) = (file("bc"), file("opt.bc"), file("ptx"));
+    run(Command::new(&tools.opt)
+        .args(["-passes=internalize,globaldce", &format!("-internalize-public-api-list={}", keep.join(","))])
+        .arg(&bitcode.linked)
+        .arg("-o")
+        .arg(&kept_bc));
+    run(Command::new(&tools.opt).arg("-O3").args(opt_flags).arg(&kept_bc).arg("-o").arg(&optimized_bc));
+    run(Command::new(&tools.llc)
+        .args(["-O3", &format!("-mcpu={arch}"), &format!("-mattr=+{ptx_version}")])
+        .arg(&optimized_bc)
+        .arg("-o")
+        .arg(&ptx_path));
+    with_launch_bounds(fs::read_to_string(&ptx_path).unwrap())
+}
+
 
 /// The device crate's table of compiled configurations: its `LAUNCH_BOUNDS` are written into the
 /// PTX here (its macros are for the device crate and unused in this one).
@@ -521,7 +632,7 @@ fn with_launch_bounds(ptx: String) -> String {
 
 /// Fails the build if a kernel named in `configs::LAUNCH_BOUNDS` is in none of the modules: a
 /// renamed or removed kernel must not silently lose its bounds.
-fn check_launch_bounds(modules: &[(&'static str, String)]) {
+fn check_launch_bounds(modules: &[(&'static ModuleGroup, String)]) {
     let entries: Vec<String> = modules.iter().flat_map(|(_, ptx)| ptx_entries(ptx)).collect();
     for (name, _, _) in configs::LAUNCH_BOUNDS {
         if !entries.iter().any(|entry| entry == name) {

@@ -365,8 +365,9 @@ fn emulated_wide_head_backward_in_both_modes() {
 }
 
 /// The backward tiles that smaller GPUs get (their three kernels fit 99 KiB a block: an RTX
-/// 3090/4090 or an L4; at 256 also an A100's deterministic dQ kernel), exact and padded, in both
-/// dQ modes and both 16-bit formats: the tiles `Context::default_backward_tile` picks there.
+/// 3090/4090 or an L4; at 256 also an A100's deterministic dQ kernel; up to 192 a T4's 64 KiB),
+/// exact and padded, in both dQ modes and both 16-bit formats: the tiles
+/// `Context::default_backward_tile` picks there; and the T4's forward tile at 97–128.
 #[test]
 fn emulated_small_gpu_backward_tiles() {
     let ctx = emulator();
@@ -378,6 +379,14 @@ fn emulated_small_gpu_backward_tiles() {
         (168, (32, 32), 20, 37),
         (256, (16, 32), 40, 17),
         (232, (16, 32), 9, 70),
+        (64, (32, 64), 45, 70),
+        (40, (32, 64), 33, 19),
+        (96, (32, 32), 40, 65),
+        (72, (32, 32), 21, 34),
+        (128, (32, 32), 35, 30),
+        (112, (32, 32), 50, 17),
+        (192, (16, 32), 30, 41),
+        (160, (16, 32), 17, 50),
     ] {
         let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q, seqlen_k, head_dim };
         let fwd = TileConfig::default_for_dtype(attn_host::DType::F16, head_dim);
@@ -392,6 +401,12 @@ fn emulated_small_gpu_backward_tiles() {
             }
             cases += 1;
         }
+    }
+    for (head_dim, seqlen_q, seqlen_k) in [(128, 70, 41), (104, 33, 80)] {
+        let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q, seqlen_k, head_dim };
+        let fwd = TileConfig::new(64, 32).with_stages(2);
+        check16::<attn_host::f16>(ctx, shape, fwd, None, options(Causal::BottomRight), 90 + cases, Inputs::Normal);
+        cases += 1;
     }
     report("emulated_small_gpu_backward_tiles", cases);
 }

@@ -56,6 +56,15 @@ pub struct DeviceInfo {
     pub total_memory: usize,
 }
 
+impl DeviceInfo {
+    /// Whether the device's kernels take `dtype`: every type from Ampere on (compute capability
+    /// 8.0); on Turing (7.5) `f32` and `f16` only, as its tensor cores have no `bf16` products
+    /// (the `bf16` kernels' lookup is then an [`Error::Unsupported`](crate::Error::Unsupported)).
+    pub fn supports(&self, dtype: crate::DType) -> bool {
+        dtype != crate::DType::Bf16 || self.compute_capability >= (8, 0)
+    }
+}
+
 impl std::fmt::Display for DeviceInfo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let (major, minor) = self.compute_capability;
@@ -82,8 +91,8 @@ pub struct GpuProfile {
     pub name: &'static str,
     /// The GPU it stands for.
     pub gpu: &'static str,
-    /// Its compute capability: below 9.0 the sm_90a kernels are hidden, below 8.0 the context is
-    /// refused (as on the real GPU: the kernels are compiled for sm_80 and newer).
+    /// Its compute capability: below 9.0 the sm_90a kernels are hidden; below 8.0 (Turing) the
+    /// context runs the sm_75 modules, as on the real GPU, and refuses `bf16`.
     pub compute_capability: (i32, i32),
     /// Its largest dynamic shared memory per block (opt-in), in bytes.
     pub max_shared_memory_per_block: usize,

@@ -497,6 +497,7 @@ pub fn table_twin(entry: &str) -> String {
 /// The PTX of kernel `entry` alone, as a module of its own: module `module_of(entry)`'s text with
 /// every other entry left out (its header, the declarations before the first entry and the
 /// functions after the last are shared by all of them). `None` if the module has no such entry.
+/// (Turing's copy: [`module_entry_ptx`] with [`turing_module_of`].)
 ///
 /// Why: the driver compiles a whole module when it is loaded, and the larger modules hold
 /// hundreds of kernels (the tensor-core one, 40 MB of PTX, took minutes on an H200 that had no
@@ -504,7 +505,12 @@ pub fn table_twin(entry: &str) -> String {
 /// fraction of a second, and a program compiles only the kernels it runs. The driver's cache
 /// (`~/.nv/ComputeCache`) keeps each kernel's compiled code across runs.
 pub fn entry_ptx(entry: &str) -> Option<String> {
-    let ptx = PTX[module_of(entry)];
+    module_entry_ptx(module_of(entry), entry)
+}
+
+/// [`entry_ptx`] from module `module` (an index into [`PTX`]); `None` if it has no such entry.
+pub fn module_entry_ptx(module: usize, entry: &str) -> Option<String> {
+    let ptx = PTX[module];
     let head = format!(".visible .entry {entry}(");
     let start = ptx.find(&head)?;
     // The entry's text ends with the brace that closes its body: count braces from its first
@@ -569,7 +575,7 @@ mod tests {
     /// Every kernel's own module holds exactly that entry, whole, and what it calls.
     #[test]
     fn every_entry_splits_into_a_module_of_its_own() {
-        for ptx in PTX {
+        for (index, ptx) in PTX.iter().enumerate() {
             let names: Vec<&str> = ptx
                 .lines()
                 .filter_map(|line| line.strip_prefix(".visible .entry "))
@@ -577,7 +583,7 @@ mod tests {
                 .collect();
             assert!(!names.is_empty());
             for name in names {
-                let module = entry_ptx(name).unwrap_or_else(|| panic!("{name}: no module"));
+                let module = module_entry_ptx(index, name).unwrap_or_else(|| panic!("{name}: no module"));
                 assert_eq!(module.matches(".visible .entry ").count(), 1, "{name}");
                 assert!(module.contains(&format!(".visible .entry {name}(")), "{name}");
                 assert!(module.starts_with(&ptx[..ptx.find(".visible .entry ").unwrap()]), "{name}: header");
@@ -591,6 +597,33 @@ mod tests {
             }
         }
         assert_eq!(entry_ptx("no_such_kernel"), None);
+    }
+
+    /// Turing's modules hold every kernel of the sm_80 modules but the `bf16` ones, under the
+    /// same names, written for sm_75; the Hopper and `bf16` kernels have no Turing copy.
+    #[test]
+    fn turing_modules_copy_the_sm_80_ones_without_bf16() {
+        let flash = FLASH_INSTANCES.iter().map(|i| i.entry);
+        for name in entry::ALL.iter().copied().chain(flash) {
+            let twin = table_twin(name);
+            for name in [name, twin.as_str()] {
+                if !PTX[module_of(name)].contains(&format!(".entry {name}(")) {
+                    continue; // a plain kernel has no twin
+                }
+                match turing_module_of(name) {
+                    Some(module) => {
+                        assert!(!name.contains("_bf16"), "{name} has a Turing copy");
+                        assert_eq!(MODULE_ARCHS[module], "sm_75", "{name}");
+                        assert_eq!(MODULES[module], MODULES[module_of(name)], "{name}");
+                        assert!(module_entry_ptx(module, name).is_some(), "{name} missing from its sm_75 module");
+                    }
+                    None => assert!(name.contains("_bf16"), "{name} has no Turing copy"),
+                }
+            }
+        }
+        for i in HOPPER_INSTANCES {
+            assert_eq!(turing_module_of(i.entry), None, "{}", i.entry);
+        }
     }
 
     #[test]

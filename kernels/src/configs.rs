@@ -150,8 +150,10 @@ macro_rules! sm90_forward_configs {
 /// Calls `$instance!(dtype, Format, block_m, block_n, head_dim, stages, padded)` for the
 /// tensor-core forward tiles that also have a *padded* instance (`layout::row_length`), which
 /// runs the head dims below `head_dim` down to the next compiled one: the default tile of each
-/// head_dim (`TileConfig::default_for_dtype`). The instances in [`sm80_forward_tiles!`] are
-/// exact: a run-time row length would cost the hottest ones registers they do not have.
+/// head_dim (`TileConfig::default_for_dtype`), and (64, 32) at 128, the tile that fits a T4's
+/// 64 KiB a block between 96 and 128 (its Q tile borrows a ring slot, `layout::q_shares_ring`).
+/// The instances in [`sm80_forward_tiles!`] are exact: a run-time row length would cost the
+/// hottest ones registers they do not have.
 macro_rules! sm80_padded_forward_tiles {
     ($instance:ident) => {
         each_half_format!(
@@ -161,6 +163,7 @@ macro_rules! sm80_padded_forward_tiles {
                 (128, 64, 64, 2, padded),
                 (64, 64, 96, 2, padded),
                 (128, 32, 128, 2, padded),
+                (64, 32, 128, 2, padded),
                 (64, 32, 160, 2, padded),
                 (64, 32, 192, 2, padded),
                 (64, 32, 256, 2, padded)
@@ -170,9 +173,10 @@ macro_rules! sm80_padded_forward_tiles {
 }
 
 /// As [`sm80_padded_forward_tiles!`] for the backward: the default tile of each head_dim
-/// (`TileConfig::default_backward_for_dtype`), each for its three kernels, and from 128 up the
-/// tile that fits smaller GPUs (99 KiB a block; at 256 also an A100's deterministic dQ kernel),
-/// so that every head_dim runs there (`Context::default_backward_tile` picks it).
+/// (`TileConfig::default_backward_for_dtype`), each for its three kernels, and the tiles that
+/// fit smaller GPUs, so that every head_dim runs there (`Context::default_backward_tile` picks
+/// them): from 128 up 99 KiB a block (at 256 also an A100's deterministic dQ kernel), and up to
+/// 192 a T4's 64 KiB ((32, 64) at 64, (32, 32) at 96 and 128, (16, 32) at 192).
 macro_rules! sm80_padded_backward_tiles {
     ($instance:ident) => {
         each_half_format!(
@@ -180,11 +184,15 @@ macro_rules! sm80_padded_backward_tiles {
             [
                 (64, 128, 32, 2, padded),
                 (64, 128, 64, 2, padded),
+                (32, 64, 64, 2, padded),
                 (64, 64, 96, 2, padded),
+                (32, 32, 96, 2, padded),
                 (64, 64, 128, 2, padded),
                 (32, 64, 128, 2, padded),
+                (32, 32, 128, 2, padded),
                 (64, 64, 192, 2, padded),
                 (32, 32, 192, 2, padded),
+                (16, 32, 192, 2, padded),
                 (32, 64, 256, 2, padded),
                 (16, 32, 256, 2, padded)
             ]

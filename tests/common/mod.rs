@@ -49,6 +49,50 @@ pub fn on_device(
     fitting
 }
 
+/// Whether `ctx` runs kernels of `dtype` ([`attn_host::DeviceInfo::supports`]): not `bf16` on a
+/// Turing GPU (or under the T4 profile). A check of a type the device lacks is left out, with a
+/// line on stderr (once per type), and the test goes on with the others.
+pub fn runs(ctx: &Context, dtype: DType) -> bool {
+    if ctx.device().supports(dtype) {
+        return true;
+    }
+    static REPORTED: Mutex<Option<HashSet<DType>>> = Mutex::new(None);
+    if REPORTED.lock().unwrap().get_or_insert_default().insert(dtype) {
+        let line = format!("{dtype} checks left out: {} has no {dtype} kernels\n", ctx.device().name);
+        let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    }
+    false
+}
+
+/// Whether `ctx` has a tile for the pass at `dtype` and `head_dim` (`dq`: the backward in that
+/// dQ mode, `None`: the forward) within its shared memory: the default one fits
+/// ([`on_device`]'s fallback). On every GPU from compute capability 8.0 it does; a T4's 64 KiB
+/// hold no `f16` tile above head_dim 192 nor an `f32` backward tile above 128, and a check there
+/// is left out with a line on stderr (once per case).
+pub fn fits(ctx: &Context, dtype: DType, head_dim: usize, dq: Option<DqAccumulation>) -> bool {
+    let (tile, kernels): (TileConfig, &[FlashKernel]) = match dq {
+        None => (ctx.default_tile(dtype, head_dim), &[FlashKernel::Forward]),
+        Some(mode @ DqAccumulation::Atomic) => (ctx.default_backward_tile(dtype, head_dim, mode), &[FlashKernel::Backward]),
+        Some(mode @ DqAccumulation::Deterministic) => (
+            ctx.default_backward_tile(dtype, head_dim, mode),
+            &[FlashKernel::BackwardDkDv, FlashKernel::BackwardDq],
+        ),
+    };
+    let fits = kernels.iter().all(|&kernel| {
+        !matches!(tile.validate_kernel(kernel, dtype, head_dim, ctx.device()), Err(Error::SharedMemory { .. }))
+    });
+    if !fits {
+        static REPORTED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+        let pass = dq.map_or("forward".to_string(), |mode| format!("{mode:?} backward"));
+        let case = format!("{dtype} {pass} at head_dim {head_dim}");
+        if REPORTED.lock().unwrap().get_or_insert_default().insert(case.clone()) {
+            let line = format!("{case} left out: no compiled tile fits {}\n", ctx.device().name);
+            let _ = std::io::stderr().lock().write_all(line.as_bytes());
+        }
+    }
+    fits
+}
+
 /// The GPU context for this test binary, created once. Without a GPU it prints a visible skip
 /// line and returns `None`, unless `REQUIRE_GPU=1` is set, in which case the test fails. Either
 /// way the test is counted for the line the binary prints when it exits ([`tally`]).

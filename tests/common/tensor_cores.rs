@@ -122,6 +122,10 @@ pub fn check16_with_sinks<T: Element>(
     inputs: Inputs,
 ) {
     let dtype = T::DTYPE;
+    let fits = |dq| super::fits(ctx, dtype, shape.head_dim, dq);
+    if !super::runs(ctx, dtype) || !fits(None) || backward.is_some_and(|(_, mode)| !fits(Some(mode))) {
+        return;
+    }
     let (o_tolerance, grad_tolerance) = tolerances(dtype);
     let problem = Problem16::<T>::new(ctx, shape, seed, inputs);
     let [q, k, v, d_o] = &problem.host;

@@ -273,6 +273,13 @@ pub(super) fn run(mut args: Args) -> Result<()> {
         println!("device: {}", ctx.device());
     }
     let ctx = super::with_kernels(ctx, args.kernels)?;
+    // A type the GPU has no kernels for (bf16 on Turing) leaves the list with a line, rather than
+    // failing its rows.
+    let (kept, lacking): (Vec<DType>, Vec<DType>) = args.dtype.iter().partition(|&&dtype| ctx.device().supports(dtype));
+    for dtype in lacking {
+        println!("{dtype}: skipped, {} has no {dtype} kernels (compute capability 8.0 and newer)", ctx.device().name);
+    }
+    args.dtype = kept;
     if args.tune {
         return super::tune::run(&ctx, &args);
     }

@@ -150,7 +150,7 @@ impl Context {
                 };
                 format!("{} {}{persistent}{}", KernelPath::Sm90a, kernel.config_name(), on(kernel.head_dim))
             }
-            None => format!("{} {tile}{}", KernelPath::Sm80, on(padded)),
+            None => format!("{} {tile}{}", self.portable_modules(), on(padded)),
         }
     }
 
@@ -302,7 +302,7 @@ impl Context {
         }
         match self.target().hopper_backward_for(dtype, head_dim, tile, dq, options) {
             Some(kernel) => format!("{} {}{}", KernelPath::Sm90a, kernel.config_name(), on(kernel.head_dim)),
-            None => format!("{} {tile}{}", KernelPath::Sm80, on(padded)),
+            None => format!("{} {tile}{}", self.portable_modules(), on(padded)),
         }
     }
 

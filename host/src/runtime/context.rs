@@ -65,8 +65,19 @@ fn next_context_id() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
-/// The oldest compute capability the embedded `sm_80` PTX runs on.
-const MIN_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
+/// The oldest compute capability the embedded PTX runs on: Turing, with its `sm_75` modules
+/// (the `f32` and `f16` kernels; `bf16` needs 8.0).
+const MIN_COMPUTE_CAPABILITY: (i32, i32) = (7, 5);
+
+/// The compute capability from which a GPU runs the `sm_80` modules (Ampere); below it, down to
+/// [`MIN_COMPUTE_CAPABILITY`], the `sm_75` ones. The emulator reports this one: it runs the
+/// `sm_80` kernels' source.
+const SM80: (i32, i32) = (8, 0);
+
+/// Whether a GPU of this compute capability runs Turing's `sm_75` modules.
+fn runs_turing_modules(compute_capability: (i32, i32)) -> bool {
+    compute_capability < SM80
+}
 
 /// The kernels on one CUDA context, each loaded as a PTX module of its own
 /// ([`kernels::entry_ptx`]) the first time it is looked up. The driver compiles a PTX module for
@@ -77,9 +88,13 @@ const MIN_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
 /// compiles on first use.)
 pub(crate) struct Modules {
     cuda: Arc<CudaContext>,
-    /// Whether this GPU runs the kernels of module `i`: the sm_80 modules run on every supported
-    /// GPU, the sm_90a one (Hopper's `wgmma` and TMA) only on compute capability 9.0.
+    /// Whether this GPU runs the kernels of module `i`: the sm_80 modules run on every GPU from
+    /// Ampere on, the sm_90a one (Hopper's `wgmma` and TMA) only on compute capability 9.0, the
+    /// sm_75 ones on Turing only.
     runnable: Vec<bool>,
+    /// A Turing GPU (compute capability 7.5): kernels come from the sm_75 modules, by the same
+    /// names ([`kernels::turing_module_of`]).
+    turing: bool,
     /// The kernels looked up so far, by entry name: a slot each, filled by the first lookup.
     loaded: Mutex<HashMap<String, Slot>>,
 }
@@ -89,25 +104,54 @@ pub(crate) struct Modules {
 type Slot = Arc<Mutex<Option<Arc<CudaModule>>>>;
 
 impl Modules {
-    fn new(cuda: Arc<CudaContext>, hopper: bool) -> Self {
-        let runnable = kernels::MODULE_ARCHS.iter().map(|&arch| arch != "sm_90a" || hopper).collect();
-        Self { cuda, runnable, loaded: Mutex::new(HashMap::new()) }
+    fn new(cuda: Arc<CudaContext>, compute_capability: (i32, i32)) -> Self {
+        let turing = runs_turing_modules(compute_capability);
+        let runnable = kernels::MODULE_ARCHS
+            .iter()
+            .map(|&arch| match arch {
+                "sm_90a" => compute_capability == (9, 0),
+                "sm_75" => turing,
+                _ => !turing,
+            })
+            .collect();
+        Self { cuda, runnable, turing, loaded: Mutex::new(HashMap::new()) }
+    }
+
+    /// The module that holds kernel `entry` on this GPU.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for a kernel this GPU cannot run: an sm_90a one off compute
+    /// capability 9.0, a `bf16` one on Turing.
+    fn module_of(&self, entry: &str, device: &str) -> Result<usize> {
+        let index = kernels::module_of(entry);
+        let unsupported = |what| Error::Unsupported { what, device: device.to_string() };
+        if self.turing {
+            return match kernels::turing_module_of(entry) {
+                Some(index) => Ok(index),
+                None if entry.contains("_bf16") => {
+                    Err(unsupported("bf16 (Turing's tensor cores have no bf16 products: use f16 or f32)"))
+                }
+                None if kernels::MODULE_ARCHS[index] == "sm_90a" => {
+                    Err(unsupported("this kernel's sm_90a module (compute capability 9.0)"))
+                }
+                // A name of no kernel: `function` says so.
+                None => Ok(index),
+            };
+        }
+        if !self.runnable[index] {
+            return Err(unsupported("this kernel's sm_90a module (compute capability 9.0)"));
+        }
+        Ok(index)
     }
 
     /// Kernel `entry`, loaded (and compiled by the driver) on the first call.
     ///
     /// # Errors
-    /// [`Error::Unsupported`] for a kernel of the sm_90a module off compute capability 9.0;
-    /// [`Error::Argument`] for a name of no kernel; [`Error::Driver`] if the driver cannot load
-    /// it.
+    /// [`Error::Unsupported`] for a kernel of the sm_90a module off compute capability 9.0, or
+    /// a `bf16` kernel on Turing; [`Error::Argument`] for a name of no kernel; [`Error::Driver`]
+    /// if the driver cannot load it.
     fn function(&self, entry: &str, device: &str) -> Result<CudaFunction> {
-        let index = kernels::module_of(entry);
-        if !self.runnable[index] {
-            return Err(Error::Unsupported {
-                what: "this kernel's sm_90a module (compute capability 9.0)",
-                device: device.to_string(),
-            });
-        }
+        let index = self.module_of(entry, device)?;
         // The map is locked only to find the kernel's slot; the slot is locked while the driver
         // compiles the kernel, so threads that need other kernels compile theirs meanwhile and
         // those that need this one wait for it.
@@ -125,7 +169,7 @@ impl Modules {
                 let (group, arch) = (kernels::MODULES[index], kernels::MODULE_ARCHS[index]);
                 // A name of no kernel is refused here, rather than by compiling a whole module
                 // (minutes) to learn that it is not in it.
-                let ptx = kernels::entry_ptx(entry)
+                let ptx = kernels::module_entry_ptx(index, entry)
                     .ok_or_else(|| Error::Argument(format!("no kernel named {entry} in the PTX")))?;
                 let module = self
                     .cuda
@@ -146,7 +190,7 @@ impl Context {
     ///
     /// # Errors
     /// [`Error::NoDriver`] without an NVIDIA driver, [`Error::NoDevice`] for a missing ordinal,
-    /// [`Error::UnsupportedDevice`] below compute capability 8.0 (the device's, or its
+    /// [`Error::UnsupportedDevice`] below compute capability 7.5 (the device's, or its
     /// [`GpuProfile`]'s), [`Error::Argument`] for an unknown value of [`KernelPath::ENV`] or
     /// [`GpuProfile::ENV`], [`Error::Unsupported`] when it asks for `sm90a` off
     /// Hopper, [`Error::Driver`] otherwise.
@@ -249,10 +293,10 @@ impl Context {
         };
         if info.compute_capability < MIN_COMPUTE_CAPABILITY {
             let (major, minor) = info.compute_capability;
-            return Err(Error::UnsupportedDevice { name: info.name, major, minor, needed: "8.0 (Ampere)" });
+            return Err(Error::UnsupportedDevice { name: info.name, major, minor, needed: "7.5 (Turing)" });
         }
         let hopper = info.compute_capability == (9, 0);
-        let modules = Arc::new(Modules::new(cuda.clone(), hopper));
+        let modules = Arc::new(Modules::new(cuda.clone(), info.compute_capability));
         let preferred = if hopper { KernelPath::Sm90a } else { KernelPath::Sm80 };
         let context = Self {
             id: next_context_id(),
@@ -282,13 +326,13 @@ impl Context {
         let info = DeviceInfo {
             ordinal: 0,
             name: "CPU emulator".into(),
-            compute_capability: MIN_COMPUTE_CAPABILITY,
+            compute_capability: SM80,
             sm_count: 1,
             max_shared_memory_per_block: 227 * 1024,
             total_memory: 0,
         };
         let info = match GpuProfile::from_env() {
-            Ok(Some(profile)) => DeviceInfo { compute_capability: MIN_COMPUTE_CAPABILITY, ..profile.apply(&info) },
+            Ok(Some(profile)) => DeviceInfo { compute_capability: SM80, ..profile.apply(&info) },
             _ => info,
         };
         Self {
@@ -608,11 +652,20 @@ impl Context {
 
     // The kernel path.
 
+    /// The architecture of the modules this context takes its portable (non-Hopper) kernels
+    /// from, as kernel labels name it: `sm_80`, or `sm_75` on a Turing GPU (or under the `t4`
+    /// profile), which runs Turing's copies of the same kernels.
+    pub fn portable_modules(&self) -> &'static str {
+        if runs_turing_modules(self.info.compute_capability) { "sm_75" } else { "sm_80" }
+    }
+
     /// Whether this context runs the `sm_90a` kernels: a GPU of compute capability 9.0 (their
     /// module loads on first use).
     pub fn has_hopper_kernels(&self) -> bool {
         match &self.backend {
-            Backend::Cuda { modules, .. } => modules.runnable.iter().all(|&runnable| runnable),
+            Backend::Cuda { modules, .. } => {
+                kernels::MODULE_ARCHS.iter().zip(&modules.runnable).any(|(&arch, &runnable)| arch == "sm_90a" && runnable)
+            }
             Backend::Emulated => false,
         }
     }

@@ -153,6 +153,7 @@ pub unsafe fn ldmatrix_x4<const TRANS: bool>(address: u32) -> [u32; 4] {
     [a, b, c, d]
 }
 
+#[cfg(target_feature = "sm_80")]
 #[inline(always)]
 pub fn mma_m16n8k16<const BF16: bool>(a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
     let [mut d0, mut d1, mut d2, mut d3] = c;
@@ -179,6 +180,41 @@ pub fn mma_m16n8k16<const BF16: bool>(a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> 
     [d0, d1, d2, d3]
 }
 
+/// Turing (sm_75) has no m16n8k16 `mma` for `f16`, and none for `bf16` at all: the product is
+/// two m16n8k8 steps over the two halves of k. In the m16n8k16 fragments a lane's registers a0,
+/// a1 hold columns 0–7 of its rows and a2, a3 columns 8–15; b0 holds k rows 0–7 and b1 rows
+/// 8–15 (PTX ISA, "Matrix Fragments for mma.m16n8k16"), which are exactly the m16n8k8
+/// fragments of the two halves, so no lane moves data. The `bf16` instances are not compiled
+/// into the sm_75 modules (the host refuses `bf16` there); reaching this with `BF16` traps.
+// ANCHOR: turing_mma
+#[cfg(not(target_feature = "sm_80"))]
+#[inline(always)]
+pub fn mma_m16n8k16<const BF16: bool>(a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
+    if BF16 {
+        trap();
+    }
+    let low_k = mma_m16n8k8_f16([a[0], a[1]], b[0], c);
+    mma_m16n8k8_f16([a[2], a[3]], b[1], low_k)
+}
+// ANCHOR_END: turing_mma
+
+/// One `mma.sync.m16n8k8` in `f16` with `f32` accumulators (sm_75 and newer).
+#[cfg(not(target_feature = "sm_80"))]
+#[inline(always)]
+fn mma_m16n8k8_f16(a: [u32; 2], b: u32, c: [f32; 4]) -> [f32; 4] {
+    let [mut d0, mut d1, mut d2, mut d3] = c;
+    // SAFETY: register-only; every lane of the warp executes it (the callers' contract).
+    unsafe {
+        asm!(
+            "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {{{d0}, {d1}, {d2}, {d3}}}, \
+             {{{a0}, {a1}}}, {{{b0}}}, {{{d0}, {d1}, {d2}, {d3}}};",
+            d0 = inout(reg32) d0, d1 = inout(reg32) d1, d2 = inout(reg32) d2, d3 = inout(reg32) d3,
+            a0 = in(reg32) a[0], a1 = in(reg32) a[1], b0 = in(reg32) b, options(pure, nomem, nostack)
+        )
+    };
+    [d0, d1, d2, d3]
+}
+
 #[inline(always)]
 pub fn movmatrix_trans(x: u32) -> u32 {
     let out: u32;
@@ -190,6 +226,7 @@ pub fn movmatrix_trans(x: u32) -> u32 {
     out
 }
 
+#[cfg(target_feature = "sm_80")]
 #[inline(always)]
 pub fn pack_f16x2(lo: f32, hi: f32) -> u32 {
     let out: u32;
@@ -201,6 +238,23 @@ pub fn pack_f16x2(lo: f32, hi: f32) -> u32 {
     out
 }
 
+/// Turing has no two-value `cvt` (it came with sm_80): two conversions, then one move packs
+/// the halves.
+#[cfg(not(target_feature = "sm_80"))]
+#[inline(always)]
+pub fn pack_f16x2(lo: f32, hi: f32) -> u32 {
+    let out: u32;
+    // SAFETY: register-only.
+    unsafe {
+        asm!(
+            "{{ .reg .b16 l, h; cvt.rn.f16.f32 l, {lo}; cvt.rn.f16.f32 h, {hi}; mov.b32 {o}, {{l, h}}; }}",
+            o = out(reg32) out, hi = in(reg32) hi, lo = in(reg32) lo, options(pure, nomem, nostack)
+        )
+    };
+    out
+}
+
+#[cfg(target_feature = "sm_80")]
 #[inline(always)]
 pub fn pack_bf16x2(lo: f32, hi: f32) -> u32 {
     let out: u32;
@@ -210,6 +264,13 @@ pub fn pack_bf16x2(lo: f32, hi: f32) -> u32 {
              options(pure, nomem, nostack))
     };
     out
+}
+
+/// Turing has no `bf16` conversion; its modules hold no `bf16` kernel.
+#[cfg(not(target_feature = "sm_80"))]
+#[inline(always)]
+pub fn pack_bf16x2(_lo: f32, _hi: f32) -> u32 {
+    trap()
 }
 
 #[inline(always)]
@@ -232,6 +293,7 @@ pub fn unpack_f16x2(x: u32) -> (f32, f32) {
 /// # Safety
 /// `dst` is 16-byte aligned inside the block's shared memory; `src` is a 16-byte aligned
 /// global address (read only when `valid`).
+#[cfg(target_feature = "sm_80")]
 #[inline(always)]
 pub unsafe fn cp_async_16(dst: u32, src: *const u16, valid: bool) {
     // `src-size` 0 makes the copy write 16 zero bytes without reading the source.
@@ -247,6 +309,7 @@ pub unsafe fn cp_async_16(dst: u32, src: *const u16, valid: bool) {
     };
 }
 
+#[cfg(target_feature = "sm_80")]
 #[inline(always)]
 pub unsafe fn cp_async_4(dst: u32, src: *const f32, valid: bool) {
     let src_bytes: u32 = if valid { 4 } else { 0 };
@@ -260,16 +323,80 @@ pub unsafe fn cp_async_4(dst: u32, src: *const f32, valid: bool) {
     };
 }
 
+#[cfg(target_feature = "sm_80")]
 #[inline(always)]
 pub fn cp_async_commit() {
     // SAFETY: no operands; it only closes this thread's group.
     unsafe { asm!("cp.async.commit_group;", options(nostack)) };
 }
 
+#[cfg(target_feature = "sm_80")]
 #[inline(always)]
 pub fn cp_async_wait<const PENDING: usize>() {
     // SAFETY: no operands. Not `nomem`: shared-memory reads must not move above it.
     unsafe { asm!("cp.async.wait_group {n};", n = const PENDING, options(nostack)) };
+}
+
+// Turing (sm_75) has no `cp.async` (it came with sm_80): the same four functions as ordinary
+// loads into registers and stores to shared memory. The copy is complete when the function
+// returns, so a commit group is empty and waiting for one returns at once; every caller waits
+// before a barrier and only then reads the tile, which makes the stores visible to the block just
+// as it does the asynchronous copies. (Only the overlap is lost: a warp stalls at the store until
+// its load arrives, where `cp.async` let it go on.)
+
+/// [`cp_async_16`] on Turing: a 16-byte load (cached in L2 only, as `cp.async.cg`) and store,
+/// or a store of zeros.
+///
+/// # Safety
+/// As on sm_80: `dst` is 16-byte aligned inside the block's shared memory; `src` is a 16-byte
+/// aligned global address (read only when `valid`).
+#[cfg(not(target_feature = "sm_80"))]
+#[inline(always)]
+pub unsafe fn cp_async_16(dst: u32, src: *const u16, valid: bool) {
+    let valid = valid as u32;
+    // SAFETY: the caller guarantees both addresses; the load is predicated off when not valid.
+    unsafe {
+        asm!(
+            "{{ .reg .pred p; .reg .u64 g; .reg .b32 x, y, z, w; setp.ne.u32 p, {valid}, 0; \
+             mov.b32 x, 0; mov.b32 y, 0; mov.b32 z, 0; mov.b32 w, 0; cvta.to.global.u64 g, {src}; \
+             @p ld.global.cg.v4.b32 {{x, y, z, w}}, [g]; st.shared.v4.b32 [{dst}], {{x, y, z, w}}; }}",
+            dst = in(reg32) dst, src = in(reg64) src, valid = in(reg32) valid,
+            options(nostack)
+        )
+    };
+}
+
+/// [`cp_async_4`] on Turing: a 4-byte load and store, or a store of zero.
+///
+/// # Safety
+/// As [`cp_async_16`], with 4-byte alignment.
+#[cfg(not(target_feature = "sm_80"))]
+#[inline(always)]
+pub unsafe fn cp_async_4(dst: u32, src: *const f32, valid: bool) {
+    let valid = valid as u32;
+    // SAFETY: as `cp_async_16`.
+    unsafe {
+        asm!(
+            "{{ .reg .pred p; .reg .u64 g; .reg .b32 x; setp.ne.u32 p, {valid}, 0; mov.b32 x, 0; \
+             cvta.to.global.u64 g, {src}; @p ld.global.ca.b32 x, [g]; st.shared.b32 [{dst}], x; }}",
+            dst = in(reg32) dst, src = in(reg64) src, valid = in(reg32) valid,
+            options(nostack)
+        )
+    };
+}
+
+/// Nothing to close on Turing: every copy has completed already.
+#[cfg(not(target_feature = "sm_80"))]
+#[inline(always)]
+pub fn cp_async_commit() {}
+
+/// Nothing to wait for on Turing; still a compiler barrier (an `asm!` that may touch memory),
+/// so that no shared-memory read moves above the point where the sm_80 code waits.
+#[cfg(not(target_feature = "sm_80"))]
+#[inline(always)]
+pub fn cp_async_wait<const PENDING: usize>() {
+    // SAFETY: no instruction (a PTX comment).
+    unsafe { asm!("// cp.async.wait_group {n} (sm_75: the copies were synchronous)", n = const PENDING, options(nostack)) };
 }
 
 /// Shared-memory accesses are not checked on the GPU (the emulator checks them).
