@@ -92,8 +92,8 @@ impl ModuleGroup {
 /// kernels (f16, bf16) with [`UNROLL`], both for `sm_80` (every GPU from Ampere on), each with
 /// a module of its own for the flash kernels' band-table twins (`_table`, which only problems
 /// with a band table run), and the Hopper kernels (`hopper_*`, `wgmma` and TMA) for `sm_90a`,
-/// which only compute capability 9.0 runs. The last four repeat the first four's for `sm_75`
-/// (Turing) from the crate's Turing build, without the `bf16` kernels. The host loads a kernel
+/// which only compute capability 9.0 runs. The last four repeat the four `sm_80` modules for
+/// `sm_75` (Turing) from the crate's Turing build, without the `bf16` kernels. The host loads a kernel
 /// from its module the first time it looks it up, by name (the driver compiles it then).
 const MODULE_GROUPS: &[ModuleGroup] = &[
     ModuleGroup { name: "cuda_cores", arch: BASE_ARCH, ptx_version: PTX_VERSION, opt_flags: None },

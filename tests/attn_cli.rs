@@ -422,7 +422,9 @@ fn attn_random_inputs() {
     // (Under the T4 profile the emulator has 64 KiB a block, which no tile above 192 fits.)
     let emulator = attn_host::Context::cpu_emulated();
     for (shape, head_dim) in [("1x1x9x200", 200), ("1x1x9x72", 72)] {
-        if common::fits(&emulator, DType::Bf16, head_dim, None) {
+        let fits = |dq| common::fits(&emulator, DType::Bf16, head_dim, dq);
+        let modes = [attn_host::DqAccumulation::Atomic, attn_host::DqAccumulation::Deterministic];
+        if fits(None) && modes.into_iter().all(|mode| fits(Some(mode))) {
             run_attn(&strings(&["--random", shape, "--dtype", "bf16", "--device", "cpu-emulated", "--check"])).unwrap();
         }
     }

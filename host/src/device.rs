@@ -57,11 +57,18 @@ pub struct DeviceInfo {
 }
 
 impl DeviceInfo {
+    /// Whether this GPU runs Turing's `sm_75` modules rather than the `sm_80` ones: compute
+    /// capability below 8.0 (a Turing GPU, or a GPU context under the `t4` [`GpuProfile`]).
+    pub fn runs_turing_modules(&self) -> bool {
+        self.compute_capability < (8, 0)
+    }
+
     /// Whether the device's kernels take `dtype`: every type from Ampere on (compute capability
     /// 8.0); on Turing (7.5) `f32` and `f16` only, as its tensor cores have no `bf16` products
-    /// (the `bf16` kernels' lookup is then an [`Error::Unsupported`](crate::Error::Unsupported)).
+    /// (a `bf16` call there is an [`Error::Unsupported`](crate::Error::Unsupported) before
+    /// anything runs).
     pub fn supports(&self, dtype: crate::DType) -> bool {
-        dtype != crate::DType::Bf16 || self.compute_capability >= (8, 0)
+        dtype != crate::DType::Bf16 || !self.runs_turing_modules()
     }
 }
 
@@ -91,8 +98,9 @@ pub struct GpuProfile {
     pub name: &'static str,
     /// The GPU it stands for.
     pub gpu: &'static str,
-    /// Its compute capability: below 9.0 the sm_90a kernels are hidden; below 8.0 (Turing) the
-    /// context runs the sm_75 modules, as on the real GPU, and refuses `bf16`.
+    /// Its compute capability: below 9.0 the sm_90a kernels are hidden; below 8.0 (Turing) a GPU
+    /// context runs the sm_75 modules, as on the real GPU, and refuses `bf16` (the emulator runs
+    /// the sm_80 kernels' source under every profile).
     pub compute_capability: (i32, i32),
     /// Its largest dynamic shared memory per block (opt-in), in bytes.
     pub max_shared_memory_per_block: usize,

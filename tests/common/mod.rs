@@ -50,7 +50,7 @@ pub fn on_device(
 }
 
 /// Whether `ctx` runs kernels of `dtype` ([`attn_host::DeviceInfo::supports`]): not `bf16` on a
-/// Turing GPU (or under the T4 profile). A check of a type the device lacks is left out, with a
+/// Turing GPU (or a GPU context under the T4 profile; the emulator runs every type). A check of a type the device lacks is left out, with a
 /// line on stderr (once per type), and the test goes on with the others.
 pub fn runs(ctx: &Context, dtype: DType) -> bool {
     if ctx.device().supports(dtype) {

@@ -95,7 +95,8 @@ impl<T: Element> Problem16<T> {
 
 /// Runs the forward pass at `tile` and, with `backward`, the backward pass at its tile and dQ
 /// mode, on fresh inputs of `shape`; checks O, LSE, dQ, dK and dV against the float64 reference.
-/// Every output is poisoned with NaN first, so an unwritten element fails.
+/// Every output is poisoned with NaN first, so an unwritten element fails. Returns whether it
+/// ran: not for a type or head_dim the device has no kernels for (`super::runs`, `super::fits`).
 pub fn check16<T: Element>(
     ctx: &Context,
     shape: AttentionShape,
@@ -104,7 +105,7 @@ pub fn check16<T: Element>(
     options: AttentionOptions,
     seed: u64,
     inputs: Inputs,
-) {
+) -> bool {
     check16_with_sinks::<T>(ctx, shape, tile, backward, options, None, seed, inputs)
 }
 
@@ -120,11 +121,11 @@ pub fn check16_with_sinks<T: Element>(
     sinks: Option<&[f32]>,
     seed: u64,
     inputs: Inputs,
-) {
+) -> bool {
     let dtype = T::DTYPE;
     let fits = |dq| super::fits(ctx, dtype, shape.head_dim, dq);
     if !super::runs(ctx, dtype) || !fits(None) || backward.is_some_and(|(_, mode)| !fits(Some(mode))) {
-        return;
+        return false;
     }
     let (o_tolerance, grad_tolerance) = tolerances(dtype);
     let problem = Problem16::<T>::new(ctx, shape, seed, inputs);
@@ -145,7 +146,7 @@ pub fn check16_with_sinks<T: Element>(
         err_o <= o_tolerance && err_lse <= LSE_TOLERANCE,
         "{what}: relative L2 error O {err_o:.3e} (≤ {o_tolerance:.0e}), LSE {err_lse:.3e}"
     );
-    let Some((bwd_tile, mode)) = backward else { return };
+    let Some((bwd_tile, mode)) = backward else { return true };
     let grads = problem.backward(ctx, bwd_tile, mode, &options, &fwd);
     let reference = cpu::attention_backward(q, k, v, d_o, &shape, params).unwrap();
     for (name, got, want) in
@@ -162,4 +163,5 @@ pub fn check16_with_sinks<T: Element>(
         let err = relative_l2_error(&got, &reference.d_sinks);
         assert!(err <= grad_tolerance, "{what}, backward {bwd_tile} {mode:?}: dSinks relative L2 error {err:.3e}");
     }
+    true
 }

@@ -3,7 +3,8 @@
 //! [`flash_attn`] takes what `candle_flash_attn::flash_attn` takes (Q, K, V as `[batch, seqlen,
 //! heads, head_dim]` tensors, the softmax scale, a causal flag) and runs this project's
 //! FlashAttention kernels: on CUDA tensors the GPU kernels (the Hopper kernels on an H100/H200,
-//! the `mma.sync` tensor-core kernels on Ampere and Ada, the CUDA-core kernels for `f32`), on CPU
+//! the `mma.sync` tensor-core kernels on Ampere and Ada, and on Turing for `f16` only, the
+//! CUDA-core kernels for `f32`), on CPU
 //! tensors the same kernels on the project's CPU emulator (slow: for tests and for machines
 //! without a GPU). Unlike `candle_flash_attn` it has a backward: the op records the logsumexp of
 //! each score row, and candle's autograd (`Tensor::backward`) runs our backward kernels with it

@@ -144,7 +144,7 @@ pub(crate) fn with_kernels(ctx: Context, path: Option<KernelPath>) -> Result<Con
                 "kernels: sm_90a (wgmma, TMA, warp specialisation) for the f16/bf16 forward and backward passes; \
                  sm_80 for the rest (--kernels sm80 for sm_80 throughout)"
             ),
-            KernelPath::Sm80 if ctx.portable_modules() == "sm_75" => {
+            KernelPath::Sm80 if ctx.device().runs_turing_modules() => {
                 println!("kernels: sm_75 (Turing: mma.sync m16n8k8 tensor cores for f16, no bf16; CUDA cores for f32)")
             }
             KernelPath::Sm80 => println!("kernels: sm_80 (mma.sync tensor cores; CUDA cores for f32)"),

@@ -307,6 +307,7 @@ impl Context {
                     .into(),
             ));
         }
+        self.require_dtype(T::DTYPE)?;
         for (name, tensor) in [("q", q), ("k_cache", &*cache.k), ("v_cache", &*cache.v)] {
             self.check_owner(name, tensor)?;
         }

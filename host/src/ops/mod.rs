@@ -109,6 +109,7 @@ impl Context {
         options: &AttentionOptions,
         tile: TileConfig,
     ) -> Result<()> {
+        self.require_dtype(T::DTYPE)?;
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
         self.check_sinks(&shape, options)?;
         if shape.is_empty() {
@@ -232,6 +233,7 @@ impl Context {
         tile: TileConfig,
         dq: DqAccumulation,
     ) -> Result<()> {
+        self.require_dtype(T::DTYPE)?;
         let shape = self.check_backward(q, k, v, o, lse, d_o, grads)?;
         self.check_backward_sinks(&shape, options, grads)?;
         if shape.is_empty() {

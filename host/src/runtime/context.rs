@@ -69,18 +69,15 @@ fn next_context_id() -> u64 {
 /// (the `f32` and `f16` kernels; `bf16` needs 8.0).
 const MIN_COMPUTE_CAPABILITY: (i32, i32) = (7, 5);
 
-/// The compute capability from which a GPU runs the `sm_80` modules (Ampere); below it, down to
-/// [`MIN_COMPUTE_CAPABILITY`], the `sm_75` ones. The emulator reports this one: it runs the
-/// `sm_80` kernels' source.
+/// What a `bf16` call on Turing is refused as ([`Error::Unsupported`]).
+const BF16_ON_TURING: &str = "bf16 (Turing's tensor cores have no bf16 products: use f16 or f32)";
+
+/// The compute capability the emulator reports: it runs the `sm_80` kernels' source (a GPU
+/// below it runs Turing's `sm_75` modules, [`DeviceInfo::runs_turing_modules`]).
 const SM80: (i32, i32) = (8, 0);
 
-/// Whether a GPU of this compute capability runs Turing's `sm_75` modules.
-fn runs_turing_modules(compute_capability: (i32, i32)) -> bool {
-    compute_capability < SM80
-}
-
 /// The kernels on one CUDA context, each loaded as a PTX module of its own
-/// ([`kernels::entry_ptx`]) the first time it is looked up. The driver compiles a PTX module for
+/// ([`kernels::module_entry_ptx`], from the module [`Modules::module_of`] picks) the first time it is looked up. The driver compiles a PTX module for
 /// the GPU when it is loaded, a whole module at once: the tensor-core module's hundreds of
 /// kernels took minutes on an H200 whose driver cache did not hold them, one kernel takes a
 /// fraction of a second. So a program compiles only the kernels it runs, on their first call.
@@ -104,12 +101,12 @@ pub(crate) struct Modules {
 type Slot = Arc<Mutex<Option<Arc<CudaModule>>>>;
 
 impl Modules {
-    fn new(cuda: Arc<CudaContext>, compute_capability: (i32, i32)) -> Self {
-        let turing = runs_turing_modules(compute_capability);
+    fn new(cuda: Arc<CudaContext>, info: &DeviceInfo) -> Self {
+        let turing = info.runs_turing_modules();
         let runnable = kernels::MODULE_ARCHS
             .iter()
             .map(|&arch| match arch {
-                "sm_90a" => compute_capability == (9, 0),
+                "sm_90a" => info.compute_capability == (9, 0),
                 "sm_75" => turing,
                 _ => !turing,
             })
@@ -128,9 +125,8 @@ impl Modules {
         if self.turing {
             return match kernels::turing_module_of(entry) {
                 Some(index) => Ok(index),
-                None if entry.contains("_bf16") => {
-                    Err(unsupported("bf16 (Turing's tensor cores have no bf16 products: use f16 or f32)"))
-                }
+                // (The entry points refuse bf16 first, `Context::require_dtype`: this is the backstop.)
+                None if entry.contains("_bf16") => Err(unsupported(BF16_ON_TURING)),
                 None if kernels::MODULE_ARCHS[index] == "sm_90a" => {
                     Err(unsupported("this kernel's sm_90a module (compute capability 9.0)"))
                 }
@@ -296,7 +292,7 @@ impl Context {
             return Err(Error::UnsupportedDevice { name: info.name, major, minor, needed: "7.5 (Turing)" });
         }
         let hopper = info.compute_capability == (9, 0);
-        let modules = Arc::new(Modules::new(cuda.clone(), info.compute_capability));
+        let modules = Arc::new(Modules::new(cuda.clone(), &info));
         let preferred = if hopper { KernelPath::Sm90a } else { KernelPath::Sm80 };
         let context = Self {
             id: next_context_id(),
@@ -653,10 +649,10 @@ impl Context {
     // The kernel path.
 
     /// The architecture of the modules this context takes its portable (non-Hopper) kernels
-    /// from, as kernel labels name it: `sm_80`, or `sm_75` on a Turing GPU (or under the `t4`
-    /// profile), which runs Turing's copies of the same kernels.
+    /// from, as kernel labels name it: `sm_80`, or `sm_75` on a Turing GPU (or a GPU context
+    /// under the `t4` profile), which runs Turing's copies of the same kernels.
     pub fn portable_modules(&self) -> &'static str {
-        if runs_turing_modules(self.info.compute_capability) { "sm_75" } else { "sm_80" }
+        if self.info.runs_turing_modules() { "sm_75" } else { "sm_80" }
     }
 
     /// Whether this context runs the `sm_90a` kernels: a GPU of compute capability 9.0 (their
@@ -667,6 +663,19 @@ impl Context {
                 kernels::MODULE_ARCHS.iter().zip(&modules.runnable).any(|(&arch, &runnable)| arch == "sm_90a" && runnable)
             }
             Backend::Emulated => false,
+        }
+    }
+
+    /// `Ok` if this context's kernels take `dtype` ([`DeviceInfo::supports`]); every entry point
+    /// asks before it runs or writes anything.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for `bf16` on Turing.
+    pub(crate) fn require_dtype(&self, dtype: DType) -> Result<()> {
+        if self.info.supports(dtype) {
+            Ok(())
+        } else {
+            Err(Error::Unsupported { what: BF16_ON_TURING, device: self.info.name.clone() })
         }
     }
 
