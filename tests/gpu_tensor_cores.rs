@@ -140,7 +140,8 @@ fn deterministic_tensor_core_backward_is_bitwise_reproducible() {
         let tile = TileConfig::default_backward_for_dtype(T::DTYPE, 128);
         let bits = |g: &attn_host::Gradients<T>| {
             // Widening to f32 is exact, so equal f32 bits are equal 16-bit values.
-            [&g.dq, &g.dk, &g.dv].map(|t| t.to_host().unwrap().iter().map(|x| x.to_f32().to_bits()).collect::<Vec<u32>>())
+            [&g.dq, &g.dk, &g.dv]
+                .map(|t| t.to_host().unwrap().iter().map(|x| x.to_f32().to_bits()).collect::<Vec<u32>>())
         };
         let first = bits(&problem.backward(ctx, tile, DqAccumulation::Deterministic, &options, &fwd));
         for _ in 0..3 {

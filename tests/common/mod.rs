@@ -13,6 +13,35 @@ use std::sync::{Mutex, Once, OnceLock};
 use attn_host::{AttentionShape, Context, DType, DqAccumulation, Error, FlashKernel, TileConfig};
 use proptest::test_runner::Config;
 
+/// The kernels of a pass (`dq`: the backward in that dQ mode, `None`: the forward).
+fn pass_kernels(dq: Option<DqAccumulation>) -> &'static [FlashKernel] {
+    match dq {
+        None => &[FlashKernel::Forward],
+        Some(DqAccumulation::Atomic) => &[FlashKernel::Backward],
+        Some(DqAccumulation::Deterministic) => &[FlashKernel::BackwardDkDv, FlashKernel::BackwardDq],
+    }
+}
+
+/// The pass's name in the lines the helpers print.
+fn pass_name(dq: Option<DqAccumulation>) -> String {
+    dq.map_or("forward".to_string(), |mode| format!("{mode:?} backward"))
+}
+
+/// Whether the device's shared memory holds every kernel of the pass at `tile`.
+fn tile_fits(ctx: &Context, tile: TileConfig, dtype: DType, head_dim: usize, dq: Option<DqAccumulation>) -> bool {
+    pass_kernels(dq).iter().all(|&kernel| {
+        !matches!(tile.validate_kernel(kernel, dtype, head_dim, ctx.device()), Err(Error::SharedMemory { .. }))
+    })
+}
+
+/// The tile the context picks for the pass (`Context::default_tile`, `default_backward_tile`).
+fn default_tile(ctx: &Context, dtype: DType, head_dim: usize, dq: Option<DqAccumulation>) -> TileConfig {
+    match dq {
+        None => ctx.default_tile(dtype, head_dim),
+        Some(mode) => ctx.default_backward_tile(dtype, head_dim, mode),
+    }
+}
+
 /// The tile a test runs: `tile` where the device's shared memory holds the pass's kernels at
 /// `dtype` and `head_dim` (`dq`: the backward in that dQ mode, `None`: the forward), else the
 /// tile the context picks for that pass (`Context::default_tile`, `default_backward_tile`), with
@@ -25,24 +54,13 @@ pub fn on_device(
     head_dim: usize,
     dq: Option<DqAccumulation>,
 ) -> TileConfig {
-    let kernels: &[FlashKernel] = match dq {
-        None => &[FlashKernel::Forward],
-        Some(DqAccumulation::Atomic) => &[FlashKernel::Backward],
-        Some(DqAccumulation::Deterministic) => &[FlashKernel::BackwardDkDv, FlashKernel::BackwardDq],
-    };
-    let too_large = kernels.iter().any(|&kernel| {
-        matches!(tile.validate_kernel(kernel, dtype, head_dim, ctx.device()), Err(Error::SharedMemory { .. }))
-    });
-    if !too_large {
+    if tile_fits(ctx, tile, dtype, head_dim, dq) {
         return tile;
     }
-    let fitting = match dq {
-        None => ctx.default_tile(dtype, head_dim),
-        Some(mode) => ctx.default_backward_tile(dtype, head_dim, mode),
-    };
-    let pass = dq.map_or("forward".to_string(), |mode| format!("{mode:?} backward"));
+    let fitting = default_tile(ctx, dtype, head_dim, dq);
     let line = format!(
-        "{dtype} {pass} at head_dim {head_dim}: {tile} does not fit {}; running {fitting}\n",
+        "{dtype} {} at head_dim {head_dim}: {tile} does not fit {}; running {fitting}\n",
+        pass_name(dq),
         ctx.device().name
     );
     let _ = std::io::stderr().lock().write_all(line.as_bytes());
@@ -50,8 +68,9 @@ pub fn on_device(
 }
 
 /// Whether `ctx` runs kernels of `dtype` ([`attn_host::DeviceInfo::supports`]): not `bf16` on a
-/// Turing GPU (or a GPU context under the T4 profile; the emulator runs every type). A check of a type the device lacks is left out, with a
-/// line on stderr (once per type), and the test goes on with the others.
+/// Turing GPU (or a GPU context under the T4 profile; the emulator runs every type). A check of
+/// a type the device lacks is left out, with a line on stderr (once per type), and the test goes
+/// on with the others.
 pub fn runs(ctx: &Context, dtype: DType) -> bool {
     if ctx.device().supports(dtype) {
         return true;
@@ -70,21 +89,10 @@ pub fn runs(ctx: &Context, dtype: DType) -> bool {
 /// hold no `f16` tile above head_dim 192 nor an `f32` backward tile above 128, and a check there
 /// is left out with a line on stderr (once per case).
 pub fn fits(ctx: &Context, dtype: DType, head_dim: usize, dq: Option<DqAccumulation>) -> bool {
-    let (tile, kernels): (TileConfig, &[FlashKernel]) = match dq {
-        None => (ctx.default_tile(dtype, head_dim), &[FlashKernel::Forward]),
-        Some(mode @ DqAccumulation::Atomic) => (ctx.default_backward_tile(dtype, head_dim, mode), &[FlashKernel::Backward]),
-        Some(mode @ DqAccumulation::Deterministic) => (
-            ctx.default_backward_tile(dtype, head_dim, mode),
-            &[FlashKernel::BackwardDkDv, FlashKernel::BackwardDq],
-        ),
-    };
-    let fits = kernels.iter().all(|&kernel| {
-        !matches!(tile.validate_kernel(kernel, dtype, head_dim, ctx.device()), Err(Error::SharedMemory { .. }))
-    });
+    let fits = tile_fits(ctx, default_tile(ctx, dtype, head_dim, dq), dtype, head_dim, dq);
     if !fits {
         static REPORTED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
-        let pass = dq.map_or("forward".to_string(), |mode| format!("{mode:?} backward"));
-        let case = format!("{dtype} {pass} at head_dim {head_dim}");
+        let case = format!("{dtype} {} at head_dim {head_dim}", pass_name(dq));
         if REPORTED.lock().unwrap().get_or_insert_default().insert(case.clone()) {
             let line = format!("{case} left out: no compiled tile fits {}\n", ctx.device().name);
             let _ = std::io::stderr().lock().write_all(line.as_bytes());

@@ -77,8 +77,9 @@ const BF16_ON_TURING: &str = "bf16 (Turing's tensor cores have no bf16 products:
 const SM80: (i32, i32) = (8, 0);
 
 /// The kernels on one CUDA context, each loaded as a PTX module of its own
-/// ([`kernels::module_entry_ptx`], from the module [`Modules::module_of`] picks) the first time it is looked up. The driver compiles a PTX module for
-/// the GPU when it is loaded, a whole module at once: the tensor-core module's hundreds of
+/// ([`kernels::module_entry_ptx`], from the module [`Modules::module_of`] picks) the first time
+/// it is looked up. The driver compiles a PTX module for the GPU when it is loaded, a whole
+/// module at once: the tensor-core module's hundreds of
 /// kernels took minutes on an H200 whose driver cache did not hold them, one kernel takes a
 /// fraction of a second. So a program compiles only the kernels it runs, on their first call.
 /// (Under CUDA graph capture, run each call once before capturing, as for any library that
@@ -659,9 +660,10 @@ impl Context {
     /// module loads on first use).
     pub fn has_hopper_kernels(&self) -> bool {
         match &self.backend {
-            Backend::Cuda { modules, .. } => {
-                kernels::MODULE_ARCHS.iter().zip(&modules.runnable).any(|(&arch, &runnable)| arch == "sm_90a" && runnable)
-            }
+            Backend::Cuda { modules, .. } => kernels::MODULE_ARCHS
+                .iter()
+                .zip(&modules.runnable)
+                .any(|(&arch, &runnable)| arch == "sm_90a" && runnable),
             Backend::Emulated => false,
         }
     }
