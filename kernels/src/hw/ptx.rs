@@ -67,10 +67,16 @@ pub fn reciprocal(x: f32) -> f32 {
 
 #[inline(always)]
 pub unsafe fn atomic_add(ptr: *mut f32, value: f32) {
-    // SAFETY: the caller guarantees the address; `red` with no state space takes a generic
-    // address.
+    // SAFETY: the caller guarantees a global address. Named as one (`.global`): with a generic
+    // address the reduction becomes an `atom` that returns whether it reached global memory and
+    // a branch on that answer, so every addition waits for its round trip (PERFORMANCE.md,
+    // issue 27); a global one is fire-and-forget.
     unsafe {
-        core::arch::asm!("red.relaxed.gpu.add.f32 [{ptr}], {value};", ptr = in(reg64) ptr, value = in(reg32) value)
+        core::arch::asm!(
+            "{{ .reg .u64 g; cvta.to.global.u64 g, {ptr}; red.relaxed.gpu.global.add.f32 [g], {value}; }}",
+            ptr = in(reg64) ptr,
+            value = in(reg32) value
+        )
     };
 }
 
@@ -396,7 +402,9 @@ pub fn cp_async_commit() {}
 #[inline(always)]
 pub fn cp_async_wait<const PENDING: usize>() {
     // SAFETY: no instruction (a PTX comment).
-    unsafe { asm!("// cp.async.wait_group {n} (sm_75: the copies were synchronous)", n = const PENDING, options(nostack)) };
+    unsafe {
+        asm!("// cp.async.wait_group {n} (sm_75: the copies were synchronous)", n = const PENDING, options(nostack))
+    };
 }
 
 /// Shared-memory accesses are not checked on the GPU (the emulator checks them).

@@ -5,20 +5,22 @@
 //!
 //! | step | product | A operand | B operand |
 //! |---|---|---|---|
-//! | Sᵀ = K·Qᵀ | keys × queries, k = head_dim | K rows (`ldmatrix`) | Q rows (`ldmatrix`) |
-//! | dPᵀ = V·dOᵀ | keys × queries, k = head_dim | V rows | dO rows |
-//! | dV += Pᵀ·dO | keys × head_dim, k = queries | Pᵀ, from registers | dO, the fragments above transposed (`movmatrix`) |
+//! | Sᵀ = K·Qᵀ | keys × queries, k = head_dim | K rows (`ldmatrix`, kept in registers up to head_dim 64) | Q rows (`ldmatrix`) |
+//! | dPᵀ = V·dOᵀ | keys × queries, k = head_dim | V rows, likewise | dO rows |
+//! | dV += Pᵀ·dO | keys × head_dim, k = queries | Pᵀ, from registers | dO, read again transposed (`ldmatrix.trans`) |
 //! | dK += dSᵀ·Q | keys × head_dim, k = queries | dSᵀ = Pᵀ ∘ (dPᵀ − D), from registers | Q, likewise |
-//! | dQ += dS·K | queries × head_dim, k = keys | atomic mode: dSᵀ from shared memory (`.trans`); deterministic dQ kernel: dS from registers | K (`.trans`, or its fragments transposed in registers) |
+//! | dQ += dS·K | queries × head_dim, k = keys | atomic mode: dSᵀ from shared memory (`.trans`); deterministic dQ kernel: dS from registers | K (`.trans`) |
 //!
 //! Computing the transposes Sᵀ and dPᵀ (keys as rows) puts Pᵀ and dSᵀ in accumulator layout with
 //! keys as rows, which is the A layout that dV and dK need: like P in the forward pass, they go
 //! from one product into the next without leaving registers. Their B operands are the same
 //! 16×16 blocks of Q and dO that Sᵀ and dPᵀ read, the other way round: the kernel works through
-//! the query tile 16 queries at a time and, at head_dim 64, reads a chunk's Q and dO fragments
-//! from shared memory once and transposes them in registers (`movmatrix`) for dK and dV; at
-//! head_dim 128 keeping them would cost 64 registers next to the 128 of dK and dV, so it reads
-//! them a second time with `ldmatrix.trans` instead (`keeps_fragments`).
+//! the query tile 16 queries at a time, reading a chunk's Q and dO with `ldmatrix` for Sᵀ and
+//! dPᵀ and again with `ldmatrix.trans` for dK and dV. The warp's own 16 rows of K and V are the
+//! same for every query tile: up to head_dim 64 they are read once and kept as A fragments for
+//! the whole block (`keeps_kv_rows`). (Keeping a chunk's Q and dO instead and transposing them
+//! in registers with `movmatrix` saves as many reads for as many registers, but costs an
+//! instruction per 8×8 matrix: PERFORMANCE.md, issue 27, has the profile that chose.)
 //!
 //! ## Wide heads (head_dim above 128)
 //!
@@ -60,9 +62,8 @@
 //! * `flash_backward_q_mma` (`flash_bwd_dq_{f16,bf16}_…`): the deterministic dQ, one block per
 //!   `BLOCK_M` queries, warp `w` owning queries `16w .. 16w + 16`, looping over key tiles like
 //!   the forward pass, 16 keys at a time: S, P, dP = dO·Vᵀ, dS, and dQ += dS·K with dS from
-//!   registers and K's fragments transposed in registers at head_dim 64 (read again with
-//!   `ldmatrix.trans` at 128). No atomics, a fixed order of additions, bit-identical results from
-//!   run to run.
+//!   registers and the chunk's K read again with `ldmatrix.trans`. No atomics, a fixed order of
+//!   additions, bit-identical results from run to run.
 //!
 //! ## Legend
 //!
@@ -71,13 +72,13 @@
 //!
 //! * `st[half]`, `dpt[half]`, `pt[half]`, `ds_t[half]`: accumulator fragments of Sᵀ, dPᵀ, Pᵀ and
 //!   dSᵀ for the warp's 16 keys and the chunk's queries `q0 + 8·half .. q0 + 8·half + 8`;
-//! * `q_frags[ks]`, `do_frags[ks]`: the chunk's Q and dO as B fragments, head_dim columns
-//!   `16ks .. 16ks + 16`;
+//! * `k_kept[ks]`, `v_kept[ks]`: the warp's rows of K and V as A fragments, head_dim columns
+//!   `16ks .. 16ks + 16` (kept up to head_dim 64);
 //! * `dk_acc[dt]`, `dv_acc[dt]`: the warp's rows of dK and dV, columns `8dt .. 8dt + 8`.
 //!
 //! In the dQ kernel a *chunk* is 16 keys starting at `k0`: `s[half]`, `dp[half]`, `ds[half]` are
-//! S, dP and dS for the warp's 16 queries and keys `k0 + 8·half ..`; `k_frags[ks]` the chunk's K
-//! fragments; `acc[dt]` the warp's rows of dQ.
+//! S, dP and dS for the warp's 16 queries and keys `k0 + 8·half ..`; `q_kept[ks]`, `do_kept[ks]`
+//! the warp's rows of Q and dO as A fragments; `acc[dt]` the warp's rows of dQ.
 
 use crate::attention::epilogue::store_warp_rows;
 use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a};
@@ -223,12 +224,12 @@ pub(crate) struct BackwardTensors {
     delta: *const f32,
 }
 
-/// Whether a 16-row chunk's B fragments are kept in registers for their second, transposed use
-/// (`movmatrix`) or read again from shared memory (`ldmatrix.trans`). Keeping them saves shared
-/// memory bandwidth but costs `HEAD_DIM / 4` registers per operand and lane (16 × HEAD_DIM
-/// 16-bit values over 32 lanes), `HEAD_DIM / 2` for Q and dO together: at head_dim 64 that fits
-/// beside the dK/dV accumulators, at 128 it would spill.
-const fn keeps_fragments(head_dim: usize) -> bool {
+/// Whether the K/V-outer kernel keeps its warp's 16 rows of K and V as A fragments in registers
+/// for the whole block: they are the same for every query tile, so kept they are read from shared
+/// memory once instead of once per 16-query chunk (2 · `HEAD_DIM / 16` `ldmatrix.x4` a warp per
+/// chunk), for `HEAD_DIM / 2` registers a thread. Up to head_dim 64; at 128 they would take 64
+/// registers beside the 128 of dK and dV.
+const fn keeps_kv_rows(head_dim: usize) -> bool {
     head_dim <= 64
 }
 
@@ -316,8 +317,14 @@ unsafe fn backward_kv_body<
         assert!(STAGES >= 2);
     };
     let threads = const { mma_backward_threads(BLOCK_N, HEAD_DIM) };
+    // The atomic dQ's pieces: 32 columns wide (three `ldmatrix.x4` for four products, where 16
+    // columns take two for two) wherever that still leaves a piece for every warp.
+    let piece_cols = const {
+        let warps = mma_backward_threads(BLOCK_N, HEAD_DIM) / 32;
+        if HEAD_DIM.is_multiple_of(32) && (BLOCK_M / 16) * (HEAD_DIM / 32) >= warps { 32 } else { 16 }
+    };
     let scale_log2 = scale * LOG2_E;
-    let keep_fragments = keeps_fragments(HEAD_DIM);
+    let keep_kv = const { keeps_kv_rows(HEAD_DIM) };
     let block = KeyBlock::current::<BLOCK_M, BLOCK_N>(&shape, &mask);
     let mask = mask.for_batch(block.batch);
     let (kv_start, kv_rows, batch) = (block.k_start, block.k_rows, block.batch);
@@ -380,6 +387,18 @@ unsafe fn backward_kv_body<
     for i in 0..STAGES - 1 {
         fetch(i);
     }
+    // The warp's rows of K and V, kept (`keeps_kv_rows`): they arrived with step 0's group,
+    // which the first step waits for anyway.
+    let kept = |tile: hw::SharedTile16| -> [FragA; D_STEPS] {
+        core::array::from_fn(|ks| if keep_kv { tile.fragment_a(warp_key, 16 * ks) } else { [0; 4] })
+    };
+    let (k_kept, v_kept) = if keep_kv {
+        hw::cp_async_wait(STAGES - 2);
+        hw::sync_threads();
+        (kept(k_tile), kept(v_tile))
+    } else {
+        ([[0; 4]; D_STEPS], [[0; 4]; D_STEPS])
+    };
 
     let mut dk_acc = [[0.0f32; 4]; D_TILES];
     let mut dv_acc = [[0.0f32; 4]; D_TILES];
@@ -402,14 +421,13 @@ unsafe fn backward_kv_body<
             // ANCHOR: transposed_scores
             // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for the warp's 16 keys and these 16 queries.
             let (mut st, mut dpt) = ([[0.0f32; 4]; 2], [[0.0f32; 4]; 2]);
-            let mut q_frags = [[[0u32; 2]; 2]; D_STEPS];
-            let mut do_frags = [[[0u32; 2]; 2]; D_STEPS];
             for ks in 0..D_STEPS {
-                let (k_frag, v_frag) = (k_tile.fragment_a(warp_key, 16 * ks), v_tile.fragment_a(warp_key, 16 * ks));
+                let (k_frag, v_frag) = if keep_kv {
+                    (k_kept[ks], v_kept[ks])
+                } else {
+                    (k_tile.fragment_a(warp_key, 16 * ks), v_tile.fragment_a(warp_key, 16 * ks))
+                };
                 let (q_frag, do_frag) = (q_tile.fragments_b(q0, 16 * ks), do_tile.fragments_b(q0, 16 * ks));
-                if keep_fragments {
-                    (q_frags[ks], do_frags[ks]) = (q_frag, do_frag);
-                }
                 for half in 0..2 {
                     st[half] = T::mma(k_frag, q_frag[half], st[half]);
                     dpt[half] = T::mma(v_frag, do_frag[half], dpt[half]);
@@ -446,17 +464,13 @@ unsafe fn backward_kv_body<
             }
             // ANCHOR_END: transposed_scores
             // dV += Pᵀ·dO and dK += dSᵀ·Q (scaled at the end): A operands from registers, B
-            // operands the chunk's fragments read the other way round.
+            // operands the chunk's Q and dO read again the other way round (`ldmatrix.trans`).
             let (p, ds) = (pack_a::<T>(pt[0], pt[1]), pack_a::<T>(ds_t[0], ds_t[1]));
             for step in 0..D_TILES / 2 {
                 // dO and Q as B operands with the chunk's queries as the k index (the warp's
                 // columns: all of them, or its half of a wide head).
                 let col = col0 + 16 * step;
-                let (do_b, q_b) = if keep_fragments {
-                    (hw::transpose_b(do_frags[step]), hw::transpose_b(q_frags[step]))
-                } else {
-                    (do_tile.fragments_b_transposed(q0, col), q_tile.fragments_b_transposed(q0, col))
-                };
+                let (do_b, q_b) = (do_tile.fragments_b_transposed(q0, col), q_tile.fragments_b_transposed(q0, col));
                 for half in 0..2 {
                     dv_acc[2 * step + half] = T::mma(p, do_b[half], dv_acc[2 * step + half]);
                     dk_acc[2 * step + half] = T::mma(ds, q_b[half], dk_acc[2 * step + half]);
@@ -475,25 +489,30 @@ unsafe fn backward_kv_body<
         }
 
         if ATOMIC_DQ {
-            // dQ += scale · dS·K: the warps share the BLOCK_M × HEAD_DIM product out in 16×16
-            // pieces, each summed over all the block's keys.
+            // dQ += scale · dS·K: the warps share the BLOCK_M × HEAD_DIM product out in pieces
+            // of 16 queries by `piece_cols` columns, each summed over all the block's keys.
             hw::sync_threads();
             let q_rows = BLOCK_M.min(shape.seqlen_q - q_start);
             let dq_rows = shape.q_head_offset(batch, head) + q_start * d;
-            let pieces = (BLOCK_M / 16) * (HEAD_DIM / 16);
+            let pieces = (BLOCK_M / 16) * (HEAD_DIM / piece_cols);
             let mut piece = hw::warp_id();
             while piece < pieces {
-                let (m0, n0) = (16 * (piece / (HEAD_DIM / 16)), 16 * (piece % (HEAD_DIM / 16)));
-                let mut dq = [[0.0f32; 4]; 2];
+                let (m0, n0) = (16 * (piece / (HEAD_DIM / piece_cols)), piece_cols * (piece % (HEAD_DIM / piece_cols)));
+                // Two 16-column halves of accumulators; a 16-column piece uses the first.
+                let mut dq = [[[0.0f32; 4]; 2]; 2];
                 for kk in 0..BLOCK_N / 16 {
+                    // One dS fragment serves every 16 columns of the piece.
                     let ds = ds_t_tile.fragment_a_transposed(16 * kk, m0);
-                    let [k0, k1] = k_tile.fragments_b_transposed(16 * kk, n0);
-                    dq[0] = T::mma(ds, k0, dq[0]);
-                    dq[1] = T::mma(ds, k1, dq[1]);
+                    for j in 0..piece_cols / 16 {
+                        let [k0, k1] = k_tile.fragments_b_transposed(16 * kk, n0 + 16 * j);
+                        dq[j][0] = T::mma(ds, k0, dq[j][0]);
+                        dq[j][1] = T::mma(ds, k1, dq[j][1]);
+                    }
                 }
-                for (half, frag) in dq.iter().enumerate() {
+                for eighth in 0..piece_cols / 8 {
+                    let frag = dq[eighth / 2][eighth % 2];
                     for e in 0..4 {
-                        let (row, col) = (m0 + lane.row(e), n0 + 8 * half + lane.col(e));
+                        let (row, col) = (m0 + lane.row(e), n0 + 8 * eighth + lane.col(e));
                         // (An exact instance's columns are all real: no test.)
                         if row < q_rows && (!PADDED || col < d) {
                             // SAFETY: the query row and column exist.
@@ -616,7 +635,6 @@ unsafe fn backward_q_body<
     };
     let threads = const { mma_backward_threads(BLOCK_M, HEAD_DIM) };
     let scale_log2 = scale * LOG2_E;
-    let keep_fragments = keeps_fragments(HEAD_DIM);
     let block = QueryBlock::current::<BLOCK_M>(&shape);
     let mask = mask.for_batch(block.batch);
     let (q_start, q_rows) = (block.q_start, block.q_rows);
@@ -684,12 +702,8 @@ unsafe fn backward_q_body<
         for chunk in 0..BLOCK_N / 16 {
             let k0 = 16 * chunk;
             let (mut s, mut dp) = ([[0.0f32; 4]; 2], [[0.0f32; 4]; 2]);
-            let mut k_frags = [[[0u32; 2]; 2]; D_STEPS];
             for ks in 0..D_STEPS {
                 let k_frag = k_tile.fragments_b(k0, 16 * ks);
-                if keep_fragments {
-                    k_frags[ks] = k_frag;
-                }
                 let v_frags = v_tile.fragments_b(k0, 16 * ks);
                 let (q_a, do_a) = (q_frag(ks), do_frag(ks));
                 for half in 0..2 {
@@ -724,11 +738,7 @@ unsafe fn backward_q_body<
             // dQ += dS·K (scaled at the end), dS straight from registers.
             let a = pack_a::<T>(ds[0], ds[1]);
             for step in 0..D_TILES / 2 {
-                let k = if keep_fragments {
-                    hw::transpose_b(k_frags[step])
-                } else {
-                    k_tile.fragments_b_transposed(k0, col0 + 16 * step)
-                };
+                let k = k_tile.fragments_b_transposed(k0, col0 + 16 * step);
                 for half in 0..2 {
                     acc[2 * step + half] = T::mma(a, k[half], acc[2 * step + half]);
                 }

@@ -1,5 +1,7 @@
 //! Levels 5, 6 and 10: FlashAttention-2 on the tensor cores with `mma.sync` (compute capability 8.0
-//! and later), in `f16` and `bf16`, runnable in the emulator too.
+//! and later), in `f16` and `bf16`, runnable in the emulator too. The same source is also compiled
+//! for Turing (7.5, `f16` only), where `crate::hw` gives `mma`, `cp.async` and the `f16`
+//! conversion the forms that architecture has (guide level 5, "On a Turing GPU").
 //!
 //! | level | file | kernels |
 //! |---|---|---|
