@@ -45,7 +45,8 @@ const TURING_ARCH: &str = "sm_75";
 const NVPTX_TARGET: &str = "nvptx64-nvidia-cuda";
 
 /// The PTX ISA version the `sm_80` modules declare: 7.8 (CUDA 11.8) is the first with
-/// `movmatrix`, which the tensor-core backward uses. Drivers from CUDA 11.8 on load it.
+/// `movmatrix` (`hw::transpose_b`, which no kernel calls since the backward's profile of issue
+/// 27; the version stays so that a kernel may). Drivers from CUDA 11.8 on load it.
 const PTX_VERSION: &str = "ptx78";
 
 /// The PTX ISA version of the Hopper module: 8.0 (CUDA 12.0) is the first with `wgmma`,
@@ -78,11 +79,7 @@ impl ModuleGroup {
 
     /// Whether kernel `entry` belongs to this module.
     fn holds(&self, entry: &str) -> bool {
-        if self.arch == TURING_ARCH {
-            turing_group_of(entry) == Some(self.name)
-        } else {
-            group_of(entry) == self.name
-        }
+        if self.arch == TURING_ARCH { turing_group_of(entry) == Some(self.name) } else { group_of(entry) == self.name }
     }
 }
 
@@ -171,11 +168,8 @@ fn main() {
     }
     check_turing_modules(&modules);
     // The kernels, by name: the sm_75 modules hold copies of sm_80 ones.
-    let mut entries: Vec<String> = modules
-        .iter()
-        .filter(|(group, _)| group.arch != TURING_ARCH)
-        .flat_map(|(_, ptx)| ptx_entries(ptx))
-        .collect();
+    let mut entries: Vec<String> =
+        modules.iter().filter(|(group, _)| group.arch != TURING_ARCH).flat_map(|(_, ptx)| ptx_entries(ptx)).collect();
     entries.sort();
     writeln!(generated, "/// PTX of the `kernels/` crate, one module per group of kernels ([`MODULES`]).").unwrap();
     writeln!(generated, "pub const PTX: &[&str] = &[").unwrap();
@@ -406,7 +400,6 @@ fn flash_instance(name: &str) -> Option<FlashName> {
     Some(FlashName { variant, dtype, block_m, block_n, head_dim, stages, hopper, hopper_variant, padded })
 }
 
-
 /// The file name of module group `group`'s PTX (in `OUT_DIR`; shipped in [`SHIPPED_DIR`] with
 /// `.xz` appended): `kernels_sm_80_tensor_cores.ptx`, for one.
 fn module_file(group: &ModuleGroup) -> String {
@@ -599,7 +592,6 @@ fn module_ptx(group: &ModuleGroup, bitcode: &Bitcode, tools: &LlvmTools) -> Stri
         .arg(&ptx_path));
     with_launch_bounds(fs::read_to_string(&ptx_path).unwrap())
 }
-
 
 /// The device crate's table of compiled configurations: its `LAUNCH_BOUNDS` are written into the
 /// PTX here (its macros are for the device crate and unused in this one).

@@ -1,6 +1,6 @@
 //! Level 0, the tensor cores of levels 5 and 6: `mma.sync` on fragments spread over a warp's
 //! lanes, loaded from 16-bit shared-memory tiles with `ldmatrix` ([`SharedTile16`]), transposed in
-//! registers with `movmatrix`, and the two 16-bit formats ([`F16`], [`Bf16`]).
+//! registers with `movmatrix` ([`transpose_b`]), and the two 16-bit formats ([`F16`], [`Bf16`]).
 
 use super::backend;
 use super::{F32x4, lane_id, thread_idx_x};
@@ -351,6 +351,10 @@ impl SharedTile16 {
 /// k index) — without touching shared memory. Each register holds one 8×8 matrix of the block;
 /// `movmatrix.trans` transposes it across the warp's lanes, and the two off-diagonal matrices
 /// swap places. All lanes of the warp call it together.
+///
+/// No kernel calls it today: it costs one instruction per 8×8 matrix, and where the backward used
+/// it the profile found those instructions as many as the products and the warps stalled on them,
+/// so the backward reads such fragments again with `ldmatrix.trans` (PERFORMANCE.md, issue 27).
 #[inline(always)]
 #[cfg_attr(not(target_arch = "nvptx64"), track_caller)]
 pub fn transpose_b(frags: [FragB; 2]) -> [FragB; 2] {

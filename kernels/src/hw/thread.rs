@@ -157,7 +157,7 @@ pub fn fma(a: f32, b: f32, c: f32) -> f32 {
     backend::fma(a, b, c)
 }
 
-/// `*ptr += value` as one atomic read-modify-write in device memory (`red.add.f32`, which returns
+/// `*ptr += value` as one atomic read-modify-write in device memory (`red.global.add.f32`, which returns
 /// nothing and so is cheaper than `atom.add`). Additions from different threads land in whatever
 /// order the hardware serves them, so the rounding of the sum can differ from run to run.
 ///

@@ -414,8 +414,8 @@ unsafe fn backward_kv_body<
         // ragged ends) pay for the per-element mask; it also zeroes padding queries and queries that see no key
         // (whose LSE is −∞, which would make P infinite).
         let masked = mask.tile_needs_mask(q_start, BLOCK_M, kv_start, BLOCK_N);
-        // The tile's queries, 16 at a time: a chunk's Q and dO fragments are read from shared
-        // memory once, serve Sᵀ and dPᵀ as B operands, and, transposed in registers, dK and dV.
+        // The tile's queries, 16 at a time: a chunk's Q and dO fragments serve Sᵀ and dPᵀ as B
+        // operands, and, read again transposed, dK and dV.
         for chunk in 0..BLOCK_M / 16 {
             let q0 = 16 * chunk;
             // ANCHOR: transposed_scores
@@ -527,7 +527,8 @@ unsafe fn backward_kv_body<
 
     // Every warp is done reading K and V (dQ reads all their rows): the warps can stage their
     // own rows (and columns) of dK and dV there. A block that no query tile sees (`steps` is 0)
-    // never waited for the copies of K and V, which would land on the staged rows: wait for
+    // and keeps no K and V fragments (above head_dim 64) never waited for the copies of K and V,
+    // which would land on the staged rows: wait for
     // every copy group first (the others are empty by now, so this costs nothing).
     hw::cp_async_wait(0);
     hw::sync_threads();
@@ -697,8 +698,8 @@ unsafe fn backward_q_body<
         // Masked as in the forward pass, and wherever the block has padding rows: a hidden or
         // padding entry gets P = 0.
         let masked = padded || keys.needs_mask(kv_start, BLOCK_N);
-        // The tile's keys, 16 at a time: a chunk's K fragments serve S = Q·Kᵀ and, transposed
-        // in registers, dQ += dS·K (as in the K/V-outer kernel).
+        // The tile's keys, 16 at a time: a chunk's K fragments serve S = Q·Kᵀ and, read again
+        // transposed, dQ += dS·K (as Q and dO in the K/V-outer kernel).
         for chunk in 0..BLOCK_N / 16 {
             let k0 = 16 * chunk;
             let (mut s, mut dp) = ([[0.0f32; 4]; 2], [[0.0f32; 4]; 2]);
