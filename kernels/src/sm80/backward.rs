@@ -528,8 +528,8 @@ unsafe fn backward_kv_body<
     // Every warp is done reading K and V (dQ reads all their rows): the warps can stage their
     // own rows (and columns) of dK and dV there. A block that no query tile sees (`steps` is 0)
     // and keeps no K and V fragments (above head_dim 64) never waited for the copies of K and V,
-    // which would land on the staged rows: wait for
-    // every copy group first (the others are empty by now, so this costs nothing).
+    // which would land on the staged rows: wait for every copy group first (the others are empty
+    // by now, so this costs nothing).
     hw::cp_async_wait(0);
     hw::sync_threads();
     let cols = warp_columns::<HEAD_DIM>(col0, d);
