@@ -461,9 +461,11 @@ fn build_ptx(kernels_dir: &Path, out_dir: &Path, tools: &LlvmTools) -> Vec<(&'st
             .collect();
         handles.into_iter().map(|(arch, handle)| (arch, handle.join().unwrap())).collect()
     });
-    // The module groups, as many at a time as there are cores: each is an `opt` and an `llc` of
-    // its own.
-    let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MODULE_GROUPS.len());
+    // The module groups, as many at a time as cargo's job count allows (`NUM_JOBS`: `-j`, or
+    // the cores): each is an `opt` and an `llc` of its own.
+    let jobs = env::var("NUM_JOBS").ok().and_then(|n| n.parse::<usize>().ok()).filter(|&n| n > 0);
+    let workers =
+        jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).min(MODULE_GROUPS.len());
     let next = std::sync::atomic::AtomicUsize::new(0);
     let mut modules: Vec<(usize, &'static ModuleGroup, String)> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..workers)

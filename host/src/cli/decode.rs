@@ -47,9 +47,9 @@ pub struct Args {
     /// Features per head (1 to 256).
     #[arg(long, default_value_t = 128)]
     pub head_dim: usize,
-    /// f16 or bf16.
-    #[arg(long, default_value = "bf16")]
-    pub dtype: String,
+    /// f16 or bf16 (default: bf16, or f16 on a GPU without bf16 kernels: Turing, the `t4` profile).
+    #[arg(long)]
+    pub dtype: Option<String>,
     /// A paged cache with pages of this many tokens (a multiple of 16), in shuffled order.
     #[arg(long, value_parser = clap::value_parser!(u32).range(16..))]
     pub page_size: Option<u32>,
@@ -85,12 +85,19 @@ pub struct Args {
 /// Bad flags ([`Error::Argument`]), the decoder's errors, a failed `--check`
 /// ([`Error::CheckFailed`]).
 pub fn run(args: &Args) -> Result<()> {
-    let dtype: DType = args.dtype.parse().map_err(|e: String| Error::Argument(e))?;
     let ctx = Context::open(args.device).inspect_err(|e| {
         if matches!(e, Error::NoDriver | Error::NoDevice { .. }) {
             eprintln!("(no GPU: `--device cpu-emulated` runs the decoder's own source on the CPU; keep sizes small)");
         }
     })?;
+    let dtype: DType = match &args.dtype {
+        Some(name) => name.parse().map_err(|e: String| Error::Argument(e))?,
+        None if ctx.device().supports(DType::Bf16) => DType::Bf16,
+        None => {
+            println!("(this GPU has no bf16 kernels: decoding in f16; pass --dtype to choose)");
+            DType::F16
+        }
+    };
     match dtype {
         DType::F16 => run_typed::<f16>(&ctx, args),
         DType::Bf16 => run_typed::<bf16>(&ctx, args),

@@ -259,8 +259,9 @@ impl KeyBlock {
     /// The query head and query tile of the `step`-th tile the block visits (head by head).
     #[inline(always)]
     pub fn step(&self, step: usize) -> (usize, usize) {
-        let per_head = self.tiles_per_head();
-        (self.kv_head * self.group + step / per_head, self.first_tile + step % per_head)
+        // 32-bit ([`div_rem`]): this runs once or twice per query tile, in every K/V-outer kernel.
+        let (head_in_group, tile) = div_rem(step, self.tiles_per_head());
+        (self.kv_head * self.group + head_in_group, self.first_tile + tile)
     }
 }
 

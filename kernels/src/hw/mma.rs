@@ -345,6 +345,40 @@ impl SharedTile16 {
     }
 }
 
+/// A warp's 16 rows of a tile as A fragments, across the tile's first `16 · STEPS` columns (16
+/// at a time, `ks = 0 .. STEPS`): the rows that a loop multiplies by a different operand at
+/// every step (K and V in the backward's K/V-outer kernel, Q and dO in its dQ kernel).
+///
+/// Kept (`keep`), the fragments are read from shared memory once, here, and live in `4 · STEPS`
+/// registers for the rest of the loop; not kept (when those registers are needed elsewhere), each
+/// [`Self::get`] reads them again with `ldmatrix`. `keep` is a constant in every caller, so only
+/// one of the two ways is compiled.
+#[derive(Clone, Copy)]
+pub struct RowFragments<const STEPS: usize> {
+    tile: SharedTile16,
+    row0: usize,
+    keep: bool,
+    kept: [FragA; STEPS],
+}
+
+impl<const STEPS: usize> RowFragments<STEPS> {
+    /// Rows `row0 .. row0 + 16` of `tile`. With `keep`, the tile's rows must be in place (the
+    /// caller's barrier). Call from all lanes of a warp together.
+    #[inline(always)]
+    #[cfg_attr(not(target_arch = "nvptx64"), track_caller)]
+    pub fn new(tile: SharedTile16, row0: usize, keep: bool) -> Self {
+        let kept = core::array::from_fn(|ks| if keep { tile.fragment_a(row0, 16 * ks) } else { [0; 4] });
+        Self { tile, row0, keep, kept }
+    }
+
+    /// The A fragment of columns `16ks .. 16ks + 16`.
+    #[inline(always)]
+    #[cfg_attr(not(target_arch = "nvptx64"), track_caller)]
+    pub fn get(&self, ks: usize) -> FragA {
+        if self.keep { self.kept[ks] } else { self.tile.fragment_a(self.row0, 16 * ks) }
+    }
+}
+
 /// The B fragments of a 16×16 block read the other way round: given the pair that
 /// [`SharedTile16::fragments_b`] returns for a block stored row-major (rows = the n index), the
 /// pair that [`SharedTile16::fragments_b_transposed`] would return for the same block (rows = the

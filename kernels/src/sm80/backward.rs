@@ -61,9 +61,9 @@
 //!   `f32` accumulator with `red.add`; a last kernel rounds it to 16 bits.
 //! * `flash_backward_q_mma` (`flash_bwd_dq_{f16,bf16}_…`): the deterministic dQ, one block per
 //!   `BLOCK_M` queries, warp `w` owning queries `16w .. 16w + 16`, looping over key tiles like
-//!   the forward pass, 16 keys at a time: S, P, dP = dO·Vᵀ, dS, and dQ += dS·K with dS from
-//!   registers and the chunk's K read again with `ldmatrix.trans`. No atomics, a fixed order of
-//!   additions, bit-identical results from run to run.
+//!   the forward pass, 32 keys at a time (16 above head_dim 128): S, P, dP = dO·Vᵀ, dS, and
+//!   dQ += dS·K with dS from registers and the chunk's K read again with `ldmatrix.trans`. No
+//!   atomics, a fixed order of additions, bit-identical results from run to run.
 //!
 //! ## Legend
 //!
@@ -72,20 +72,21 @@
 //!
 //! * `st[half]`, `dpt[half]`, `pt[half]`, `ds_t[half]`: accumulator fragments of Sᵀ, dPᵀ, Pᵀ and
 //!   dSᵀ for the warp's 16 keys and the chunk's queries `q0 + 8·half .. q0 + 8·half + 8`;
-//! * `k_kept[ks]`, `v_kept[ks]`: the warp's rows of K and V as A fragments, head_dim columns
-//!   `16ks .. 16ks + 16` (kept up to head_dim 64);
+//! * `k_frags.get(ks)`, `v_frags.get(ks)`: the warp's rows of K and V as A fragments, head_dim
+//!   columns `16ks .. 16ks + 16` (a [`RowFragments`]: kept in registers up to head_dim 64);
 //! * `dk_acc[dt]`, `dv_acc[dt]`: the warp's rows of dK and dV, columns `8dt .. 8dt + 8`.
 //!
-//! In the dQ kernel a *chunk* is 16 keys starting at `k0`: `s[half]`, `dp[half]`, `ds[half]` are
-//! S, dP and dS for the warp's 16 queries and keys `k0 + 8·half ..`; `q_kept[ks]`, `do_kept[ks]`
-//! the warp's rows of Q and dO as A fragments; `acc[dt]` the warp's rows of dQ.
+//! In the dQ kernel a *chunk* is 32 keys (16 above head_dim 128) starting at `k0`: `s[j]`,
+//! `dp[j]`, `ds[j]` are S, dP and dS for the warp's 16 queries and keys `k0 + 8j .. k0 + 8j + 8`;
+//! `q_frags.get(ks)`, `do_frags.get(ks)` the warp's rows of Q and dO as A fragments; `acc[dt]`
+//! the warp's rows of dQ.
 
 use crate::attention::epilogue::store_warp_rows;
 use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a};
 use crate::attention::mask::Mask;
 use crate::attention::schedule::{KeyBlock, QueryBlock};
 use crate::attention::score::ScoreArgs;
-use crate::hw::{self, FragA, HalfFloat, LOG2_E, SharedMemory};
+use crate::hw::{self, HalfFloat, LOG2_E, RowFragments, SharedMemory};
 use crate::layout::{
     AttentionShape, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_backward_column_warps, mma_backward_threads,
     mma_backward_warp_columns, row_length,
@@ -318,10 +319,11 @@ unsafe fn backward_kv_body<
     };
     let threads = const { mma_backward_threads(BLOCK_N, HEAD_DIM) };
     // The atomic dQ's pieces: 32 columns wide (three `ldmatrix.x4` for four products, where 16
-    // columns take two for two) wherever that still leaves a piece for every warp.
+    // columns take two for two) wherever the warps still get the same number of pieces each (an
+    // uneven split leaves the last round to a few warps while the others wait at the barrier).
     let piece_cols = const {
         let warps = mma_backward_threads(BLOCK_N, HEAD_DIM) / 32;
-        if HEAD_DIM.is_multiple_of(32) && (BLOCK_M / 16) * (HEAD_DIM / 32) >= warps { 32 } else { 16 }
+        if HEAD_DIM.is_multiple_of(32) && ((BLOCK_M / 16) * (HEAD_DIM / 32)).is_multiple_of(warps) { 32 } else { 16 }
     };
     let scale_log2 = scale * LOG2_E;
     let keep_kv = const { keeps_kv_rows(HEAD_DIM) };
@@ -389,16 +391,14 @@ unsafe fn backward_kv_body<
     }
     // The warp's rows of K and V, kept (`keeps_kv_rows`): they arrived with step 0's group,
     // which the first step waits for anyway.
-    let kept = |tile: hw::SharedTile16| -> [FragA; D_STEPS] {
-        core::array::from_fn(|ks| if keep_kv { tile.fragment_a(warp_key, 16 * ks) } else { [0; 4] })
-    };
-    let (k_kept, v_kept) = if keep_kv {
+    if keep_kv {
         hw::cp_async_wait(STAGES - 2);
         hw::sync_threads();
-        (kept(k_tile), kept(v_tile))
-    } else {
-        ([[0; 4]; D_STEPS], [[0; 4]; D_STEPS])
-    };
+    }
+    let (k_frags, v_frags) = (
+        RowFragments::<D_STEPS>::new(k_tile, warp_key, keep_kv),
+        RowFragments::<D_STEPS>::new(v_tile, warp_key, keep_kv),
+    );
 
     let mut dk_acc = [[0.0f32; 4]; D_TILES];
     let mut dv_acc = [[0.0f32; 4]; D_TILES];
@@ -422,11 +422,7 @@ unsafe fn backward_kv_body<
             // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for the warp's 16 keys and these 16 queries.
             let (mut st, mut dpt) = ([[0.0f32; 4]; 2], [[0.0f32; 4]; 2]);
             for ks in 0..D_STEPS {
-                let (k_frag, v_frag) = if keep_kv {
-                    (k_kept[ks], v_kept[ks])
-                } else {
-                    (k_tile.fragment_a(warp_key, 16 * ks), v_tile.fragment_a(warp_key, 16 * ks))
-                };
+                let (k_frag, v_frag) = (k_frags.get(ks), v_frags.get(ks));
                 let (q_frag, do_frag) = (q_tile.fragments_b(q0, 16 * ks), do_tile.fragments_b(q0, 16 * ks));
                 for half in 0..2 {
                     st[half] = T::mma(k_frag, q_frag[half], st[half]);
@@ -561,8 +557,9 @@ unsafe fn backward_kv_body<
 }
 
 /// The deterministic dQ kernel body: `BLOCK_M` queries of one query head, looping over key tiles
-/// like the forward pass (K/V ring of `STAGES` slots, hidden tiles skipped). `N_TILES =
-/// BLOCK_N / 8`; `D_TILES` the warp's columns of dQ, as in [`flash_backward_kv_mma`].
+/// like the forward pass (K/V ring of `STAGES` slots, hidden tiles skipped), `8 · CHUNK_TILES`
+/// keys at a time ([`dq_chunk_tiles`]); `D_TILES` the warp's columns of dQ, as in
+/// [`flash_backward_kv_mma`].
 ///
 /// Grid: `(ceil(seqlen_q / BLOCK_M), num_heads_q, batch)`; block:
 /// `layout::mma_backward_threads(BLOCK_M, HEAD_DIM)` threads; dynamic
@@ -580,7 +577,7 @@ pub(crate) unsafe fn flash_backward_q_mma<
     const STAGES: usize,
     const PADDED: bool,
     const D_STEPS: usize,
-    const N_TILES: usize,
+    const CHUNK_TILES: usize,
     const D_TILES: usize,
 >(
     x: BackwardTensors,
@@ -595,11 +592,11 @@ pub(crate) unsafe fn flash_backward_q_mma<
     // SAFETY: the caller's contract.
     unsafe {
         if score.is_active() {
-            backward_q_body::<T, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PADDED, D_STEPS, N_TILES, D_TILES, true>(
+            backward_q_body::<T, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PADDED, D_STEPS, CHUNK_TILES, D_TILES, true>(
                 x, dq, shape, mask, score, scale,
             )
         } else {
-            backward_q_body::<T, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PADDED, D_STEPS, N_TILES, D_TILES, false>(
+            backward_q_body::<T, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PADDED, D_STEPS, CHUNK_TILES, D_TILES, false>(
                 x, dq, shape, mask, score, scale,
             )
         }
@@ -617,7 +614,7 @@ unsafe fn backward_q_body<
     const STAGES: usize,
     const PADDED: bool,
     const D_STEPS: usize,
-    const N_TILES: usize,
+    const CHUNK_TILES: usize,
     const D_TILES: usize,
     const MODS: bool,
 >(
@@ -629,8 +626,8 @@ unsafe fn backward_q_body<
     scale: f32,
 ) {
     const {
-        assert!(BLOCK_M.is_multiple_of(MMA_WARP_ROWS) && BLOCK_N.is_multiple_of(16));
-        assert!(D_STEPS * 16 == HEAD_DIM && N_TILES * 8 == BLOCK_N);
+        assert!(BLOCK_M.is_multiple_of(MMA_WARP_ROWS) && BLOCK_N.is_multiple_of(8 * CHUNK_TILES));
+        assert!(D_STEPS * 16 == HEAD_DIM && CHUNK_TILES == dq_chunk_tiles(HEAD_DIM));
         assert!(D_TILES * 8 * mma_backward_column_warps(HEAD_DIM) == HEAD_DIM && D_TILES.is_multiple_of(2));
         assert!(STAGES >= 2);
     };
@@ -683,12 +680,10 @@ unsafe fn backward_q_body<
     }
     hw::cp_async_wait(STAGES - 2);
     hw::sync_threads();
-    let kept = |tile: hw::SharedTile16| -> [FragA; D_STEPS] {
-        core::array::from_fn(|ks| if keep_q { tile.fragment_a(warp_row, 16 * ks) } else { [0; 4] })
-    };
-    let (q_kept, do_kept) = (kept(q_tile), kept(do_tile));
-    let q_frag = |ks: usize| if keep_q { q_kept[ks] } else { q_tile.fragment_a(warp_row, 16 * ks) };
-    let do_frag = |ks: usize| if keep_q { do_kept[ks] } else { do_tile.fragment_a(warp_row, 16 * ks) };
+    let (q_frags, do_frags) = (
+        RowFragments::<D_STEPS>::new(q_tile, warp_row, keep_q),
+        RowFragments::<D_STEPS>::new(do_tile, warp_row, keep_q),
+    );
 
     let mut acc = [[0.0f32; 4]; D_TILES];
     for tile in 0..kv_tiles {
@@ -698,50 +693,57 @@ unsafe fn backward_q_body<
         // Masked as in the forward pass, and wherever the block has padding rows: a hidden or
         // padding entry gets P = 0.
         let masked = padded || keys.needs_mask(kv_start, BLOCK_N);
-        // The tile's keys, 16 at a time: a chunk's K fragments serve S = Q·Kᵀ and, read again
-        // transposed, dQ += dS·K (as Q and dO in the K/V-outer kernel).
-        for chunk in 0..BLOCK_N / 16 {
-            let k0 = 16 * chunk;
-            let (mut s, mut dp) = ([[0.0f32; 4]; 2], [[0.0f32; 4]; 2]);
+        // The tile's keys, a chunk of `8 · CHUNK_TILES` at a time: a chunk's K fragments serve
+        // S = Q·Kᵀ and, read again transposed, dQ += dS·K (as Q and dO in the K/V-outer kernel).
+        for chunk in 0..BLOCK_N / (8 * CHUNK_TILES) {
+            let k0 = 8 * CHUNK_TILES * chunk;
+            // Fragment `j` of s, dp, ds: keys `k0 + 8j .. k0 + 8j + 8`.
+            let (mut s, mut dp) = ([[0.0f32; 4]; CHUNK_TILES], [[0.0f32; 4]; CHUNK_TILES]);
             for ks in 0..D_STEPS {
-                let k_frag = k_tile.fragments_b(k0, 16 * ks);
-                let v_frags = v_tile.fragments_b(k0, 16 * ks);
-                let (q_a, do_a) = (q_frag(ks), do_frag(ks));
-                for half in 0..2 {
-                    s[half] = T::mma(q_a, k_frag[half], s[half]);
-                    dp[half] = T::mma(do_a, v_frags[half], dp[half]);
+                let (q_a, do_a) = (q_frags.get(ks), do_frags.get(ks));
+                for sixteen in 0..CHUNK_TILES / 2 {
+                    let k_frag = k_tile.fragments_b(k0 + 16 * sixteen, 16 * ks);
+                    let v_frag = v_tile.fragments_b(k0 + 16 * sixteen, 16 * ks);
+                    for half in 0..2 {
+                        let j = 2 * sixteen + half;
+                        s[j] = T::mma(q_a, k_frag[half], s[j]);
+                        dp[j] = T::mma(do_a, v_frag[half], dp[j]);
+                    }
                 }
             }
             // dS = P ∘ (dP − D), P recomputed from the LSE.
             let first = (q_start + warp_row, kv_start + k0);
             let head_score = || score.for_head(block.head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
             if MODS {
-                head_score().apply_fragments::<2, false>(&mut s, lane, first, scale_log2);
+                head_score().apply_fragments::<CHUNK_TILES, false>(&mut s, lane, first, scale_log2);
             }
-            let mut p = [[0.0f32; 4]; 2];
-            for half in 0..2 {
+            let mut p = [[0.0f32; 4]; CHUNK_TILES];
+            for j in 0..CHUNK_TILES {
                 for e in 0..4 {
-                    p[half][e] = hw::exp2(hw::fma(s[half][e], factor, -lse2[e / 2]));
+                    p[j][e] = hw::exp2(hw::fma(s[j][e], factor, -lse2[e / 2]));
                 }
             }
             if masked {
-                mask_fragments::<2, false>(&mut p, lane, 0.0, first, &mask);
+                mask_fragments::<CHUNK_TILES, false>(&mut p, lane, 0.0, first, &mask);
             }
             if MODS && score.is_softcapped() {
                 head_score().chain_rule_fragments(&s, &mut dp, |_, e| delta[e / 2]);
             }
-            let mut ds = [[0.0f32; 4]; 2];
-            for half in 0..2 {
+            let mut ds = [[0.0f32; 4]; CHUNK_TILES];
+            for j in 0..CHUNK_TILES {
                 for e in 0..4 {
-                    ds[half][e] = p[half][e] * (dp[half][e] - delta[e / 2]);
+                    ds[j][e] = p[j][e] * (dp[j][e] - delta[e / 2]);
                 }
             }
-            // dQ += dS·K (scaled at the end), dS straight from registers.
-            let a = pack_a::<T>(ds[0], ds[1]);
-            for step in 0..D_TILES / 2 {
-                let k = k_tile.fragments_b_transposed(k0, col0 + 16 * step);
-                for half in 0..2 {
-                    acc[2 * step + half] = T::mma(a, k[half], acc[2 * step + half]);
+            // dQ += dS·K (scaled at the end), dS straight from registers: one A fragment per 16
+            // keys, K's rows read again transposed.
+            for sixteen in 0..CHUNK_TILES / 2 {
+                let a = pack_a::<T>(ds[2 * sixteen], ds[2 * sixteen + 1]);
+                for step in 0..D_TILES / 2 {
+                    let k = k_tile.fragments_b_transposed(k0 + 16 * sixteen, col0 + 16 * step);
+                    for half in 0..2 {
+                        acc[2 * step + half] = T::mma(a, k[half], acc[2 * step + half]);
+                    }
                 }
             }
         }
@@ -766,6 +768,15 @@ unsafe fn backward_q_body<
 /// each): all of them, or half above head_dim 128 ([`warp_slice`]).
 const fn column_tiles(head_dim: usize) -> usize {
     mma_backward_warp_columns(head_dim) / 8
+}
+
+/// The deterministic dQ kernel's chunk at `head_dim`, in fragments of 8 keys: 32 keys where the
+/// warp keeps its Q and dO fragments (up to head_dim 128), 16 above. Two 16-key halves in
+/// flight make independent chains of products, so each half's products and exponentials fill
+/// the other's waits for results (the kernel was latency-bound; PERFORMANCE.md, issue 27). Above
+/// 128 the second half's scores do not fit beside dQ's columns without spilling.
+const fn dq_chunk_tiles(head_dim: usize) -> usize {
+    if mma_backward_column_warps(head_dim) == 1 { 4 } else { 2 }
 }
 
 /// Three entries per tile and format: `flash_bwd_{dtype}_…` (dK, dV, atomic dQ),
@@ -816,7 +827,7 @@ macro_rules! flash_backward_mma_instance {
             $dq,
             [dq: *mut u16],
             |x, shape, mask, score, scale| flash_backward_q_mma::<
-                hw::$format, $m, $n, $d, $s, $padded, { $d / 16 }, { $n / 8 }, { column_tiles($d) }
+                hw::$format, $m, $n, $d, $s, $padded, { $d / 16 }, { dq_chunk_tiles($d) }, { column_tiles($d) }
             >(x, dq, shape, mask, score, scale)
         );
     };
