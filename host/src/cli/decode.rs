@@ -85,13 +85,15 @@ pub struct Args {
 /// Bad flags ([`Error::Argument`]), the decoder's errors, a failed `--check`
 /// ([`Error::CheckFailed`]).
 pub fn run(args: &Args) -> Result<()> {
+    // A bad --dtype is an argument error before any GPU is looked for; the default needs the GPU.
+    let asked: Option<DType> = args.dtype.as_deref().map(str::parse).transpose().map_err(Error::Argument)?;
     let ctx = Context::open(args.device).inspect_err(|e| {
         if matches!(e, Error::NoDriver | Error::NoDevice { .. }) {
             eprintln!("(no GPU: `--device cpu-emulated` runs the decoder's own source on the CPU; keep sizes small)");
         }
     })?;
-    let dtype: DType = match &args.dtype {
-        Some(name) => name.parse().map_err(|e: String| Error::Argument(e))?,
+    let dtype = match asked {
+        Some(dtype) => dtype,
         None if ctx.device().supports(DType::Bf16) => DType::Bf16,
         None => {
             println!("(this GPU has no bf16 kernels: decoding in f16; pass --dtype to choose)");

@@ -46,8 +46,9 @@
 //! | dSᵀ | BLOCK_N × BLOCK_M | each warp its 16 keys (atomic dQ only) | every warp, transposed, for dQ |
 //! | LSE, D ×`STAGES` | 2 × BLOCK_M `f32` | `cp.async` (4-byte), with Q and dO | every warp |
 //!
-//! The dQ kernel has Q and dO (`BLOCK_M × HEAD_DIM`, read once into registers) and a `STAGES`-slot
-//! K/V ring, as the forward pass (`layout::mma_backward_dq_smem_bytes`).
+//! The dQ kernel has Q and dO (`BLOCK_M × HEAD_DIM`, read once into registers up to head_dim
+//! 128, at every use above) and a `STAGES`-slot K/V ring, as the forward pass
+//! (`layout::mma_backward_dq_smem_bytes`).
 //!
 //! ## Kernels
 //!
@@ -627,7 +628,7 @@ unsafe fn backward_q_body<
 ) {
     const {
         assert!(BLOCK_M.is_multiple_of(MMA_WARP_ROWS) && BLOCK_N.is_multiple_of(8 * CHUNK_TILES));
-        assert!(D_STEPS * 16 == HEAD_DIM && CHUNK_TILES == dq_chunk_tiles(HEAD_DIM));
+        assert!(D_STEPS * 16 == HEAD_DIM && CHUNK_TILES == dq_chunk_tiles(HEAD_DIM) && CHUNK_TILES.is_multiple_of(2));
         assert!(D_TILES * 8 * mma_backward_column_warps(HEAD_DIM) == HEAD_DIM && D_TILES.is_multiple_of(2));
         assert!(STAGES >= 2);
     };
