@@ -3,7 +3,10 @@
 //! each sm_80 flash case again with a document mask, which runs the kernels' `_table` twins), and
 //! checks every result against the CPU reference. It is the workload of `scripts/sanitize`
 //! (compute-sanitizer's memcheck, racecheck, synccheck and initcheck), and a quick smoke test for
-//! a new GPU. It fails unless it has launched every kernel the registry lists.
+//! a new GPU. It fails unless it has launched every kernel the registry lists that this device
+//! can run: a Turing GPU has no `bf16` kernels, and a tile whose shared memory is above the
+//! device's limit per block (a T4's 64 KiB, a 99 KiB RTX card's; or a profile's cap,
+//! `RUST_ATTENTION_GPU_PROFILE`) is left out, with a count in the last line.
 //!
 //! `every-kernel [cpu-emulated]`: the GPU (device 0) by default, or the CPU emulator.
 
@@ -15,7 +18,7 @@ use attn_host::dtype::{from_f32_slice, to_f32_vec};
 use attn_host::kernels::{DECODE_INSTANCES, FLASH_INSTANCES, entry};
 use attn_host::{
     AttentionOptions, AttentionShape, Causal, Context, DType, DecodeOptions, DeviceTensor, DqAccumulation, Element,
-    FlashKernel as Family, KvCache, Layout, MaskTable, Result, TileConfig, cpu,
+    Error, FlashKernel as Family, KvCache, Layout, MaskTable, Result, TileConfig, cpu,
 };
 
 /// The query length of the flash cases without a table (those with the document mask, which is
@@ -43,7 +46,7 @@ fn within(what: &str, err: f64, tolerance: f64) -> Result<()> {
     if err <= tolerance {
         Ok(())
     } else {
-        Err(attn_host::Error::Shape(format!("{what}: relative error {err:.2e} above {tolerance:.0e}")))
+        Err(Error::Shape(format!("{what}: relative error {err:.2e} above {tolerance:.0e}")))
     }
 }
 
@@ -54,12 +57,15 @@ fn run() -> Result<()> {
     };
     println!("every-kernel on {}", ctx.device().name);
     let mut launched: BTreeSet<&'static str> = BTreeSet::new();
+    let mut beyond = beyond_device(&ctx);
     let documents = ctx.document_mask_from_cu_seqlens(&DOCUMENTS)?;
 
     // The KV-cache decoders first: a handful of launches.
     let mut decoders = BTreeSet::new();
     decoder_kernels::<attn_host::f16>(&ctx, &mut launched, &mut decoders)?;
-    decoder_kernels::<attn_host::bf16>(&ctx, &mut launched, &mut decoders)?;
+    if ctx.device().supports(DType::Bf16) {
+        decoder_kernels::<attn_host::bf16>(&ctx, &mut launched, &mut decoders)?;
+    }
     println!("every-kernel: the decoders match the CPU reference ({} of them)", decoders.len());
 
     // Vector add, with a ragged tail.
@@ -120,7 +126,7 @@ fn run() -> Result<()> {
             let params = cpu::Params { sinks: Some(&sinks), ..params };
             let (forward, backward) =
                 (cpu::attention(q, k, v, &shape, params)?, cpu::attention_backward(q, k, v, d_o, &shape, params)?);
-            let tile = TileConfig::compiled(head_dim)[0];
+            let tile = ctx.default_tile(DType::F32, head_dim);
             let out = ctx.flash_attention_forward(&dq, &dk, &dv, &with_sinks, tile)?;
             within("sinks forward O", relative_l2_error(&out.o.to_host()?, &forward.o), 1e-5)?;
             let grads = ctx.flash_attention_backward(
@@ -131,7 +137,7 @@ fn run() -> Result<()> {
                 &out.lse,
                 &ddo,
                 &with_sinks,
-                tile,
+                ctx.default_backward_tile(DType::F32, head_dim, DqAccumulation::Deterministic),
                 DqAccumulation::Deterministic,
             )?;
             let d_sinks = grads.d_sinks.as_ref().expect("a problem with sinks has their gradient").to_host()?;
@@ -140,6 +146,12 @@ fn run() -> Result<()> {
             launched.insert(entry::FLASH_BWD_SINK_GRADIENT);
         }
 
+        // The backward's O and LSE come from the tile the context picks (one that fits the device).
+        let default_tile = ctx.default_tile(DType::F32, head_dim);
+        if runnable(&mut beyond, table, default_tile, &[Family::Forward], DType::F32, head_dim)?.is_none() {
+            continue;
+        }
+        let base = ctx.flash_attention_forward(&dq, &dk, &dv, &options, default_tile)?;
         for tile in TileConfig::compiled(head_dim) {
             let name = format!(
                 "d{head_dim} m{} n{}{}",
@@ -147,36 +159,101 @@ fn run() -> Result<()> {
                 tile.block_n,
                 if table.is_some() { " table" } else { "" }
             );
-            let out = ctx.flash_attention_forward(&dq, &dk, &dv, &options, tile)?;
-            check_forward(&format!("flash forward {name}"), &out)?;
-            for mode in [DqAccumulation::Atomic, DqAccumulation::Deterministic] {
-                let grads =
-                    ctx.flash_attention_backward(&dq, &dk, &dv, &out.o, &out.lse, &ddo, &options, tile, mode)?;
-                check_backward(&format!("flash backward {mode:?} {name}"), &grads)?;
+            if let Some(entries) = runnable(&mut beyond, table, tile, &[Family::Forward], DType::F32, head_dim)? {
+                check_forward(
+                    &format!("flash forward {name}"),
+                    &ctx.flash_attention_forward(&dq, &dk, &dv, &options, tile)?,
+                )?;
+                launched.extend(entries);
             }
-            for family in [Family::Forward, Family::Backward, Family::BackwardDkDv, Family::BackwardDq] {
-                launched.insert(twin_if(table, tile.compiled_entry(family, head_dim)?));
+            for (mode, families) in BACKWARD_MODES {
+                if let Some(entries) = runnable(&mut beyond, table, tile, families, DType::F32, head_dim)? {
+                    let grads =
+                        ctx.flash_attention_backward(&dq, &dk, &dv, &base.o, &base.lse, &ddo, &options, tile, mode)?;
+                    check_backward(&format!("flash backward {mode:?} {name}"), &grads)?;
+                    launched.extend(entries);
+                }
             }
         }
     }
 
-    tensor_core_kernels::<attn_host::f16>(&ctx, &documents, &mut launched)?;
-    tensor_core_kernels::<attn_host::bf16>(&ctx, &documents, &mut launched)?;
+    tensor_core_kernels::<attn_host::f16>(&ctx, &documents, &mut beyond, &mut launched)?;
+    if ctx.device().supports(DType::Bf16) {
+        tensor_core_kernels::<attn_host::bf16>(&ctx, &documents, &mut beyond, &mut launched)?;
+    }
 
-    // Every kernel, but of the decoders only those a decoding step picks on this device (the
-    // deepest ring that fits; `RUST_ATTENTION_DECODE_STAGES` runs the others).
-    let flash = FLASH_INSTANCES.iter().flat_map(|i| [i.entry, twin_if(Some(&documents), i.entry)]);
-    let all: BTreeSet<&'static str> = entry::ALL.iter().copied().chain(flash).chain(decoders).collect();
+    // Every kernel this device can run, but of the decoders only those a decoding step picks on
+    // it (the deepest ring that fits; `RUST_ATTENTION_DECODE_STAGES` runs the others).
+    let flash = FLASH_INSTANCES.iter().flat_map(|i| [i.entry, twin(i.entry)]);
+    let registry: BTreeSet<&'static str> = entry::ALL.iter().copied().chain(flash).chain(decoders).collect();
+    let all: BTreeSet<&'static str> = registry.difference(&beyond).copied().collect();
     let missed: Vec<_> = all.difference(&launched).collect();
     if !missed.is_empty() {
-        return Err(attn_host::Error::Shape(format!("kernels never launched: {missed:?}")));
+        return Err(Error::Shape(format!("kernels never launched: {missed:?}")));
     }
+    let left_out = match registry.len() - all.len() {
+        0 => String::new(),
+        n => format!(" ({n} more left out: beyond what this device runs, its types and shared memory)"),
+    };
     println!(
-        "every-kernel: {} of {} kernels launched, every result matches the CPU reference",
+        "every-kernel: {} of {} kernels launched{left_out}, every result matches the CPU reference",
         launched.len(),
         all.len()
     );
     Ok(())
+}
+
+/// The registry's kernels this device cannot run, which the program leaves out: every kernel of
+/// a type it lacks (`bf16` on Turing: [`attn_host::DeviceInfo::supports`]; the kernels that are
+/// not flash instances by their names, as the module lookup tells them), and every flash tile,
+/// with its band-table twin, whose shared memory is above the device's limit per block.
+fn beyond_device(ctx: &Context) -> BTreeSet<&'static str> {
+    let device = ctx.device();
+    let mut beyond = BTreeSet::new();
+    for i in FLASH_INSTANCES {
+        let bytes = i.kernel.shared_memory_bytes(i.dtype, i.block_m, i.block_n, i.head_dim, i.stages);
+        if !device.supports(i.dtype) || bytes > device.max_shared_memory_per_block {
+            beyond.extend([i.entry, twin(i.entry)]);
+        }
+    }
+    if !device.supports(DType::Bf16) {
+        beyond.extend(entry::ALL.iter().copied().filter(|e| e.contains("_bf16")));
+        beyond.extend(DECODE_INSTANCES.iter().filter(|i| i.dtype == DType::Bf16).map(|i| i.entry));
+    }
+    beyond
+}
+
+/// The backward's dQ modes and the kernels each launches.
+const BACKWARD_MODES: [(DqAccumulation, &[Family]); 2] = [
+    (DqAccumulation::Atomic, &[Family::Backward]),
+    (DqAccumulation::Deterministic, &[Family::BackwardDkDv, Family::BackwardDq]),
+];
+
+/// The entries that `families` launch together at this tile (with `table`, their twins), or
+/// `None` where the device cannot run one of them (`beyond`, from [`beyond_device`]). Then the
+/// others are added to `beyond`: they cannot be launched alone (the deterministic backward is
+/// its dK/dV kernel and its dQ kernel, and the one that fits is left out with the one that does
+/// not).
+///
+/// # Errors
+/// A tile that is not compiled for `dtype` and `head_dim` ([`TileConfig::compiled_entry_for`]).
+fn runnable(
+    beyond: &mut BTreeSet<&'static str>,
+    table: Option<&MaskTable>,
+    tile: TileConfig,
+    families: &[Family],
+    dtype: DType,
+    head_dim: usize,
+) -> Result<Option<Vec<&'static str>>> {
+    let entries: Vec<&'static str> = families
+        .iter()
+        .map(|&family| tile.compiled_entry_for(family, dtype, head_dim).map(|e| twin_if(table, e)))
+        .collect::<Result<_>>()?;
+    if entries.iter().all(|e| !beyond.contains(e)) {
+        return Ok(Some(entries));
+    }
+    beyond.extend(entries);
+    Ok(None)
 }
 
 /// The mask of the `i`-th case and its query length: a bottom-right causal mask, or every other
@@ -198,10 +275,15 @@ fn mask(i: usize, table: Option<&MaskTable>) -> (AttentionOptions<'_>, usize) {
 /// `entry`, or with a table its band-table twin (the kernel a problem with a table launches).
 fn twin_if(table: Option<&MaskTable>, entry: &'static str) -> &'static str {
     match table {
-        // The names live as long as the program: a few hundred short strings.
-        Some(_) => Box::leak(attn_host::kernels::table_twin(entry).into_boxed_str()),
+        Some(_) => twin(entry),
         None => entry,
     }
+}
+
+/// The band-table twin of flash kernel `entry` ([`attn_host::kernels::table_twin`]).
+fn twin(entry: &str) -> &'static str {
+    // The names live as long as the program: a few hundred short strings.
+    Box::leak(attn_host::kernels::table_twin(entry).into_boxed_str())
 }
 
 /// Every tensor-core instance for `T` (forward tiles, backward tiles in both dQ modes), with the
@@ -210,6 +292,7 @@ fn twin_if(table: Option<&MaskTable>, entry: &'static str) -> &'static str {
 fn tensor_core_kernels<T: Element>(
     ctx: &Context,
     documents: &MaskTable,
+    beyond: &mut BTreeSet<&'static str>,
     launched: &mut BTreeSet<&'static str>,
 ) -> Result<()> {
     let dtype = T::DTYPE;
@@ -233,28 +316,31 @@ fn tensor_core_kernels<T: Element>(
         let forward = cpu::attention(&host[0], &host[1], &host[2], &shape, params)?;
         let backward = cpu::attention_backward(&host[0], &host[1], &host[2], &host[3], &shape, params)?;
         let widened = |t: &DeviceTensor<T>| t.to_host().map(|x| to_f32_vec(&x));
+        let table_name = if table.is_some() { " table" } else { "" };
         for tile in TileConfig::compiled_for(Family::Forward, dtype, head_dim) {
-            let what =
-                format!("{dtype} flash forward d{head_dim} {tile}{}", if table.is_some() { " table" } else { "" });
+            let Some(entries) = runnable(beyond, table, tile, &[Family::Forward], dtype, head_dim)? else { continue };
+            let what = format!("{dtype} flash forward d{head_dim} {tile}{table_name}");
             let out = ctx.flash_attention_forward(q, k, v, &options, tile)?;
             within(&format!("{what} O"), relative_l2_error(&widened(&out.o)?, &forward.o), o_tolerance)?;
             within(&format!("{what} LSE"), lse_error(&out.lse.to_host()?, &forward.lse), 1e-4)?;
-            launched.insert(twin_if(table, tile.compiled_entry_for(Family::Forward, dtype, head_dim)?));
+            launched.extend(entries);
         }
-        let out = ctx.flash_attention_forward(q, k, v, &options, TileConfig::default_for_dtype(dtype, head_dim))?;
+        // The backward's O and LSE come from the tile the context picks (one that fits the
+        // device, where any does).
+        let default_tile = ctx.default_tile(dtype, head_dim);
+        if runnable(beyond, table, default_tile, &[Family::Forward], dtype, head_dim)?.is_none() {
+            continue;
+        }
+        let out = ctx.flash_attention_forward(q, k, v, &options, default_tile)?;
         for tile in TileConfig::compiled_for(Family::Backward, dtype, head_dim) {
-            for mode in [DqAccumulation::Atomic, DqAccumulation::Deterministic] {
-                let what = format!(
-                    "{dtype} flash backward {mode:?} d{head_dim} {tile}{}",
-                    if table.is_some() { " table" } else { "" }
-                );
+            for (mode, families) in BACKWARD_MODES {
+                let Some(entries) = runnable(beyond, table, tile, families, dtype, head_dim)? else { continue };
+                let what = format!("{dtype} flash backward {mode:?} d{head_dim} {tile}{table_name}");
                 let g = ctx.flash_attention_backward(q, k, v, &out.o, &out.lse, d_o, &options, tile, mode)?;
                 within(&format!("{what} dQ"), relative_l2_error(&widened(&g.dq)?, &backward.dq), grad_tolerance)?;
                 within(&format!("{what} dK"), relative_l2_error(&widened(&g.dk)?, &backward.dk), grad_tolerance)?;
                 within(&format!("{what} dV"), relative_l2_error(&widened(&g.dv)?, &backward.dv), grad_tolerance)?;
-            }
-            for family in [Family::Backward, Family::BackwardDkDv, Family::BackwardDq] {
-                launched.insert(twin_if(table, tile.compiled_entry_for(family, dtype, head_dim)?));
+                launched.extend(entries);
             }
         }
     }
@@ -281,7 +367,7 @@ fn decoder_kernels<T: Element>(
     let round = |x: Vec<f32>| to_f32_vec(&from_f32_slice::<T>(&x));
     let mut dims: Vec<usize> = DECODE_INSTANCES.iter().filter(|i| i.dtype == T::DTYPE).map(|i| i.head_dim).collect();
     dims.dedup();
-    for d in dims.iter().flat_map(|&d| [d, d - 3]) {
+    'dims: for d in dims.iter().flat_map(|&d| [d, d - 3]) {
         let seed = 1000 * d as u64;
         let q_logical = round(random_normal(batch * hq * sq * d, seed));
         let seqs: Vec<cpu::SequenceKv> = cached
@@ -339,7 +425,17 @@ fn decoder_kernels<T: Element>(
             let mut cache = KvCache { k: &mut kc, v: &mut vc, seqlens: Some(&lens), block_table: None };
             let options =
                 DecodeOptions { causal: Causal::BottomRight, layout, num_splits: Some(splits), ..Default::default() };
-            let plan = ctx.decode_plan(&qd, &cache, Some((&kn, &vn)), &options)?;
+            let plan = match ctx.decode_plan(&qd, &cache, Some((&kn, &vn)), &options) {
+                // No decoder for this head_dim fits the device (a T4 holds them up to 64).
+                Err(Error::SharedMemory { needed, available, .. }) => {
+                    println!(
+                        "every-kernel: {} decoder d{d} left out: it needs {needed} bytes of shared memory, this device has {available}",
+                        T::DTYPE
+                    );
+                    continue 'dims;
+                }
+                plan => plan?,
+            };
             let out = ctx.attention_with_kv_cache(&qd, &mut cache, Some((&kn, &vn)), &options)?;
             // O back in the reference's head-major order.
             let o_host = to_f32_vec(&out.o.to_host()?);

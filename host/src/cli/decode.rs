@@ -44,9 +44,10 @@ pub struct Args {
     /// Cached keys per sequence.
     #[arg(long, default_value_t = 8192)]
     pub cache_len: usize,
-    /// Features per head (1 to 256).
-    #[arg(long, default_value_t = 128)]
-    pub head_dim: usize,
+    /// Features per head, 1 to 256 (default: 128, or the largest compiled decoder head_dim that
+    /// the GPU's shared memory holds: 64 on a T4 or under the `t4` profile).
+    #[arg(long)]
+    pub head_dim: Option<usize>,
     /// f16 or bf16 (default: bf16, or f16 on a GPU without bf16 kernels: Turing, the `t4` profile).
     #[arg(long)]
     pub dtype: Option<String>,
@@ -100,15 +101,42 @@ pub fn run(args: &Args) -> Result<()> {
             DType::F16
         }
     };
+    if dtype == DType::F32 {
+        return Err(Error::Argument("decode runs f16 or bf16".into()));
+    }
+    let head_dim = match args.head_dim {
+        Some(head_dim) => head_dim,
+        None => {
+            let fitting = largest_fitting_head_dim(dtype, 128, ctx.device().max_shared_memory_per_block);
+            if fitting < 128 {
+                println!(
+                    "(this GPU's shared memory holds the decoder up to head_dim {fitting}: decoding at {fitting}; pass --head-dim to choose)"
+                );
+            }
+            fitting
+        }
+    };
     match dtype {
-        DType::F16 => run_typed::<f16>(&ctx, args),
-        DType::Bf16 => run_typed::<bf16>(&ctx, args),
-        DType::F32 => Err(Error::Argument("decode runs f16 or bf16".into())),
+        DType::Bf16 => run_typed::<bf16>(&ctx, args, head_dim),
+        _ => run_typed::<f16>(&ctx, args, head_dim),
     }
 }
 
-fn run_typed<T: Element>(ctx: &Context, args: &Args) -> Result<()> {
-    let (b, hq, sq, d, len) = (args.batch, args.heads, args.seqlen_q, args.head_dim, args.cache_len);
+/// The largest compiled decoder head_dim, at most `limit`, whose decoder (any ring depth) fits in
+/// `shared_memory` bytes a block; `limit` itself where none does (the decoder's own error then
+/// says why).
+fn largest_fitting_head_dim(dtype: DType, limit: usize, shared_memory: usize) -> usize {
+    crate::kernels::DECODE_INSTANCES
+        .iter()
+        .filter(|d| d.dtype == dtype && d.head_dim <= limit)
+        .filter(|d| crate::layout::decode_smem_bytes(d.head_dim, d.stages) <= shared_memory)
+        .map(|d| d.head_dim)
+        .max()
+        .unwrap_or(limit)
+}
+
+fn run_typed<T: Element>(ctx: &Context, args: &Args, d: usize) -> Result<()> {
+    let (b, hq, sq, len) = (args.batch, args.heads, args.seqlen_q, args.cache_len);
     let hkv = args.kv_heads.unwrap_or(hq);
     let page_size = args.page_size.map(|p| p as usize);
     let layout = match args.layout {
@@ -171,7 +199,7 @@ fn run_typed<T: Element>(ctx: &Context, args: &Args) -> Result<()> {
     );
     println!("RESULT decode us={:.2} gbps={gbps:.1} label={}", time.median_ms * 1e3, plan.label().replace(' ', "_"));
     if args.check {
-        check(ctx, args, &q, &mut cache, &options, (&q_host, &k_host, &v_host), (outer, rows), layout)?;
+        check(ctx, args, d, &q, &mut cache, &options, (&q_host, &k_host, &v_host), (outer, rows), layout)?;
     }
     Ok(())
 }
@@ -181,6 +209,7 @@ fn run_typed<T: Element>(ctx: &Context, args: &Args) -> Result<()> {
 fn check<T: Element>(
     ctx: &Context,
     args: &Args,
+    d: usize,
     q: &DeviceTensor<T>,
     cache: &mut KvCache<'_, T>,
     options: &DecodeOptions,
@@ -188,7 +217,7 @@ fn check<T: Element>(
     (_outer, rows): (usize, usize),
     layout: Layout,
 ) -> Result<()> {
-    let (b, hq, sq, d, len) = (args.batch, args.heads, args.seqlen_q, args.head_dim, args.cache_len);
+    let (b, hq, sq, len) = (args.batch, args.heads, args.seqlen_q, args.cache_len);
     let hkv = args.kv_heads.unwrap_or(hq);
     let round = |x: &[f32]| to_f32_vec(&from_f32_slice::<T>(x));
     let (q_r, k_r, v_r) = (round(q_host), round(k_host), round(v_host));
@@ -258,4 +287,21 @@ fn check<T: Element>(
         if pass { "PASS" } else { "FAIL" }
     );
     if pass { Ok(()) } else { Err(Error::CheckFailed { failed: 1, rows: 1, what: "decode against the f64 reference" }) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The default head_dim: 128 wherever its decoder fits (an H200, the 99 KiB RTX cards), the
+    /// T4's 64 where it does not, and 128 again where nothing fits (the decoder's error says why).
+    #[test]
+    fn default_head_dim_follows_the_shared_memory() {
+        for dtype in [DType::F16, DType::Bf16] {
+            assert_eq!(largest_fitting_head_dim(dtype, 128, 227 * 1024), 128);
+            assert_eq!(largest_fitting_head_dim(dtype, 128, 99 * 1024), 128);
+            assert_eq!(largest_fitting_head_dim(dtype, 128, 64 * 1024), 64);
+            assert_eq!(largest_fitting_head_dim(dtype, 128, 1024), 128);
+        }
+    }
 }
