@@ -213,6 +213,14 @@ pub struct DecodeInstance {
     pub entry: &'static str,
 }
 
+impl DecodeInstance {
+    /// Its dynamic shared memory per block, in bytes ([`crate::layout::decode_smem_bytes`]): the
+    /// one figure that decides whether it fits a device.
+    pub fn shared_memory_bytes(&self) -> usize {
+        crate::layout::decode_smem_bytes(self.head_dim, self.stages)
+    }
+}
+
 /// The compiled Hopper instance of `kernel` for this element type, tile, head dimension and
 /// variant, if any.
 pub fn hopper_instance(

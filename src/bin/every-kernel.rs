@@ -373,11 +373,10 @@ fn decoder_kernels<T: Element>(
     for d in dims.iter().flat_map(|&d| [d, d - 3]) {
         // A head_dim whose decoders all need more shared memory than the device has (a T4
         // holds them up to 64) is left out; anything else that fails, fails the run.
-        let smem = |i: &DecodeInstance| attn_host::layout::decode_smem_bytes(i.head_dim, i.stages);
         let candidates = DECODE_INSTANCES.iter().filter(|i| i.dtype == T::DTYPE && i.head_dim >= d);
         let limit = ctx.device().max_shared_memory_per_block;
-        if !candidates.clone().any(|i| smem(i) <= limit) {
-            let needed = candidates.map(smem).min().unwrap_or(0);
+        if !candidates.clone().any(|i| i.shared_memory_bytes() <= limit) {
+            let needed = candidates.map(DecodeInstance::shared_memory_bytes).min().unwrap_or(0);
             println!(
                 "every-kernel: {} decoder d{d} left out: it needs {needed} bytes of shared memory, this device has {limit}",
                 T::DTYPE

@@ -129,7 +129,7 @@ fn largest_fitting_head_dim(dtype: DType, limit: usize, shared_memory: usize) ->
     crate::kernels::DECODE_INSTANCES
         .iter()
         .filter(|d| d.dtype == dtype && d.head_dim <= limit)
-        .filter(|d| crate::layout::decode_smem_bytes(d.head_dim, d.stages) <= shared_memory)
+        .filter(|d| d.shared_memory_bytes() <= shared_memory)
         .map(|d| d.head_dim)
         .max()
         .unwrap_or(limit)

@@ -11,7 +11,6 @@ use crate::error::{Error, Result};
 use crate::kernels::{DECODE_INSTANCES, DecodeInstance, entry};
 use crate::layout::{
     AttentionShape, DECODE_MERGE_COLUMNS, DECODE_MERGE_THREADS, DECODE_THREADS, DecodeShape, decode_partial_stride,
-    decode_smem_bytes,
 };
 use crate::problem::{Causal, ScoreMod, Sinks, SlidingWindow};
 use crate::runtime::{Context, DeviceTensor, KernelArg, NullPointer};
@@ -443,14 +442,14 @@ impl Context {
         });
         let (decoder, smem) = candidates()
             .filter(|d| forced.is_none_or(|f| f == d.stages))
-            .map(|d| (d, decode_smem_bytes(d.head_dim, d.stages)))
+            .map(|d| (d, d.shared_memory_bytes()))
             .find(|&(_, smem)| smem <= self.device().max_shared_memory_per_block)
             .ok_or_else(|| Error::SharedMemory {
                 kernel: "decoder".into(),
                 block_m: 16,
                 block_n: 16,
                 head_dim,
-                needed: candidates().map(|d| decode_smem_bytes(d.head_dim, d.stages)).min().unwrap_or(0),
+                needed: candidates().map(DecodeInstance::shared_memory_bytes).min().unwrap_or(0),
                 available: self.device().max_shared_memory_per_block,
                 device: self.device().name.clone(),
                 fitting: "none".into(),
