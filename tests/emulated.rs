@@ -240,10 +240,15 @@ fn emulator_reports_a_missing_barrier() {
 fn emulator_reports_divergent_and_abandoned_barriers() {
     let err = run_selftest(&emu::selftest::emu_divergent_barrier, Duration::from_secs(30)).unwrap_err();
     assert!(matches!(err.kind, EmuErrorKind::DivergentBarrier { .. }), "expected a divergent barrier, got: {err}");
-    let err = run_selftest(&emu::selftest::emu_early_return, Duration::from_millis(300)).unwrap_err();
+    // Found when the 63 others are there and the 64th has returned, not by a timeout: a loaded
+    // machine (the suite on several kernel paths side by side) once let a 300 ms timeout expire
+    // with only 43 arrived.
+    let err = run_selftest(&emu::selftest::emu_early_return, Duration::from_secs(30)).unwrap_err();
     match &err.kind {
-        EmuErrorKind::BarrierTimeout { arrived, expected, .. } => assert_eq!((*arrived, *expected), (63, 64), "{err}"),
-        _ => panic!("expected a barrier timeout, got: {err}"),
+        EmuErrorKind::AbandonedBarrier { arrived, expected, .. } => {
+            assert_eq!((*arrived, *expected), (63, 64), "{err}")
+        }
+        _ => panic!("expected an abandoned barrier, got: {err}"),
     }
 }
 

@@ -13,8 +13,9 @@
 //!   (a block barrier, or a warp barrier when both threads are in one warp) is a *race*; a read
 //!   of a word nobody has written is an *uninitialised read*;
 //! * every barrier and every warp shuffle is reached by all the threads it waits for, from the
-//!   same place in the source; a thread that never arrives is reported after a timeout instead
-//!   of hanging.
+//!   same place in the source; a barrier that waits for a thread which has already returned is
+//!   reported as abandoned as soon as every other thread is there, and one that waits for a thread
+//!   stuck elsewhere is reported after a timeout instead of hanging.
 //!
 //! Errors name the kernel, the block, the thread and (for memory) the offset in bytes.
 //!
@@ -163,6 +164,9 @@ pub enum EmuErrorKind {
     DivergentBarrier { here: String, other: String },
     /// Not every thread reached a barrier (or warp shuffle) within the timeout.
     BarrierTimeout { site: String, arrived: usize, expected: usize },
+    /// Every thread that a barrier (or warp shuffle) waits for has arrived or returned, and some
+    /// returned: the barrier can never complete. Found without waiting for the timeout.
+    AbandonedBarrier { site: String, arrived: usize, expected: usize },
     /// The kernel trapped or panicked.
     Panic(String),
     /// A thread ended with `cp.async` copies it never waited for (`copies` of them): on the GPU
@@ -199,7 +203,11 @@ impl fmt::Display for EmuError {
             }
             EmuErrorKind::BarrierTimeout { site, arrived, expected } => write!(
                 f,
-                ": stuck at the barrier at {site}: {arrived} of {expected} threads arrived (a thread returned early or waits elsewhere)"
+                ": stuck at the barrier at {site}: {arrived} of {expected} threads arrived (the others wait at another barrier or never got here)"
+            ),
+            EmuErrorKind::AbandonedBarrier { site, arrived, expected } => write!(
+                f,
+                ": abandoned barrier at {site}: {arrived} of {expected} threads arrived, and the others have returned"
             ),
             EmuErrorKind::Panic(message) => write!(f, ": {message}"),
             EmuErrorKind::UnwaitedCopies { copies } => write!(
@@ -286,7 +294,7 @@ fn run_block(
                     }
                 }
                 // A thread that has finished no longer takes part in barriers: let the others
-                // find out (a barrier that still waits for it then times out).
+                // find out (a barrier that still waits for it is then abandoned).
                 state.finished(thread);
             });
             if let Err(e) = spawned {
@@ -373,10 +381,11 @@ impl BlockState {
         std::panic::resume_unwind(Box::new(Abort))
     }
 
-    fn finished(&self, _thread: usize) {
-        self.barrier.wake_all();
-        for warp in self.warps.iter() {
-            warp.barrier.wake_all();
+    /// Counts `thread` out of its block's barrier and its warp's, and wakes their waiters.
+    fn finished(&self, thread: usize) {
+        self.barrier.leave();
+        if let Some(warp) = self.warps.get(thread / WARP_SIZE) {
+            warp.barrier.leave();
         }
     }
 }
@@ -403,7 +412,8 @@ impl Writer {
     }
 }
 
-/// A barrier for `n` threads that reports where it was reached from and times out.
+/// A barrier for `n` threads that reports where it was reached from, knows how many of them
+/// have returned, and times out.
 struct Barrier {
     n: usize,
     state: Mutex<BarrierState>,
@@ -412,17 +422,31 @@ struct Barrier {
 
 struct BarrierState {
     arrived: usize,
+    /// Threads of the group that have returned: they will never arrive.
+    left: usize,
     generation: u64,
     site: Option<&'static Location<'static>>,
 }
 
 impl Barrier {
     fn new(n: usize) -> Self {
-        Self { n, state: Mutex::new(BarrierState { arrived: 0, generation: 0, site: None }), cv: Condvar::new() }
+        Self {
+            n,
+            state: Mutex::new(BarrierState { arrived: 0, left: 0, generation: 0, site: None }),
+            cv: Condvar::new(),
+        }
     }
 
     fn wake_all(&self) {
         let _guard = self.state.lock().unwrap();
+        self.cv.notify_all();
+    }
+
+    /// One thread of the group has returned; the waiters look again whether the barrier can
+    /// still complete.
+    fn leave(&self) {
+        let mut state = self.state.lock().unwrap();
+        state.left += 1;
         self.cv.notify_all();
     }
 
@@ -455,6 +479,14 @@ impl Barrier {
             if block.aborted.load(Ordering::SeqCst) {
                 drop(state);
                 std::panic::resume_unwind(Box::new(Abort));
+            }
+            // Everyone else is here or gone: no one is left to complete the barrier. (Checked
+            // here, not only at arrival, because the thread that returns may do so last.)
+            if state.arrived + state.left >= self.n {
+                let kind =
+                    EmuErrorKind::AbandonedBarrier { site: site.to_string(), arrived: state.arrived, expected: self.n };
+                drop(state);
+                block.abort(thread, kind);
             }
             let now = Instant::now();
             if now >= deadline {
