@@ -62,7 +62,7 @@
 //!   `f32` accumulator with `red.add`; a last kernel rounds it to 16 bits.
 //! * `flash_backward_q_mma` (`flash_bwd_dq_{f16,bf16}_…`): the deterministic dQ, one block per
 //!   `BLOCK_M` queries, warp `w` owning queries `16w .. 16w + 16`, looping over key tiles like
-//!   the forward pass, 32 keys at a time (16 above head_dim 128): S, P, dP = dO·Vᵀ, dS, and
+//!   the forward pass, 32 keys at a time (16 above head_dim 64): S, P, dP = dO·Vᵀ, dS, and
 //!   dQ += dS·K with dS from registers and the chunk's K read again with `ldmatrix.trans`. No
 //!   atomics, a fixed order of additions, bit-identical results from run to run.
 //!
@@ -77,7 +77,7 @@
 //!   columns `16ks .. 16ks + 16` (a [`RowFragments`]: kept in registers up to head_dim 64);
 //! * `dk_acc[dt]`, `dv_acc[dt]`: the warp's rows of dK and dV, columns `8dt .. 8dt + 8`.
 //!
-//! In the dQ kernel a *chunk* is 32 keys (16 above head_dim 128) starting at `k0`: `s[j]`,
+//! In the dQ kernel a *chunk* is 32 keys (16 above head_dim 64) starting at `k0`: `s[j]`,
 //! `dp[j]`, `ds[j]` are S, dP and dS for the warp's 16 queries and keys `k0 + 8j .. k0 + 8j + 8`;
 //! `q_frags.get(ks)`, `do_frags.get(ks)` the warp's rows of Q and dO as A fragments; `acc[dt]`
 //! the warp's rows of dQ.
@@ -771,13 +771,14 @@ const fn column_tiles(head_dim: usize) -> usize {
     mma_backward_warp_columns(head_dim) / 8
 }
 
-/// The deterministic dQ kernel's chunk at `head_dim`, in fragments of 8 keys: 32 keys where the
-/// warp keeps its Q and dO fragments (up to head_dim 128), 16 above. Two 16-key halves in
-/// flight make independent chains of products, so each half's products and exponentials fill
-/// the other's waits for results (the kernel was latency-bound; PERFORMANCE.md, issue 27). Above
-/// 128 the second half's scores do not fit beside dQ's columns without spilling.
+/// The deterministic dQ kernel's chunk at `head_dim`, in fragments of 8 keys: 32 keys up to
+/// head_dim 64, 16 above. Two 16-key halves in flight make independent chains of products, so
+/// each half's products and exponentials fill the other's waits for results (the kernel was
+/// latency-bound). At head_dim 128 the second half's scores leave too few registers beside
+/// dQ's columns: the whole backward measured 2 % slower with 32 keys than with 16, where head_dim
+/// 64 gained 7 % (PERFORMANCE.md, 2026-12-04 (later)); above 128 ptxas spilled.
 const fn dq_chunk_tiles(head_dim: usize) -> usize {
-    if mma_backward_column_warps(head_dim) == 1 { 4 } else { 2 }
+    if head_dim <= 64 { 4 } else { 2 }
 }
 
 /// Three entries per tile and format: `flash_bwd_{dtype}_…` (dK, dV, atomic dQ),
