@@ -594,8 +594,9 @@ fn module_ptx(group: &ModuleGroup, bitcode: &Bitcode, tools: &LlvmTools) -> Stri
         .arg(&ptx_path));
     let ptx = fs::read_to_string(&ptx_path).unwrap();
     // Turing's modules get no bounds: a T4's 64 KiB of shared memory hold at most one block of
-    // the tiles that have them (the head_dim-128 forward with 32-key tiles) an SM, so a bound
-    // asking for three would only cost registers there (ptxas spilled 24 bytes).
+    // the tiles that have them an SM (the head_dim-128 forward with 32-key tiles; the d128
+    // decoder does not fit at all), so a bound asking for three would only cost registers there
+    // (ptxas spilled 24 bytes in that forward).
     if *arch == TURING_ARCH { ptx } else { with_launch_bounds(ptx) }
 }
 

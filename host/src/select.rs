@@ -253,9 +253,9 @@ impl DqAccumulation {
     /// The faster mode on an H200 for `dtype` (see `PERFORMANCE.md`): [`DqAccumulation::Atomic`]
     /// for `f32`; [`DqAccumulation::Deterministic`] for `f16` and `bf16`, whose second kernel
     /// recomputes S and dP on the tensor cores more cheaply than the K/V-outer kernel can add a
-    /// 16-bit problem's dQ with `f32` atomics (at 4×16×4096×64 on the H200's sm_80 path: 3.78 ms
-    /// against 3.96 ms; at head_dim 128 by 1.4×; only at 197 tokens does the atomic mode win,
-    /// by 3 %: PERFORMANCE.md, issue 27).
+    /// 16-bit problem's dQ with `f32` atomics (at 4×16×4096×64 on the H200's sm_80 path: 3.52 ms
+    /// against 3.83 ms; at head_dim 128 by 1.4×; only at 197 tokens does the atomic mode win,
+    /// by under 1 %: PERFORMANCE.md, 2026-12-04 (later)).
     pub fn fastest_for(dtype: DType) -> Self {
         match dtype {
             DType::F32 => Self::Atomic,

@@ -242,7 +242,8 @@ pub const SM90_BACKWARD_REGISTERS: (u32, u32) = (40, 232);
 /// `host/build.rs` writes after their parameter lists (`.maxntid threads, 1, 1` and
 /// `.minnctapersm min_blocks`): ptxas then keeps their registers low enough for `min_blocks`
 /// blocks per SM. Rust cannot attach these to a function. A name here that no kernel has fails
-/// the build.
+/// the build. Turing's copies (the sm_75 modules) get none: a T4's shared memory holds one block
+/// of these tiles an SM at most.
 ///
 /// * The Hopper kernels need theirs: they move registers between warpgroups with `setmaxnreg`,
 ///   which works on the budget ptxas derives from the block's threads (see the register budgets

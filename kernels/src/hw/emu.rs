@@ -13,9 +13,9 @@
 //!   (a block barrier, or a warp barrier when both threads are in one warp) is a *race*; a read
 //!   of a word nobody has written is an *uninitialised read*;
 //! * every barrier and every warp shuffle is reached by all the threads it waits for, from the
-//!   same place in the source; a barrier that waits for a thread which has already returned is
-//!   reported as abandoned as soon as every other thread is there, and one that waits for a thread
-//!   stuck elsewhere is reported after a timeout instead of hanging.
+//!   same place in the source; a barrier that waits for threads which have already returned is
+//!   reported as abandoned as soon as every thread that has not returned is there, and one that
+//!   waits for a thread stuck elsewhere is reported after a timeout instead of hanging.
 //!
 //! Errors name the kernel, the block, the thread and (for memory) the offset in bytes.
 //!

@@ -774,9 +774,10 @@ const fn column_tiles(head_dim: usize) -> usize {
 /// The deterministic dQ kernel's chunk at `head_dim`, in fragments of 8 keys: 32 keys up to
 /// head_dim 64, 16 above. Two 16-key halves in flight make independent chains of products, so
 /// each half's products and exponentials fill the other's waits for results (the kernel was
-/// latency-bound). At head_dim 128 the second half's scores leave too few registers beside
-/// dQ's columns: the whole backward measured 2 % slower with 32 keys than with 16, where head_dim
-/// 64 gained 7 % (PERFORMANCE.md, 2026-12-04 (later)); above 128 ptxas spilled.
+/// latency-bound). At head_dim 128 the whole backward measured 2 % slower with 32 keys than with
+/// 16 (ptxas gave the kernel 246 of 255 registers there; not profiled), while head_dim 64
+/// gained (PERFORMANCE.md, 2026-12-04 (later)); above 128 ptxas spilled. Head_dim 96 follows 128
+/// unmeasured.
 const fn dq_chunk_tiles(head_dim: usize) -> usize {
     if head_dim <= 64 { 4 } else { 2 }
 }
