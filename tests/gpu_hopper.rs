@@ -311,8 +311,7 @@ fn hopper_backward_matches_the_reference() {
     for head_dim in [64, 128] {
         let shape =
             |batch, heads_q, heads_kv, seqlen_q, seqlen_k| gqa(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim);
-        // Key blocks of 128 and query tiles of 128 (head_dim 64) or 64 (128): whole, ragged on
-        // either side, a block that
+        // Key blocks of 128 and query tiles of 64: whole, ragged on either side, a block that
         // no query sees (bottom-right with seqlen_q < seqlen_k), GQA, negative scale, sections.
         let cases = [
             (shape(1, 1, 1, 1, 1), AttentionOptions::default()),
@@ -458,10 +457,8 @@ fn the_kernel_path_picks_the_backward_kernel() {
         // RUST_ATTENTION_HOPPER_DETERMINISTIC=0 asks for the sm_80 kernels.
         let label = sm90a.backward_kernel_label(DType::Bf16, head_dim, tile, DqAccumulation::Deterministic, &none);
         let hopper = std::env::var("RUST_ATTENTION_HOPPER_DETERMINISTIC").as_deref() != Ok("0");
-        // Query tiles of 128 rows up to head_dim 64 (`HopperBackward::for_problem`).
-        let block_m = if head_dim <= 64 { 128 } else { 64 };
-        let expected = if hopper { format!("sm_90a m{block_m}_n128_s2_deterministic") } else { "sm_80".into() };
-        assert!(label.starts_with(&expected), "{label}");
+        let expected = if hopper { "sm_90a m64_n128_s2_deterministic" } else { "sm_80" };
+        assert!(label.starts_with(expected), "{label}");
     }
     // Through the public entry point, poisoned outputs, against the reference.
     for head_dim in [64, 128] {

@@ -467,29 +467,16 @@ fn block_m_override() -> Option<usize> {
     *OVERRIDE.get_or_init(|| std::env::var(HopperForward::BLOCK_M_ENV).ok()?.parse().ok())
 }
 
-/// [`HopperBackward::BLOCK_M_ENV`], read once.
-fn backward_block_m_override() -> Option<usize> {
-    static OVERRIDE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *OVERRIDE.get_or_init(|| std::env::var(HopperBackward::BLOCK_M_ENV).ok()?.parse().ok())
-}
-
-/// The Hopper backward's configurations: 128 keys per block, query tiles of 128 or 64 rows, 384
-/// threads.
+/// The Hopper backward's configurations: 128 keys per block, query tiles of 64, 384 threads.
 pub(crate) struct HopperBackward;
 
 impl HopperBackward {
+    /// Query rows per tile of the inner loop.
+    pub(crate) const BLOCK_M: usize = 64;
     /// Keys per block.
     pub(crate) const BLOCK_N: usize = 128;
-    /// Rows of each dQ share that the kernel adds to the `f32` dQ in device memory (the M of one
-    /// `wgmma`): the row count of the boxes of that tensor's map.
-    pub(crate) const DQ_ROWS: usize = 64;
     /// Threads per block: a producer and two consumer warpgroups.
     pub(crate) const THREADS: usize = 384;
-
-    /// The environment variable that overrides [`Self::for_problem`]'s query rows per tile (64
-    /// or 128) where a configuration with that many is compiled for the head_dim; for
-    /// measurements.
-    pub const BLOCK_M_ENV: &'static str = "RUST_ATTENTION_HOPPER_BACKWARD_BLOCK_M";
 
     /// The environment variable that makes [`Context::flash_attention_backward`] run
     /// [`DqAccumulation::Deterministic`] on the sm_80 deterministic kernels on the sm_90a path
@@ -501,12 +488,7 @@ impl HopperBackward {
     pub const DETERMINISTIC_ENV: &'static str = "RUST_ATTENTION_HOPPER_DETERMINISTIC";
 
     /// The kernel for `dtype`, `head_dim` and the dQ mode: dQ tiles added as they come
-    /// ([`DqAccumulation::Atomic`]) or in turns ([`DqAccumulation::Deterministic`]). Query
-    /// tiles of 128 rows where they are compiled (head_dim up to 64), else 64: per key block
-    /// half as many tiles, so half the statistics, barriers and dQ additions per product, and
-    /// Sᵀ and dPᵀ as `wgmma`s of N = 128, which read a third less shared memory per
-    /// multiply-add than N = 64 (FlashAttention-3 tiles its head_dim-64 backward 128 × 128;
-    /// PERFORMANCE.md has what it measured here).
+    /// ([`DqAccumulation::Atomic`]) or in turns ([`DqAccumulation::Deterministic`]).
     ///
     /// # Errors
     /// As [`HopperForward::for_problem`].
@@ -514,15 +496,12 @@ impl HopperBackward {
         if dtype == DType::F32 {
             return Err(Error::Shape("the Hopper backward takes f16 or bf16 tensors".into()));
         }
+        let tile = (Self::BLOCK_M, Self::BLOCK_N);
         let variant = match dq {
             DqAccumulation::Atomic => HopperVariant::Plain,
             DqAccumulation::Deterministic => HopperVariant::Deterministic,
         };
-        let instance = |block_m: usize| {
-            kernels::hopper_instance(FlashKernel::Backward, dtype, (block_m, Self::BLOCK_N), head_dim, 2, variant)
-        };
-        let override_m = backward_block_m_override().and_then(instance);
-        override_m.or_else(|| instance(128)).or_else(|| instance(64)).ok_or_else(|| {
+        kernels::hopper_instance(FlashKernel::Backward, dtype, tile, head_dim, 2, variant).ok_or_else(|| {
             Error::HeadDimNotCompiled {
                 head_dim,
                 allowed: format!(
@@ -752,9 +731,7 @@ mod tests {
                     };
                     assert_eq!(MODULE_ARCHS[module_of(backward.entry)], "sm_90a", "{}", backward.entry);
                     assert_eq!(max_threads(backward.entry), Some(HopperBackward::THREADS), "{}", backward.entry);
-                    // Query tiles of 128 rows where compiled (up to head_dim 64), else 64.
-                    assert_eq!(backward.block_m, if head_dim <= 64 { 128 } else { 64 }, "{}", backward.entry);
-                    let smem = hopper_backward_smem_bytes(backward.block_m, head_dim, backward.stages);
+                    let smem = hopper_backward_smem_bytes(head_dim, backward.stages);
                     assert!(smem <= HOPPER_SHARED_MEMORY, "{}: {smem} bytes", backward.entry);
                     let deterministic = dq == DqAccumulation::Deterministic;
                     assert_eq!(backward.entry.ends_with("_deterministic"), deterministic, "{}", backward.entry);

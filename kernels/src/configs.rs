@@ -200,15 +200,13 @@ macro_rules! sm80_padded_backward_tiles {
     };
 }
 
-/// Calls `$instance!(dtype, Format, block_m, head_dim, stages)` for every compiled Hopper
-/// backward configuration (level 9; `block_m` queries per tile by 128 keys per block), each
-/// compiled twice: with dQ added in any order and in a fixed one (`_deterministic`). At head_dim
-/// 64 both 64- and 128-query tiles are compiled (the host's `HopperBackward` picks); at 128 a
-/// 128-query tile's Sᵀ and dPᵀ (64 registers each) next to dK and dV (64 each) would not fit.
+/// Calls `$instance!(dtype, Format, head_dim, stages)` for every compiled Hopper backward
+/// configuration (level 9; 64 queries by 128 keys per tile), each compiled twice: with dQ added
+/// in any order and in a fixed one (`_deterministic`).
 #[allow(unused_macros)] // used on nvptx64 only
 macro_rules! sm90_backward_configs {
     ($instance:ident) => {
-        each_half_format!($instance, [(64, 64, 2), (128, 64, 2), (64, 128, 2)]);
+        each_half_format!($instance, [(64, 2), (128, 2)]);
     };
 }
 
@@ -283,14 +281,6 @@ pub const LAUNCH_BOUNDS: &[(&str, u32, u32)] = &[
     ("hopper_flash_bwd_bf16_m64_n128_d64_s2_deterministic_mods", 384, 1),
     ("hopper_flash_bwd_f16_m64_n128_d128_s2_deterministic_mods", 384, 1),
     ("hopper_flash_bwd_bf16_m64_n128_d128_s2_deterministic_mods", 384, 1),
-    ("hopper_flash_bwd_f16_m128_n128_d64_s2", 384, 1),
-    ("hopper_flash_bwd_bf16_m128_n128_d64_s2", 384, 1),
-    ("hopper_flash_bwd_f16_m128_n128_d64_s2_deterministic", 384, 1),
-    ("hopper_flash_bwd_bf16_m128_n128_d64_s2_deterministic", 384, 1),
-    ("hopper_flash_bwd_f16_m128_n128_d64_s2_mods", 384, 1),
-    ("hopper_flash_bwd_bf16_m128_n128_d64_s2_mods", 384, 1),
-    ("hopper_flash_bwd_f16_m128_n128_d64_s2_deterministic_mods", 384, 1),
-    ("hopper_flash_bwd_bf16_m128_n128_d64_s2_deterministic_mods", 384, 1),
     ("decode_fwd_f16_d128_s2", 128, 3),
     ("decode_fwd_bf16_d128_s2", 128, 3),
     ("flash_fwd_f16_m64_n32_d128_s2", 128, 3),

@@ -421,17 +421,17 @@ pub const fn hopper_forward_smem_bytes(block_m: usize, block_n: usize, head_dim:
 }
 
 /// Bytes of dynamic shared memory of the Hopper backward kernel (128 keys per block, query tiles
-/// of `block_m` rows): K and V (`128 × head_dim`), `stages` slots of a Q and a dO tile
-/// (`block_m × head_dim`), two dSᵀ buffers (`128 × block_m`), all 16-bit, two dQ staging tiles
-/// (`64 × 64` `f32`), `stages` slots of the query tile's LSE and D (`2 × block_m` `f32`), then
-/// the `mbarrier`s (K/V full; Q full, dO full and Q/dO empty per stage; dQ staged and staging
-/// free per consumer), plus the alignment slack of [`hopper_forward_smem_bytes`].
-pub const fn hopper_backward_smem_bytes(block_m: usize, head_dim: usize, stages: usize) -> usize {
+/// of 64): K and V (`128 × head_dim`), `stages` slots of a Q and a dO tile (`64 × head_dim`), two
+/// dSᵀ buffers (`128 × 64`), all 16-bit, two dQ staging tiles (`64 × 64` `f32`), `stages` slots
+/// of the query tile's LSE and D (`2 × 64` `f32`), then the `mbarrier`s (K/V full; Q full, dO
+/// full and Q/dO empty per stage; dQ staged and staging free per consumer), plus the alignment
+/// slack of [`hopper_forward_smem_bytes`].
+pub const fn hopper_backward_smem_bytes(head_dim: usize, stages: usize) -> usize {
     HOPPER_SMEM_ALIGN
-        + (2 * 128 + 2 * stages * block_m) * head_dim * 2
-        + 2 * 128 * block_m * 2
+        + (2 * 128 + 2 * stages * 64) * head_dim * 2
+        + 2 * 128 * 64 * 2
         + 2 * 64 * 64 * 4
-        + stages * 2 * block_m * 4
+        + stages * 2 * 64 * 4
         + 8 * (1 + 3 * stages + 2 * 2)
 }
 

@@ -190,7 +190,7 @@ impl Context {
     /// On the sm_90a path ([`Context::kernel_path`]) a 16-bit backward pass with the default tile
     /// and [`DqAccumulation::Atomic`] runs the Hopper kernel instead
     /// ([`Context::flash_attention_backward_hopper`]), and so does
-    /// [`DqAccumulation::Deterministic`] where `RUST_ATTENTION_HOPPER_DETERMINISTIC` is `1`;
+    /// [`DqAccumulation::Deterministic`] unless `RUST_ATTENTION_HOPPER_DETERMINISTIC` is `0`;
     /// [`Context::dq_accumulation_for`] gives the mode that is fastest on this context.
     ///
     /// # Errors

@@ -127,18 +127,17 @@ impl Context {
     /// any head_dim that is a multiple of 8 up to 128 (compiled for 64 and 128),
     /// with the shapes, masks, GQA and scale of
     /// [`Context::flash_attention_backward`]. A block owns 128 keys (two consumer warpgroups of
-    /// 64) and loops over query tiles of 128 rows (head_dim up to 64) or 64 that a producer
-    /// warpgroup loads with TMA; dQ is added to an `f32` copy by TMA's atomic reductions and
-    /// rounded at the end. With [`DqAccumulation::Atomic`] the blocks add in whatever order they
-    /// come, so the last bits of dQ may differ between runs; with
-    /// [`DqAccumulation::Deterministic`] they take turns per query tile, in key-block order, and
-    /// dQ is bit-identical on every run (dK and dV always are). On the sm_90a path
-    /// [`Context::flash_attention_backward`] runs this kernel for its default tile in either
-    /// mode (`RUST_ATTENTION_HOPPER_DETERMINISTIC=0` sends the deterministic mode to the sm_80
-    /// kernels instead).
+    /// 64) and loops over query tiles of 64 rows that a producer warpgroup loads with TMA; dQ is
+    /// added to an `f32` copy by TMA's atomic reductions and rounded at the end. With
+    /// [`DqAccumulation::Atomic`] the blocks add in whatever order they come, so the last bits of
+    /// dQ may differ between runs; with [`DqAccumulation::Deterministic`] they take turns per dQ
+    /// tile, in key-block order, and dQ is bit-identical on every run (dK and dV always are). On
+    /// the sm_90a path [`Context::flash_attention_backward`] runs this kernel for its default
+    /// tile in either dQ mode (`RUST_ATTENTION_HOPPER_DETERMINISTIC=0` sends the deterministic
+    /// mode to the sm_80 kernels instead).
     ///
     /// Extra device memory: D (one `f32` per query row), the `f32` copy of dQ, and for the
-    /// deterministic mode one `u32` turn counter per query tile.
+    /// deterministic mode one `u32` turn counter per 64 query rows.
     ///
     /// [`DqAccumulation::Atomic`]: crate::DqAccumulation::Atomic
     /// [`DqAccumulation::Deterministic`]: crate::DqAccumulation::Deterministic
@@ -220,7 +219,7 @@ impl Context {
         let scale = options.checked_scale(shape.head_dim)?;
         let delta = self.row_deltas(o, d_o, &shape)?;
         self.sink_gradient(&shape, lse, &delta, options, grads)?;
-        let (s, m, n) = (&shape, kernel.block_m, HopperBackward::BLOCK_N);
+        let (s, m, n) = (&shape, HopperBackward::BLOCK_M, HopperBackward::BLOCK_N);
         let mut accum = self.alloc_output::<f32>(&shape.q_shape())?;
         self.fill_zeros(&mut accum)?;
         let maps = self.upload_tensor_maps(&[
@@ -228,15 +227,15 @@ impl Context {
             self.attention_tensor_map(k, s.num_heads_kv, s.seqlen_k, n, s)?,
             self.attention_tensor_map(v, s.num_heads_kv, s.seqlen_k, n, s)?,
             self.attention_tensor_map(d_o, s.num_heads_q, s.seqlen_q, m, s)?,
-            // The kernel adds each consumer's share of dQ to this one with TMA.
-            self.attention_tensor_map(&accum, s.num_heads_q, s.seqlen_q, HopperBackward::DQ_ROWS, s)?,
+            // The kernel adds each block's share of dQ to this one with TMA.
+            self.attention_tensor_map(&accum, s.num_heads_q, s.seqlen_q, m, s)?,
         ])?;
         let config = flash_config(
             (shape.seqlen_k.div_ceil(n), shape.num_heads_kv, shape.batch),
             HopperBackward::THREADS,
-            hopper_backward_smem_bytes(kernel.block_m, kernel.head_dim, kernel.stages),
+            hopper_backward_smem_bytes(kernel.head_dim, kernel.stages),
         );
-        // The deterministic kernel's turn counters, one per query tile of `m` rows.
+        // The deterministic kernel's turn counters, one per dQ tile of 64 query rows.
         let tiles = shape.batch * shape.num_heads_q * shape.seqlen_q.div_ceil(m);
         let turns = self.zeroed_counters((kernel.variant == HopperVariant::Deterministic).then_some(tiles))?;
         let args = ProblemArgs::new(&shape, options);

@@ -8,8 +8,7 @@
 //!   round a ring of `STAGES` slots with TMA; a second producer warp copies the tile's LSE and
 //!   D = rowsum(dO ∘ O) into the same slot. Two consumer warpgroups each own 64 of the block's
 //!   128 keys and keep their rows of dK and dV in registers for the whole loop;
-//! * per query tile of `M` rows (128 at head_dim 64, else 64), each consumer computes Sᵀ = K·Qᵀ
-//!   and dPᵀ = V·dOᵀ (both operands
+//! * per query tile of 64 rows, each consumer computes Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (both operands
 //!   from shared memory), then Pᵀ = exp(Sᵀ·scale − LSE) and dSᵀ = Pᵀ ∘ (dPᵀ − D) in registers,
 //!   and accumulates dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ and dSᵀ as register operands;
 //! * dQ = scale · dS·K needs dS with the queries as rows, which no thread holds: each consumer
@@ -20,20 +19,12 @@
 //!   consumer's first thread in the atomic instances, a *dQ warp* of the producer warpgroup in
 //!   the deterministic ones ([`produce_dq`], below). A last kernel rounds the copy to 16 bits.
 //!
-//! Which share ([`dq_share`]): a `wgmma` makes 64 rows, so a tile's dQ is one to two 64 × 64
-//! blocks. With 64-row tiles at head_dim 64 each consumer adds its own 64 keys' contribution to
-//! the whole block; it reads only the dSᵀ rows it wrote, so the consumers never wait for each
-//! other and drift apart, one's exponentials overlapping the other's products. Where the tile's
-//! dQ is two blocks (128-row tiles at head_dim 64, 64-row tiles at 128), each consumer
-//! multiplies all 128 keys into its own block (its 64 rows, or its 64 columns), after a barrier
-//! of both consumers: one addition per element instead of two. dSᵀ alternates between two
-//! buffers, so a warp never overwrites rows that a product of the previous tile may still read.
-//!
-//! Why 128-row tiles at head_dim 64 (FlashAttention-3's tile there, and the host's choice,
-//! `HopperBackward`): per key block half as many tiles, so half the statistics, barriers and dQ
-//! additions for the same products, and Sᵀ and dPᵀ become `wgmma`s of N = 128 that read a
-//! third less shared memory per multiply-add than N = 64. Sᵀ and dPᵀ then take 64 registers
-//! each next to dK's and dV's 32: at head_dim 128 (64 each) that would not fit.
+//! Which share: at head_dim 64 each consumer adds its own 64 keys' contribution to all of dQ's
+//! columns; it reads only the dSᵀ rows it wrote, so the consumers never wait for each other and
+//! drift apart, one's exponentials overlapping the other's products. At head_dim 128 that would
+//! double the additions: each consumer multiplies all 128 keys by its 64 columns of K, after a
+//! barrier of both consumers. dSᵀ alternates between two buffers, so a warp never overwrites
+//! rows that a product of the previous tile may still read.
 //!
 //! What made it fast (`PERFORMANCE.md`): the statistics in shared memory (read from device memory
 //! after every Sᵀ they stalled each tile), no register spills (the per-tile addresses are
@@ -64,11 +55,9 @@
 //! | 2, 3 (one thread each; deterministic instances) | consumer 0's, consumer 1's dQ share added to device memory in turns ([`produce_dq`]) |
 //! | 4–7, 8–11 | consumers 0 and 1: 64 keys each, dK and dV in registers ([`consume`]) |
 //!
-//! Shared memory ([`SharedTiles`]; two stages): at head_dim 128 (`M` = 64, 194 KiB) K and V
-//! 32 KiB each, two slots of Q and dO 16 KiB each, two dSᵀ buffers of 16 KiB, two dQ staging
-//! tiles of 16 KiB (`f32`), the statistics (512 bytes a slot) and the `mbarrier`s; at head_dim
-//! 64 with `M` = 128 (195 KiB) K and V 16 KiB each, Q and dO slots of 16 KiB, dSᵀ buffers of
-//! 32 KiB, the same staging tiles, statistics of 1 KiB a slot. Legend: Sᵀ, dPᵀ, Pᵀ, dSᵀ are
+//! Shared memory ([`SharedTiles`]; at head_dim 128 and two stages 194 KiB): K and V 32 KiB each,
+//! two slots of Q and dO 16 KiB each, two dSᵀ buffers of 16 KiB, two dQ staging tiles of 16 KiB
+//! (`f32`), the statistics (512 bytes a slot) and the `mbarrier`s. Legend: Sᵀ, dPᵀ, Pᵀ, dSᵀ are
 //! `keys × queries` (the transposes of the paper's S, dP, P, dS); "column block" is 64 columns
 //! of head_dim, one 128-byte swizzled box of 16-bit values.
 //!
@@ -86,11 +75,12 @@ use crate::attention::schedule::KeyBlock;
 use crate::attention::score::ScoreArgs;
 use crate::configs::SM90_BACKWARD_REGISTERS;
 use crate::hw::{
-    self, Accumulator, FragC, HalfFloat, LOG2_E, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, TensorMaps, WARPGROUP_THREADS,
-    advance_descriptor, bulk_commit_group, bulk_wait_group, bulk_wait_group_read, fence_mbarrier_init,
-    fence_proxy_async, k_major_descriptor, load_shared_f32x2, mbarrier_arrive, mbarrier_arrive_expect_tx,
-    mbarrier_init, mbarrier_wait, mn_major_descriptor, named_barrier_sync, opaque, pass_turn, store_shared_f32x2,
-    store_shared_u32, tma_reduce_add_3d, wait_for_turn, warpgroup_id, wgmma_commit, wgmma_fence, wgmma_wait,
+    self, Accumulator, FragA, FragC, HalfFloat, LOG2_E, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, TensorMaps,
+    WARPGROUP_THREADS, advance_descriptor, bulk_commit_group, bulk_wait_group, bulk_wait_group_read,
+    fence_mbarrier_init, fence_proxy_async, k_major_descriptor, load_shared_f32x2, mbarrier_arrive,
+    mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait, mn_major_descriptor, named_barrier_sync, opaque,
+    pass_turn, store_shared_f32x2, store_shared_u32, tma_reduce_add_3d, wait_for_turn, warpgroup_id, wgmma_commit,
+    wgmma_fence, wgmma_wait,
 };
 use crate::layout::{AttentionShape, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS};
 use crate::sm90::pipeline::{
@@ -99,35 +89,34 @@ use crate::sm90::pipeline::{
 
 /// Keys per block: 64 per consumer warpgroup.
 pub const BLOCK_N: usize = 128;
+/// Query rows per tile of the inner loop.
+pub const BLOCK_M: usize = 64;
 /// Consumer warpgroups.
 const CONSUMERS: usize = BLOCK_N / WARPGROUP_ROWS;
 /// The named barrier of both consumers (0 is `__syncthreads`, 1 and 2 each consumer's own).
 const ALL_CONSUMERS: u32 = 3;
-/// Rows of a consumer's share of a tile's dQ, and of its staging tile: the M of one `wgmma`.
-const DQ_ROWS: usize = WARPGROUP_ROWS;
 /// Columns of one box of the `f32` dQ tile: 128 bytes, the widest box the 128-byte swizzle allows.
 const DQ_BOX_COLUMNS: usize = SWIZZLE_ROW_BYTES / 4;
-/// Bytes of one such box of [`DQ_ROWS`] rows.
-const DQ_BOX_BYTES: u32 = (DQ_ROWS * SWIZZLE_ROW_BYTES) as u32;
+/// Bytes of one such box of `BLOCK_M` rows.
+const DQ_BOX_BYTES: u32 = (BLOCK_M * SWIZZLE_ROW_BYTES) as u32;
 
 /// The block's shared memory, as shared-state-space addresses from a base aligned to one swizzle
-/// atom: K and V (`BLOCK_N × D`), `STAGES` slots of a Q and a dO tile (`M × D`, M the query
-/// rows of a tile), two dSᵀ buffers (`BLOCK_N × M`), a dQ staging tile per consumer
-/// ([`DQ_ROWS`] `× 64` `f32`), `STAGES` slots of the tile's statistics (`M` values of
-/// LSE·log₂e, then `M` of D, `f32`), then the `mbarrier`s. Tiles are swizzled column blocks of
-/// 64 16-bit values (`D / 64` of them for Q, dO, K and V; `M / 64` for dSᵀ, whose columns are
-/// queries). (`crate::layout::hopper_backward_smem_bytes` adds the same up.)
+/// atom: K and V (`BLOCK_N × D`), `STAGES` slots of a Q and a dO tile (`BLOCK_M × D`), two dSᵀ
+/// buffers (`BLOCK_N × BLOCK_M`), a dQ staging tile per consumer (`BLOCK_M × 64` `f32`),
+/// `STAGES` slots of the tile's statistics (`BLOCK_M` values of
+/// LSE·log₂e, then `BLOCK_M` of D, `f32`), then the `mbarrier`s. Tiles are `D / 64` swizzled
+/// column blocks. (`crate::layout::hopper_backward_smem_bytes` adds the same up.)
 #[derive(Clone, Copy)]
-struct SharedTiles<const D: usize, const M: usize, const STAGES: usize> {
+struct SharedTiles<const D: usize, const STAGES: usize> {
     base: u32,
 }
 
-impl<const D: usize, const M: usize, const STAGES: usize> SharedTiles<D, M, STAGES> {
+impl<const D: usize, const STAGES: usize> SharedTiles<D, STAGES> {
     const KV_BYTES: u32 = (BLOCK_N * D * 2) as u32;
-    const Q_BYTES: u32 = (M * D * 2) as u32;
-    const DS_BYTES: u32 = (BLOCK_N * M * 2) as u32;
-    const STATISTICS_BYTES: u32 = (2 * M * 4) as u32;
-    const DQ_STAGING_BYTES: u32 = (DQ_ROWS * SWIZZLE_COLUMNS * 4) as u32;
+    const Q_BYTES: u32 = (BLOCK_M * D * 2) as u32;
+    const DS_BYTES: u32 = (BLOCK_N * BLOCK_M * 2) as u32;
+    const STATISTICS_BYTES: u32 = (2 * BLOCK_M * 4) as u32;
+    const DQ_STAGING_BYTES: u32 = (BLOCK_M * SWIZZLE_COLUMNS * 4) as u32;
 
     #[inline(always)]
     fn new() -> Self {
@@ -159,7 +148,7 @@ impl<const D: usize, const M: usize, const STAGES: usize> SharedTiles<D, M, STAG
         self.base + 2 * Self::KV_BYTES + 2 * STAGES as u32 * Self::Q_BYTES + buffer as u32 * Self::DS_BYTES
     }
 
-    /// Consumer `index`'s staging tile of dQ: [`DQ_ROWS`] rows × 64 columns of `f32`, as two
+    /// Consumer `index`'s staging tile of dQ: `BLOCK_M` rows × 64 columns of `f32`, as two
     /// swizzled boxes of [`DQ_BOX_COLUMNS`].
     #[inline(always)]
     fn dq_staging(self, index: usize) -> u32 {
@@ -219,49 +208,18 @@ impl<const D: usize, const M: usize, const STAGES: usize> SharedTiles<D, M, STAG
     }
 }
 
-/// The part of a query tile's dQ that one consumer computes: [`DQ_ROWS`] rows from
-/// `first_row` (of the tile's `M`) by one column block of 64 (`column_block`), summed over
-/// `keys` keys of the block's `BLOCK_N` from `first_key`.
-#[derive(Clone, Copy, PartialEq, Eq)]
-struct DqShare {
-    first_key: usize,
-    keys: usize,
-    column_block: usize,
-    first_row: usize,
-}
-
-/// Consumer `index`'s [`DqShare`] at head_dim `D` and `M` query rows per tile. A `wgmma`
-/// produces 64 rows, so a tile's dQ (`M × D`) is `M / 64 · D / 64` blocks of 64 × 64 for two
-/// consumers:
-///
-/// * `M` = 64, `D` = 64: one block. Each consumer multiplies its own 64 keys into all of it,
-///   reading only the dSᵀ rows it wrote: both add to the same elements;
-/// * `M` = 64, `D` = 128: each multiplies all 128 keys into its own column block;
-/// * `M` = 128, `D` = 64: each multiplies all 128 keys into its own 64 rows.
-///
-/// In the last two each element of dQ receives one addition per block, after a barrier of both
-/// consumers (each reads the other's dSᵀ rows). See the module docs.
+/// Which part of a query tile's dQ consumer `index` computes at head_dim `D`: its first key
+/// (of the block's `BLOCK_N`), how many keys, and which column block of 64. At head_dim 64 each
+/// consumer multiplies its own 64 keys into all of dQ's columns, reading only the dSᵀ rows it
+/// wrote; at 128 each multiplies all 128 keys into its own 64 columns (see the module docs).
 #[inline(always)]
-const fn dq_share<const D: usize, const M: usize>(index: usize) -> DqShare {
-    const { assert!((M / DQ_ROWS) * (D / SWIZZLE_COLUMNS) <= CONSUMERS) };
-    match (M / DQ_ROWS, D / SWIZZLE_COLUMNS) {
-        (1, 1) => DqShare { first_key: index * WARPGROUP_ROWS, keys: WARPGROUP_ROWS, column_block: 0, first_row: 0 },
-        (1, _) => DqShare { first_key: 0, keys: BLOCK_N, column_block: index, first_row: 0 },
-        _ => DqShare { first_key: 0, keys: BLOCK_N, column_block: 0, first_row: index * DQ_ROWS },
-    }
-}
-
-/// The offset of column block `block` (queries `64 · block ..`) in a dSᵀ buffer: `BLOCK_N` rows
-/// of 128 bytes each.
-#[inline(always)]
-const fn ds_column_block(block: usize) -> u32 {
-    (block * BLOCK_N * SWIZZLE_ROW_BYTES) as u32
+const fn dq_share<const D: usize>(index: usize) -> (usize, usize, usize) {
+    if D / SWIZZLE_COLUMNS == CONSUMERS { (0, BLOCK_N, index) } else { (index * WARPGROUP_ROWS, WARPGROUP_ROWS, 0) }
 }
 
 /// The turn of consumer `index` of key block `key_block` at dQ tile `tile` (deterministic
 /// mode): the key blocks that add to a tile take turns in grid order, two turns each, and where
-/// both consumers add to the same elements (`M` = `D` = 64, [`dq_share`]) consumer 0 goes
-/// before consumer 1.
+/// both consumers add to the same columns (head_dim 64) consumer 0 goes before consumer 1.
 ///
 /// * Without a mask every key block adds to every tile and the grid runs them in increasing
 ///   order, so the turn of key block `j` is `2j` (`+ index`).
@@ -274,19 +232,19 @@ const fn ds_column_block(block: usize) -> u32 {
 ///
 /// Either way a block only waits for blocks that the grid started before it.
 #[inline(always)]
-fn turn<const D: usize, const M: usize>(mask: &Mask, key_block: usize, tile: usize, index: usize) -> u32 {
-    let shares_elements = dq_share::<D, M>(0) == dq_share::<D, M>(1);
+fn turn<const D: usize>(mask: &Mask, key_block: usize, tile: usize, index: usize) -> u32 {
+    let shares_columns = dq_share::<D>(0).2 == dq_share::<D>(1).2;
     // The tile's rows (clipped to the sequence) see keys from its first row's start to its
     // last row's limit; this block visits the tile, so it is among those key blocks.
     let position = if mask.causal {
-        let last_row = ((tile + 1) * M).min(mask.seqlen_q) - 1;
+        let last_row = ((tile + 1) * BLOCK_M).min(mask.seqlen_q) - 1;
         let last_block = mask.key_limit(last_row).saturating_sub(1) / BLOCK_N;
         last_block.saturating_sub(key_block)
     } else {
         // 0 without a window's left edge.
-        key_block.saturating_sub(mask.key_start(tile * M) / BLOCK_N)
+        key_block.saturating_sub(mask.key_start(tile * BLOCK_M) / BLOCK_N)
     };
-    (CONSUMERS * position + if shares_elements { index } else { 0 }) as u32
+    (CONSUMERS * position + if shares_columns { index } else { 0 }) as u32
 }
 
 /// The producer's TMA work: K and V once, then Q and dO of every query tile the block
@@ -295,8 +253,8 @@ fn turn<const D: usize, const M: usize>(mask: &Mask, key_block: usize, tile: usi
 /// # Safety
 /// One thread of warpgroup 0 calls it, after the barriers were initialised.
 #[inline(always)]
-unsafe fn produce_tiles<const D: usize, const M: usize, const STAGES: usize>(
-    smem: SharedTiles<D, M, STAGES>,
+unsafe fn produce_tiles<const D: usize, const STAGES: usize>(
+    smem: SharedTiles<D, STAGES>,
     maps: TensorMaps,
     shape: &AttentionShape,
     block: &KeyBlock,
@@ -307,28 +265,28 @@ unsafe fn produce_tiles<const D: usize, const M: usize, const STAGES: usize>(
     };
     let kv_head = block.batch * shape.num_heads_kv + block.kv_head;
     // SAFETY: initialised barriers.
-    unsafe { mbarrier_arrive_expect_tx(smem.kv_full(), 2 * SharedTiles::<D, M, STAGES>::KV_BYTES) };
+    unsafe { mbarrier_arrive_expect_tx(smem.kv_full(), 2 * SharedTiles::<D, STAGES>::KV_BYTES) };
     load(smem.k(), maps.get(1), BLOCK_N, block.k_start, kv_head, smem.kv_full());
     load(smem.v(), maps.get(2), BLOCK_N, block.k_start, kv_head, smem.kv_full());
     for step in 0..block.steps() {
         let (stage, parity) = ring_slot(step, STAGES);
         let (q_head, tile) = block.step(step);
         let q_head = block.batch * shape.num_heads_q + q_head;
-        let bytes = SharedTiles::<D, M, STAGES>::Q_BYTES;
+        let bytes = SharedTiles::<D, STAGES>::Q_BYTES;
         // SAFETY: initialised barriers.
         unsafe {
             wait_slot_free(smem.q_empty(stage), step, STAGES, parity);
             mbarrier_arrive_expect_tx(smem.q_full(stage), bytes);
             mbarrier_arrive_expect_tx(smem.do_full(stage), bytes);
         }
-        load(smem.q(stage), maps.get(0), M, tile * M, q_head, smem.q_full(stage));
-        load(smem.d_o(stage), maps.get(3), M, tile * M, q_head, smem.do_full(stage));
+        load(smem.q(stage), maps.get(0), BLOCK_M, tile * BLOCK_M, q_head, smem.q_full(stage));
+        load(smem.d_o(stage), maps.get(3), BLOCK_M, tile * BLOCK_M, q_head, smem.do_full(stage));
     }
 }
 
-/// The producer's second warp: the LSE (times log₂e) and D of every query tile, `M / 32` rows
-/// per lane, into the tile's slot, then one arrival per lane on the slot's "dO full" barrier. A
-/// tile's statistics are `8 · M` bytes whose start need not be 16-byte aligned (any `seqlen_q`), too little
+/// The producer's second warp: the LSE (times log₂e) and D of every query tile, two rows per lane,
+/// into the tile's slot, then one arrival per lane on the slot's "dO full" barrier. A tile's
+/// statistics are 512 bytes whose start need not be 16-byte aligned (any `seqlen_q`), too little
 /// and too unaligned for a bulk copy; read here, they reach the consumers with the tile instead
 /// of costing them a device-memory round trip after every Sᵀ. Rows past `seqlen_q` get an LSE
 /// of +∞, so their P is exactly 0.
@@ -337,65 +295,55 @@ unsafe fn produce_tiles<const D: usize, const M: usize, const STAGES: usize>(
 /// Every lane of one warp of warpgroup 0 calls it, after the barriers were initialised; `lse` and
 /// `delta` hold `[batch, num_heads_q, seqlen_q]` `f32`.
 #[inline(always)]
-unsafe fn produce_statistics<const D: usize, const M: usize, const STAGES: usize>(
-    smem: SharedTiles<D, M, STAGES>,
+unsafe fn produce_statistics<const D: usize, const STAGES: usize>(
+    smem: SharedTiles<D, STAGES>,
     shape: &AttentionShape,
     block: &KeyBlock,
     lse: *const f32,
     delta: *const f32,
 ) {
-    // Each lane's rows are consecutive, handled in pairs (one 8-byte store per statistic).
-    const { assert!(M == 64 || M == 128) };
-    let pairs = M / 64;
     let lane = hw::lane_id();
     for step in 0..block.steps() {
         let (stage, parity) = ring_slot(step, STAGES);
         let (q_head, tile) = block.step(step);
         let row0 = (block.batch * shape.num_heads_q + q_head) * shape.seqlen_q;
-        let first = 2 * pairs * lane;
         // Read before waiting for the slot: the loads do not depend on it.
-        let rows: [[(f32, f32); 2]; 2] = core::array::from_fn(|pair| {
-            [0, 1].map(|h| {
-                let query = tile * M + first + 2 * pair + h;
-                if pair < pairs && query < shape.seqlen_q {
-                    // SAFETY: query < seqlen_q: inside this head's rows.
-                    unsafe { (*lse.add(row0 + query) * LOG2_E, *delta.add(row0 + query)) }
-                } else {
-                    (f32::INFINITY, 0.0)
-                }
-            })
+        let rows = [0, 1].map(|h| {
+            let query = tile * BLOCK_M + 2 * lane + h;
+            if query < shape.seqlen_q {
+                // SAFETY: query < seqlen_q: inside this head's rows.
+                unsafe { (*lse.add(row0 + query) * LOG2_E, *delta.add(row0 + query)) }
+            } else {
+                (f32::INFINITY, 0.0)
+            }
         });
+        let offset = (8 * lane) as u32;
         // SAFETY: initialised barriers; the slot is free once its phase before this one completed.
         unsafe {
             wait_slot_free(smem.q_empty(stage), step, STAGES, parity);
-            hw::unroll::<2>(|pair| {
-                if pair < pairs {
-                    let (offset, rows) = ((4 * (first + 2 * pair)) as u32, rows[pair]);
-                    store_shared_f32x2(smem.lse(stage) + offset, [rows[0].0, rows[1].0]);
-                    store_shared_f32x2(smem.delta(stage) + offset, [rows[0].1, rows[1].1]);
-                }
-            });
+            store_shared_f32x2(smem.lse(stage) + offset, [rows[0].0, rows[1].0]);
+            store_shared_f32x2(smem.delta(stage) + offset, [rows[0].1, rows[1].1]);
             // Release semantics: the stores above are visible to whoever waits on the phase.
             mbarrier_arrive(smem.do_full(stage));
         }
     }
 }
 
-/// Asks TMA to add the staging tile at `staging` ([`DQ_ROWS`] rows × 64 `f32` columns, two
-/// swizzled boxes of [`DQ_BOX_COLUMNS`]) to column block `column_block` of the rows from `row`
-/// of head `head` (`batch · num_heads_q + q_head`) of the `f32` dQ, element by element and
+/// Asks TMA to add the staging tile at `staging` (`BLOCK_M` rows × 64 `f32` columns, two
+/// swizzled boxes of [`DQ_BOX_COLUMNS`]) to column block `column_block` of query tile `tile` of
+/// head `head` (`batch · num_heads_q + q_head`) of the `f32` dQ, element by element and
 /// atomically, skipping rows past seqlen_q; one bulk group.
 ///
 /// # Safety
 /// One thread calls it; the staging tile was written, fenced ([`fence_proxy_async`]) and
 /// published to this thread; map 4 is dQ's.
 #[inline(always)]
-unsafe fn add_dq_tile(maps: TensorMaps, staging: u32, column_block: usize, row: usize, head: usize) {
+unsafe fn add_dq_tile(maps: TensorMaps, staging: u32, column_block: usize, tile: usize, head: usize) {
     for dq_box in 0..SWIZZLE_COLUMNS / DQ_BOX_COLUMNS {
         let x = (column_block * SWIZZLE_COLUMNS + dq_box * DQ_BOX_COLUMNS) as i32;
         let source = staging + dq_box as u32 * DQ_BOX_BYTES;
         // SAFETY: the caller's contract.
-        unsafe { tma_reduce_add_3d(maps.get(4), x, row as i32, head as i32, source) };
+        unsafe { tma_reduce_add_3d(maps.get(4), x, (tile * BLOCK_M) as i32, head as i32, source) };
     }
     bulk_commit_group();
 }
@@ -411,8 +359,8 @@ unsafe fn add_dq_tile(maps: TensorMaps, staging: u32, column_block: usize, row: 
 /// One thread of warpgroup 0 calls it per consumer, after the barriers were initialised; map 4
 /// is dQ's; `turns` holds `[batch, num_heads_q, tiles]` `u32` counters, zero before the launch.
 #[inline(always)]
-unsafe fn produce_dq<const D: usize, const M: usize, const STAGES: usize>(
-    smem: SharedTiles<D, M, STAGES>,
+unsafe fn produce_dq<const D: usize, const STAGES: usize>(
+    smem: SharedTiles<D, STAGES>,
     maps: TensorMaps,
     shape: &AttentionShape,
     block: &KeyBlock,
@@ -420,7 +368,7 @@ unsafe fn produce_dq<const D: usize, const M: usize, const STAGES: usize>(
     index: usize,
     turns: *mut u32,
 ) {
-    let share = dq_share::<D, M>(index);
+    let column_block = dq_share::<D>(index).2;
     let key_block = block.k_start / BLOCK_N;
     let staging = smem.dq_staging(index);
     for step in 0..block.steps() {
@@ -432,10 +380,10 @@ unsafe fn produce_dq<const D: usize, const M: usize, const STAGES: usize>(
         // SAFETY: initialised barriers; the counter as the contract says.
         unsafe {
             mbarrier_wait(smem.dq_full(index), parity);
-            wait_for_turn(counter, turn::<D, M>(mask, key_block, tile, index));
+            wait_for_turn(counter, turn::<D>(mask, key_block, tile, index));
         }
         // SAFETY: the consumer wrote and fenced the staging tile before its arrival.
-        unsafe { add_dq_tile(maps, staging, share.column_block, tile * M + share.first_row, head) };
+        unsafe { add_dq_tile(maps, staging, column_block, tile, head) };
         bulk_wait_group_read::<0>();
         // SAFETY: initialised barrier; TMA no longer reads the staging tile; this thread holds
         // the turn.
@@ -452,33 +400,71 @@ unsafe fn produce_dq<const D: usize, const M: usize, const STAGES: usize>(
 
 /// Issues `acc = A·Bᵀ` over the head dimension (not committed): A is this warpgroup's 64 rows of
 /// K or V (`a_rows`, a descriptor of the block's swizzled tile, `BLOCK_N` rows per column block)
-/// and B the query tile's Q or dO (`b_tile`, `M` rows per column block), both K-major. The
-/// result is Sᵀ or dPᵀ: keys as rows, the tile's `M` queries as columns (`S_TILES` = M / 8
-/// fragments).
+/// and B the query tile's Q or dO (`b_tile`, `BLOCK_M` rows per column block), both K-major. The
+/// result is Sᵀ or dPᵀ: keys as rows, queries as columns.
 ///
 /// # Safety
 /// Every thread of the warpgroup calls it after [`wgmma_fence`]; both tiles are complete.
 #[inline(always)]
-unsafe fn issue_transposed_product<T: HalfFloat, const D: usize, const M: usize, const S_TILES: usize>(
-    acc: &mut [FragC; S_TILES],
-    a_rows: u64,
-    b_tile: u32,
-) where
-    [FragC; S_TILES]: Accumulator,
-{
+unsafe fn issue_transposed_product<T: HalfFloat, const D: usize>(acc: &mut [FragC; 8], a_rows: u64, b_tile: u32) {
     for ks in 0..D / 16 {
         // 16 columns of head_dim: k-step ks % 4 (32 bytes) of column block ks / 4.
         let (column_block, step_bytes) = (ks / 4, (ks % 4 * 32) as u32);
         let a_offset = (column_block * BLOCK_N * SWIZZLE_ROW_BYTES) as u32 + step_bytes;
-        let b_offset = (column_block * M * SWIZZLE_ROW_BYTES) as u32 + step_bytes;
+        let b_offset = (column_block * BLOCK_M * SWIZZLE_ROW_BYTES) as u32 + step_bytes;
         // SAFETY: the caller's contract.
         unsafe { acc.mma::<T>(advance_descriptor(a_rows, a_offset), k_major_descriptor(b_tile + b_offset), ks > 0) };
     }
 }
 
+/// Pᵀ = exp2(Sᵀ·`factor` − LSE·log₂e) and dSᵀ = Pᵀ ∘ (dPᵀ − D) of one tile (FlashAttention-2's
+/// Algorithm 2, its P and dS transposed), column (query) by column, sixteen queries (two
+/// fragments) at a time, packed into the A operands of dV += Pᵀ·dO and dK += dSᵀ·Q right away so
+/// that the `f32` values die early. `statistics(j)` is the pair (LSE·log₂e, D) of the thread's
+/// two queries of fragment j.
+///
+/// A score whose key the query does not see gets P = 0: `band(j, h)` is the first key and the
+/// key count of the query in column h of fragment j, `keys` the thread's keys (rows g and
+/// g + 8). It is applied by a select: a branch per score (what `if visible { exp2(…) }` compiles
+/// to) cost three more instructions per score than the exponentials it skipped. One unsigned
+/// comparison tests both edges: key − start wraps to a huge value below the start. The test is
+/// done in 32 bits: in `usize` it was a 64-bit subtraction and comparison for every score, and
+/// the backward ran 4–6 % slower at head_dim 64 (PERFORMANCE.md, 2026-12-04 (evening)). Keys
+/// and key counts fit: the TMA coordinates that load these tiles are `i32` already.
+#[inline(always)]
+fn tile_gradients<T: HalfFloat>(
+    s: &mut [FragC; 8],
+    dp: &mut [FragC; 8],
+    factor: f32,
+    statistics: impl Fn(usize) -> ([f32; 2], [f32; 2]),
+    band: impl Fn(usize, usize) -> (u32, u32),
+    keys: [u32; 2],
+) -> ([FragA; 4], [FragA; 4]) {
+    let mut p = [[0u32; 4]; 4];
+    let mut ds = [[0u32; 4]; 4];
+    for kk in 0..4 {
+        for j in 2 * kk..2 * kk + 2 {
+            let (row_lse, row_delta) = statistics(j);
+            for h in 0..2 {
+                let (start, width) = band(j, h);
+                // Entries h and h + 2: this query's column in key rows g and g + 8.
+                for r in 0..2 {
+                    let e = h + 2 * r;
+                    let p = hw::exp2(hw::fma(s[j][e], factor, -row_lse[h]));
+                    let p = if keys[r].wrapping_sub(start) < width { p } else { 0.0 };
+                    s[j][e] = p;
+                    dp[j][e] = p * (dp[j][e] - row_delta[h]);
+                }
+            }
+        }
+        p[kk] = pack_a::<T>(s[2 * kk], s[2 * kk + 1]);
+        ds[kk] = pack_a::<T>(dp[2 * kk], dp[2 * kk + 1]);
+    }
+    (p, ds)
+}
+
 /// One consumer warpgroup: dK and dV of its 64 keys over every query tile (see the module docs),
-/// then written out. `S_TILES` = M / 8 and `P_STEPS` = M / 16 size Sᵀ, dPᵀ (accumulator
-/// fragments) and Pᵀ, dSᵀ (A operands) of one tile.
+/// then written out.
 ///
 /// # Safety
 /// Every thread of one consumer warpgroup calls it; the pointers hold the tensors of `shape`;
@@ -488,15 +474,12 @@ unsafe fn issue_transposed_product<T: HalfFloat, const D: usize, const M: usize,
 unsafe fn consume<
     T: HalfFloat,
     const D: usize,
-    const M: usize,
     const STAGES: usize,
     const D_TILES: usize,
-    const S_TILES: usize,
-    const P_STEPS: usize,
     const DETERMINISTIC: bool,
     const MODS: bool,
 >(
-    smem: SharedTiles<D, M, STAGES>,
+    smem: SharedTiles<D, STAGES>,
     block: &KeyBlock,
     shape: &AttentionShape,
     mask: Mask,
@@ -506,9 +489,7 @@ unsafe fn consume<
     (dk, dv): (*mut u16, *mut u16),
 ) where
     [FragC; D_TILES]: Accumulator,
-    [FragC; S_TILES]: Accumulator,
 {
-    const { assert!(S_TILES * 8 == M && P_STEPS * 16 == M) };
     let index = warpgroup_id() - 1;
     // The thread that hands the warpgroup's dQ tiles to TMA (atomic instances).
     let leader = hw::thread_idx_x().is_multiple_of(WARPGROUP_THREADS);
@@ -525,7 +506,7 @@ unsafe fn consume<
         // Everything derived from these two is recomputed every tile ([`opaque`]): hoisted out of
         // the loop, the descriptors and shared-memory addresses held ~50 registers across it and
         // spilled 260 bytes at head_dim 128.
-        let smem = SharedTiles::<D, M, STAGES> { base: opaque(smem0) };
+        let smem = SharedTiles::<D, STAGES> { base: opaque(smem0) };
         let thread = opaque(thread0) as usize;
         let (warp, lane) = (thread / 32 % 4, FragmentLane::of(thread % 32));
         let t = lane.t;
@@ -537,7 +518,7 @@ unsafe fn consume<
         let v_rows = k_major_descriptor(smem.v() + rows_offset);
         let (stage, parity) = ring_slot(step, STAGES);
         let (q_head, tile) = block.step(step);
-        let q_start = tile * M;
+        let q_start = tile * BLOCK_M;
         // SAFETY: initialised barriers.
         unsafe {
             mbarrier_wait(smem.q_full(stage), parity);
@@ -545,83 +526,63 @@ unsafe fn consume<
         }
         let (q_tile, do_tile) = (smem.q(stage), smem.d_o(stage));
 
-        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warpgroup's 64 keys and the tile's M queries. (Two
+        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warpgroup's 64 keys and the tile's 64 queries. (Two
         // groups, with Pᵀ's exponentials overlapping dPᵀ, were slower: PERFORMANCE.md.)
-        let mut s = [[0.0f32; 4]; S_TILES];
-        let mut dp = [[0.0f32; 4]; S_TILES];
+        let mut s = [[0.0f32; 4]; 8];
+        let mut dp = [[0.0f32; 4]; 8];
         s.pin();
         dp.pin();
         wgmma_fence();
         // SAFETY: tiles TMA completed.
         unsafe {
-            issue_transposed_product::<T, D, M, S_TILES>(&mut s, k_rows, q_tile);
-            issue_transposed_product::<T, D, M, S_TILES>(&mut dp, v_rows, do_tile);
+            issue_transposed_product::<T, D>(&mut s, k_rows, q_tile);
+            issue_transposed_product::<T, D>(&mut dp, v_rows, do_tile);
         }
         wgmma_commit();
         wgmma_wait::<0>();
         s.pin();
         dp.pin();
 
-        // Pᵀ = exp2(Sᵀ·c − LSE·log₂e) and dSᵀ = Pᵀ ∘ (dPᵀ − D), column (query) by column; keys a
-        // query does not see get P = 0 (only tiles that cross some query's limit check), and so
-        // do queries past seqlen_q (their LSE is +∞). Sixteen queries (two fragments) at a time,
-        // packed into the A operands right away, so that the f32 values die early.
-        let all_visible = mask.all_visible(q_start, M, k_first, WARPGROUP_ROWS);
+        // Pᵀ and dSᵀ ([`tile_gradients`]): keys a query does not see get P = 0 (only tiles that
+        // cross some query's limit check), and so do queries past seqlen_q (their LSE is +∞).
+        let all_visible = mask.all_visible(q_start, BLOCK_M, k_first, WARPGROUP_ROWS);
         // This thread's two queries of fragment j are tile columns 8j + 2t and 8j + 2t + 1;
         // their statistics are a pair in the slot, published by "dO full".
-        // SAFETY: inside the slot's M values.
+        // SAFETY: inside the slot's 64 values.
         let statistics = |slot: u32, j: usize| unsafe { load_shared_f32x2(slot + (4 * (8 * j + 2 * t)) as u32) };
         // Softcap or ALiBi, if the problem has one: Sᵀ becomes base-2 logits, and a softcap's
         // derivative goes into dPᵀ (`ScoreMod::chain_rule`).
         if MODS {
             let head_score = score.for_head(q_head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
-            head_score.apply_fragments::<S_TILES, true>(&mut s, lane, (k_first + 16 * warp, q_start), c);
+            head_score.apply_fragments::<8, true>(&mut s, lane, (k_first + 16 * warp, q_start), c);
             if score.is_softcapped() {
                 head_score.chain_rule_fragments(&s, &mut dp, |j, e| statistics(smem.delta(stage), j)[e % 2]);
             }
         }
         let factor = if MODS { 1.0 } else { c };
-        let mut p = [[0u32; 4]; P_STEPS];
-        let mut ds = [[0u32; 4]; P_STEPS];
-        // Unrolled by hand: with 128 queries LLVM would keep the loop, and Sᵀ and dPᵀ, indexed
-        // by its counter, would go to local memory.
-        hw::unroll::<P_STEPS>(|kk| {
-            for j in 2 * kk..2 * kk + 2 {
-                let (row_lse, row_delta) = (statistics(smem.lse(stage), j), statistics(smem.delta(stage), j));
-                for h in 0..2 {
-                    // The query's band of keys, applied to every score by a select: a branch per
-                    // score (what `if visible { exp2(…) }` compiles to) cost three more
-                    // instructions per score than the exponentials it skipped. One unsigned
-                    // comparison tests both edges: key − start wraps to a huge value below the
-                    // start.
-                    let query = q_start + 8 * j + 2 * t + h;
-                    let (start, width) = if all_visible {
-                        (0, usize::MAX)
-                    } else {
-                        let start = mask.key_start(query);
-                        (start, mask.key_limit(query).saturating_sub(start))
-                    };
-                    // Entries h and h + 2: this query's column in key rows g and g + 8.
-                    for r in 0..2 {
-                        let e = h + 2 * r;
-                        let p = hw::exp2(hw::fma(s[j][e], factor, -row_lse[h]));
-                        let p = if key(e).wrapping_sub(start) < width { p } else { 0.0 };
-                        s[j][e] = p;
-                        dp[j][e] = p * (dp[j][e] - row_delta[h]);
-                    }
-                }
+        let row_statistics = |j: usize| (statistics(smem.lse(stage), j), statistics(smem.delta(stage), j));
+        // This thread's keys (rows g and g + 8 of its warp), and the band of the query in column
+        // h of fragment j: its first visible key and how many it sees, in 32 bits; where the
+        // tile is all visible, (0, u32::MAX): every key.
+        let keys = [0, 2].map(|e| key(e) as u32);
+        let band = |j: usize, h: usize| {
+            if all_visible {
+                (0, u32::MAX)
+            } else {
+                let query = q_start + 8 * j + 2 * t + h;
+                let start = mask.key_start(query);
+                (start as u32, mask.key_limit(query).saturating_sub(start) as u32)
             }
-            p[kk] = pack_a::<T>(s[2 * kk], s[2 * kk + 1]);
-            ds[kk] = pack_a::<T>(dp[2 * kk], dp[2 * kk + 1]);
-        });
+        };
+        let (p, ds) = tile_gradients::<T>(&mut s, &mut dp, factor, row_statistics, band, keys);
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q: Pᵀ and dSᵀ from registers, dO and Q MN-major.
         let mn_major_step =
-            |tile: u32, kk: usize| mn_major_descriptor(tile + (kk * 2 * SWIZZLE_ATOM_BYTES) as u32, M);
+            |tile: u32, kk: usize| mn_major_descriptor(tile + (kk * 2 * SWIZZLE_ATOM_BYTES) as u32, BLOCK_M);
         dv_acc.pin();
         dk_acc.pin();
         wgmma_fence();
-        for kk in 0..P_STEPS {
+        for kk in 0..BLOCK_M / 16 {
             // SAFETY: as above.
             unsafe {
                 dv_acc.mma_register_a::<T>(p[kk], mn_major_step(do_tile, kk), true);
@@ -631,15 +592,12 @@ unsafe fn consume<
         wgmma_commit();
 
         // dSᵀ into this tile's buffer, row-major by key: the packed pairs are (key, two queries).
-        // Each 64 queries are a column block of BLOCK_N rows.
         let ds_buffer = smem.ds(step % 2);
-        for kk in 0..P_STEPS {
+        for kk in 0..4 {
             for (i, &pair) in ds[kk].iter().enumerate() {
                 let (row, column) = (key(2 * (i % 2)) - block.k_start, 16 * kk + 8 * (i / 2) + 2 * t);
-                let offset =
-                    ds_column_block(column / SWIZZLE_COLUMNS) + swizzled_offset(row, 2 * (column % SWIZZLE_COLUMNS));
-                // SAFETY: inside the buffer; the other buffer is the one a product may read.
-                unsafe { store_shared_u32(ds_buffer + offset, pair) };
+                // SAFETY: inside the 16 KiB buffer; the other buffer is the one a product may read.
+                unsafe { store_shared_u32(ds_buffer + swizzled_offset(row, 2 * column), pair) };
             }
         }
         fence_proxy_async();
@@ -652,24 +610,23 @@ unsafe fn consume<
         if !DETERMINISTIC && leader {
             bulk_wait_group_read::<0>();
         }
-        let share = dq_share::<D, M>(index);
-        if share.keys == BLOCK_N {
+        let (first_key, keys, column_block) = dq_share::<D>(index);
+        if keys == BLOCK_N {
             named_barrier_sync(ALL_CONSUMERS, (CONSUMERS * WARPGROUP_THREADS) as u32);
         } else {
             named_barrier_sync(1 + index as u32, WARPGROUP_THREADS as u32);
         }
 
-        // dQ += scale · dS·K for the share: dS (its 64 queries × keys, read MN-major from dSᵀ)
-        // times K (keys × its column block, MN-major).
-        let key_rows = (share.first_key * SWIZZLE_ROW_BYTES) as u32;
-        let ds_block = ds_buffer + ds_column_block(share.first_row / SWIZZLE_COLUMNS) + key_rows;
-        let ds_rows = mn_major_descriptor(ds_block, BLOCK_N);
-        let k_block = smem.k() + (share.column_block * BLOCK_N * SWIZZLE_ROW_BYTES) as u32 + key_rows;
+        // dQ += scale · dS·K for the column block: dS (queries × keys, read MN-major from dSᵀ)
+        // times K (keys × columns, MN-major).
+        let key_rows = (first_key * SWIZZLE_ROW_BYTES) as u32;
+        let ds_rows = mn_major_descriptor(ds_buffer + key_rows, BLOCK_M);
+        let k_block = smem.k() + (column_block * BLOCK_N * SWIZZLE_ROW_BYTES) as u32 + key_rows;
         let k_block = mn_major_descriptor(k_block, BLOCK_N);
         let mut dq = [[0.0f32; 4]; 8];
         dq.pin();
         wgmma_fence();
-        for ks in 0..share.keys / 16 {
+        for ks in 0..keys / 16 {
             let offset = (ks * 2 * SWIZZLE_ATOM_BYTES) as u32;
             let (a, b) = (advance_descriptor(ds_rows, offset), advance_descriptor(k_block, offset));
             // SAFETY: dSᵀ was published above; K is complete.
@@ -712,7 +669,7 @@ unsafe fn consume<
             if leader {
                 let head = block.batch * shape.num_heads_q + q_head;
                 // SAFETY: the staging tile was written and published above; map 4 is dQ's.
-                unsafe { add_dq_tile(maps, staging, share.column_block, q_start + share.first_row, head) };
+                unsafe { add_dq_tile(maps, staging, column_block, tile, head) };
             }
         }
         // ANCHOR_END: dq_reduce
@@ -739,18 +696,17 @@ unsafe fn consume<
     }
 }
 
-/// The kernel body (see the module docs), with query tiles of `M` rows (64, or 128 at head_dim
-/// 64). Grid: `(ceil(seqlen_k / 128), num_heads_kv, batch)`, mapped to key blocks by
-/// [`KeyBlock::hopper_backward`]; block: 384 threads; dynamic shared memory:
-/// [`crate::layout::hopper_backward_smem_bytes`]`(M, D, STAGES)`. `D_TILES` = D / 8 sizes the
-/// dK and dV accumulators, `S_TILES` = M / 8 and `P_STEPS` = M / 16 a tile's Sᵀ and Pᵀ.
+/// The kernel body (see the module docs). Grid: `(ceil(seqlen_k / 128), num_heads_kv, batch)`,
+/// mapped to key blocks by [`KeyBlock::hopper_backward`];
+/// block: 384 threads; dynamic shared memory: [`crate::layout::hopper_backward_smem_bytes`]`(D,
+/// STAGES)`. `D_TILES` = D / 8 sizes the dK and dV accumulators.
 ///
 /// # Safety
 /// `maps` holds, in device memory, the tensor maps (3-D, 128-byte swizzle) of Q, K, V and dO
-/// (boxes of 64 columns by `M` rows for Q and dO, 128 for K and V) and of the `f32` dQ
+/// (boxes of 64 columns by 64 rows for Q and dO, 128 for K and V) and of the `f32` dQ
 /// accumulator (Q's shape, zeroed; boxes of 32 columns by 64 rows), which the kernel adds to;
 /// `lse` and `delta` hold `[batch, num_heads_q, seqlen_q]` `f32`, `dk` and `dv` K's shape in 16
-/// bits; with `DETERMINISTIC`, `dq_turns` holds `[batch, num_heads_q, ceil(seqlen_q / M)]`
+/// bits; with `DETERMINISTIC`, `dq_turns` holds `[batch, num_heads_q, ceil(seqlen_q / 64)]`
 /// zeroed `u32` counters (else it is not read); `shape.head_dim == D`; `MODS` is
 /// `score.is_active()`; the launch as above.
 #[inline(always)]
@@ -758,11 +714,8 @@ unsafe fn consume<
 unsafe fn flash_backward_wgmma<
     T: HalfFloat,
     const D: usize,
-    const M: usize,
     const STAGES: usize,
     const D_TILES: usize,
-    const S_TILES: usize,
-    const P_STEPS: usize,
     const DETERMINISTIC: bool,
     const MODS: bool,
 >(
@@ -778,11 +731,10 @@ unsafe fn flash_backward_wgmma<
     scale: f32,
 ) where
     [FragC; D_TILES]: Accumulator,
-    [FragC; S_TILES]: Accumulator,
 {
-    let smem = SharedTiles::<D, M, STAGES>::new();
+    let smem = SharedTiles::<D, STAGES>::new();
     let maps = TensorMaps(maps);
-    let block = KeyBlock::hopper_backward::<M, BLOCK_N>(&shape, &mask, DETERMINISTIC);
+    let block = KeyBlock::hopper_backward::<BLOCK_M, BLOCK_N>(&shape, &mask, DETERMINISTIC);
     let mask = mask.for_batch(block.batch);
     if hw::thread_idx_x() == 0 {
         // SAFETY: one thread initialises the barriers before the block barrier below.
@@ -813,14 +765,14 @@ unsafe fn flash_backward_wgmma<
             (0, 0) => unsafe { produce_tiles(smem, maps, &shape, &block) },
             (1, _) => unsafe { produce_statistics(smem, &shape, &block, lse, delta) },
             (warp @ 2..4, 0) if DETERMINISTIC => unsafe {
-                produce_dq::<D, M, STAGES>(smem, maps, &shape, &block, &mask, warp - 2, dq_turns)
+                produce_dq::<D, STAGES>(smem, maps, &shape, &block, &mask, warp - 2, dq_turns)
             },
             _ => {}
         }
     } else {
         // SAFETY: the launch contract.
         unsafe {
-            consume::<T, D, M, STAGES, D_TILES, S_TILES, P_STEPS, DETERMINISTIC, MODS>(
+            consume::<T, D, STAGES, D_TILES, DETERMINISTIC, MODS>(
                 smem,
                 &block,
                 &shape,
@@ -834,7 +786,7 @@ unsafe fn flash_backward_wgmma<
     }
 }
 
-/// Four entries per configuration: `hopper_flash_bwd_{f16,bf16}_m{M}_n128_d{D}_s{STAGES}` (dQ
+/// Four entries per configuration: `hopper_flash_bwd_{f16,bf16}_m64_n128_d{D}_s{STAGES}` (dQ
 /// added in whatever order the blocks come), the same with `_deterministic` (in turns), and each
 /// with `_mods` for problems with a score modification (`ScoreArgs::is_active`: softcap or
 /// ALiBi), which the host picks by that suffix. The modified body is a kernel of its own, not a
@@ -843,19 +795,19 @@ unsafe fn flash_backward_wgmma<
 /// plain body 5–10 % (PERFORMANCE.md). `sm90_backward_configs!` (in [`crate::configs`]) lists
 /// the configurations.
 macro_rules! flash_backward_wgmma_instance {
-    ($dtype:ident, $format:ident, $m:literal, $d:literal, $stages:literal) => {
+    ($dtype:ident, $format:ident, $d:literal, $stages:literal) => {
         pastey::paste! {
             flash_backward_wgmma_instance!(@entry $format, false, false,
-                [<hopper_flash_bwd_ $dtype _m $m _n128_d $d _s $stages>], $m, $d, $stages);
+                [<hopper_flash_bwd_ $dtype _m64_n128_d $d _s $stages>], $d, $stages);
             flash_backward_wgmma_instance!(@entry $format, true, false,
-                [<hopper_flash_bwd_ $dtype _m $m _n128_d $d _s $stages _deterministic>], $m, $d, $stages);
+                [<hopper_flash_bwd_ $dtype _m64_n128_d $d _s $stages _deterministic>], $d, $stages);
             flash_backward_wgmma_instance!(@entry $format, false, true,
-                [<hopper_flash_bwd_ $dtype _m $m _n128_d $d _s $stages _mods>], $m, $d, $stages);
+                [<hopper_flash_bwd_ $dtype _m64_n128_d $d _s $stages _mods>], $d, $stages);
             flash_backward_wgmma_instance!(@entry $format, true, true,
-                [<hopper_flash_bwd_ $dtype _m $m _n128_d $d _s $stages _deterministic_mods>], $m, $d, $stages);
+                [<hopper_flash_bwd_ $dtype _m64_n128_d $d _s $stages _deterministic_mods>], $d, $stages);
         }
     };
-    (@entry $format:ident, $deterministic:literal, $mods:literal, $name:ident, $m:literal, $d:literal, $stages:literal) => {
+    (@entry $format:ident, $deterministic:literal, $mods:literal, $name:ident, $d:literal, $stages:literal) => {
         attention_kernel! {
         /// FlashAttention backward on Hopper (sm_90a); see the module docs.
         ///
@@ -870,17 +822,7 @@ macro_rules! flash_backward_wgmma_instance {
             dq_turns: *mut u32,
         ) |shape, mask, score, scale| {
             unsafe {
-                flash_backward_wgmma::<
-                    hw::$format,
-                    $d,
-                    $m,
-                    $stages,
-                    { $d / 8 },
-                    { $m / 8 },
-                    { $m / 16 },
-                    $deterministic,
-                    $mods,
-                >(
+                flash_backward_wgmma::<hw::$format, $d, $stages, { $d / 8 }, $deterministic, $mods>(
                     maps, lse, delta, dk, dv, dq_turns, shape, mask, score, scale,
                 )
             }
