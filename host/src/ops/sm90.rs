@@ -43,7 +43,8 @@ impl Context {
     /// [`Context::flash_attention_forward`] runs this kernel for its default tile.
     ///
     /// # Errors
-    /// [`Error::Shape`](crate::Error::Shape) for inconsistent shapes or `f32`;
+    /// [`Error::Shape`](crate::Error::Shape) for inconsistent shapes or `f32`, and for a sequence
+    /// or a batch · num_heads above `i32::MAX` (TMA's coordinates are 32-bit);
     /// [`Error::HeadDimNotCompiled`](crate::Error::HeadDimNotCompiled) for a head_dim above 256
     /// or not a multiple of 8 (a tensor map's rows must be multiples of 16 bytes;
     /// [`Context::flash_attention_forward`] runs those on the sm_80 kernels);
@@ -102,6 +103,7 @@ impl Context {
         let shape = *shape;
         self.require_hopper_kernels()?;
         check_flash_grid(&shape)?;
+        check_tma_coordinates(&shape)?;
         let scale_log2 = options.checked_scale(shape.head_dim)? * std::f32::consts::LOG2_E;
         let (s, n) = (&shape, kernel.block_n);
         let maps = self.upload_tensor_maps(&[
@@ -216,6 +218,7 @@ impl Context {
         let shape = *shape;
         self.require_hopper_kernels()?;
         check_flash_grid(&shape)?;
+        check_tma_coordinates(&shape)?;
         let scale = options.checked_scale(shape.head_dim)?;
         let delta = self.row_deltas(o, d_o, &shape)?;
         self.sink_gradient(&shape, lse, &delta, options, grads)?;
@@ -282,6 +285,27 @@ impl Context {
     }
 }
 
+/// Checks that TMA can address every row of `shape`'s tensors: the Hopper kernels give a box's
+/// row and its (batch · heads) plane as signed 32-bit coordinates, so a sequence or a batch ·
+/// heads above `i32::MAX` would wrap around and read or write other rows. Checked before
+/// anything is computed or written.
+///
+/// # Errors
+/// [`Error::Shape`] above that limit.
+pub(crate) fn check_tma_coordinates(shape: &AttentionShape) -> Result<()> {
+    const LIMIT: usize = i32::MAX as usize;
+    let longest = shape.seqlen_q.max(shape.seqlen_k);
+    let planes = shape.batch * shape.num_heads_q.max(shape.num_heads_kv);
+    if longest > LIMIT || planes > LIMIT {
+        return Err(Error::Shape(format!(
+            "the Hopper kernels address rows and heads with TMA's 32-bit coordinates: seqlen_q = {}, seqlen_k = {} \
+             and batch · num_heads = {planes} must each be at most {LIMIT}",
+            shape.seqlen_q, shape.seqlen_k
+        )));
+    }
+    Ok(())
+}
+
 /// The kernel argument for [`Context::zeroed_counters`]' result: the counters, or a null pointer.
 fn counters_arg(counters: &Option<DeviceTensor<i32>>) -> &dyn KernelArg {
     static NONE: NullPointer = NullPointer("i32");
@@ -296,4 +320,23 @@ fn counters_arg(counters: &Option<DeviceTensor<i32>>) -> &dyn KernelArg {
 /// why; the registry lists the plain ones).
 fn modified_entry(entry: &str) -> String {
     format!("{entry}_mods")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(batch: usize, num_heads_q: usize, seqlen_q: usize, seqlen_k: usize) -> AttentionShape {
+        AttentionShape { batch, num_heads_q, num_heads_kv: 1, seqlen_q, seqlen_k, head_dim: 64 }
+    }
+
+    #[test]
+    fn tma_coordinates_stop_at_i32_max() {
+        let limit = i32::MAX as usize;
+        assert!(check_tma_coordinates(&shape(1, 1, limit, limit)).is_ok());
+        assert!(check_tma_coordinates(&shape(1, 1, 1, limit + 1)).is_err());
+        assert!(check_tma_coordinates(&shape(1, 1, limit + 1, 1)).is_err());
+        assert!(check_tma_coordinates(&shape(65_535, 65_535, 1, 1)).is_err());
+        assert!(check_tma_coordinates(&shape(65_535, 32_768, 1, 1)).is_ok());
+    }
 }
