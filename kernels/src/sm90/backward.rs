@@ -569,9 +569,8 @@ unsafe fn consume<
             if all_visible {
                 (0, u32::MAX)
             } else {
-                let query = q_start + 8 * j + 2 * t + h;
-                let start = mask.key_start(query);
-                (start as u32, mask.key_limit(query).saturating_sub(start) as u32)
+                let (start, width) = mask.keys_seen_by(q_start + 8 * j + 2 * t + h);
+                (start as u32, width as u32)
             }
         };
         let (p, ds) = tile_gradients::<T>(&mut s, &mut dp, factor, row_statistics, band, keys);
