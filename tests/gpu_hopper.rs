@@ -308,7 +308,9 @@ fn hopper_gradients<T: Element>(
 #[test]
 fn hopper_backward_matches_the_reference() {
     let Some(ctx) = hopper("hopper_backward_matches_the_reference") else { return };
-    for head_dim in [64, 128] {
+    // 64 and 128, the wide-head kernel (64 keys a block) at 192 and 256, and 160 on 192's with
+    // padding columns.
+    for head_dim in [64, 128, 160, 192, 256] {
         let shape =
             |batch, heads_q, heads_kv, seqlen_q, seqlen_k| gqa(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim);
         // Key blocks of 128 and query tiles of 64: whole, ragged on either side, a block that
@@ -336,9 +338,14 @@ fn hopper_backward_matches_the_reference() {
             (shape(1, 2, 1, 500, 300), AttentionOptions::default().with_window(SlidingWindow::new(Some(130), None))),
             (shape(1, 2, 2, 600, 400), AttentionOptions::causal(Causal::TopLeft).with_window(SlidingWindow::left(7))),
         ];
+        // The deterministic mode stops at head_dim 128 (above, it runs on the sm_80 kernels).
+        let modes: &[DqAccumulation] = match head_dim {
+            ..=128 => &[DqAccumulation::Atomic, DqAccumulation::Deterministic],
+            _ => &[DqAccumulation::Atomic],
+        };
         for (i, (shape, options)) in cases.into_iter().enumerate() {
             let seed = 500 + (head_dim + i) as u64;
-            for dq in [DqAccumulation::Atomic, DqAccumulation::Deterministic] {
+            for &dq in modes {
                 check_hopper_backward::<f16>(ctx, shape, options, dq, seed);
                 check_hopper_backward::<bf16>(ctx, shape, options, dq, seed + 1);
             }

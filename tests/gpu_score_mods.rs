@@ -70,6 +70,11 @@ fn tensor_core_kernels_take_softcap_and_alibi() {
         // Deep enough for the Hopper forward's three consumers at head_dim 64, with short blocks.
         (gqa(6, 16, 4, 400, 300, 64), AttentionOptions { causal: Causal::BottomRight, ..alibi() }),
         (gqa(3, 16, 4, 1100, 1100, 64), AttentionOptions { causal: Causal::BottomRight, ..softcap(64) }),
+        // Wide heads: on the sm_90a path the Hopper backward's 64-key blocks (atomic dQ), 160 on
+        // 192's with padding columns.
+        (gqa(1, 4, 2, 300, 333, 256), AttentionOptions { causal: Causal::TopLeft, ..softcap(256) }),
+        (gqa(1, 6, 2, 257, 200, 192), alibi()),
+        (gqa(1, 4, 4, 130, 190, 160), AttentionOptions { causal: Causal::BottomRight, ..softcap(160) }),
         // Gemma 2's cap on large logits (LargeLogits inputs below).
         (gqa(1, 8, 4, 512, 512, 128), AttentionOptions::causal(Causal::BottomRight).with_softcap(50.0)),
     ];

@@ -152,7 +152,8 @@ impl Target<'_> {
     }
 
     /// [`Context::dq_accumulation_for`](crate::Context::dq_accumulation_for) on this target.
-    /// Above head_dim 128 the 16-bit backward takes atomic dQ too: there the dQ kernel's second
+    /// Above head_dim 128 the 16-bit backward takes atomic dQ too: on the sm_90a path the Hopper
+    /// backward has only that mode there, and on the `mma.sync` kernels the dQ kernel's second
     /// pass over S and dP, which both warps of a slice pair compute, costs more than the K/V-outer
     /// kernel's atomic adds (at [2, 16, 4096, 256] bf16 on an H200, 95.9 TFLOP/s atomic against
     /// 79.8 deterministic; level with it at 192: PERFORMANCE.md, issue 21).
@@ -471,10 +472,9 @@ fn block_m_override() -> Option<usize> {
 pub(crate) struct HopperBackward;
 
 impl HopperBackward {
-    /// Query rows per tile of the inner loop.
+    /// Query rows per tile of the inner loop. (Keys per block: the instance's `block_n`, 128 up
+    /// to head_dim 128 and 64 above, `layout::hopper_backward_block_n`.)
     pub(crate) const BLOCK_M: usize = 64;
-    /// Keys per block.
-    pub(crate) const BLOCK_N: usize = 128;
     /// Threads per block: a producer and two consumer warpgroups.
     pub(crate) const THREADS: usize = 384;
 
@@ -488,7 +488,8 @@ impl HopperBackward {
     pub const DETERMINISTIC_ENV: &'static str = "RUST_ATTENTION_HOPPER_DETERMINISTIC";
 
     /// The kernel for `dtype`, `head_dim` and the dQ mode: dQ tiles added as they come
-    /// ([`DqAccumulation::Atomic`]) or in turns ([`DqAccumulation::Deterministic`]).
+    /// ([`DqAccumulation::Atomic`]) or in turns ([`DqAccumulation::Deterministic`], up to head_dim
+    /// 128; above, the wide-head kernel has only the first).
     ///
     /// # Errors
     /// As [`HopperForward::for_problem`].
@@ -496,17 +497,25 @@ impl HopperBackward {
         if dtype == DType::F32 {
             return Err(Error::Shape("the Hopper backward takes f16 or bf16 tensors".into()));
         }
-        let tile = (Self::BLOCK_M, Self::BLOCK_N);
+        let padded = kernels::hopper_head_dim(FlashKernel::Backward, head_dim).unwrap_or(head_dim);
+        let tile = (Self::BLOCK_M, layout::hopper_backward_block_n(padded));
         let variant = match dq {
             DqAccumulation::Atomic => HopperVariant::Plain,
             DqAccumulation::Deterministic => HopperVariant::Deterministic,
         };
         kernels::hopper_instance(FlashKernel::Backward, dtype, tile, head_dim, 2, variant).ok_or_else(|| {
+            // The largest head_dim compiled in this dQ mode.
+            let largest = kernels::HOPPER_INSTANCES
+                .iter()
+                .filter(|i| i.kernel == FlashKernel::Backward && i.variant == variant)
+                .map(|i| i.head_dim)
+                .max()
+                .unwrap_or(0);
             Error::HeadDimNotCompiled {
                 head_dim,
                 allowed: format!(
-                    "multiples of 8 up to {} (the Hopper backward; the others run on the sm_80 kernels)",
-                    kernels::hopper_head_dims(FlashKernel::Backward).last().copied().unwrap_or(0)
+                    "multiples of 8 up to {largest} (the Hopper backward with {dq:?} dQ; the others run on the sm_80 \
+                     kernels)"
                 ),
             }
         })
@@ -723,12 +732,16 @@ mod tests {
                     assert!(2 * smem <= HOPPER_SHARED_MEMORY, "{}: two blocks of {smem} bytes", short_forward.entry);
                 }
 
-                // (The Hopper backward stops at head_dim 128.)
+                // (The Hopper backward's deterministic mode stops at head_dim 128.)
                 for dq in [DqAccumulation::Atomic, DqAccumulation::Deterministic] {
                     let Ok(backward) = HopperBackward::for_problem(dtype, head_dim, dq) else {
-                        assert!(head_dim > 128, "no Hopper backward at head_dim {head_dim}");
+                        assert!(
+                            head_dim > 128 && dq == DqAccumulation::Deterministic,
+                            "no Hopper backward at head_dim {head_dim}, {dq:?}"
+                        );
                         continue;
                     };
+                    assert_eq!(backward.block_n, layout::hopper_backward_block_n(head_dim), "{}", backward.entry);
                     assert_eq!(MODULE_ARCHS[module_of(backward.entry)], "sm_90a", "{}", backward.entry);
                     assert_eq!(max_threads(backward.entry), Some(HopperBackward::THREADS), "{}", backward.entry);
                     let smem = hopper_backward_smem_bytes(head_dim, backward.stages);

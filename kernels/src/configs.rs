@@ -200,13 +200,18 @@ macro_rules! sm80_padded_backward_tiles {
     };
 }
 
-/// Calls `$instance!(dtype, Format, head_dim, stages)` for every compiled Hopper backward
-/// configuration (level 9; 64 queries by 128 keys per tile), each compiled twice: with dQ added
-/// in any order and in a fixed one (`_deterministic`).
+/// Calls `$instance!(dtype, Format, head_dim, block_n, stages, dq modes)` for every compiled
+/// Hopper backward configuration (level 9; query tiles of 64, `block_n` keys a block as
+/// `layout::hopper_backward_block_n` says): up to head_dim 128 compiled twice, with dQ added in
+/// any order and in a fixed one (`deterministic`); the wide-head kernel above 128 in any order
+/// only (`atomic`: its deterministic mode runs on the sm_80 kernels).
 #[allow(unused_macros)] // used on nvptx64 only
 macro_rules! sm90_backward_configs {
     ($instance:ident) => {
-        each_half_format!($instance, [(64, 2), (128, 2)]);
+        each_half_format!(
+            $instance,
+            [(64, 128, 2, deterministic), (128, 128, 2, deterministic), (192, 64, 2, atomic), (256, 64, 2, atomic)]
+        );
     };
 }
 
@@ -273,6 +278,14 @@ pub const LAUNCH_BOUNDS: &[(&str, u32, u32)] = &[
     ("hopper_flash_bwd_bf16_m64_n128_d64_s2_deterministic", 384, 1),
     ("hopper_flash_bwd_f16_m64_n128_d128_s2_deterministic", 384, 1),
     ("hopper_flash_bwd_bf16_m64_n128_d128_s2_deterministic", 384, 1),
+    ("hopper_flash_bwd_f16_m64_n64_d192_s2", 384, 1),
+    ("hopper_flash_bwd_bf16_m64_n64_d192_s2", 384, 1),
+    ("hopper_flash_bwd_f16_m64_n64_d256_s2", 384, 1),
+    ("hopper_flash_bwd_bf16_m64_n64_d256_s2", 384, 1),
+    ("hopper_flash_bwd_f16_m64_n64_d192_s2_mods", 384, 1),
+    ("hopper_flash_bwd_bf16_m64_n64_d192_s2_mods", 384, 1),
+    ("hopper_flash_bwd_f16_m64_n64_d256_s2_mods", 384, 1),
+    ("hopper_flash_bwd_bf16_m64_n64_d256_s2_mods", 384, 1),
     ("hopper_flash_bwd_f16_m64_n128_d64_s2_mods", 384, 1),
     ("hopper_flash_bwd_bf16_m64_n128_d64_s2_mods", 384, 1),
     ("hopper_flash_bwd_f16_m64_n128_d128_s2_mods", 384, 1),

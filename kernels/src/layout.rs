@@ -420,17 +420,36 @@ pub const fn hopper_forward_smem_bytes(block_m: usize, block_n: usize, head_dim:
         + HOPPER_FORWARD_UNIT_BYTES
 }
 
-/// Bytes of dynamic shared memory of the Hopper backward kernel (128 keys per block, query tiles
-/// of 64): K and V (`128 × head_dim`), `stages` slots of a Q and a dO tile (`64 × head_dim`), two
-/// dSᵀ buffers (`128 × 64`), all 16-bit, two dQ staging tiles (`64 × 64` `f32`), `stages` slots
-/// of the query tile's LSE and D (`2 × 64` `f32`), then the `mbarrier`s (K/V full; Q full, dO
-/// full and Q/dO empty per stage; dQ staged and staging free per consumer), plus the alignment
-/// slack of [`hopper_forward_smem_bytes`].
+/// Keys per block of the Hopper backward at the compiled `head_dim`: 128 up to head_dim 128,
+/// where each of the two consumer warpgroups owns 64 keys and keeps their dK and dV in
+/// registers; above, 64 keys that both consumers share (one accumulates dV, the other dK: 64
+/// keys' dK and dV together would take `head_dim` registers a thread, 256 at 256).
+/// `kernels/src/sm90/backward.rs`, "Wide heads", has the rest.
+pub const fn hopper_backward_block_n(head_dim: usize) -> usize {
+    if head_dim <= 128 { 128 } else { 64 }
+}
+
+/// Columns of a Hopper backward consumer's dQ staging tile (`f32`, 64 rows): 64 up to head_dim
+/// 192, 32 (one TMA box) above, where shared memory holds no more (at 256 the kernel takes 226
+/// of the H200's 227 KiB).
+pub const fn hopper_backward_dq_staging_columns(head_dim: usize) -> usize {
+    if head_dim <= 192 { 64 } else { 32 }
+}
+
+/// Bytes of dynamic shared memory of the Hopper backward kernel at the compiled `head_dim`
+/// (block_n = [`hopper_backward_block_n`] keys per block, query tiles of 64): K and V
+/// (`block_n × head_dim`), `stages` slots of a Q and a dO tile (`64 × head_dim`), two key-row
+/// buffers (`block_n × 64`: dSᵀ of two tiles, or Pᵀ and dSᵀ of one), all 16-bit, two dQ
+/// staging tiles (`64 ×` [`hopper_backward_dq_staging_columns`] `f32`), `stages` slots of the
+/// query tile's LSE and D (`2 × 64` `f32`), then the `mbarrier`s (K/V full; Q full, dO full and
+/// Q/dO empty per stage; dQ staged and staging free per consumer), plus the alignment slack of
+/// [`hopper_forward_smem_bytes`].
 pub const fn hopper_backward_smem_bytes(head_dim: usize, stages: usize) -> usize {
+    let block_n = hopper_backward_block_n(head_dim);
     HOPPER_SMEM_ALIGN
-        + (2 * 128 + 2 * stages * 64) * head_dim * 2
-        + 2 * 128 * 64 * 2
-        + 2 * 64 * 64 * 4
+        + (2 * block_n + 2 * stages * 64) * head_dim * 2
+        + 2 * block_n * 64 * 2
+        + 2 * 64 * hopper_backward_dq_staging_columns(head_dim) * 4
         + stages * 2 * 64 * 4
         + 8 * (1 + 3 * stages + 2 * 2)
 }

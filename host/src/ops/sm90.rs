@@ -222,7 +222,7 @@ impl Context {
         let scale = options.checked_scale(shape.head_dim)?;
         let delta = self.row_deltas(o, d_o, &shape)?;
         self.sink_gradient(&shape, lse, &delta, options, grads)?;
-        let (s, m, n) = (&shape, HopperBackward::BLOCK_M, HopperBackward::BLOCK_N);
+        let (s, m, n) = (&shape, kernel.block_m, kernel.block_n);
         let mut accum = self.alloc_output::<f32>(&shape.q_shape())?;
         self.fill_zeros(&mut accum)?;
         let maps = self.upload_tensor_maps(&[

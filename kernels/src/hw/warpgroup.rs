@@ -196,9 +196,9 @@ macro_rules! wgmma_issue {
 /// A warpgroup's `f32` accumulator of a 64 × N `wgmma` tile, as this thread holds it: N / 8
 /// fragments with the layout of `mma.sync`'s m16n8 C tiles. Warp w of the warpgroup owns rows
 /// 16w … 16w + 15; lane l holds, for fragment j, entries 0 and 1 at row 16w + l/4, columns
-/// 8j + 2(l%4) and + 1, and entries 2 and 3 eight rows lower. Implemented for N = 64, 96, 128,
-/// 192 and 256 (`[FragC; 8]` … `[FragC; 32]`): the key tiles and head dims the Hopper kernels
-/// compile (`crate::configs`). One more is one line below.
+/// 8j + 2(l%4) and + 1, and entries 2 and 3 eight rows lower. Implemented for N = 32, 64, 96, 128,
+/// 192 and 256 (`[FragC; 4]` … `[FragC; 32]`): the key tiles and head dims the Hopper kernels
+/// compile (`crate::configs`), and the half query tiles of the wide-head backward. One more is one line below.
 pub trait Accumulator {
     /// D (64 × N) = A (64 × 16) · B (16 × N) + D if `accumulate`, else A · B, on the warpgroup's
     /// tensor cores (`wgmma.mma_async.m64nNk16.f32.f16.f16`, or `.bf16`, as `T` is). A and B
@@ -229,6 +229,14 @@ pub trait Accumulator {
     /// # Safety
     /// As [`Accumulator::mma`].
     unsafe fn mma_mn_major<T: HalfFloat>(&mut self, a: u64, b: u64, accumulate: bool);
+
+    /// As [`Accumulator::mma`], with A *K-major* and B *MN-major* (`imm-trans-b` = 1), both in
+    /// shared memory: how the wide-head backward multiplies Pᵀ or dSᵀ, staged in shared memory
+    /// row by key, by dO or Q.
+    ///
+    /// # Safety
+    /// As [`Accumulator::mma`].
+    unsafe fn mma_mn_major_b<T: HalfFloat>(&mut self, a: u64, b: u64, accumulate: bool);
 
     /// Ties the accumulator's registers to this point of the program (an empty `asm!` that reads
     /// and writes them). Called after [`wgmma_wait`] it keeps the compiler from reading them
@@ -262,6 +270,16 @@ macro_rules! accumulator {
             }
 
             #[inline(always)]
+            unsafe fn mma_mn_major_b<T: HalfFloat>(&mut self, a: u64, b: u64, accumulate: bool) {
+                let (d, scale_d) = (self, accumulate as u32);
+                if T::IS_BF16 {
+                    wgmma_issue!($tiles, $n, "bf16", d, scale_d, ["{a}, {b},"], ["p, 1, 1, 0, 1;"], a = in(reg64) a, b = in(reg64) b,);
+                } else {
+                    wgmma_issue!($tiles, $n, "f16", d, scale_d, ["{a}, {b},"], ["p, 1, 1, 0, 1;"], a = in(reg64) a, b = in(reg64) b,);
+                }
+            }
+
+            #[inline(always)]
             unsafe fn mma_register_a<T: HalfFloat>(&mut self, a: FragA, b: u64, accumulate: bool) {
                 let (d, scale_d) = (self, accumulate as u32);
                 if T::IS_BF16 {
@@ -284,6 +302,7 @@ macro_rules! accumulator {
     };
 }
 
+accumulator!(4, "32", [0 1 2 3]);
 accumulator!(8, "64", [0 1 2 3 4 5 6 7]);
 accumulator!(12, "96", [0 1 2 3 4 5 6 7 8 9 10 11]);
 accumulator!(16, "128", [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15]);

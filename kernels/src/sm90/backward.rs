@@ -15,7 +15,7 @@
 //!   writes its rows of dSᵀ to shared memory (row-major by key), which `wgmma` reads as an
 //!   MN-major A operand ([`Accumulator::mma_mn_major`]). Its share of the tile's dQ goes to a
 //!   staging tile in shared memory, and one thread asks TMA to add that tile to an `f32` copy of
-//!   dQ in device memory (`cp.reduce.async.bulk.tensor`, FA3's way; [`add_dq_tile`]): the
+//!   dQ in device memory (`cp.reduce.async.bulk.tensor`, FA3's way; [`add_dq_boxes`]): the
 //!   consumer's first thread in the atomic instances, a *dQ warp* of the producer warpgroup in
 //!   the deterministic ones ([`produce_dq`], below). A last kernel rounds the copy to 16 bits.
 //!
@@ -25,6 +25,22 @@
 //! double the additions: each consumer multiplies all 128 keys by its 64 columns of K, after a
 //! barrier of both consumers. dSᵀ alternates between two buffers, so a warp never overwrites
 //! rows that a product of the previous tile may still read.
+//!
+//! **Wide heads** (head_dim 192 and 256, [`consume_wide`]): 64 keys' dK and dV in registers
+//! would take `head_dim` registers a thread (256 at 256) on top of Sᵀ and dPᵀ, more than a
+//! thread has. So a block owns 64 keys, and the two consumers split the work of each query tile
+//! instead of the keys: each computes Sᵀ and dPᵀ for all 64 keys and its half of the tile's
+//! queries (`wgmma` N = 32), writes its halves of Pᵀ and dSᵀ to two key-row buffers, and after a
+//! barrier of both, consumer 0 accumulates dV += Pᵀ·dO and consumer 1 dK += dSᵀ·Q over the whole
+//! tile, both operands from shared memory (`head_dim / 2` registers each: 128 at 256). dQ = dS·K
+//! goes by column blocks of 64, alternating between the consumers, the first block's product
+//! issued before dV's or dK's so that its staging overlaps that longer one; at head_dim 256 each
+//! block is staged and added 32 columns (one TMA box) at a time: the kernel takes 226 of the
+//! H200's 227 KiB there, and a staging tile of 64 columns each would not fit. Its dQ is added in
+//! any order only; the
+//! deterministic mode runs on the sm_80 kernels there. (FlashAttention-3 splits its head_dim-256
+//! backward between two consumers too, with 64 × 64 tiles, Shah et al. 2024; the split into dV
+//! and dK is ours.)
 //!
 //! What made it fast (`PERFORMANCE.md`): the statistics in shared memory (read from device memory
 //! after every Sᵀ they stalled each tile), no register spills (the per-tile addresses are
@@ -53,11 +69,13 @@
 //! | 0 (one thread) | TMA loads: K and V once, Q and dO of every query tile ([`produce_tiles`]) |
 //! | 1 | LSE·log₂e and D of every query tile into its slot ([`produce_statistics`]) |
 //! | 2, 3 (one thread each; deterministic instances) | consumer 0's, consumer 1's dQ share added to device memory in turns ([`produce_dq`]) |
-//! | 4–7, 8–11 | consumers 0 and 1: 64 keys each, dK and dV in registers ([`consume`]) |
+//! | 4–7, 8–11 | consumers 0 and 1: 64 keys each, dK and dV in registers ([`consume`]); wide heads: the block's 64 keys, half the queries each, dV (0) or dK (1) in registers ([`consume_wide`]) |
 //!
 //! Shared memory ([`SharedTiles`]; at head_dim 128 and two stages 194 KiB): K and V 32 KiB each,
 //! two slots of Q and dO 16 KiB each, two dSᵀ buffers of 16 KiB, two dQ staging tiles of 16 KiB
-//! (`f32`), the statistics (512 bytes a slot) and the `mbarrier`s. Legend: Sᵀ, dPᵀ, Pᵀ, dSᵀ are
+//! (`f32`), the statistics (512 bytes a slot) and the `mbarrier`s; at head_dim 256 (wide: 64
+//! keys) 226 KiB: K and V 32 KiB each, two slots of Q and dO 32 KiB each, Pᵀ and dSᵀ 8 KiB each,
+//! two dQ staging tiles of 8 KiB (32 columns). Legend: Sᵀ, dPᵀ, Pᵀ, dSᵀ are
 //! `keys × queries` (the transposes of the paper's S, dP, P, dS); "column block" is 64 columns
 //! of head_dim, one 128-byte swizzled box of 16-bit values.
 //!
@@ -82,13 +100,19 @@ use crate::hw::{
     pass_turn, store_shared_f32x2, store_shared_u32, tma_reduce_add_3d, wait_for_turn, warpgroup_id, wgmma_commit,
     wgmma_fence, wgmma_wait,
 };
-use crate::layout::{AttentionShape, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS};
+use crate::layout::{
+    AttentionShape, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS, hopper_backward_block_n,
+    hopper_backward_dq_staging_columns,
+};
 use crate::sm90::pipeline::{
     AlignedShared, SWIZZLE_COLUMNS, load_swizzled_tile, ring_slot, swizzled_offset, take_role, wait_slot_free,
 };
 
-/// Keys per block: 64 per consumer warpgroup.
+/// Keys per block up to head_dim 128: 64 per consumer warpgroup.
 pub const BLOCK_N: usize = 128;
+/// Keys per block above head_dim 128 ("Wide heads" in the module docs): 64, shared by both
+/// consumers.
+pub const WIDE_BLOCK_N: usize = 64;
 /// Query rows per tile of the inner loop.
 pub const BLOCK_M: usize = 64;
 /// Consumer warpgroups.
@@ -99,10 +123,21 @@ const ALL_CONSUMERS: u32 = 3;
 const DQ_BOX_COLUMNS: usize = SWIZZLE_ROW_BYTES / 4;
 /// Bytes of one such box of `BLOCK_M` rows.
 const DQ_BOX_BYTES: u32 = (BLOCK_M * SWIZZLE_ROW_BYTES) as u32;
+/// Boxes of a column block's dQ share (64 columns) up to head_dim 128.
+const DQ_BOXES: usize = SWIZZLE_COLUMNS / DQ_BOX_COLUMNS;
+/// Queries of a tile per consumer in the wide-head kernel: each takes half of every tile.
+const HALF_M: usize = BLOCK_M / CONSUMERS;
+
+/// Whether head_dim `D` runs the wide-head kernel (64 keys a block, [`consume_wide`]).
+const fn is_wide(d: usize) -> bool {
+    hopper_backward_block_n(d) == WIDE_BLOCK_N
+}
 
 /// The block's shared memory, as shared-state-space addresses from a base aligned to one swizzle
-/// atom: K and V (`BLOCK_N × D`), `STAGES` slots of a Q and a dO tile (`BLOCK_M × D`), two dSᵀ
-/// buffers (`BLOCK_N × BLOCK_M`), a dQ staging tile per consumer (`BLOCK_M × 64` `f32`),
+/// atom: K and V (`block_n × D`, [`hopper_backward_block_n`]), `STAGES` slots of a Q and a dO
+/// tile (`BLOCK_M × D`), two key-row buffers (`block_n × BLOCK_M`: dSᵀ of two tiles, or in the
+/// wide-head kernel Pᵀ and dSᵀ of one), a dQ staging tile per consumer (`BLOCK_M × 64` `f32`,
+/// 32 columns at head_dim 256),
 /// `STAGES` slots of the tile's statistics (`BLOCK_M` values of
 /// LSE·log₂e, then `BLOCK_M` of D, `f32`), then the `mbarrier`s. Tiles are `D / 64` swizzled
 /// column blocks. (`crate::layout::hopper_backward_smem_bytes` adds the same up.)
@@ -112,11 +147,13 @@ struct SharedTiles<const D: usize, const STAGES: usize> {
 }
 
 impl<const D: usize, const STAGES: usize> SharedTiles<D, STAGES> {
-    const KV_BYTES: u32 = (BLOCK_N * D * 2) as u32;
+    /// Keys per block.
+    const BLOCK_N: usize = hopper_backward_block_n(D);
+    const KV_BYTES: u32 = (Self::BLOCK_N * D * 2) as u32;
     const Q_BYTES: u32 = (BLOCK_M * D * 2) as u32;
-    const DS_BYTES: u32 = (BLOCK_N * BLOCK_M * 2) as u32;
+    const DS_BYTES: u32 = (Self::BLOCK_N * BLOCK_M * 2) as u32;
     const STATISTICS_BYTES: u32 = (2 * BLOCK_M * 4) as u32;
-    const DQ_STAGING_BYTES: u32 = (BLOCK_M * SWIZZLE_COLUMNS * 4) as u32;
+    const DQ_STAGING_BYTES: u32 = (BLOCK_M * hopper_backward_dq_staging_columns(D) * 4) as u32;
 
     #[inline(always)]
     fn new() -> Self {
@@ -148,8 +185,8 @@ impl<const D: usize, const STAGES: usize> SharedTiles<D, STAGES> {
         self.base + 2 * Self::KV_BYTES + 2 * STAGES as u32 * Self::Q_BYTES + buffer as u32 * Self::DS_BYTES
     }
 
-    /// Consumer `index`'s staging tile of dQ: `BLOCK_M` rows × 64 columns of `f32`, as two
-    /// swizzled boxes of [`DQ_BOX_COLUMNS`].
+    /// Consumer `index`'s staging tile of dQ: `BLOCK_M` rows × 64 columns of `f32` (32 at
+    /// head_dim 256), as swizzled boxes of [`DQ_BOX_COLUMNS`].
     #[inline(always)]
     fn dq_staging(self, index: usize) -> u32 {
         self.ds(2) + index as u32 * Self::DQ_STAGING_BYTES
@@ -264,10 +301,11 @@ unsafe fn produce_tiles<const D: usize, const STAGES: usize>(
         load_swizzled_tile::<D>(destination, map, rows, first_row, head as i32, barrier)
     };
     let kv_head = block.batch * shape.num_heads_kv + block.kv_head;
+    let keys = SharedTiles::<D, STAGES>::BLOCK_N;
     // SAFETY: initialised barriers.
     unsafe { mbarrier_arrive_expect_tx(smem.kv_full(), 2 * SharedTiles::<D, STAGES>::KV_BYTES) };
-    load(smem.k(), maps.get(1), BLOCK_N, block.k_start, kv_head, smem.kv_full());
-    load(smem.v(), maps.get(2), BLOCK_N, block.k_start, kv_head, smem.kv_full());
+    load(smem.k(), maps.get(1), keys, block.k_start, kv_head, smem.kv_full());
+    load(smem.v(), maps.get(2), keys, block.k_start, kv_head, smem.kv_full());
     for step in 0..block.steps() {
         let (stage, parity) = ring_slot(step, STAGES);
         let (q_head, tile) = block.step(step);
@@ -329,8 +367,8 @@ unsafe fn produce_statistics<const D: usize, const STAGES: usize>(
     }
 }
 
-/// Asks TMA to add the staging tile at `staging` (`BLOCK_M` rows × 64 `f32` columns, two
-/// swizzled boxes of [`DQ_BOX_COLUMNS`]) to column block `column_block` of query tile `tile` of
+/// Asks TMA to add the staging tile at `staging` (`BLOCK_M` rows, `boxes` swizzled boxes of
+/// [`DQ_BOX_COLUMNS`] `f32` columns) to dQ's columns from `first_column` in query tile `tile` of
 /// head `head` (`batch · num_heads_q + q_head`) of the `f32` dQ, element by element and
 /// atomically, skipping rows past seqlen_q; one bulk group.
 ///
@@ -338,9 +376,9 @@ unsafe fn produce_statistics<const D: usize, const STAGES: usize>(
 /// One thread calls it; the staging tile was written, fenced ([`fence_proxy_async`]) and
 /// published to this thread; map 4 is dQ's.
 #[inline(always)]
-unsafe fn add_dq_tile(maps: TensorMaps, staging: u32, column_block: usize, tile: usize, head: usize) {
-    for dq_box in 0..SWIZZLE_COLUMNS / DQ_BOX_COLUMNS {
-        let x = (column_block * SWIZZLE_COLUMNS + dq_box * DQ_BOX_COLUMNS) as i32;
+unsafe fn add_dq_boxes(maps: TensorMaps, staging: u32, first_column: usize, boxes: usize, tile: usize, head: usize) {
+    for dq_box in 0..boxes {
+        let x = (first_column + dq_box * DQ_BOX_COLUMNS) as i32;
         let source = staging + dq_box as u32 * DQ_BOX_BYTES;
         // SAFETY: the caller's contract.
         unsafe { tma_reduce_add_3d(maps.get(4), x, (tile * BLOCK_M) as i32, head as i32, source) };
@@ -383,7 +421,7 @@ unsafe fn produce_dq<const D: usize, const STAGES: usize>(
             wait_for_turn(counter, turn::<D>(mask, key_block, tile, index));
         }
         // SAFETY: the consumer wrote and fenced the staging tile before its arrival.
-        unsafe { add_dq_tile(maps, staging, column_block, tile, head) };
+        unsafe { add_dq_boxes(maps, staging, column_block * SWIZZLE_COLUMNS, DQ_BOXES, tile, head) };
         bulk_wait_group_read::<0>();
         // SAFETY: initialised barrier; TMA no longer reads the staging tile; this thread holds
         // the turn.
@@ -399,21 +437,26 @@ unsafe fn produce_dq<const D: usize, const STAGES: usize>(
 // ANCHOR_END: dq_warp
 
 /// Issues `acc = A·Bᵀ` over the head dimension (not committed): A is this warpgroup's 64 rows of
-/// K or V (`a_rows`, a descriptor of the block's swizzled tile, `BLOCK_N` rows per column block)
-/// and B the query tile's Q or dO (`b_tile`, `BLOCK_M` rows per column block), both K-major. The
-/// result is Sᵀ or dPᵀ: keys as rows, queries as columns.
+/// K or V (`a_rows`, a descriptor of the block's swizzled tile, `block_n` rows per column block,
+/// [`hopper_backward_block_n`]) and B the query tile's Q or dO from row `b_rows` (`BLOCK_M`
+/// rows per column block; N rows from there, as `acc` is wide), both K-major. The result is Sᵀ
+/// or dPᵀ: keys as rows, queries as columns.
 ///
 /// # Safety
 /// Every thread of the warpgroup calls it after [`wgmma_fence`]; both tiles are complete.
 #[inline(always)]
-unsafe fn issue_transposed_product<T: HalfFloat, const D: usize>(acc: &mut [FragC; 8], a_rows: u64, b_tile: u32) {
+unsafe fn issue_transposed_product<T: HalfFloat, const D: usize, A: Accumulator>(
+    acc: &mut A,
+    a_rows: u64,
+    b_rows: u32,
+) {
     for ks in 0..D / 16 {
         // 16 columns of head_dim: k-step ks % 4 (32 bytes) of column block ks / 4.
         let (column_block, step_bytes) = (ks / 4, (ks % 4 * 32) as u32);
-        let a_offset = (column_block * BLOCK_N * SWIZZLE_ROW_BYTES) as u32 + step_bytes;
+        let a_offset = (column_block * hopper_backward_block_n(D) * SWIZZLE_ROW_BYTES) as u32 + step_bytes;
         let b_offset = (column_block * BLOCK_M * SWIZZLE_ROW_BYTES) as u32 + step_bytes;
         // SAFETY: the caller's contract.
-        unsafe { acc.mma::<T>(advance_descriptor(a_rows, a_offset), k_major_descriptor(b_tile + b_offset), ks > 0) };
+        unsafe { acc.mma::<T>(advance_descriptor(a_rows, a_offset), k_major_descriptor(b_rows + b_offset), ks > 0) };
     }
 }
 
@@ -431,18 +474,21 @@ unsafe fn issue_transposed_product<T: HalfFloat, const D: usize>(acc: &mut [Frag
 /// done in 32 bits: in `usize` it was a 64-bit subtraction and comparison for every score, and
 /// the backward ran 4–6 % slower at head_dim 64 (PERFORMANCE.md, 2026-12-04 (evening)). Keys
 /// and key counts fit: the TMA coordinates that load these tiles are `i32` already.
+///
+/// `F` fragments (8 columns each) give `KK` = `F / 2` packed A operands of 16 columns.
 #[inline(always)]
-fn tile_gradients<T: HalfFloat>(
-    s: &mut [FragC; 8],
-    dp: &mut [FragC; 8],
+fn tile_gradients<T: HalfFloat, const F: usize, const KK: usize>(
+    s: &mut [FragC; F],
+    dp: &mut [FragC; F],
     factor: f32,
     statistics: impl Fn(usize) -> ([f32; 2], [f32; 2]),
     band: impl Fn(usize, usize) -> (u32, u32),
     keys: [u32; 2],
-) -> ([FragA; 4], [FragA; 4]) {
-    let mut p = [[0u32; 4]; 4];
-    let mut ds = [[0u32; 4]; 4];
-    for kk in 0..4 {
+) -> ([FragA; KK], [FragA; KK]) {
+    const { assert!(F == 2 * KK) };
+    let mut p = [[0u32; 4]; KK];
+    let mut ds = [[0u32; 4]; KK];
+    for kk in 0..KK {
         for j in 2 * kk..2 * kk + 2 {
             let (row_lse, row_delta) = statistics(j);
             for h in 0..2 {
@@ -461,6 +507,53 @@ fn tile_gradients<T: HalfFloat>(
         ds[kk] = pack_a::<T>(dp[2 * kk], dp[2 * kk + 1]);
     }
     (p, ds)
+}
+
+/// Stores packed pairs of a transposed tile (`packed[kk]`, the A operands of [`tile_gradients`]:
+/// 16 queries each) into a key-row buffer at `buffer`: row-major by key, 64 16-bit queries (one
+/// 128-byte swizzled row) a key, the way `wgmma` reads it back (K-major as dSᵀ or Pᵀ, MN-major
+/// as dS). `key_rows` are the buffer rows of the thread's keys (fragment rows g and g + 8),
+/// `first_query` the buffer column of `packed[0]`'s first query, `t` the thread's column pair.
+///
+/// # Safety
+/// The buffer holds those rows; nobody reads them until a fence and a barrier publish them.
+#[inline(always)]
+unsafe fn store_key_rows<const KK: usize>(
+    buffer: u32,
+    packed: &[FragA; KK],
+    key_rows: [usize; 2],
+    first_query: usize,
+    t: usize,
+) {
+    for (kk, fragment) in packed.iter().enumerate() {
+        // Entry i: row half i % 2 (key g or g + 8), queries 8 · (i / 2) + 2t and + 1 of the 16.
+        for (i, &pair) in fragment.iter().enumerate() {
+            let column = first_query + 16 * kk + 8 * (i / 2) + 2 * t;
+            // SAFETY: the caller's contract.
+            unsafe { store_shared_u32(buffer + swizzled_offset(key_rows[i % 2], 2 * column), pair) };
+        }
+    }
+}
+
+/// Writes `scale` times a warpgroup's dQ fragments `dq` (64 rows × 8 columns each) to the
+/// staging tile at `staging`: boxes of [`DQ_BOX_COLUMNS`] `f32` columns, each `BLOCK_M` rows of
+/// 128 bytes swizzled as TMA expects ([`add_dq_boxes`] adds them to dQ).
+///
+/// # Safety
+/// The staging tile holds `8 · dq.len()` columns and nobody reads it until a fence and a
+/// barrier publish it.
+#[inline(always)]
+unsafe fn stage_dq(staging: u32, dq: &[FragC], warp: usize, lane: FragmentLane, scale: f32) {
+    for h in 0..2 {
+        let row = 16 * warp + lane.half_row(h);
+        for (j, frag) in dq.iter().enumerate() {
+            let column = 8 * j + 2 * lane.t;
+            let offset =
+                (column / DQ_BOX_COLUMNS) as u32 * DQ_BOX_BYTES + swizzled_offset(row, 4 * (column % DQ_BOX_COLUMNS));
+            // SAFETY: the caller's contract.
+            unsafe { store_shared_f32x2(staging + offset, [frag[2 * h] * scale, frag[2 * h + 1] * scale]) };
+        }
+    }
 }
 
 /// One consumer warpgroup: dK and dV of its 64 keys over every query tile (see the module docs),
@@ -535,8 +628,8 @@ unsafe fn consume<
         wgmma_fence();
         // SAFETY: tiles TMA completed.
         unsafe {
-            issue_transposed_product::<T, D>(&mut s, k_rows, q_tile);
-            issue_transposed_product::<T, D>(&mut dp, v_rows, do_tile);
+            issue_transposed_product::<T, D, _>(&mut s, k_rows, q_tile);
+            issue_transposed_product::<T, D, _>(&mut dp, v_rows, do_tile);
         }
         wgmma_commit();
         wgmma_wait::<0>();
@@ -573,7 +666,7 @@ unsafe fn consume<
                 (start as u32, width as u32)
             }
         };
-        let (p, ds) = tile_gradients::<T>(&mut s, &mut dp, factor, row_statistics, band, keys);
+        let (p, ds) = tile_gradients::<T, 8, 4>(&mut s, &mut dp, factor, row_statistics, band, keys);
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q: Pᵀ and dSᵀ from registers, dO and Q MN-major.
         let mn_major_step =
@@ -590,15 +683,11 @@ unsafe fn consume<
         }
         wgmma_commit();
 
-        // dSᵀ into this tile's buffer, row-major by key: the packed pairs are (key, two queries).
+        // dSᵀ into this tile's buffer, row-major by key.
         let ds_buffer = smem.ds(step % 2);
-        for kk in 0..4 {
-            for (i, &pair) in ds[kk].iter().enumerate() {
-                let (row, column) = (key(2 * (i % 2)) - block.k_start, 16 * kk + 8 * (i / 2) + 2 * t);
-                // SAFETY: inside the 16 KiB buffer; the other buffer is the one a product may read.
-                unsafe { store_shared_u32(ds_buffer + swizzled_offset(row, 2 * column), pair) };
-            }
-        }
+        let key_rows = [0, 2].map(|e| key(e) - block.k_start);
+        // SAFETY: inside the 16 KiB buffer; the other buffer is the one a product may read.
+        unsafe { store_key_rows(ds_buffer, &ds, key_rows, 0, t) };
         fence_proxy_async();
         // Which dSᵀ rows and which of dQ's column blocks (64 columns of head_dim) this warpgroup
         // takes ([`dq_share`]): with one column block each warpgroup reads only its own rows of
@@ -639,7 +728,7 @@ unsafe fn consume<
         // The block's share of dQ goes to device memory through TMA: each thread
         // writes its fragments to the staging tile (two boxes of 32 `f32` columns, swizzled as
         // TMA expects), and one thread asks for the tile to be added to dQ, element by element
-        // and atomically, skipping rows past seqlen_q ([`add_dq_tile`]). That is one request per
+        // and atomically, skipping rows past seqlen_q ([`add_dq_boxes`]). That is one request per
         // tile instead of 16 atomics per thread, whose queue filled up and stalled the warps.
         // The atomic instances' leader asks right away; the deterministic instances hand the
         // tile to their dQ warp ([`produce_dq`]), which may have to wait for its turn, and the
@@ -649,16 +738,8 @@ unsafe fn consume<
             // SAFETY: initialised barrier; the first tile finds the staging tile free.
             unsafe { wait_slot_free(smem.dq_empty(index), step, 1, ring_slot(step, 1).1) };
         }
-        for h in 0..2 {
-            let row = 16 * warp + lane.half_row(h);
-            for (j, frag) in dq.iter().enumerate() {
-                let column = 8 * j + 2 * t;
-                let offset = (column / DQ_BOX_COLUMNS) as u32 * DQ_BOX_BYTES
-                    + swizzled_offset(row, 4 * (column % DQ_BOX_COLUMNS));
-                // SAFETY: inside the staging tile, which the barrier or the wait above freed.
-                unsafe { store_shared_f32x2(staging + offset, [frag[2 * h] * scale, frag[2 * h + 1] * scale]) };
-            }
-        }
+        // SAFETY: the staging tile, which the barrier or the wait above freed, holds 64 columns.
+        unsafe { stage_dq(staging, &dq, warp, lane, scale) };
         fence_proxy_async();
         if DETERMINISTIC {
             // SAFETY: initialised barrier (128 arrivals: release semantics publish the stores).
@@ -668,7 +749,7 @@ unsafe fn consume<
             if leader {
                 let head = block.batch * shape.num_heads_q + q_head;
                 // SAFETY: the staging tile was written and published above; map 4 is dQ's.
-                unsafe { add_dq_tile(maps, staging, column_block, tile, head) };
+                unsafe { add_dq_boxes(maps, staging, column_block * SWIZZLE_COLUMNS, DQ_BOXES, tile, head) };
             }
         }
         // ANCHOR_END: dq_reduce
@@ -693,6 +774,254 @@ unsafe fn consume<
         store_fragment_pairs::<T, D, D_TILES>(&dk_acc, [scale; 2], dk.add(kv_rows), d, warp_key, shape.seqlen_k, lane);
         store_fragment_pairs::<T, D, D_TILES>(&dv_acc, [1.0; 2], dv.add(kv_rows), d, warp_key, shape.seqlen_k, lane);
     }
+}
+
+/// Round `round` of consumer `index`'s share of a tile's dQ in the wide-head kernel: its column
+/// block (64 columns of head_dim), first key and key count. The column blocks go in pairs, one
+/// to each consumer with all 64 keys; an odd last block (head_dim 192) is split by keys, 32
+/// each, both adding to the same columns. So both consumers run the same rounds.
+#[inline(always)]
+const fn wide_dq_round<const D: usize>(round: usize, index: usize) -> (usize, usize, usize) {
+    // Whether the pair of this round is whole does not depend on `index`.
+    if 2 * round + 1 < D / SWIZZLE_COLUMNS {
+        (2 * round + index, 0, WIDE_BLOCK_N)
+    } else {
+        (2 * round, index * WIDE_BLOCK_N / CONSUMERS, WIDE_BLOCK_N / CONSUMERS)
+    }
+}
+
+/// Issues and commits the wide-head kernel's product over a whole query tile: dV += Pᵀ·dO for
+/// consumer 0, dK += dSᵀ·Q for consumer 1, A the key-row buffer (64 keys × 64 queries, K-major),
+/// B the tile (queries × D, MN-major). `acc` must not be read or written until a wait.
+///
+/// # Safety
+/// Every thread of the warpgroup calls it; the buffers were published and the tiles are complete.
+#[inline(always)]
+unsafe fn issue_wide_gradient<T: HalfFloat, const D_TILES: usize>(
+    acc: &mut [FragC; D_TILES],
+    index: usize,
+    (p_buffer, ds_buffer): (u32, u32),
+    (q_tile, do_tile): (u32, u32),
+) where
+    [FragC; D_TILES]: Accumulator,
+{
+    let (a_buffer, b_tile) = if index == 0 { (p_buffer, do_tile) } else { (ds_buffer, q_tile) };
+    acc.pin();
+    wgmma_fence();
+    for kk in 0..BLOCK_M / 16 {
+        let a = advance_descriptor(k_major_descriptor(a_buffer), (kk * 32) as u32);
+        let b = mn_major_descriptor(b_tile + (kk * 2 * SWIZZLE_ATOM_BYTES) as u32, BLOCK_M);
+        // SAFETY: the caller's contract.
+        unsafe { acc.mma_mn_major_b::<T>(a, b, true) };
+    }
+    wgmma_commit();
+}
+
+/// One consumer warpgroup of the wide-head kernel (head_dim above 128; "Wide heads" in the
+/// module docs): for every query tile, Sᵀ and dPᵀ of the block's 64 keys and this consumer's
+/// half of the queries; Pᵀ and dSᵀ of that half into the key-row buffers; then, over the whole
+/// tile, dV += Pᵀ·dO (consumer 0) or dK += dSᵀ·Q (consumer 1), and this consumer's column
+/// blocks of dQ (0, 2, … or 1, 3, …) added to device memory 32 columns at a time.
+///
+/// # Safety
+/// As [`consume`].
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn consume_wide<T: HalfFloat, const D: usize, const STAGES: usize, const D_TILES: usize, const MODS: bool>(
+    smem: SharedTiles<D, STAGES>,
+    block: &KeyBlock,
+    shape: &AttentionShape,
+    mask: Mask,
+    score: ScoreArgs,
+    scale: f32,
+    maps: TensorMaps,
+    (dk, dv): (*mut u16, *mut u16),
+) where
+    [FragC; D_TILES]: Accumulator,
+{
+    let index = warpgroup_id() - 1;
+    let leader = hw::thread_idx_x().is_multiple_of(WARPGROUP_THREADS);
+    let c = scale * LOG2_E;
+    // dV (consumer 0) or dK (consumer 1) of all 64 keys, all D columns.
+    let mut acc = [[0.0f32; 4]; D_TILES];
+    // SAFETY: initialised barrier; its first (only) phase.
+    unsafe { mbarrier_wait(smem.kv_full(), 0) };
+
+    let (smem0, thread0) = (smem.base, hw::thread_idx_x() as u32);
+    for step in 0..block.steps() {
+        // Recomputed every tile, as in [`consume`].
+        let smem = SharedTiles::<D, STAGES> { base: opaque(smem0) };
+        let thread = opaque(thread0) as usize;
+        let (warp, lane) = (thread / 32 % 4, FragmentLane::of(thread % 32));
+        let t = lane.t;
+        // The key of fragment entry e (rows g and g + 8 of the warp; the block's rows are its keys).
+        let key = |e: usize| block.k_start + 16 * warp + lane.row(e);
+        let (stage, parity) = ring_slot(step, STAGES);
+        let (q_head, tile) = block.step(step);
+        // This consumer's queries: the tile's half `index`.
+        let q_first = tile * BLOCK_M + index * HALF_M;
+        // SAFETY: initialised barriers.
+        unsafe {
+            mbarrier_wait(smem.q_full(stage), parity);
+            mbarrier_wait(smem.do_full(stage), parity);
+        }
+        let (q_tile, do_tile) = (smem.q(stage), smem.d_o(stage));
+
+        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: 64 keys by this half's 32 queries (its rows of Q and dO,
+        // whole swizzle atoms from the tile's start).
+        let half_rows = (index * HALF_M * SWIZZLE_ROW_BYTES) as u32;
+        let mut s = [[0.0f32; 4]; 4];
+        let mut dp = [[0.0f32; 4]; 4];
+        s.pin();
+        dp.pin();
+        wgmma_fence();
+        // SAFETY: tiles TMA completed.
+        unsafe {
+            issue_transposed_product::<T, D, _>(&mut s, k_major_descriptor(smem.k()), q_tile + half_rows);
+            issue_transposed_product::<T, D, _>(&mut dp, k_major_descriptor(smem.v()), do_tile + half_rows);
+        }
+        wgmma_commit();
+        wgmma_wait::<0>();
+        s.pin();
+        dp.pin();
+
+        // Pᵀ and dSᵀ as in [`consume`], for this half's queries.
+        let all_visible = mask.all_visible(q_first, HALF_M, block.k_start, WIDE_BLOCK_N);
+        // SAFETY: inside the slot's 64 values.
+        let statistics =
+            |slot: u32, j: usize| unsafe { load_shared_f32x2(slot + (4 * (index * HALF_M + 8 * j + 2 * t)) as u32) };
+        if MODS {
+            let head_score = score.for_head(q_head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
+            head_score.apply_fragments::<4, true>(&mut s, lane, (block.k_start + 16 * warp, q_first), c);
+            if score.is_softcapped() {
+                head_score.chain_rule_fragments(&s, &mut dp, |j, e| statistics(smem.delta(stage), j)[e % 2]);
+            }
+        }
+        let factor = if MODS { 1.0 } else { c };
+        let row_statistics = |j: usize| (statistics(smem.lse(stage), j), statistics(smem.delta(stage), j));
+        let keys = [0, 2].map(|e| key(e) as u32);
+        let band = |j: usize, h: usize| {
+            if all_visible {
+                (0, u32::MAX)
+            } else {
+                let (start, width) = mask.keys_seen_by(q_first + 8 * j + 2 * t + h);
+                (start as u32, width as u32)
+            }
+        };
+        let (p, ds) = tile_gradients::<T, 4, 2>(&mut s, &mut dp, factor, row_statistics, band, keys);
+
+        // ANCHOR: wide_halves
+        // Both halves into the key-row buffers: Pᵀ (buffer 0) and dSᵀ (buffer 1), 64 keys × 64
+        // queries each. The first barrier waits until both consumers finished the previous
+        // tile's products, the last readers of the buffers (each waited for its own); the
+        // second publishes the new halves.
+        let (p_buffer, ds_buffer) = (smem.ds(0), smem.ds(1));
+        named_barrier_sync(ALL_CONSUMERS, (CONSUMERS * WARPGROUP_THREADS) as u32);
+        let key_rows = [0, 2].map(|e| key(e) - block.k_start);
+        // SAFETY: inside the 8 KiB buffers, which no product reads now (the barrier above).
+        unsafe {
+            store_key_rows(p_buffer, &p, key_rows, index * HALF_M, t);
+            store_key_rows(ds_buffer, &ds, key_rows, index * HALF_M, t);
+        }
+        fence_proxy_async();
+        named_barrier_sync(ALL_CONSUMERS, (CONSUMERS * WARPGROUP_THREADS) as u32);
+        // ANCHOR_END: wide_halves
+
+        // dV += Pᵀ·dO (consumer 0) or dK += dSᵀ·Q (consumer 1) over the whole tile
+        // ([`issue_wide_gradient`]), and dQ = scale · dS·K by column blocks of 64
+        // ([`wide_dq_round`]: the same rounds for both consumers, so that ptxas sees no `wgmma`
+        // on a divergent path). Each round is staged and added in boxes of 32 columns, as many
+        // at a time as the staging tile holds: two, or one at head_dim 256, where shared memory
+        // holds no more. With two, the first round's product goes before dV's or dK's, so that
+        // its staging and addition overlap that longer product; with one box at a time that
+        // order measured slower, and dV's or dK's product goes first (PERFORMANCE.md,
+        // 2026-12-04, "wide heads").
+        let head = block.batch * shape.num_heads_q + q_head;
+        let staging = smem.dq_staging(index);
+        let staged_boxes = hopper_backward_dq_staging_columns(D) / DQ_BOX_COLUMNS;
+        let gradient_first = staged_boxes == 1;
+        if gradient_first {
+            // SAFETY: the buffers were published above; the tiles are complete.
+            unsafe { issue_wide_gradient::<T, D_TILES>(&mut acc, index, (p_buffer, ds_buffer), (q_tile, do_tile)) };
+        }
+        let rounds = D.div_ceil(2 * SWIZZLE_COLUMNS);
+        hw::unroll::<4>(|round| {
+            if round >= rounds {
+                return;
+            }
+            let (column_block, first_key, keys) = wide_dq_round::<D>(round, index);
+            let key_rows = (first_key * SWIZZLE_ROW_BYTES) as u32;
+            let ds_rows = mn_major_descriptor(ds_buffer + key_rows, BLOCK_M);
+            let k_block = smem.k() + (column_block * WIDE_BLOCK_N * SWIZZLE_ROW_BYTES) as u32 + key_rows;
+            let k_block = mn_major_descriptor(k_block, WIDE_BLOCK_N);
+            let mut dq = [[0.0f32; 4]; 8];
+            dq.pin();
+            wgmma_fence();
+            // Unrolled: LLVM keeps the two-step loop of a split round, and ptxas then fences
+            // around its `wgmma` (C7519).
+            hw::unroll::<{ WIDE_BLOCK_N / 16 }>(|ks| {
+                if ks < keys / 16 {
+                    let offset = (ks * 2 * SWIZZLE_ATOM_BYTES) as u32;
+                    let (a, b) = (advance_descriptor(ds_rows, offset), advance_descriptor(k_block, offset));
+                    // SAFETY: dSᵀ was published above; K is complete.
+                    unsafe { dq.mma_mn_major::<T>(a, b, ks > 0) };
+                }
+            });
+            wgmma_commit();
+            if round == 0 && !gradient_first {
+                // SAFETY: the buffers were published above; the tiles are complete.
+                unsafe { issue_wide_gradient::<T, D_TILES>(&mut acc, index, (p_buffer, ds_buffer), (q_tile, do_tile)) };
+                // This round's product only: dV's or dK's may go on.
+                wgmma_wait::<1>();
+            } else {
+                // (The first one also completes dV's or dK's products: they retire in order.)
+                wgmma_wait::<0>();
+            }
+            dq.pin();
+            for trip in 0..DQ_BOXES / staged_boxes {
+                // The staging tile is free once the leader's previous addition has read it.
+                if leader {
+                    bulk_wait_group_read::<0>();
+                }
+                named_barrier_sync(1 + index as u32, WARPGROUP_THREADS as u32);
+                let fragments =
+                    &dq[trip * staged_boxes * DQ_BOX_COLUMNS / 8..(trip + 1) * staged_boxes * DQ_BOX_COLUMNS / 8];
+                // SAFETY: the staging tile holds `staged_boxes` boxes, freed above.
+                unsafe { stage_dq(staging, fragments, warp, lane, scale) };
+                fence_proxy_async();
+                named_barrier_sync(1 + index as u32, WARPGROUP_THREADS as u32);
+                if leader {
+                    let first_column = column_block * SWIZZLE_COLUMNS + trip * staged_boxes * DQ_BOX_COLUMNS;
+                    // SAFETY: the staging tile was written and published above; map 4 is dQ's.
+                    unsafe { add_dq_boxes(maps, staging, first_column, staged_boxes, tile, head) };
+                }
+            }
+        });
+        if rounds == 1 && !gradient_first {
+            wgmma_wait::<0>();
+        }
+        acc.pin();
+        // Q and dO of this slot are no longer read (the products finished with the waits above;
+        // every consumer has at least one column block).
+        // SAFETY: initialised barrier.
+        unsafe { mbarrier_arrive(smem.q_empty(stage)) };
+    }
+
+    // The last dQ box must be read before the block's shared memory goes away.
+    if leader {
+        bulk_wait_group::<0>();
+    }
+
+    // dV (consumer 0) or dK = scale · Σ dSᵀ·Q (consumer 1), for the keys that exist.
+    let warp_key = block.k_start + 16 * (hw::warp_id() % 4);
+    let lane = FragmentLane::current();
+    let d = shape.head_dim;
+    let kv_rows = (block.batch * shape.num_heads_kv + block.kv_head) * shape.seqlen_k * d;
+    let (out, factor) = if index == 0 { (dv, 1.0) } else { (dk, scale) };
+    // SAFETY: rows below seqlen_k of this key/value head exist.
+    unsafe {
+        store_fragment_pairs::<T, D, D_TILES>(&acc, [factor; 2], out.add(kv_rows), d, warp_key, shape.seqlen_k, lane)
+    };
 }
 
 /// The kernel body (see the module docs). Grid: `(ceil(seqlen_k / 128), num_heads_kv, batch)`,
@@ -731,9 +1060,15 @@ unsafe fn flash_backward_wgmma<
 ) where
     [FragC; D_TILES]: Accumulator,
 {
+    // The wide-head kernel adds dQ in any order only.
+    const { assert!(!(is_wide(D) && DETERMINISTIC)) };
     let smem = SharedTiles::<D, STAGES>::new();
     let maps = TensorMaps(maps);
-    let block = KeyBlock::hopper_backward::<BLOCK_M, BLOCK_N>(&shape, &mask, DETERMINISTIC);
+    let block = if is_wide(D) {
+        KeyBlock::hopper_backward::<BLOCK_M, WIDE_BLOCK_N>(&shape, &mask, DETERMINISTIC)
+    } else {
+        KeyBlock::hopper_backward::<BLOCK_M, BLOCK_N>(&shape, &mask, DETERMINISTIC)
+    };
     let mask = mask.for_batch(block.batch);
     if hw::thread_idx_x() == 0 {
         // SAFETY: one thread initialises the barriers before the block barrier below.
@@ -768,6 +1103,11 @@ unsafe fn flash_backward_wgmma<
             },
             _ => {}
         }
+    } else if is_wide(D) {
+        // SAFETY: the launch contract.
+        unsafe {
+            consume_wide::<T, D, STAGES, D_TILES, MODS>(smem, &block, &shape, mask, score, scale, maps, (dk, dv))
+        };
     } else {
         // SAFETY: the launch contract.
         unsafe {
@@ -785,25 +1125,32 @@ unsafe fn flash_backward_wgmma<
     }
 }
 
-/// Four entries per configuration: `hopper_flash_bwd_{f16,bf16}_m64_n128_d{D}_s{STAGES}` (dQ
-/// added in whatever order the blocks come), the same with `_deterministic` (in turns), and each
-/// with `_mods` for problems with a score modification (`ScoreArgs::is_active`: softcap or
-/// ALiBi), which the host picks by that suffix. The modified body is a kernel of its own, not a
+/// Four entries per configuration up to head_dim 128: `hopper_flash_bwd_{f16,bf16}_m64_n128_d{D}_s{STAGES}`
+/// (dQ added in whatever order the blocks come), the same with `_deterministic` (in turns), and
+/// each with `_mods` for problems with a score modification (`ScoreArgs::is_active`: softcap or
+/// ALiBi), which the host picks by that suffix; above 128 (`_m64_n64_`, the wide-head kernel)
+/// the two without `_deterministic`. The modified body is a kernel of its own, not a
 /// branch of the plain one, because ptxas gives one kernel one register allocation and one
 /// stack frame: the modified body spills at head_dim 128, and sharing a kernel with it cost the
 /// plain body 5–10 % (PERFORMANCE.md). `sm90_backward_configs!` (in [`crate::configs`]) lists
 /// the configurations.
 macro_rules! flash_backward_wgmma_instance {
-    ($dtype:ident, $format:ident, $d:literal, $stages:literal) => {
+    ($dtype:ident, $format:ident, $d:literal, $block_n:literal, $stages:literal, deterministic) => {
+        flash_backward_wgmma_instance!($dtype, $format, $d, $block_n, $stages, atomic);
+        pastey::paste! {
+            flash_backward_wgmma_instance!(@entry $format, true, false,
+                [<hopper_flash_bwd_ $dtype _m64_n $block_n _d $d _s $stages _deterministic>], $d, $stages);
+            flash_backward_wgmma_instance!(@entry $format, true, true,
+                [<hopper_flash_bwd_ $dtype _m64_n $block_n _d $d _s $stages _deterministic_mods>], $d, $stages);
+        }
+    };
+    ($dtype:ident, $format:ident, $d:literal, $block_n:literal, $stages:literal, atomic) => {
+        const _: () = assert!($block_n == hopper_backward_block_n($d));
         pastey::paste! {
             flash_backward_wgmma_instance!(@entry $format, false, false,
-                [<hopper_flash_bwd_ $dtype _m64_n128_d $d _s $stages>], $d, $stages);
-            flash_backward_wgmma_instance!(@entry $format, true, false,
-                [<hopper_flash_bwd_ $dtype _m64_n128_d $d _s $stages _deterministic>], $d, $stages);
+                [<hopper_flash_bwd_ $dtype _m64_n $block_n _d $d _s $stages>], $d, $stages);
             flash_backward_wgmma_instance!(@entry $format, false, true,
-                [<hopper_flash_bwd_ $dtype _m64_n128_d $d _s $stages _mods>], $d, $stages);
-            flash_backward_wgmma_instance!(@entry $format, true, true,
-                [<hopper_flash_bwd_ $dtype _m64_n128_d $d _s $stages _deterministic_mods>], $d, $stages);
+                [<hopper_flash_bwd_ $dtype _m64_n $block_n _d $d _s $stages _mods>], $d, $stages);
         }
     };
     (@entry $format:ident, $deterministic:literal, $mods:literal, $name:ident, $d:literal, $stages:literal) => {
