@@ -313,8 +313,9 @@ fn hopper_backward_matches_the_reference() {
     for head_dim in [64, 128, 160, 192, 256] {
         let shape =
             |batch, heads_q, heads_kv, seqlen_q, seqlen_k| gqa(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim);
-        // Key blocks of 128 and query tiles of 64: whole, ragged on either side, a block that
-        // no query sees (bottom-right with seqlen_q < seqlen_k), GQA, negative scale, sections.
+        // Key blocks of 128 (64 above head_dim 128) and query tiles of 64: whole, ragged on
+        // either side, a block that no query sees (bottom-right with seqlen_q < seqlen_k), GQA,
+        // negative scale, sections.
         let cases = [
             (shape(1, 1, 1, 1, 1), AttentionOptions::default()),
             (shape(2, 4, 2, 256, 256), AttentionOptions::default()),
@@ -427,7 +428,8 @@ fn hopper_padded_head_dims_match_the_reference() {
             check_hopper_backward::<bf16>(ctx, shape, options, dq, seed + 3);
         }
     }
-    // Above 128 the Hopper forward runs on the 192 and 256 kernels (the backward on sm_80).
+    // Above 128 the Hopper forward and backward run on the 192 and 256 kernels (the backward's
+    // wide-head kernel in atomic dQ only).
     for head_dim in [136, 160, 200, 248] {
         let cases = [
             (gqa(1, 4, 2, 200, 333, head_dim), AttentionOptions::causal(Causal::BottomRight)),
@@ -437,6 +439,8 @@ fn hopper_padded_head_dims_match_the_reference() {
             let seed = 1900 + (10 * head_dim + i) as u64;
             check_hopper_forward::<f16>(ctx, shape, options, seed);
             check_hopper_forward::<bf16>(ctx, shape, options, seed + 1);
+            check_hopper_backward::<f16>(ctx, shape, options, DqAccumulation::Atomic, seed + 2);
+            check_hopper_backward::<bf16>(ctx, shape, options, DqAccumulation::Atomic, seed + 3);
         }
     }
     let sm90a = sm90a_context(ctx);

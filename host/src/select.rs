@@ -468,7 +468,8 @@ fn block_m_override() -> Option<usize> {
     *OVERRIDE.get_or_init(|| std::env::var(HopperForward::BLOCK_M_ENV).ok()?.parse().ok())
 }
 
-/// The Hopper backward's configurations: 128 keys per block, query tiles of 64, 384 threads.
+/// The Hopper backward's configurations: 128 keys per block (64 above head_dim 128, the
+/// instance's `block_n`), query tiles of 64, 384 threads.
 pub(crate) struct HopperBackward;
 
 impl HopperBackward {

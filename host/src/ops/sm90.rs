@@ -126,10 +126,11 @@ impl Context {
 
     /// FlashAttention backward on Hopper (`kernels/src/sm90/backward.rs`: FlashAttention-2's
     /// Algorithm 2 with FlashAttention-3's structure): dQ, dK, dV for `f16`/`bf16` tensors of
-    /// any head_dim that is a multiple of 8 up to 128 (compiled for 64 and 128),
-    /// with the shapes, masks, GQA and scale of
+    /// any head_dim that is a multiple of 8 up to 256 (compiled for 64, 128, 192 and 256;
+    /// [`DqAccumulation::Deterministic`] up to 128), with the shapes, masks, GQA and scale of
     /// [`Context::flash_attention_backward`]. A block owns 128 keys (two consumer warpgroups of
-    /// 64) and loops over query tiles of 64 rows that a producer warpgroup loads with TMA; dQ is
+    /// 64; above head_dim 128, 64 keys that both consumers share, each taking half of every query
+    /// tile) and loops over query tiles of 64 rows that a producer warpgroup loads with TMA; dQ is
     /// added to an `f32` copy by TMA's atomic reductions and rounded at the end. With
     /// [`DqAccumulation::Atomic`] the blocks add in whatever order they come, so the last bits of
     /// dQ may differ between runs; with [`DqAccumulation::Deterministic`] they take turns per dQ

@@ -33,14 +33,14 @@
 //! queries (`wgmma` N = 32), writes its halves of Pᵀ and dSᵀ to two key-row buffers, and after a
 //! barrier of both, consumer 0 accumulates dV += Pᵀ·dO and consumer 1 dK += dSᵀ·Q over the whole
 //! tile, both operands from shared memory (`head_dim / 2` registers each: 128 at 256). dQ = dS·K
-//! goes by column blocks of 64, alternating between the consumers, the first block's product
-//! issued before dV's or dK's so that its staging overlaps that longer one; at head_dim 256 each
-//! block is staged and added 32 columns (one TMA box) at a time: the kernel takes 226 of the
-//! H200's 227 KiB there, and a staging tile of 64 columns each would not fit. Its dQ is added in
-//! any order only; the
-//! deterministic mode runs on the sm_80 kernels there. (FlashAttention-3 splits its head_dim-256
-//! backward between two consumers too, with 64 × 64 tiles, Shah et al. 2024; the split into dV
-//! and dK is ours.)
+//! goes by column blocks of 64, alternating between the consumers (at 192 the third block split
+//! by keys, [`wide_dq_round`]). At 192 the first block's product is issued before dV's or dK's,
+//! so that its staging overlaps that longer one; at 256, where each block is staged and added
+//! 32 columns (one TMA box) at a time, dV's or dK's goes first (measured faster there): the
+//! kernel takes 226 of the H200's 227 KiB at 256, and a staging tile of 64 columns each would
+//! not fit. Its dQ is added in any order only; the deterministic mode runs on the sm_80 kernels
+//! there. (FlashAttention-3 splits its head_dim-256 backward between two consumers too, with
+//! 64 × 64 tiles, Shah et al. 2024; the split into dV and dK is ours.)
 //!
 //! What made it fast (`PERFORMANCE.md`): the statistics in shared memory (read from device memory
 //! after every Sᵀ they stalled each tile), no register spills (the per-tile addresses are
@@ -123,7 +123,7 @@ const ALL_CONSUMERS: u32 = 3;
 const DQ_BOX_COLUMNS: usize = SWIZZLE_ROW_BYTES / 4;
 /// Bytes of one such box of `BLOCK_M` rows.
 const DQ_BOX_BYTES: u32 = (BLOCK_M * SWIZZLE_ROW_BYTES) as u32;
-/// Boxes of a column block's dQ share (64 columns) up to head_dim 128.
+/// Boxes of a column block's dQ share (64 columns).
 const DQ_BOXES: usize = SWIZZLE_COLUMNS / DQ_BOX_COLUMNS;
 /// Queries of a tile per consumer in the wide-head kernel: each takes half of every tile.
 const HALF_M: usize = BLOCK_M / CONSUMERS;
@@ -509,6 +509,62 @@ fn tile_gradients<T: HalfFloat, const F: usize, const KK: usize>(
     (p, ds)
 }
 
+/// Pᵀ and dSᵀ of one transposed tile ([`tile_gradients`]) with what the problem adds to it: a
+/// score modification (`MODS`, softcap or ALiBi: Sᵀ becomes base-2 logits, and a softcap's
+/// derivative goes into dPᵀ, `ScoreMod::chain_rule`) and the mask. `s` and `dp` hold `F`
+/// fragments: keys as rows (the warp's first is `warp_key`, this thread's `keys`, rows g and
+/// g + 8), queries as columns from `q_first`, whose statistics (LSE·log₂e and D, one `f32` per
+/// query of the tile) start at column `slot_column` of ring slot `stage`'s.
+/// `all_visible`: every query sees every key of the tile ([`Mask::all_visible`]). `c` is
+/// scale · log₂e.
+///
+/// # Safety
+/// The slots hold the tile's statistics, published to this thread.
+#[inline(always)]
+#[allow(clippy::type_complexity)]
+unsafe fn masked_tile_gradients<
+    T: HalfFloat,
+    const D: usize,
+    const STAGES: usize,
+    const F: usize,
+    const KK: usize,
+    const MODS: bool,
+>(
+    (s, dp): (&mut [FragC; F], &mut [FragC; F]),
+    (smem, stage, slot_column): (SharedTiles<D, STAGES>, usize, usize),
+    (mask, all_visible, score, shape, q_head): (&Mask, bool, &ScoreArgs, &AttentionShape, usize),
+    (warp_key, keys, q_first): (usize, [u32; 2], usize),
+    lane: FragmentLane,
+    c: f32,
+) -> ([FragA; KK], [FragA; KK]) {
+    let t = lane.t;
+    // This thread's two queries of fragment j are columns 8j + 2t and 8j + 2t + 1; their
+    // statistics are a pair in the slot.
+    // SAFETY: inside the slot's 64 values (the caller's contract).
+    let statistics =
+        |slot: u32, j: usize| unsafe { load_shared_f32x2(slot + (4 * (slot_column + 8 * j + 2 * t)) as u32) };
+    if MODS {
+        let head_score = score.for_head(q_head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
+        head_score.apply_fragments::<F, true>(s, lane, (warp_key, q_first), c);
+        if score.is_softcapped() {
+            head_score.chain_rule_fragments(s, dp, |j, e| statistics(smem.delta(stage), j)[e % 2]);
+        }
+    }
+    let factor = if MODS { 1.0 } else { c };
+    let row_statistics = |j: usize| (statistics(smem.lse(stage), j), statistics(smem.delta(stage), j));
+    // The band of the query in column h of fragment j: its first visible key and how many it
+    // sees, in 32 bits; where the tile is all visible, (0, u32::MAX): every key.
+    let band = |j: usize, h: usize| {
+        if all_visible {
+            (0, u32::MAX)
+        } else {
+            let (start, width) = mask.keys_seen_by(q_first + 8 * j + 2 * t + h);
+            (start as u32, width as u32)
+        }
+    };
+    tile_gradients::<T, F, KK>(s, dp, factor, row_statistics, band, keys)
+}
+
 /// Stores packed pairs of a transposed tile (`packed[kk]`, the A operands of [`tile_gradients`]:
 /// 16 queries each) into a key-row buffer at `buffer`: row-major by key, 64 16-bit queries (one
 /// 128-byte swizzled row) a key, the way `wgmma` reads it back (K-major as dSᵀ or Pᵀ, MN-major
@@ -636,37 +692,21 @@ unsafe fn consume<
         s.pin();
         dp.pin();
 
-        // Pᵀ and dSᵀ ([`tile_gradients`]): keys a query does not see get P = 0 (only tiles that
-        // cross some query's limit check), and so do queries past seqlen_q (their LSE is +∞).
+        // Pᵀ and dSᵀ ([`masked_tile_gradients`]): keys a query does not see get P = 0 (only tiles
+        // that cross some query's limit check), and so do queries past seqlen_q (their LSE is +∞).
         let all_visible = mask.all_visible(q_start, BLOCK_M, k_first, WARPGROUP_ROWS);
-        // This thread's two queries of fragment j are tile columns 8j + 2t and 8j + 2t + 1;
-        // their statistics are a pair in the slot, published by "dO full".
-        // SAFETY: inside the slot's 64 values.
-        let statistics = |slot: u32, j: usize| unsafe { load_shared_f32x2(slot + (4 * (8 * j + 2 * t)) as u32) };
-        // Softcap or ALiBi, if the problem has one: Sᵀ becomes base-2 logits, and a softcap's
-        // derivative goes into dPᵀ (`ScoreMod::chain_rule`).
-        if MODS {
-            let head_score = score.for_head(q_head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
-            head_score.apply_fragments::<8, true>(&mut s, lane, (k_first + 16 * warp, q_start), c);
-            if score.is_softcapped() {
-                head_score.chain_rule_fragments(&s, &mut dp, |j, e| statistics(smem.delta(stage), j)[e % 2]);
-            }
-        }
-        let factor = if MODS { 1.0 } else { c };
-        let row_statistics = |j: usize| (statistics(smem.lse(stage), j), statistics(smem.delta(stage), j));
-        // This thread's keys (rows g and g + 8 of its warp), and the band of the query in column
-        // h of fragment j: its first visible key and how many it sees, in 32 bits; where the
-        // tile is all visible, (0, u32::MAX): every key.
         let keys = [0, 2].map(|e| key(e) as u32);
-        let band = |j: usize, h: usize| {
-            if all_visible {
-                (0, u32::MAX)
-            } else {
-                let (start, width) = mask.keys_seen_by(q_start + 8 * j + 2 * t + h);
-                (start as u32, width as u32)
-            }
+        // SAFETY: the slot's statistics were published by "dO full".
+        let (p, ds) = unsafe {
+            masked_tile_gradients::<T, D, STAGES, 8, 4, MODS>(
+                (&mut s, &mut dp),
+                (smem, stage, 0),
+                (&mask, all_visible, &score, shape, q_head),
+                (k_first + 16 * warp, keys, q_start),
+                lane,
+                c,
+            )
         };
-        let (p, ds) = tile_gradients::<T, 8, 4>(&mut s, &mut dp, factor, row_statistics, band, keys);
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q: Pᵀ and dSᵀ from registers, dO and Q MN-major.
         let mn_major_step =
@@ -821,7 +861,8 @@ unsafe fn issue_wide_gradient<T: HalfFloat, const D_TILES: usize>(
 /// module docs): for every query tile, Sᵀ and dPᵀ of the block's 64 keys and this consumer's
 /// half of the queries; Pᵀ and dSᵀ of that half into the key-row buffers; then, over the whole
 /// tile, dV += Pᵀ·dO (consumer 0) or dK += dSᵀ·Q (consumer 1), and this consumer's column
-/// blocks of dQ (0, 2, … or 1, 3, …) added to device memory 32 columns at a time.
+/// blocks of dQ (0, 2, … or 1, 3, …; an odd last one split by keys, [`wide_dq_round`]) added to
+/// device memory 64 or 32 columns at a time.
 ///
 /// # Safety
 /// As [`consume`].
@@ -887,28 +928,18 @@ unsafe fn consume_wide<T: HalfFloat, const D: usize, const STAGES: usize, const 
 
         // Pᵀ and dSᵀ as in [`consume`], for this half's queries.
         let all_visible = mask.all_visible(q_first, HALF_M, block.k_start, WIDE_BLOCK_N);
-        // SAFETY: inside the slot's 64 values.
-        let statistics =
-            |slot: u32, j: usize| unsafe { load_shared_f32x2(slot + (4 * (index * HALF_M + 8 * j + 2 * t)) as u32) };
-        if MODS {
-            let head_score = score.for_head(q_head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
-            head_score.apply_fragments::<4, true>(&mut s, lane, (block.k_start + 16 * warp, q_first), c);
-            if score.is_softcapped() {
-                head_score.chain_rule_fragments(&s, &mut dp, |j, e| statistics(smem.delta(stage), j)[e % 2]);
-            }
-        }
-        let factor = if MODS { 1.0 } else { c };
-        let row_statistics = |j: usize| (statistics(smem.lse(stage), j), statistics(smem.delta(stage), j));
         let keys = [0, 2].map(|e| key(e) as u32);
-        let band = |j: usize, h: usize| {
-            if all_visible {
-                (0, u32::MAX)
-            } else {
-                let (start, width) = mask.keys_seen_by(q_first + 8 * j + 2 * t + h);
-                (start as u32, width as u32)
-            }
+        // SAFETY: the slot's statistics were published by "dO full".
+        let (p, ds) = unsafe {
+            masked_tile_gradients::<T, D, STAGES, 4, 2, MODS>(
+                (&mut s, &mut dp),
+                (smem, stage, index * HALF_M),
+                (&mask, all_visible, &score, shape, q_head),
+                (block.k_start + 16 * warp, keys, q_first),
+                lane,
+                c,
+            )
         };
-        let (p, ds) = tile_gradients::<T, 4, 2>(&mut s, &mut dp, factor, row_statistics, band, keys);
 
         // ANCHOR: wide_halves
         // Both halves into the key-row buffers: Pᵀ (buffer 0) and dSᵀ (buffer 1), 64 keys × 64
@@ -1024,14 +1055,15 @@ unsafe fn consume_wide<T: HalfFloat, const D: usize, const STAGES: usize, const 
     };
 }
 
-/// The kernel body (see the module docs). Grid: `(ceil(seqlen_k / 128), num_heads_kv, batch)`,
+/// The kernel body (see the module docs). Grid: `(ceil(seqlen_k / block_n), num_heads_kv,
+/// batch)`, block_n = [`hopper_backward_block_n`]`(D)`,
 /// mapped to key blocks by [`KeyBlock::hopper_backward`];
 /// block: 384 threads; dynamic shared memory: [`crate::layout::hopper_backward_smem_bytes`]`(D,
 /// STAGES)`. `D_TILES` = D / 8 sizes the dK and dV accumulators.
 ///
 /// # Safety
 /// `maps` holds, in device memory, the tensor maps (3-D, 128-byte swizzle) of Q, K, V and dO
-/// (boxes of 64 columns by 64 rows for Q and dO, 128 for K and V) and of the `f32` dQ
+/// (boxes of 64 columns by 64 rows for Q and dO, block_n for K and V) and of the `f32` dQ
 /// accumulator (Q's shape, zeroed; boxes of 32 columns by 64 rows), which the kernel adds to;
 /// `lse` and `delta` hold `[batch, num_heads_q, seqlen_q]` `f32`, `dk` and `dv` K's shape in 16
 /// bits; with `DETERMINISTIC`, `dq_turns` holds `[batch, num_heads_q, ceil(seqlen_q / 64)]`
