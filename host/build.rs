@@ -264,8 +264,7 @@ fn registry_source(entries: &[String]) -> String {
                 ..
             }) => {
                 // The blocks per SM its launch bounds promise (ptxas keeps the registers to that).
-                let blocks_per_sm =
-                    configs::LAUNCH_BOUNDS.iter().find(|(n, _, _)| *n == name.as_str()).map_or(1, |b| b.2);
+                let blocks_per_sm = configs::launch_bounds(name).map_or(1, |b| b.1);
                 writeln!(
                     hopper,
                     "    HopperInstance {{ kernel: FlashKernel::{variant}, dtype: DType::{dtype}, block_m: {block_m}, \
@@ -606,7 +605,7 @@ fn module_ptx(group: &ModuleGroup, bitcode: &Bitcode, tools: &LlvmTools) -> Stri
 #[allow(unused_macros, dead_code)]
 mod configs;
 
-/// `ptx` with the directives of `configs::LAUNCH_BOUNDS` (`__launch_bounds__(threads,
+/// `ptx` with the directives of `configs::launch_bounds` (`__launch_bounds__(threads,
 /// min_blocks)` as `.maxntid threads, 1, 1` and `.minnctapersm min_blocks`) after the parameter
 /// lists of their kernels.
 fn with_launch_bounds(ptx: String) -> String {
@@ -619,7 +618,7 @@ fn with_launch_bounds(ptx: String) -> String {
             let name = name.split('(').next().unwrap_or_default().trim();
             // A band-table twin has its plain entry's bounds (`attention_kernel!`).
             let name = name.strip_suffix(TABLE_TWIN).unwrap_or(name);
-            pending = configs::LAUNCH_BOUNDS.iter().find(|(n, _, _)| name == *n).map(|&(_, t, b)| (t, b));
+            pending = configs::launch_bounds(name);
         } else if line.trim_start().starts_with(')')
             && let Some((threads, blocks)) = pending.take()
         {

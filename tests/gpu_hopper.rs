@@ -153,7 +153,7 @@ fn check_hopper_forward<T: Element>(ctx: &Context, shape: AttentionShape, option
 #[test]
 fn hopper_forward_matches_the_reference() {
     let Some(ctx) = hopper("hopper_forward_matches_the_reference") else { return };
-    for head_dim in [64, 128, 192, 256] {
+    for head_dim in [64, 80, 96, 128, 192, 256] {
         check_hopper_cases(ctx, head_dim);
     }
 }
@@ -308,9 +308,9 @@ fn hopper_gradients<T: Element>(
 #[test]
 fn hopper_backward_matches_the_reference() {
     let Some(ctx) = hopper("hopper_backward_matches_the_reference") else { return };
-    // 64 and 128, the wide-head kernel (64 keys a block) at 192 and 256, and 160 on 192's with
-    // padding columns.
-    for head_dim in [64, 128, 160, 192, 256] {
+    // 64 to 128 (80 and 96 in tiles of two column blocks, the second one partly padding), the
+    // wide-head kernel (64 keys a block) at 192 and 256, and 160 on 192's with padding columns.
+    for head_dim in [64, 80, 96, 128, 160, 192, 256] {
         let shape =
             |batch, heads_q, heads_kv, seqlen_q, seqlen_k| gqa(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim);
         // Key blocks of 128 (64 above head_dim 128) and query tiles of 64: whole, ragged on
@@ -356,8 +356,8 @@ fn hopper_backward_matches_the_reference() {
 
 /// The deterministic Hopper backward gives the same bits on every run: dQ (whose tiles the key
 /// blocks add in turns) as well as dK and dV, on grids where many key blocks add to each dQ
-/// tile at once (8192 keys: 64 key blocks a head), with and without a causal mask, GQA, both
-/// head dims and types. Its dQ also matches the atomic mode's to within rounding.
+/// tile at once (8192 keys: 64 key blocks a head), with and without a causal mask, GQA, head
+/// dims 64, 96 and 128, both types. Its dQ also matches the atomic mode's to within rounding.
 #[test]
 fn hopper_deterministic_backward_is_bit_identical() {
     let Some(ctx) = hopper("hopper_deterministic_backward_is_bit_identical") else { return };
@@ -388,7 +388,7 @@ fn hopper_deterministic_backward_is_bit_identical() {
         );
         assert!(err <= 1e-2, "{} {options:?} on {shape:?}: dQ atomic against deterministic {err:.3e}", T::DTYPE);
     }
-    for head_dim in [64, 128] {
+    for head_dim in [64, 96, 128] {
         let shape = gqa(1, 4, 2, 8192, 8192, head_dim);
         runs::<f16>(ctx, shape, AttentionOptions::default(), 31 + head_dim as u64);
         runs::<bf16>(ctx, shape, AttentionOptions::causal(Causal::TopLeft), 37 + head_dim as u64);
@@ -412,7 +412,7 @@ fn hopper_deterministic_backward_is_bit_identical() {
 #[test]
 fn hopper_padded_head_dims_match_the_reference() {
     let Some(ctx) = hopper("hopper_padded_head_dims_match_the_reference") else { return };
-    for head_dim in [8, 40, 72, 80, 96, 120] {
+    for head_dim in [8, 40, 72, 88, 104, 120] {
         let cases = [
             (gqa(1, 4, 2, 200, 333, head_dim), AttentionOptions::causal(Causal::BottomRight)),
             (gqa(2, 2, 2, 65, 129, head_dim), AttentionOptions::default()),
@@ -445,7 +445,7 @@ fn hopper_padded_head_dims_match_the_reference() {
     }
     let sm90a = sm90a_context(ctx);
     let shape = |head_dim| gqa(1, 4, 2, 300, 300, head_dim);
-    let paths = [(96, "sm_90a"), (40, "sm_90a"), (100, "sm_80"), (17, "sm_80"), (160, "sm_90a"), (200, "sm_90a")];
+    let paths = [(96, "sm_90a"), (40, "sm_90a"), (72, "sm_90a"), (100, "sm_80"), (17, "sm_80"), (160, "sm_90a"), (200, "sm_90a")];
     for (head_dim, path) in paths {
         let tile = TileConfig::default_for_dtype(DType::F16, head_dim);
         let label = sm90a.forward_kernel_label(DType::F16, &shape(head_dim), Causal::None, tile);
@@ -458,7 +458,7 @@ fn the_kernel_path_picks_the_backward_kernel() {
     let Some(ctx) = hopper("the_kernel_path_picks_the_backward_kernel") else { return };
     let sm90a = sm90a_context(ctx);
     let none = AttentionOptions::default();
-    for head_dim in [64, 128] {
+    for head_dim in [64, 96, 128] {
         let tile = TileConfig::default_backward_for_dtype(DType::Bf16, head_dim);
         let mode = sm90a.dq_accumulation_for(DType::Bf16, head_dim);
         let label = sm90a.backward_kernel_label(DType::Bf16, head_dim, tile, mode, &none);

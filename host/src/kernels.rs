@@ -157,7 +157,7 @@ pub struct HopperInstance {
     /// What sets it apart beyond its tile: the forward's ping-pong turns, the backward's
     /// deterministic dQ.
     pub variant: HopperVariant,
-    /// Blocks per SM that its launch bounds (`kernels/src/configs.rs`, `LAUNCH_BOUNDS`) keep
+    /// Blocks per SM that its launch bounds (`kernels/src/configs.rs`, `launch_bounds`) keep
     /// room for: the resident blocks a persistent grid plans with.
     pub blocks_per_sm: usize,
     /// `.entry` name in the PTX.

@@ -139,6 +139,8 @@ macro_rules! sm90_forward_configs {
                 (192, 64, 128, 2, false, s2),
                 (128, 64, 128, 2, true, s2_pingpong),
                 (64, 64, 128, 2, false, s2),
+                (128, 80, 128, 2, false, s2),
+                (128, 96, 128, 2, false, s2),
                 (128, 128, 128, 2, false, s2),
                 (128, 192, 96, 2, false, s2),
                 (128, 256, 64, 2, false, s2)
@@ -210,7 +212,14 @@ macro_rules! sm90_backward_configs {
     ($instance:ident) => {
         each_half_format!(
             $instance,
-            [(64, 128, 2, deterministic), (128, 128, 2, deterministic), (192, 64, 2, atomic), (256, 64, 2, atomic)]
+            [
+                (64, 128, 2, deterministic),
+                (80, 128, 2, deterministic),
+                (96, 128, 2, deterministic),
+                (128, 128, 2, deterministic),
+                (192, 64, 2, atomic),
+                (256, 64, 2, atomic)
+            ]
         );
     };
 }
@@ -252,48 +261,13 @@ pub const SM90_BACKWARD_REGISTERS: (u32, u32) = (40, 232);
 ///
 /// * The Hopper kernels need theirs: they move registers between warpgroups with `setmaxnreg`,
 ///   which works on the budget ptxas derives from the block's threads (see the register budgets
-///   above).
+///   above). They are not listed: [`launch_bounds`] reads theirs from their names, so that a
+///   Hopper configuration is one line in its list above.
 /// * The head_dim-128 tensor-core forward tiles with 32-key tiles need 171 registers on their
 ///   own, 3 too many for 3 blocks of 128 threads per SM (65536 / 384 = 170), and fit in 168
 ///   without spilling (PERFORMANCE.md). Forcing the 64-key tile (251 registers) down to 168
 ///   spills and loses: it is not bounded.
 pub const LAUNCH_BOUNDS: &[(&str, u32, u32)] = &[
-    ("hopper_flash_fwd_f16_m128_n128_d64_s2_pingpong", 384, 1),
-    ("hopper_flash_fwd_bf16_m128_n128_d64_s2_pingpong", 384, 1),
-    ("hopper_flash_fwd_f16_m128_n128_d128_s2", 384, 1),
-    ("hopper_flash_fwd_bf16_m128_n128_d128_s2", 384, 1),
-    ("hopper_flash_fwd_f16_m192_n128_d64_s2", 512, 1),
-    ("hopper_flash_fwd_f16_m64_n128_d64_s2", 256, 2),
-    ("hopper_flash_fwd_bf16_m64_n128_d64_s2", 256, 2),
-    ("hopper_flash_fwd_bf16_m192_n128_d64_s2", 512, 1),
-    ("hopper_flash_fwd_f16_m128_n96_d192_s2", 384, 1),
-    ("hopper_flash_fwd_bf16_m128_n96_d192_s2", 384, 1),
-    ("hopper_flash_fwd_f16_m128_n64_d256_s2", 384, 1),
-    ("hopper_flash_fwd_bf16_m128_n64_d256_s2", 384, 1),
-    ("hopper_flash_bwd_f16_m64_n128_d64_s2", 384, 1),
-    ("hopper_flash_bwd_bf16_m64_n128_d64_s2", 384, 1),
-    ("hopper_flash_bwd_f16_m64_n128_d128_s2", 384, 1),
-    ("hopper_flash_bwd_bf16_m64_n128_d128_s2", 384, 1),
-    ("hopper_flash_bwd_f16_m64_n128_d64_s2_deterministic", 384, 1),
-    ("hopper_flash_bwd_bf16_m64_n128_d64_s2_deterministic", 384, 1),
-    ("hopper_flash_bwd_f16_m64_n128_d128_s2_deterministic", 384, 1),
-    ("hopper_flash_bwd_bf16_m64_n128_d128_s2_deterministic", 384, 1),
-    ("hopper_flash_bwd_f16_m64_n64_d192_s2", 384, 1),
-    ("hopper_flash_bwd_bf16_m64_n64_d192_s2", 384, 1),
-    ("hopper_flash_bwd_f16_m64_n64_d256_s2", 384, 1),
-    ("hopper_flash_bwd_bf16_m64_n64_d256_s2", 384, 1),
-    ("hopper_flash_bwd_f16_m64_n64_d192_s2_mods", 384, 1),
-    ("hopper_flash_bwd_bf16_m64_n64_d192_s2_mods", 384, 1),
-    ("hopper_flash_bwd_f16_m64_n64_d256_s2_mods", 384, 1),
-    ("hopper_flash_bwd_bf16_m64_n64_d256_s2_mods", 384, 1),
-    ("hopper_flash_bwd_f16_m64_n128_d64_s2_mods", 384, 1),
-    ("hopper_flash_bwd_bf16_m64_n128_d64_s2_mods", 384, 1),
-    ("hopper_flash_bwd_f16_m64_n128_d128_s2_mods", 384, 1),
-    ("hopper_flash_bwd_bf16_m64_n128_d128_s2_mods", 384, 1),
-    ("hopper_flash_bwd_f16_m64_n128_d64_s2_deterministic_mods", 384, 1),
-    ("hopper_flash_bwd_bf16_m64_n128_d64_s2_deterministic_mods", 384, 1),
-    ("hopper_flash_bwd_f16_m64_n128_d128_s2_deterministic_mods", 384, 1),
-    ("hopper_flash_bwd_bf16_m64_n128_d128_s2_deterministic_mods", 384, 1),
     ("decode_fwd_f16_d128_s2", 128, 3),
     ("decode_fwd_bf16_d128_s2", 128, 3),
     ("flash_fwd_f16_m64_n32_d128_s2", 128, 3),
@@ -301,3 +275,20 @@ pub const LAUNCH_BOUNDS: &[(&str, u32, u32)] = &[
     ("flash_fwd_f16_m64_n32_d128_s3", 128, 3),
     ("flash_fwd_bf16_m64_n32_d128_s3", 128, 3),
 ];
+
+/// The launch bounds of kernel `name` (threads, blocks per SM), if it has any: a Hopper kernel's
+/// from its name (`hopper_flash_{fwd,bwd}_{dtype}_m{block_m}_…`), the others' from
+/// [`LAUNCH_BOUNDS`]. A Hopper block is a producer warpgroup and one consumer warpgroup per 64
+/// query rows (the forward; `layout::hopper_forward_threads`) or two consumers (the backward);
+/// the block_m-64 forward runs two blocks an SM, the others one (their register budgets above).
+pub fn launch_bounds(name: &str) -> Option<(u32, u32)> {
+    if let Some(rest) = name.strip_prefix("hopper_flash_") {
+        let block_m: u32 = rest.split('_').find_map(|part| part.strip_prefix('m')?.parse().ok())?;
+        return Some(if rest.starts_with("fwd_") {
+            (128 * (1 + block_m / 64), if block_m == 64 { 2 } else { 1 })
+        } else {
+            (384, 1)
+        });
+    }
+    LAUNCH_BOUNDS.iter().find(|(n, _, _)| *n == name).map(|&(_, threads, blocks)| (threads, blocks))
+}

@@ -403,19 +403,30 @@ pub const fn hopper_forward_threads(block_m: usize) -> usize {
 /// 128 bytes), which TMA and `wgmma` address from a 1024-byte boundary.
 pub const HOPPER_SMEM_ALIGN: usize = 1024;
 
+/// Columns of a Hopper kernel's shared-memory tile of `head_dim`: whole 128-byte swizzled
+/// column blocks of 64 16-bit values, so `head_dim` rounded up to 64. The `wgmma`s read only the
+/// first `head_dim` columns (a multiple of 16); at head_dim 80 or 96 the rest of the second block
+/// is never read, and TMA fills it with zeros past the tensor's last column anyway. (A 64- or
+/// 32-byte swizzle would fit 96 columns exactly, at the cost of a second tile layout in every
+/// Hopper kernel; shared memory has room for the padding at these head dims.)
+pub const fn hopper_tile_columns(head_dim: usize) -> usize {
+    head_dim.div_ceil(64) * 64
+}
+
 /// Bytes after the Hopper forward's barriers for the unit its producer hands to its consumers
 /// (the work unit that goes with the Q tile: `kernels/src/sm90/forward.rs`, `Unit`).
 pub const HOPPER_FORWARD_UNIT_BYTES: usize = 32;
 
 /// Bytes of dynamic shared memory of the Hopper forward kernel: the Q tile (`block_m ×
-/// head_dim`), `stages` slots of a K and a V tile (`block_n × head_dim`), all 16-bit, then the
+/// head_dim`), `stages` slots of a K and a V tile (`block_n × head_dim`), all 16-bit and
+/// [`hopper_tile_columns`] wide, then the
 /// `mbarrier`s (Q full, Q empty; K full, V full, K empty and V empty per stage, 8 bytes each), the
 /// unit the Q tile belongs to ([`HOPPER_FORWARD_UNIT_BYTES`]), plus the
 /// slack to align the tiles to [`HOPPER_SMEM_ALIGN`] (the dynamic shared memory's own alignment
 /// is smaller).
 pub const fn hopper_forward_smem_bytes(block_m: usize, block_n: usize, head_dim: usize, stages: usize) -> usize {
     HOPPER_SMEM_ALIGN
-        + (block_m + 2 * stages * block_n) * head_dim * 2
+        + (block_m + 2 * stages * block_n) * hopper_tile_columns(head_dim) * 2
         + 8 * (2 + 4 * stages)
         + HOPPER_FORWARD_UNIT_BYTES
 }
@@ -439,7 +450,8 @@ pub const fn hopper_backward_dq_staging_columns(head_dim: usize) -> usize {
 /// Bytes of dynamic shared memory of the Hopper backward kernel at the compiled `head_dim`
 /// (block_n = [`hopper_backward_block_n`] keys per block, query tiles of 64): K and V
 /// (`block_n × head_dim`), `stages` slots of a Q and a dO tile (`64 × head_dim`), two key-row
-/// buffers (`block_n × 64`: dSᵀ of two tiles, or Pᵀ and dSᵀ of one), all 16-bit, two dQ
+/// buffers (`block_n × 64`: dSᵀ of two tiles, or Pᵀ and dSᵀ of one), all 16-bit (the tiles
+/// [`hopper_tile_columns`] wide), two dQ
 /// staging tiles (`64 ×` [`hopper_backward_dq_staging_columns`] `f32`), `stages` slots of the
 /// query tile's LSE and D (`2 × 64` `f32`), then the `mbarrier`s (K/V full; Q full, dO full and
 /// Q/dO empty per stage; dQ staged and staging free per consumer), plus the alignment slack of
@@ -447,7 +459,7 @@ pub const fn hopper_backward_dq_staging_columns(head_dim: usize) -> usize {
 pub const fn hopper_backward_smem_bytes(head_dim: usize, stages: usize) -> usize {
     let block_n = hopper_backward_block_n(head_dim);
     HOPPER_SMEM_ALIGN
-        + (2 * block_n + 2 * stages * 64) * head_dim * 2
+        + (2 * block_n + 2 * stages * 64) * hopper_tile_columns(head_dim) * 2
         + 2 * block_n * 64 * 2
         + 2 * 64 * hopper_backward_dq_staging_columns(head_dim) * 4
         + stages * 2 * 64 * 4

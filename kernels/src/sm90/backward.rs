@@ -23,8 +23,12 @@
 //! columns; it reads only the dSᵀ rows it wrote, so the consumers never wait for each other and
 //! drift apart, one's exponentials overlapping the other's products. At head_dim 128 that would
 //! double the additions: each consumer multiplies all 128 keys by its 64 columns of K, after a
-//! barrier of both consumers. dSᵀ alternates between two buffers, so a warp never overwrites
-//! rows that a product of the previous tile may still read.
+//! barrier of both consumers. Head dims 80 and 96 run as 128 does, on tiles of two column blocks
+//! whose second one is partly padding ([`column_blocks`]): consumer 1's column block of dQ is
+//! then 16 or 32 columns of data and zeros after them, which the reduction skips, but the other
+//! four products shrink with head_dim, and both consumers run the same `wgmma`s (an N that
+//! depended on the consumer would make ptxas serialise them). dSᵀ alternates between two
+//! buffers, so a warp never overwrites rows that a product of the previous tile may still read.
 //!
 //! **Wide heads** (head_dim 192 and 256, [`consume_wide`]): 64 keys' dK and dV in registers
 //! would take `head_dim` registers a thread (256 at 256) on top of Sᵀ and dPᵀ, more than a
@@ -105,7 +109,8 @@ use crate::layout::{
     hopper_backward_dq_staging_columns,
 };
 use crate::sm90::pipeline::{
-    AlignedShared, SWIZZLE_COLUMNS, load_swizzled_tile, ring_slot, swizzled_offset, take_role, wait_slot_free,
+    AlignedShared, SWIZZLE_COLUMNS, column_blocks, load_swizzled_tile, ring_slot, swizzled_offset, take_role,
+    tile_bytes, wait_slot_free,
 };
 
 /// Keys per block up to head_dim 128: 64 per consumer warpgroup.
@@ -149,8 +154,8 @@ struct SharedTiles<const D: usize, const STAGES: usize> {
 impl<const D: usize, const STAGES: usize> SharedTiles<D, STAGES> {
     /// Keys per block.
     const BLOCK_N: usize = hopper_backward_block_n(D);
-    const KV_BYTES: u32 = (Self::BLOCK_N * D * 2) as u32;
-    const Q_BYTES: u32 = (BLOCK_M * D * 2) as u32;
+    const KV_BYTES: u32 = tile_bytes(Self::BLOCK_N, D);
+    const Q_BYTES: u32 = tile_bytes(BLOCK_M, D);
     const DS_BYTES: u32 = (Self::BLOCK_N * BLOCK_M * 2) as u32;
     const STATISTICS_BYTES: u32 = (2 * BLOCK_M * 4) as u32;
     const DQ_STAGING_BYTES: u32 = (BLOCK_M * hopper_backward_dq_staging_columns(D) * 4) as u32;
@@ -248,10 +253,11 @@ impl<const D: usize, const STAGES: usize> SharedTiles<D, STAGES> {
 /// Which part of a query tile's dQ consumer `index` computes at head_dim `D`: its first key
 /// (of the block's `BLOCK_N`), how many keys, and which column block of 64. At head_dim 64 each
 /// consumer multiplies its own 64 keys into all of dQ's columns, reading only the dSᵀ rows it
-/// wrote; at 128 each multiplies all 128 keys into its own 64 columns (see the module docs).
+/// wrote; at 80 to 128 (two column blocks) each multiplies all 128 keys into its own 64 columns
+/// (see the module docs).
 #[inline(always)]
 const fn dq_share<const D: usize>(index: usize) -> (usize, usize, usize) {
-    if D / SWIZZLE_COLUMNS == CONSUMERS { (0, BLOCK_N, index) } else { (index * WARPGROUP_ROWS, WARPGROUP_ROWS, 0) }
+    if column_blocks(D) == CONSUMERS { (0, BLOCK_N, index) } else { (index * WARPGROUP_ROWS, WARPGROUP_ROWS, 0) }
 }
 
 /// The turn of consumer `index` of key block `key_block` at dQ tile `tile` (deterministic
@@ -823,7 +829,7 @@ unsafe fn consume<
 #[inline(always)]
 const fn wide_dq_round<const D: usize>(round: usize, index: usize) -> (usize, usize, usize) {
     // Whether the pair of this round is whole does not depend on `index`.
-    if 2 * round + 1 < D / SWIZZLE_COLUMNS {
+    if 2 * round + 1 < column_blocks(D) {
         (2 * round + index, 0, WIDE_BLOCK_N)
     } else {
         (2 * round, index * WIDE_BLOCK_N / CONSUMERS, WIDE_BLOCK_N / CONSUMERS)

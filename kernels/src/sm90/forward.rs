@@ -20,7 +20,8 @@
 //! * **Both products on `wgmma`.** S = Q·Kᵀ reads both operands from shared memory; O += P·V
 //!   takes P from registers. The tiles sit in shared memory as TMA writes them with the 128-byte
 //!   swizzle ([`swizzled_descriptor`]): a `rows × head_dim` tile is `head_dim / 64` column
-//!   blocks of `rows × 128` bytes.
+//!   blocks of `rows × 128` bytes, rounded up (at head_dim 80 and 96 the products read only
+//!   the first 16 or 32 columns of the second block: `layout::hopper_tile_columns`).
 //! * **Intra-warpgroup overlap** (FA3 Algorithm 2). In iteration j a consumer issues S_j = Q·K_jᵀ
 //!   and O += P_{j−1}·V_{j−1} back to back, waits only for S_j, and runs the softmax of tile j
 //!   while the tensor cores still work on P_{j−1}·V_{j−1}. The consumer warpgroups also overlap
@@ -60,7 +61,9 @@ use crate::hw::{
     named_barrier_sync, prefetch_tensor_map, warpgroup_id, wgmma_commit, wgmma_fence, wgmma_wait,
 };
 use crate::layout::{AttentionShape, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS, div_rem};
-use crate::sm90::pipeline::{AlignedShared, SWIZZLE_COLUMNS, load_swizzled_tile, ring_slot, take_role, wait_slot_free};
+use crate::sm90::pipeline::{
+    AlignedShared, column_blocks, load_swizzled_tile, ring_slot, take_role, tile_bytes, wait_slot_free,
+};
 
 /// The first of the named barriers of the ping-pong schedule, one per consumer warpgroup (0 is
 /// `__syncthreads`; 1 to 3 are the consumer warpgroups' own).
@@ -78,8 +81,8 @@ struct SharedTiles<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, c
 impl<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, const STAGES: usize>
     SharedTiles<BLOCK_M, D, BLOCK_N, STAGES>
 {
-    const Q_BYTES: u32 = (BLOCK_M * D * 2) as u32;
-    const KV_BYTES: u32 = (BLOCK_N * D * 2) as u32;
+    const Q_BYTES: u32 = tile_bytes(BLOCK_M, D);
+    const KV_BYTES: u32 = tile_bytes(BLOCK_N, D);
 
     #[inline(always)]
     fn new() -> Self {
@@ -198,7 +201,7 @@ unsafe fn produce<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, co
     let load = |destination: u32, map: *const u8, rows: usize, first_row: usize, head: i32, barrier: u32| {
         // SAFETY: the barrier is initialised; the tile fits at `destination`.
         unsafe {
-            mbarrier_arrive_expect_tx(barrier, (rows * D * 2) as u32);
+            mbarrier_arrive_expect_tx(barrier, tile_bytes(rows, D));
             load_swizzled_tile::<D>(destination, map, rows, first_row, head, barrier);
         }
     };
@@ -551,7 +554,7 @@ unsafe fn consume_body<
 unsafe fn negate_rows<const BLOCK_M: usize, const D: usize>(rows: *mut u8) {
     const CHUNKS: usize = WARPGROUP_ROWS * SWIZZLE_ROW_BYTES / 16;
     let first = hw::thread_idx_x() % WARPGROUP_THREADS;
-    for column_block in 0..D / SWIZZLE_COLUMNS {
+    for column_block in 0..column_blocks(D) {
         let mut chunk = first;
         while chunk < CHUNKS {
             // SAFETY: inside this warpgroup's rows of the column block.

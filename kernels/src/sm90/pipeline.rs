@@ -12,7 +12,8 @@
 //!   consumers wait for *full* before they read it.
 //! * **Swizzled tiles** ([`load_swizzled_tile`]): a `rows × head_dim` 16-bit tile sits in shared
 //!   memory as TMA writes it with the 128-byte swizzle, `head_dim / 64` column blocks of
-//!   `rows × 128` bytes, one TMA box each, from a base aligned to one swizzle atom
+//!   `rows × 128` bytes (rounded up: at head_dim 80 and 96 two, the second one partly padding),
+//!   one TMA box each, from a base aligned to one swizzle atom
 //!   ([`AlignedShared`]).
 //!
 //! The contracts of the instructions themselves (who calls what, what it orders) are in
@@ -22,10 +23,24 @@ use crate::hw::{
     self, SWIZZLE_ROW_BYTES, mbarrier_wait, registers_decrease, registers_increase, shared_address, tma_load_3d,
     warpgroup_id,
 };
-use crate::layout::HOPPER_SMEM_ALIGN;
+use crate::layout::{HOPPER_SMEM_ALIGN, hopper_tile_columns};
 
 /// Columns of one swizzled column block: 128 bytes of 16-bit values.
 pub const SWIZZLE_COLUMNS: usize = SWIZZLE_ROW_BYTES / 2;
+
+/// Swizzled column blocks of a tile of head_dim `d` ([`hopper_tile_columns`]: 2 at head_dim 80,
+/// 96 and 128).
+#[inline(always)]
+pub const fn column_blocks(d: usize) -> usize {
+    hopper_tile_columns(d) / SWIZZLE_COLUMNS
+}
+
+/// Bytes of a `rows × d` 16-bit tile in shared memory, whole column blocks: what TMA writes for
+/// it (the boxes' columns past the tensor's last one are written as zeros, and counted).
+#[inline(always)]
+pub const fn tile_bytes(rows: usize, d: usize) -> u32 {
+    (rows * hopper_tile_columns(d) * 2) as u32
+}
 
 // ANCHOR: ring
 /// The ring slot of the `use_index`-th tile that goes round a ring of `stages` slots, and the
@@ -51,9 +66,10 @@ pub unsafe fn wait_slot_free(empty: u32, use_index: usize, stages: usize, parity
 // ANCHOR_END: ring
 
 /// Asks TMA for a `rows × D` tile (16-bit, rows `first_row ..` of head `head` of the tensor
-/// that `map` describes, a 3-D map with 64-column boxes) as `D / 64` boxes, one per swizzled
-/// column block at `destination + column_block · rows · 128`, completing on `barrier`. The
-/// caller has announced the tile's bytes on `barrier` (`mbarrier_arrive_expect_tx`).
+/// that `map` describes, a 3-D map with 64-column boxes) as [`column_blocks`]`(D)` boxes, one
+/// per swizzled column block at `destination + column_block · rows · 128`, completing on
+/// `barrier`. The caller has announced the tile's bytes ([`tile_bytes`]) on `barrier`
+/// (`mbarrier_arrive_expect_tx`).
 ///
 /// # Safety
 /// One thread calls it; `barrier` is initialised; the tile fits at `destination`.
@@ -66,7 +82,7 @@ pub unsafe fn load_swizzled_tile<const D: usize>(
     head: i32,
     barrier: u32,
 ) {
-    for column_block in 0..D / SWIZZLE_COLUMNS {
+    for column_block in 0..column_blocks(D) {
         let x = (column_block * SWIZZLE_COLUMNS) as i32;
         let box_destination = destination + (column_block * rows * SWIZZLE_ROW_BYTES) as u32;
         // SAFETY: the caller's contract; each box fits its column block.
