@@ -440,11 +440,27 @@ pub const fn hopper_backward_block_n(head_dim: usize) -> usize {
     if head_dim <= 128 { 128 } else { 64 }
 }
 
-/// Columns of a Hopper backward consumer's dQ staging tile (`f32`, 64 rows): 64 up to head_dim
-/// 192, 32 (one TMA box) above, where shared memory holds no more (at 256 the kernel takes 226
-/// of the H200's 227 KiB).
+/// Whether the Hopper backward's two consumers share a query tile's dQ by keys, each adding its
+/// own 64 keys' part to all `head_dim` columns, rather than by 64-column blocks, each adding all
+/// 128 keys' part to its own block (a barrier of both consumers first, as each reads the other's
+/// dSᵀ): up to head_dim 96. By keys the additions to dQ double, but the consumers never wait for
+/// each other, and at 80 or 96 a second column block would be mostly padding.
+pub const fn hopper_backward_dq_by_keys(head_dim: usize) -> bool {
+    head_dim <= 96
+}
+
+/// Columns of a query tile's dQ that one Hopper backward consumer computes per step (up to head_dim
+/// 128): all of them when it shares by keys ([`hopper_backward_dq_by_keys`]), else one block of 64.
+pub const fn hopper_backward_dq_columns(head_dim: usize) -> usize {
+    if hopper_backward_dq_by_keys(head_dim) { head_dim } else { 64 }
+}
+
+/// Columns of a Hopper backward consumer's dQ staging tile (`f32`, 64 rows), whole TMA boxes of
+/// 32: [`hopper_backward_dq_columns`] rounded up to a box (64 at 64, 96 at 80 and 96), 64 at 128
+/// and 192, 32 (one box) at 256, where shared memory holds no more (the kernel takes 226 of the
+/// H200's 227 KiB).
 pub const fn hopper_backward_dq_staging_columns(head_dim: usize) -> usize {
-    if head_dim <= 192 { 64 } else { 32 }
+    if head_dim <= 192 { hopper_backward_dq_columns(head_dim).div_ceil(32) * 32 } else { 32 }
 }
 
 /// Bytes of dynamic shared memory of the Hopper backward kernel at the compiled `head_dim`

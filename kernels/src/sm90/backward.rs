@@ -19,16 +19,15 @@
 //!   consumer's first thread in the atomic instances, a *dQ warp* of the producer warpgroup in
 //!   the deterministic ones ([`produce_dq`], below). A last kernel rounds the copy to 16 bits.
 //!
-//! Which share: at head_dim 64 each consumer adds its own 64 keys' contribution to all of dQ's
-//! columns; it reads only the dSᵀ rows it wrote, so the consumers never wait for each other and
-//! drift apart, one's exponentials overlapping the other's products. At head_dim 128 that would
-//! double the additions: each consumer multiplies all 128 keys by its 64 columns of K, after a
-//! barrier of both consumers. Head dims 80 and 96 run as 128 does, on tiles of two column blocks
-//! whose second one is partly padding ([`column_blocks`]): consumer 1's column block of dQ is
-//! then 16 or 32 columns of data and zeros after them, which the reduction skips, but the other
-//! four products shrink with head_dim, and both consumers run the same `wgmma`s (an N that
-//! depended on the consumer would make ptxas serialise them). dSᵀ alternates between two
-//! buffers, so a warp never overwrites rows that a product of the previous tile may still read.
+//! Which share ([`dq_share`]; `layout::hopper_backward_dq_by_keys`): up to head_dim 96 each
+//! consumer adds its own 64 keys' contribution to all of dQ's columns; it reads only the dSᵀ
+//! rows it wrote, so the consumers never wait for each other and drift apart, one's exponentials
+//! overlapping the other's products. At head_dim 128 that would double the additions: each
+//! consumer multiplies all 128 keys by its 64 columns of K, after a barrier of both consumers.
+//! At 80 and 96 the tiles are two column blocks, the second one partly padding
+//! ([`column_blocks`]), and every product is as wide as head_dim: it reads only the first 16 or
+//! 32 columns of the second block. dSᵀ alternates between two buffers, so a warp never
+//! overwrites rows that a product of the previous tile may still read.
 //!
 //! **Wide heads** (head_dim 192 and 256, [`consume_wide`]): 64 keys' dK and dV in registers
 //! would take `head_dim` registers a thread (256 at 256) on top of Sᵀ and dPᵀ, more than a
@@ -105,8 +104,8 @@ use crate::hw::{
     wgmma_fence, wgmma_wait,
 };
 use crate::layout::{
-    AttentionShape, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS, hopper_backward_block_n,
-    hopper_backward_dq_staging_columns,
+    AttentionShape, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS, hopper_backward_block_n, hopper_backward_dq_by_keys,
+    hopper_backward_dq_columns, hopper_backward_dq_staging_columns,
 };
 use crate::sm90::pipeline::{
     AlignedShared, SWIZZLE_COLUMNS, column_blocks, load_swizzled_tile, ring_slot, swizzled_offset, take_role,
@@ -128,8 +127,12 @@ const ALL_CONSUMERS: u32 = 3;
 const DQ_BOX_COLUMNS: usize = SWIZZLE_ROW_BYTES / 4;
 /// Bytes of one such box of `BLOCK_M` rows.
 const DQ_BOX_BYTES: u32 = (BLOCK_M * SWIZZLE_ROW_BYTES) as u32;
-/// Boxes of a column block's dQ share (64 columns).
-const DQ_BOXES: usize = SWIZZLE_COLUMNS / DQ_BOX_COLUMNS;
+/// Boxes of a column block of dQ (64 columns).
+const COLUMN_BLOCK_BOXES: usize = SWIZZLE_COLUMNS / DQ_BOX_COLUMNS;
+/// Boxes of a consumer's dQ share up to head_dim 128 (its staging tile's columns).
+const fn dq_boxes(d: usize) -> usize {
+    hopper_backward_dq_staging_columns(d) / DQ_BOX_COLUMNS
+}
 /// Queries of a tile per consumer in the wide-head kernel: each takes half of every tile.
 const HALF_M: usize = BLOCK_M / CONSUMERS;
 
@@ -257,7 +260,7 @@ impl<const D: usize, const STAGES: usize> SharedTiles<D, STAGES> {
 /// (see the module docs).
 #[inline(always)]
 const fn dq_share<const D: usize>(index: usize) -> (usize, usize, usize) {
-    if column_blocks(D) == CONSUMERS { (0, BLOCK_N, index) } else { (index * WARPGROUP_ROWS, WARPGROUP_ROWS, 0) }
+    if hopper_backward_dq_by_keys(D) { (index * WARPGROUP_ROWS, WARPGROUP_ROWS, 0) } else { (0, BLOCK_N, index) }
 }
 
 /// The turn of consumer `index` of key block `key_block` at dQ tile `tile` (deterministic
@@ -427,7 +430,7 @@ unsafe fn produce_dq<const D: usize, const STAGES: usize>(
             wait_for_turn(counter, turn::<D>(mask, key_block, tile, index));
         }
         // SAFETY: the consumer wrote and fenced the staging tile before its arrival.
-        unsafe { add_dq_boxes(maps, staging, column_block * SWIZZLE_COLUMNS, DQ_BOXES, tile, head) };
+        unsafe { add_dq_boxes(maps, staging, column_block * SWIZZLE_COLUMNS, dq_boxes(D), tile, head) };
         bulk_wait_group_read::<0>();
         // SAFETY: initialised barrier; TMA no longer reads the staging tile; this thread holds
         // the turn.
@@ -631,6 +634,7 @@ unsafe fn consume<
     const D: usize,
     const STAGES: usize,
     const D_TILES: usize,
+    const DQ_TILES: usize,
     const DETERMINISTIC: bool,
     const MODS: bool,
 >(
@@ -644,6 +648,7 @@ unsafe fn consume<
     (dk, dv): (*mut u16, *mut u16),
 ) where
     [FragC; D_TILES]: Accumulator,
+    [FragC; DQ_TILES]: Accumulator,
 {
     let index = warpgroup_id() - 1;
     // The thread that hands the warpgroup's dQ tiles to TMA (atomic instances).
@@ -757,7 +762,7 @@ unsafe fn consume<
         let ds_rows = mn_major_descriptor(ds_buffer + key_rows, BLOCK_M);
         let k_block = smem.k() + (column_block * BLOCK_N * SWIZZLE_ROW_BYTES) as u32 + key_rows;
         let k_block = mn_major_descriptor(k_block, BLOCK_N);
-        let mut dq = [[0.0f32; 4]; 8];
+        let mut dq = [[0.0f32; 4]; DQ_TILES];
         dq.pin();
         wgmma_fence();
         for ks in 0..keys / 16 {
@@ -795,7 +800,7 @@ unsafe fn consume<
             if leader {
                 let head = block.batch * shape.num_heads_q + q_head;
                 // SAFETY: the staging tile was written and published above; map 4 is dQ's.
-                unsafe { add_dq_boxes(maps, staging, column_block * SWIZZLE_COLUMNS, DQ_BOXES, tile, head) };
+                unsafe { add_dq_boxes(maps, staging, column_block * SWIZZLE_COLUMNS, dq_boxes(D), tile, head) };
             }
         }
         // ANCHOR_END: dq_reduce
@@ -1015,7 +1020,7 @@ unsafe fn consume_wide<T: HalfFloat, const D: usize, const STAGES: usize, const 
                 wgmma_wait::<0>();
             }
             dq.pin();
-            for trip in 0..DQ_BOXES / staged_boxes {
+            for trip in 0..COLUMN_BLOCK_BOXES / staged_boxes {
                 // The staging tile is free once the leader's previous addition has read it.
                 if leader {
                     bulk_wait_group_read::<0>();
@@ -1082,6 +1087,7 @@ unsafe fn flash_backward_wgmma<
     const D: usize,
     const STAGES: usize,
     const D_TILES: usize,
+    const DQ_TILES: usize,
     const DETERMINISTIC: bool,
     const MODS: bool,
 >(
@@ -1097,6 +1103,7 @@ unsafe fn flash_backward_wgmma<
     scale: f32,
 ) where
     [FragC; D_TILES]: Accumulator,
+    [FragC; DQ_TILES]: Accumulator,
 {
     // The wide-head kernel adds dQ in any order only.
     const { assert!(!(is_wide(D) && DETERMINISTIC)) };
@@ -1149,7 +1156,7 @@ unsafe fn flash_backward_wgmma<
     } else {
         // SAFETY: the launch contract.
         unsafe {
-            consume::<T, D, STAGES, D_TILES, DETERMINISTIC, MODS>(
+            consume::<T, D, STAGES, D_TILES, DQ_TILES, DETERMINISTIC, MODS>(
                 smem,
                 &block,
                 &shape,
@@ -1206,7 +1213,15 @@ macro_rules! flash_backward_wgmma_instance {
             dq_turns: *mut u32,
         ) |shape, mask, score, scale| {
             unsafe {
-                flash_backward_wgmma::<hw::$format, $d, $stages, { $d / 8 }, $deterministic, $mods>(
+                flash_backward_wgmma::<
+                    hw::$format,
+                    $d,
+                    $stages,
+                    { $d / 8 },
+                    { hopper_backward_dq_columns($d) / 8 },
+                    $deterministic,
+                    $mods,
+                >(
                     maps, lse, delta, dk, dv, dq_turns, shape, mask, score, scale,
                 )
             }
