@@ -153,7 +153,7 @@ fn check_hopper_forward<T: Element>(ctx: &Context, shape: AttentionShape, option
 #[test]
 fn hopper_forward_matches_the_reference() {
     let Some(ctx) = hopper("hopper_forward_matches_the_reference") else { return };
-    for head_dim in [64, 80, 96, 128, 192, 256] {
+    for head_dim in [64, 80, 96, 128, 160, 192, 256] {
         check_hopper_cases(ctx, head_dim);
     }
 }
@@ -308,8 +308,8 @@ fn hopper_gradients<T: Element>(
 #[test]
 fn hopper_backward_matches_the_reference() {
     let Some(ctx) = hopper("hopper_backward_matches_the_reference") else { return };
-    // 64 to 128 (80 and 96 in tiles of two column blocks, the second one partly padding), the
-    // wide-head kernel (64 keys a block) at 192 and 256, and 160 on 192's with padding columns.
+    // 64 to 128 (80 and 96 in tiles of two column blocks, the second one partly padding), and
+    // the wide-head kernel (64 keys a block) at 160, 192 and 256.
     for head_dim in [64, 80, 96, 128, 160, 192, 256] {
         let shape =
             |batch, heads_q, heads_kv, seqlen_q, seqlen_k| gqa(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim);
@@ -428,9 +428,9 @@ fn hopper_padded_head_dims_match_the_reference() {
             check_hopper_backward::<bf16>(ctx, shape, options, dq, seed + 3);
         }
     }
-    // Above 128 the Hopper forward and backward run on the 192 and 256 kernels (the backward's
-    // wide-head kernel in atomic dQ only).
-    for head_dim in [136, 160, 200, 248] {
+    // Above 128 the Hopper forward and backward run on the 160, 192 and 256 kernels (the
+    // backward's wide-head kernel in atomic dQ only).
+    for head_dim in [136, 152, 176, 200, 248] {
         let cases = [
             (gqa(1, 4, 2, 200, 333, head_dim), AttentionOptions::causal(Causal::BottomRight)),
             (gqa(1, 2, 1, 300, 197, head_dim), AttentionOptions::causal(Causal::TopLeft)),
@@ -512,10 +512,15 @@ fn the_kernel_path_picks_the_forward_kernel() {
     assert_eq!(label(&short, none), "sm_90a m64_n128_s2");
     let vit = AttentionShape { batch: 256, num_heads_q: 12, num_heads_kv: 12, ..short };
     assert_eq!(label(&vit, none), "sm_90a m64_n128_s2 persistent");
-    // Above head_dim 128, two consumers over smaller key tiles (96 keys at 192, 64 at 256).
-    for (head_dim, want) in
-        [(256, "sm_90a m128_n64_s2"), (192, "sm_90a m128_n96_s2"), (160, "sm_90a m128_n96_s2 on d192")]
-    {
+    // Above head_dim 128, two consumers over smaller key tiles (96 keys at 160 and 192, 64 at
+    // 256); a head_dim between compiled ones on the next.
+    for (head_dim, want) in [
+        (256, "sm_90a m128_n64_s2"),
+        (192, "sm_90a m128_n96_s2"),
+        (160, "sm_90a m128_n96_s2"),
+        (152, "sm_90a m128_n96_s2 on d160"),
+        (88, "sm_90a m128_n128_s2 on d96"),
+    ] {
         let wide = AttentionShape { head_dim, ..small };
         let tile = TileConfig::default_for_dtype(DType::F16, head_dim);
         assert_eq!(sm90a.forward_kernel_label(DType::F16, &wide, none, tile), want);

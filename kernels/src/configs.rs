@@ -128,7 +128,7 @@ macro_rules! sm80_backward_tiles {
 /// blocks, which lose where the grid is only a few waves deep; the host picks by grid size. At
 /// head_dim 128 the products dominate, registers allow only two consumers, and the turns only add
 /// waiting. Above 128 the K/V tiles shrink so that two stages fit beside Q and the S and P
-/// registers beside O (`head_dim / 2` a thread): 96 keys at 192, 64 at 256 (80, FlashAttention-3's
+/// registers beside O (`head_dim / 2` a thread): 96 keys at 160 and 192, 64 at 256 (80, FlashAttention-3's
 /// choice there, spills in the consumers).
 #[allow(unused_macros)] // used on nvptx64 only
 macro_rules! sm90_forward_configs {
@@ -142,6 +142,7 @@ macro_rules! sm90_forward_configs {
                 (128, 80, 128, 2, false, s2),
                 (128, 96, 128, 2, false, s2),
                 (128, 128, 128, 2, false, s2),
+                (128, 160, 96, 2, false, s2),
                 (128, 192, 96, 2, false, s2),
                 (128, 256, 64, 2, false, s2)
             ]
@@ -217,6 +218,7 @@ macro_rules! sm90_backward_configs {
                 (80, 128, 2, deterministic),
                 (96, 128, 2, deterministic),
                 (128, 128, 2, deterministic),
+                (160, 64, 2, atomic),
                 (192, 64, 2, atomic),
                 (256, 64, 2, atomic)
             ]

@@ -197,12 +197,12 @@ macro_rules! wgmma_issue {
 /// fragments with the layout of `mma.sync`'s m16n8 C tiles. Warp w of the warpgroup owns rows
 /// 16w … 16w + 15; lane l holds, for fragment j, entries 0 and 1 at row 16w + l/4, columns
 /// 8j + 2(l%4) and + 1, and entries 2 and 3 eight rows lower. Implemented for N = 32, 64, 80, 96,
-/// 128, 192 and 256 (`[FragC; 4]` … `[FragC; 32]`): the key tiles and head dims the Hopper kernels
+/// 128, 160, 192 and 256 (`[FragC; 4]` … `[FragC; 32]`): the key tiles and head dims the Hopper kernels
 /// compile (`crate::configs`), and the half query tiles of the wide-head backward. One more is one
 /// line below.
 ///
-/// An MN-major B operand may end inside a column block: at N = 80 or 96 the products read the
-/// first 16 or 32 columns of a tile's second 64-column block (`layout::hopper_tile_columns`).
+/// An MN-major B operand may end inside a column block: at N = 80, 96 or 160 the products read
+/// the first 16 or 32 columns of a tile's last 64-column block (`layout::hopper_tile_columns`).
 pub trait Accumulator {
     /// D (64 × N) = A (64 × 16) · B (16 × N) + D if `accumulate`, else A · B, on the warpgroup's
     /// tensor cores (`wgmma.mma_async.m64nNk16.f32.f16.f16`, or `.bf16`, as `T` is). A and B
@@ -311,6 +311,7 @@ accumulator!(8, "64", [0 1 2 3 4 5 6 7]);
 accumulator!(10, "80", [0 1 2 3 4 5 6 7 8 9]);
 accumulator!(12, "96", [0 1 2 3 4 5 6 7 8 9 10 11]);
 accumulator!(16, "128", [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15]);
+accumulator!(20, "160", [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19]);
 accumulator!(24, "192", [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23]);
 accumulator!(32, "256", [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31]);
 
