@@ -445,7 +445,15 @@ fn hopper_padded_head_dims_match_the_reference() {
     }
     let sm90a = sm90a_context(ctx);
     let shape = |head_dim| gqa(1, 4, 2, 300, 300, head_dim);
-    let paths = [(96, "sm_90a"), (40, "sm_90a"), (72, "sm_90a"), (100, "sm_80"), (17, "sm_80"), (160, "sm_90a"), (200, "sm_90a")];
+    let paths = [
+        (96, "sm_90a"),
+        (40, "sm_90a"),
+        (72, "sm_90a"),
+        (100, "sm_80"),
+        (17, "sm_80"),
+        (160, "sm_90a"),
+        (200, "sm_90a"),
+    ];
     for (head_dim, path) in paths {
         let tile = TileConfig::default_for_dtype(DType::F16, head_dim);
         let label = sm90a.forward_kernel_label(DType::F16, &shape(head_dim), Causal::None, tile);
