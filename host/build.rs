@@ -599,7 +599,7 @@ fn module_ptx(group: &ModuleGroup, bitcode: &Bitcode, tools: &LlvmTools) -> Stri
     if *arch == TURING_ARCH { ptx } else { with_launch_bounds(ptx) }
 }
 
-/// The device crate's table of compiled configurations: its `LAUNCH_BOUNDS` are written into the
+/// The device crate's table of compiled configurations: its `launch_bounds` are written into the
 /// PTX here (its macros are for the device crate and unused in this one).
 #[path = "../kernels/src/configs.rs"]
 #[allow(unused_macros, dead_code)]
@@ -628,13 +628,21 @@ fn with_launch_bounds(ptx: String) -> String {
     out
 }
 
-/// Fails the build if a kernel named in `configs::LAUNCH_BOUNDS` is in none of the modules: a
-/// renamed or removed kernel must not silently lose its bounds.
+/// Fails the build if a kernel named in `configs::LAUNCH_BOUNDS` is in none of the modules (a
+/// renamed or removed kernel must not silently lose its bounds), or if a Hopper flash kernel has
+/// a name that `configs::launch_bounds` cannot read its bounds from (`setmaxnreg` needs them).
 fn check_launch_bounds(modules: &[(&'static ModuleGroup, String)]) {
     let entries: Vec<String> = modules.iter().flat_map(|(_, ptx)| ptx_entries(ptx)).collect();
     for (name, _, _) in configs::LAUNCH_BOUNDS {
         if !entries.iter().any(|entry| entry == name) {
             fail(&format!("kernels/src/configs.rs names `{name}` in LAUNCH_BOUNDS, but no kernel has that name"));
+        }
+    }
+    for entry in entries.iter().filter(|entry| entry.starts_with("hopper_flash_")) {
+        if configs::launch_bounds(entry).is_none() {
+            fail(&format!(
+                "no launch bounds for the Hopper kernel `{entry}`: configs::launch_bounds reads them from its name"
+            ));
         }
     }
 }

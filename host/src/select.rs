@@ -692,7 +692,10 @@ mod tests {
                 (64, waves(1), false),
                 (64, waves(2) - 1, true),
                 (64, waves(2), true),
+                (80, waves(1), false),
+                (96, waves(2), true),
                 (128, waves(1), false),
+                (160, waves(2), false),
                 (192, waves(2), false),
                 (256, waves(2), true),
             ];

@@ -2,7 +2,7 @@
 //! budgets of the Hopper kernels and the launch bounds that `host/build.rs` writes into the PTX.
 //!
 //! The kernel files instantiate their entries by calling the list macros below with an instance
-//! macro of their own; `host/build.rs` includes this file too (for [`LAUNCH_BOUNDS`]) and the
+//! macro of their own; `host/build.rs` includes this file too (for [`launch_bounds`]) and the
 //! host's registry is generated from the entry names that reach the PTX. To compile another tile
 //! or head_dim, add it to the list here (and, for the host to pick it by default, to its
 //! selection policy). Lists hold only what was measured to pay (PERFORMANCE.md says why each

@@ -405,8 +405,9 @@ pub const HOPPER_SMEM_ALIGN: usize = 1024;
 
 /// Columns of a Hopper kernel's shared-memory tile of `head_dim`: whole 128-byte swizzled
 /// column blocks of 64 16-bit values, so `head_dim` rounded up to 64. The `wgmma`s read only the
-/// first `head_dim` columns (a multiple of 16); at head_dim 80 or 96 the rest of the second block
-/// is never read, and TMA fills it with zeros past the tensor's last column anyway. (A 64- or
+/// first `head_dim` columns (a multiple of 16), except the wide backward's dQ at 160, which
+/// multiplies its third block whole; TMA fills the padding with zeros past the tensor's last
+/// column. (A 64- or
 /// 32-byte swizzle would fit 96 columns exactly, at the cost of a second tile layout in every
 /// Hopper kernel; shared memory has room for the padding at these head dims.)
 pub const fn hopper_tile_columns(head_dim: usize) -> usize {
@@ -456,8 +457,8 @@ pub const fn hopper_backward_dq_columns(head_dim: usize) -> usize {
 }
 
 /// Columns of a Hopper backward consumer's dQ staging tile (`f32`, 64 rows), whole TMA boxes of
-/// 32: [`hopper_backward_dq_columns`] rounded up to a box (64 at 64, 96 at 80 and 96), 64 at 128
-/// and 192, 32 (one box) at 256, where shared memory holds no more (the kernel takes 226 of the
+/// 32: [`hopper_backward_dq_columns`] rounded up to a box (64 at 64, 96 at 80 and 96), 64 at 128,
+/// 160 and 192, 32 (one box) at 256, where shared memory holds no more (the kernel takes 226 of the
 /// H200's 227 KiB).
 pub const fn hopper_backward_dq_staging_columns(head_dim: usize) -> usize {
     if head_dim <= 192 { hopper_backward_dq_columns(head_dim).div_ceil(32) * 32 } else { 32 }

@@ -28,11 +28,11 @@ impl Context {
     /// FlashAttention forward on Hopper (`kernels/src/sm90/forward.rs`, the structure of
     /// FlashAttention-3: Shah et al. 2024, Algorithms 1 and 2): O = softmax(Q Kᵀ · scale) V and
     /// the logsumexp, for `f16`/`bf16` tensors of any head_dim that is a multiple of 8 up to 256
-    /// (compiled for 64, 80, 96, 128, 192 and 256; the others run on the next one, the TMA boxes reading
+    /// (compiled for 64, 80, 96, 128, 160, 192 and 256; the others run on the next one, the TMA boxes reading
     /// zeros past the last column and the stores skipping it), with the shapes, masks
     /// (causal either alignment), GQA and scale of [`Context::flash_attention_forward`]. A block
     /// has a producer warpgroup, which loads tiles with TMA, and consumer warpgroups of 64 query
-    /// rows each over a two-stage K/V ring of block_n keys (128 up to head_dim 128, 96 at 192, 64
+    /// rows each over a two-stage K/V ring of block_n keys (128 up to head_dim 128, 96 at 160 and 192, 64
     /// at 256): two (block_m = 128) from head_dim 128 on; at
     /// 64 three (block_m = 192) on grids at least one wave deep (two under a causal mask) whose
     /// heads fill at least one block of 192 rows, else two taking ping-pong turns; with at most 256
@@ -126,7 +126,7 @@ impl Context {
 
     /// FlashAttention backward on Hopper (`kernels/src/sm90/backward.rs`: FlashAttention-2's
     /// Algorithm 2 with FlashAttention-3's structure): dQ, dK, dV for `f16`/`bf16` tensors of
-    /// any head_dim that is a multiple of 8 up to 256 (compiled for 64, 80, 96, 128, 192 and 256;
+    /// any head_dim that is a multiple of 8 up to 256 (compiled for 64, 80, 96, 128, 160, 192 and 256;
     /// [`DqAccumulation::Deterministic`] up to 128), with the shapes, masks, GQA and scale of
     /// [`Context::flash_attention_backward`]. A block owns 128 keys (two consumer warpgroups of
     /// 64; above head_dim 128, 64 keys that both consumers share, each taking half of every query

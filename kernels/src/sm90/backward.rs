@@ -29,15 +29,16 @@
 //! 32 columns of the second block. dSᵀ alternates between two buffers, so a warp never
 //! overwrites rows that a product of the previous tile may still read.
 //!
-//! **Wide heads** (head_dim 192 and 256, [`consume_wide`]): 64 keys' dK and dV in registers
+//! **Wide heads** (head_dim 160, 192 and 256, [`consume_wide`]): 64 keys' dK and dV in registers
 //! would take `head_dim` registers a thread (256 at 256) on top of Sᵀ and dPᵀ, more than a
 //! thread has. So a block owns 64 keys, and the two consumers split the work of each query tile
 //! instead of the keys: each computes Sᵀ and dPᵀ for all 64 keys and its half of the tile's
 //! queries (`wgmma` N = 32), writes its halves of Pᵀ and dSᵀ to two key-row buffers, and after a
 //! barrier of both, consumer 0 accumulates dV += Pᵀ·dO and consumer 1 dK += dSᵀ·Q over the whole
 //! tile, both operands from shared memory (`head_dim / 2` registers each: 128 at 256). dQ = dS·K
-//! goes by column blocks of 64, alternating between the consumers (at 192 the third block split
-//! by keys, [`wide_dq_round`]). At 192 the first block's product is issued before dV's or dK's,
+//! goes by column blocks of 64, alternating between the consumers (at 160 and 192 the third
+//! block split by keys, [`wide_dq_round`]; at 160 it is multiplied whole, 32 of its columns
+//! padding). At 160 and 192 the first block's product is issued before dV's or dK's,
 //! so that its staging overlaps that longer one; at 256, where each block is staged and added
 //! 32 columns (one TMA box) at a time, dV's or dK's goes first (measured faster there): the
 //! kernel takes 226 of the H200's 227 KiB at 256, and a staging tile of 64 columns each would
@@ -144,11 +145,11 @@ const fn is_wide(d: usize) -> bool {
 /// The block's shared memory, as shared-state-space addresses from a base aligned to one swizzle
 /// atom: K and V (`block_n × D`, [`hopper_backward_block_n`]), `STAGES` slots of a Q and a dO
 /// tile (`BLOCK_M × D`), two key-row buffers (`block_n × BLOCK_M`: dSᵀ of two tiles, or in the
-/// wide-head kernel Pᵀ and dSᵀ of one), a dQ staging tile per consumer (`BLOCK_M × 64` `f32`,
-/// 32 columns at head_dim 256),
-/// `STAGES` slots of the tile's statistics (`BLOCK_M` values of
-/// LSE·log₂e, then `BLOCK_M` of D, `f32`), then the `mbarrier`s. Tiles are `D / 64` swizzled
-/// column blocks. (`crate::layout::hopper_backward_smem_bytes` adds the same up.)
+/// wide-head kernel Pᵀ and dSᵀ of one), a dQ staging tile per consumer (`BLOCK_M ×`
+/// [`hopper_backward_dq_staging_columns`] `f32`), `STAGES` slots of the tile's statistics
+/// (`BLOCK_M` values of LSE·log₂e, then `BLOCK_M` of D, `f32`), then the `mbarrier`s. Tiles are
+/// [`column_blocks`]`(D)` swizzled column blocks. (`crate::layout::hopper_backward_smem_bytes`
+/// adds the same up.)
 #[derive(Clone, Copy)]
 struct SharedTiles<const D: usize, const STAGES: usize> {
     base: u32,
@@ -193,8 +194,9 @@ impl<const D: usize, const STAGES: usize> SharedTiles<D, STAGES> {
         self.base + 2 * Self::KV_BYTES + 2 * STAGES as u32 * Self::Q_BYTES + buffer as u32 * Self::DS_BYTES
     }
 
-    /// Consumer `index`'s staging tile of dQ: `BLOCK_M` rows × 64 columns of `f32` (32 at
-    /// head_dim 256), as swizzled boxes of [`DQ_BOX_COLUMNS`].
+    /// Consumer `index`'s staging tile of dQ: `BLOCK_M` rows ×
+    /// [`hopper_backward_dq_staging_columns`] `f32` (96 at 80 and 96, 64 at 64 to 192, 32 at
+    /// 256), as swizzled boxes of [`DQ_BOX_COLUMNS`].
     #[inline(always)]
     fn dq_staging(self, index: usize) -> u32 {
         self.ds(2) + index as u32 * Self::DQ_STAGING_BYTES
@@ -254,10 +256,10 @@ impl<const D: usize, const STAGES: usize> SharedTiles<D, STAGES> {
 }
 
 /// Which part of a query tile's dQ consumer `index` computes at head_dim `D`: its first key
-/// (of the block's `BLOCK_N`), how many keys, and which column block of 64. At head_dim 64 each
-/// consumer multiplies its own 64 keys into all of dQ's columns, reading only the dSᵀ rows it
-/// wrote; at 80 to 128 (two column blocks) each multiplies all 128 keys into its own 64 columns
-/// (see the module docs).
+/// (of the block's `BLOCK_N`), how many keys, and which column block of 64. Up to head_dim 96
+/// ([`hopper_backward_dq_by_keys`]) each consumer multiplies its own 64 keys into all of dQ's
+/// columns, reading only the dSᵀ rows it wrote; at 128 each multiplies all 128 keys into its own
+/// 64 columns (see the module docs).
 #[inline(always)]
 const fn dq_share<const D: usize>(index: usize) -> (usize, usize, usize) {
     if hopper_backward_dq_by_keys(D) { (index * WARPGROUP_ROWS, WARPGROUP_ROWS, 0) } else { (0, BLOCK_N, index) }
@@ -265,7 +267,7 @@ const fn dq_share<const D: usize>(index: usize) -> (usize, usize, usize) {
 
 /// The turn of consumer `index` of key block `key_block` at dQ tile `tile` (deterministic
 /// mode): the key blocks that add to a tile take turns in grid order, two turns each, and where
-/// both consumers add to the same columns (head_dim 64) consumer 0 goes before consumer 1.
+/// both consumers add to the same columns (up to head_dim 96) consumer 0 goes before consumer 1.
 ///
 /// * Without a mask every key block adds to every tile and the grid runs them in increasing
 ///   order, so the turn of key block `j` is `2j` (`+ index`).
@@ -741,10 +743,10 @@ unsafe fn consume<
         unsafe { store_key_rows(ds_buffer, &ds, key_rows, 0, t) };
         fence_proxy_async();
         // Which dSᵀ rows and which of dQ's column blocks (64 columns of head_dim) this warpgroup
-        // takes ([`dq_share`]): with one column block each warpgroup reads only its own rows of
-        // dSᵀ, and a barrier of its own 128 threads publishes them, so the consumers never wait
-        // for each other; with two, each reads both warpgroups' rows, published by a barrier of
-        // all consumers. In the atomic instances the barrier also frees the staging tile: the
+        // takes ([`dq_share`]): sharing by keys each warpgroup reads only its own rows of dSᵀ,
+        // and a barrier of its own 128 threads publishes them, so the consumers never wait for
+        // each other; by column blocks each reads both warpgroups' rows, published by a barrier
+        // of all consumers. In the atomic instances the barrier also frees the staging tile: the
         // leader's previous addition finished reading it before the leader passed the barrier.
         if !DETERMINISTIC && leader {
             bulk_wait_group_read::<0>();
@@ -777,7 +779,7 @@ unsafe fn consume<
 
         // ANCHOR: dq_reduce
         // The block's share of dQ goes to device memory through TMA: each thread
-        // writes its fragments to the staging tile (two boxes of 32 `f32` columns, swizzled as
+        // writes its fragments to the staging tile (boxes of 32 `f32` columns, swizzled as
         // TMA expects), and one thread asks for the tile to be added to dQ, element by element
         // and atomically, skipping rows past seqlen_q ([`add_dq_boxes`]). That is one request per
         // tile instead of 16 atomics per thread, whose queue filled up and stalled the warps.
@@ -789,7 +791,8 @@ unsafe fn consume<
             // SAFETY: initialised barrier; the first tile finds the staging tile free.
             unsafe { wait_slot_free(smem.dq_empty(index), step, 1, ring_slot(step, 1).1) };
         }
-        // SAFETY: the staging tile, which the barrier or the wait above freed, holds 64 columns.
+        // SAFETY: the staging tile, which the barrier or the wait above freed, holds the share's
+        // columns (`hopper_backward_dq_staging_columns`).
         unsafe { stage_dq(staging, &dq, warp, lane, scale) };
         fence_proxy_async();
         if DETERMINISTIC {
@@ -829,7 +832,7 @@ unsafe fn consume<
 
 /// Round `round` of consumer `index`'s share of a tile's dQ in the wide-head kernel: its column
 /// block (64 columns of head_dim), first key and key count. The column blocks go in pairs, one
-/// to each consumer with all 64 keys; an odd last block (head_dim 192) is split by keys, 32
+/// to each consumer with all 64 keys; an odd last block (head_dim 160 and 192) is split by keys, 32
 /// each, both adding to the same columns. So both consumers run the same rounds.
 #[inline(always)]
 const fn wide_dq_round<const D: usize>(round: usize, index: usize) -> (usize, usize, usize) {

@@ -11,7 +11,7 @@
 //!   enough, where the softmax costs as much as the products and a third warpgroup keeps the
 //!   tensor cores busier, or one (block_m = 64) for short sequences, small enough that two blocks
 //!   share an SM and one's prologue and epilogue overlap the other's products. Above head_dim
-//!   128 the K/V tiles are smaller (96 keys at 192, 64 at 256), so that two stages fit beside
+//!   128 the K/V tiles are smaller (96 keys at 160 and 192, 64 at 256), so that two stages fit beside
 //!   the Q tile and S beside the O accumulator, `D / 2` registers a thread. Producer and
 //!   consumers meet at
 //!   `mbarrier`s: per slot a *full* barrier for K, one for V (TMA completes them),
