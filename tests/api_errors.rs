@@ -56,6 +56,7 @@ fn every_entry_point_rejects_bad_shapes_with_a_message() {
         dk: ctx.full(q_shape, 0.0).unwrap(), // should be K's shape
         dv: ctx.full(kv_shape, 0.0).unwrap(),
         d_sinks: None,
+        d_bias: None,
     };
     let result =
         ctx.flash_attention_backward_into(q, k, v, o, lse, d_o, &mut grads, &opts, tile, DqAccumulation::Deterministic);

@@ -117,6 +117,7 @@ impl Case {
             score: Default::default(),
             sinks: None,
             mask_table: None,
+            bias: None,
         };
         let (o_tol, lse_tol, grad_tol) = tolerances(dtype);
         let reference = cpu::attention(&rounded[0], &rounded[1], &rounded[2], shape, params).unwrap();

@@ -11,7 +11,7 @@ use proptest::prelude::*;
 use common::gqa as shape;
 
 fn params(scale: f64, causal: Causal) -> cpu::Params<'static> {
-    cpu::Params { scale, causal, window: None, score: Default::default(), sinks: None, mask_table: None }
+    cpu::Params { scale, causal, window: None, score: Default::default(), sinks: None, mask_table: None, bias: None }
 }
 
 fn masks() -> impl Strategy<Value = Causal> {

@@ -14,9 +14,9 @@ use std::time::Duration;
 use attn_host::check::{random_normal, relative_l2_error};
 use attn_host::{AttentionShape, Causal, Context, DqAccumulation, TileConfig, cpu};
 use attn_kernels::emu::{self, Arg, EmuErrorKind, Launch};
-use common::attention::{Kernel, check, check_with_sinks, poisoned_rows};
+use common::attention::{Extras, Kernel, check, check_with_extras, check_with_sinks, poisoned_rows};
 use common::decode::{DecodeCase, check_decode};
-use common::tensor_cores::{Inputs, check16, check16_with_sinks};
+use common::tensor_cores::{Inputs, check16, check16_with_extras, check16_with_sinks};
 
 fn emulator() -> &'static Context {
     static CONTEXT: OnceLock<Context> = OnceLock::new();
@@ -591,6 +591,7 @@ fn emulated_sinks_in_every_family() {
         dk: ctx.full(&shape.kv_shape(), 0.0).unwrap(),
         dv: ctx.full(&shape.kv_shape(), 0.0).unwrap(),
         d_sinks: None,
+        d_bias: None,
     };
     let (o, lse) = (forward.o(), forward.lse());
     let missing =
@@ -600,6 +601,116 @@ fn emulated_sinks_in_every_family() {
     let grads = ctx.attention_backward(&forward, &q).unwrap();
     assert_eq!(grads.d_sinks.map(|t| t.shape().to_vec()), Some(vec![3]));
     report("emulated_sinks_in_every_family", count);
+}
+
+/// Random bias values of `shape` (`[batch or 1, heads or 1, seqlen_q, seqlen_k]`, spread 2) with
+/// −∞ entries scattered through them and one query row (row 5 of the first plane) −∞ throughout:
+/// a row that sees no key through its bias alone.
+fn bias_values(shape: [usize; 4], seed: u64) -> Vec<f32> {
+    let seqlen_k = shape[3];
+    let mut values: Vec<f32> = random_normal(shape.iter().product(), seed).iter().map(|x| 2.0 * x).collect();
+    for (index, x) in values.iter_mut().enumerate() {
+        let (i, j) = (index / seqlen_k % shape[2], index % seqlen_k);
+        if (7 * i + 3 * j) % 11 == 0 || (index < shape[2] * seqlen_k && i == 5) {
+            *x = f32::NEG_INFINITY;
+        }
+    }
+    values
+}
+
+/// An additive bias (`Bias`, with its gradient dBias) in every flash family, forward and
+/// backward: the `f32` kernels and the tensor-core kernels (f16, bf16; a wide head whose warps
+/// share each slice) in both dQ modes; a bias of every broadcast (none, over the batch, over the
+/// heads, both), with GQA, causal masks of both alignments, a window, ALiBi and sinks, ragged
+/// lengths, −∞ entries and a row hidden by its bias alone. Then what refuses a bias, before any
+/// launch, and the one-call API carrying it to the backward.
+#[test]
+fn emulated_bias_in_every_family() {
+    use attn_host::{Alibi, AttentionOptions, Error, SlidingWindow};
+    let ctx = emulator();
+    let sinks = [0.5f32, -1.0, 2.0];
+    let cases = [
+        (AttentionOptions::default(), [2, 3], None, 45, 70),
+        (AttentionOptions::causal(Causal::BottomRight), [1, 3], None, 70, 45),
+        (AttentionOptions::default().with_alibi(Alibi::standard()), [2, 1], None, 33, 33),
+        (
+            AttentionOptions::causal(Causal::TopLeft).with_window(SlidingWindow::new(Some(9), Some(4))),
+            [1, 1],
+            Some(&sinks[..]),
+            40,
+            52,
+        ),
+    ];
+    let mut count = 0;
+    for (i, &(options, [bias_batch, bias_heads], sinks, seqlen_q, seqlen_k)) in cases.iter().enumerate() {
+        let shape = AttentionShape { batch: 2, num_heads_q: 3, num_heads_kv: 1, seqlen_q, seqlen_k, head_dim: 32 };
+        let bias_shape = [bias_batch, bias_heads, seqlen_q, seqlen_k];
+        let values = bias_values(bias_shape, 900 + i as u64);
+        let extras = Extras { sinks, bias: Some(cpu::BiasValues { values: &values, shape: bias_shape }) };
+        let mode = if i % 2 == 0 { DqAccumulation::Atomic } else { DqAccumulation::Deterministic };
+        check_with_extras(ctx, shape, Kernel::Flash(TileConfig::new(16, 16), mode), options, extras, 900 + count, true);
+        count += 1;
+        let shape = AttentionShape { head_dim: 64, ..shape };
+        let dtype = if i % 2 == 0 { attn_host::DType::F16 } else { attn_host::DType::Bf16 };
+        let tiles = (TileConfig::default_for_dtype(dtype, 64), TileConfig::default_backward_for_dtype(dtype, 64));
+        let run =
+            if i % 2 == 0 { check16_with_extras::<attn_host::f16> } else { check16_with_extras::<attn_host::bf16> };
+        run(ctx, shape, tiles.0, Some((tiles.1, mode)), options, extras, 900 + count, Inputs::Normal);
+        count += 1;
+    }
+    // A wide head (two warps share each 16-row slice's columns; only the first adds dBias).
+    let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 1, seqlen_q: 33, seqlen_k: 40, head_dim: 192 };
+    let bias_shape = [1, 2, 33, 40];
+    let values = bias_values(bias_shape, 950);
+    let extras = Extras { sinks: None, bias: Some(cpu::BiasValues { values: &values, shape: bias_shape }) };
+    let dtype = attn_host::DType::Bf16;
+    let tiles = (TileConfig::default_for_dtype(dtype, 192), TileConfig::default_backward_for_dtype(dtype, 192));
+    let causal = options(Causal::BottomRight);
+    check16_with_extras::<attn_host::bf16>(
+        ctx,
+        shape,
+        tiles.0,
+        Some((tiles.1, DqAccumulation::Atomic)),
+        causal,
+        extras,
+        950,
+        Inputs::Normal,
+    );
+    count += 1;
+
+    // What refuses a bias, before any launch.
+    let shape = AttentionShape { batch: 1, num_heads_q: 3, num_heads_kv: 3, seqlen_q: 8, seqlen_k: 8, head_dim: 32 };
+    let n = shape.q_shape().iter().product();
+    let [q, k, v] = [1, 2, 3].map(|seed| ctx.upload(&random_normal(n, seed), &shape.q_shape()).unwrap());
+    let bias = ctx.upload(&random_normal(3 * 64, 4), &[1, 3, 8, 8]).unwrap();
+    let options = AttentionOptions::default().with_bias(&bias);
+    let refused = |result: attn_host::Result<()>, what: &str| {
+        assert!(matches!(result, Err(Error::Bias(_))), "{what}: {result:?}");
+    };
+    refused(ctx.attention_naive(&q, &k, &v, &options).map(|_| ()), "naive");
+    refused(ctx.attention(&q, &k, &v, &options.with_softcap(5.0)).map(|_| ()), "softcap");
+    let wrong = ctx.upload(&random_normal(128, 5), &[2, 1, 8, 8]).unwrap();
+    refused(ctx.attention(&q, &k, &v, &AttentionOptions::default().with_bias(&wrong)).map(|_| ()), "wrong batch");
+    let forward = ctx.attention(&q, &k, &v, &options).unwrap();
+    let mut grads = attn_host::Gradients {
+        dq: ctx.full(&shape.q_shape(), 0.0).unwrap(),
+        dk: ctx.full(&shape.kv_shape(), 0.0).unwrap(),
+        dv: ctx.full(&shape.kv_shape(), 0.0).unwrap(),
+        d_sinks: None,
+        d_bias: None,
+    };
+    let (o, lse, tile) = (forward.o(), forward.lse(), TileConfig::new(16, 16));
+    let atomic = DqAccumulation::Atomic;
+    refused(ctx.flash_attention_backward_into(&q, &k, &v, o, lse, &q, &mut grads, &options, tile, atomic), "no dBias");
+    grads.d_bias = Some(ctx.full(&[3, 8, 8], 0.0).unwrap());
+    refused(
+        ctx.flash_attention_backward_into(&q, &k, &v, o, lse, &q, &mut grads, &options, tile, atomic),
+        "dBias shape",
+    );
+    // The one-call API carries the bias to the backward, which returns its gradient.
+    let grads = ctx.attention_backward(&forward, &q).unwrap();
+    assert_eq!(grads.d_bias.map(|t| t.shape().to_vec()), Some(vec![1, 3, 8, 8]));
+    report("emulated_bias_in_every_family", count);
 }
 
 /// Masks given per token ([`attn_host::MaskTable`]) in every family: document masks from

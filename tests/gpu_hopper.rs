@@ -300,6 +300,7 @@ fn hopper_gradients<T: Element>(
         dk: ctx.full(&shape.kv_shape(), nan).unwrap(),
         dv: ctx.full(&shape.kv_shape(), nan).unwrap(),
         d_sinks: options.sinks.map(|_| ctx.full(&[shape.num_heads_q], f32::NAN).unwrap()),
+        d_bias: None,
     };
     ctx.flash_attention_backward_hopper_into(q, k, v, &fwd.o, &fwd.lse, d_o, &mut grads, &options, dq).unwrap();
     [grads.dq.to_host().unwrap(), grads.dk.to_host().unwrap(), grads.dv.to_host().unwrap()]

@@ -124,6 +124,7 @@ fn attention_beyond_two_to_the_31_elements() {
         score: Default::default(),
         sinks: None,
         mask_table: None,
+        bias: None,
     };
     let reference = cpu::attention(&picked, &k, &v, &sub, params).unwrap();
     for (name, out) in [
@@ -168,6 +169,7 @@ fn large_logits_do_not_overflow() {
         score: Default::default(),
         sinks: None,
         mask_table: None,
+        bias: None,
     };
     let reference = cpu::attention(&q, &k, &v, &shape, params).unwrap();
     let max_logit = reference.lse.iter().fold(0.0f64, |m, x| m.max(x.abs()));

@@ -24,8 +24,8 @@ pub fn vector_add(a: &[f32], b: &[f32]) -> Result<Vec<f64>> {
 
 /// Checks `shape` (as [`AttentionShape::from_qkv_allowing_empty`] does: empty problems are fine) and that Q (and dO) hold
 /// `shape.q_shape()` elements and K, V `shape.kv_shape()`.
-/// Checks that the sinks of `params`, if any, are one per query head, and that its mask table,
-/// if any, was made for `shape`.
+/// Checks that the sinks of `params`, if any, are one per query head, and that its mask table
+/// and bias, if any, were made for `shape`.
 fn check_sinks(shape: &AttentionShape, params: &Params) -> Result<()> {
     if let Some(table) = params.mask_table
         && table.dims() != [shape.batch, shape.seqlen_q, shape.seqlen_k]
@@ -35,6 +35,20 @@ fn check_sinks(shape: &AttentionShape, params: &Params) -> Result<()> {
             table.kind(),
             table.dims()
         )));
+    }
+    if let Some(bias) = params.bias {
+        let [b, h, sq, sk] = bias.shape;
+        let fits = (b == 1 || b == shape.batch)
+            && (h == 1 || h == shape.num_heads_q)
+            && [sq, sk] == [shape.seqlen_q, shape.seqlen_k]
+            && bias.values.len() == bias.shape.iter().product::<usize>();
+        if !fits {
+            return Err(Error::Bias(format!(
+                "{} bias values of shape {:?} for the problem {shape:?}",
+                bias.values.len(),
+                bias.shape
+            )));
+        }
     }
     match params.sinks {
         Some(s) if s.len() != shape.num_heads_q => {
@@ -79,6 +93,27 @@ pub struct GradientReference {
     pub dv: Vec<f64>,
     /// ∂loss/∂sinks, `[num_heads_q]`, with attention sinks ([`Params::sinks`]); empty without.
     pub d_sinks: Vec<f64>,
+    /// ∂loss/∂bias, the bias's shape, with a bias ([`Params::bias`]); empty without.
+    pub d_bias: Vec<f64>,
+}
+
+/// An additive bias's values on the host, as the references take it ([`crate::Bias`] is the
+/// device tensor's): `values` row-major of `shape = [batch or 1, num_heads_q or 1, seqlen_q,
+/// seqlen_k]`, a dimension of 1 broadcast.
+#[derive(Clone, Copy, Debug)]
+pub struct BiasValues<'a> {
+    /// The entries, natural-log units.
+    pub values: &'a [f32],
+    /// `[batch or 1, num_heads_q or 1, seqlen_q, seqlen_k]`.
+    pub shape: [usize; 4],
+}
+
+impl BiasValues<'_> {
+    /// The index of entry `[b][h][i][j]` in the bias (and dBias): broadcast dimensions have one.
+    pub fn index(&self, b: usize, h: usize, i: usize, j: usize) -> usize {
+        let (batch_stride, head_stride) = crate::problem::bias_strides(&self.shape);
+        b * batch_stride + h * head_stride + i * self.shape[3] + j
+    }
 }
 
 /// The scale, mask, score modification and attention sinks of a problem, as the reference
@@ -98,12 +133,14 @@ pub struct Params<'a> {
     /// A mask given per token ([`crate::MaskTable`]), intersected with the causal mask and the
     /// window (its host copy is what the references read).
     pub mask_table: Option<MaskTableRef<'a>>,
+    /// An additive bias on the logits ([`crate::Bias`]), on the host.
+    pub bias: Option<BiasValues<'a>>,
 }
 
 impl<'a> Params<'a> {
     /// The scale, mask (its table included) and score modification of `options` for
-    /// `head_dim`, without sinks (those of `options` live on a device: give their values as
-    /// [`Params::sinks`]).
+    /// `head_dim`, without sinks or a bias (those of `options` live on a device: give their
+    /// values as [`Params::sinks`] and [`Params::bias`]).
     pub fn of(options: &AttentionOptions<'a>, head_dim: usize) -> Self {
         Self {
             scale: options.scale_for(head_dim) as f64,
@@ -112,6 +149,7 @@ impl<'a> Params<'a> {
             score: options.score,
             sinks: None,
             mask_table: options.mask_table,
+            bias: None,
         }
     }
 
@@ -120,10 +158,11 @@ impl<'a> Params<'a> {
         self.sinks.map(|s| s[h] as f64)
     }
 
-    /// The logit of query `i` and key `j` of query head `h` whose product is `dot`: `scale ·
-    /// dot`, modified ([`ScoreMod::logit`]).
-    fn logit(&self, dot: f64, h: usize, i: usize, j: usize, shape: &AttentionShape) -> f64 {
-        self.score.logit(self.scale * dot, h, i, j, shape)
+    /// The logit of query `i` and key `j` of query head `h` of batch entry `b` whose product is
+    /// `dot`: `scale · dot`, modified ([`ScoreMod::logit`]), plus the bias.
+    fn logit(&self, dot: f64, (b, h): (usize, usize), i: usize, j: usize, shape: &AttentionShape) -> f64 {
+        let bias = self.bias.map_or(0.0, |bias| bias.values[bias.index(b, h, i, j)] as f64);
+        self.score.logit(self.scale * dot, h, i, j, shape) + bias
     }
 
     /// Whether query `i` of batch entry `b` sees key `j` ([`AttentionOptions::visible`]).
@@ -170,7 +209,7 @@ fn probabilities(q_row: &[f32], i: usize, head: &Head, shape: &AttentionShape, p
         .map(|(j, k_row)| {
             params
                 .visible(head.b, i, j, shape.seqlen_q, shape.seqlen_k)
-                .then(|| params.logit(dot(q_row, k_row), head.h, i, j, shape))
+                .then(|| params.logit(dot(q_row, k_row), (head.b, head.h), i, j, shape))
         })
         .collect();
     let terms = || scores.iter().flatten().copied().chain(params.sink(head.h));
@@ -282,14 +321,16 @@ pub fn attention_backward(
     let mut dk = vec![0.0; k.len()];
     let mut dv = vec![0.0; v.len()];
     let mut d_sinks = vec![0.0; if params.sinks.is_some() { shape.num_heads_q } else { 0 }];
+    let mut d_bias = vec![0.0; params.bias.map_or(0, |b| b.values.len())];
     if shape.is_empty() {
         // No query sees a key: every gradient is 0 (O = 0, so D = 0 for the sinks too).
-        return Ok(GradientReference { dq, dk, dv, d_sinks });
+        return Ok(GradientReference { dq, dk, dv, d_sinks, d_bias });
     }
     let group = shape.group_size();
     // Chunks: dQ of the `group` query heads of one key/value head, and that head's dK and dV;
-    // each returns its query heads' sink gradients, added up below in a fixed order.
-    let sink_parts: Vec<Vec<f64>> = dq
+    // each returns its query heads' sink gradients and dS (with a bias), added up below in a
+    // fixed order.
+    let parts: Vec<Vec<HeadGradients>> = dq
         .par_chunks_mut(group * shape.seqlen_q * d)
         .zip(dk.par_chunks_mut(shape.seqlen_k * d))
         .zip(dv.par_chunks_mut(shape.seqlen_k * d))
@@ -306,18 +347,33 @@ pub fn attention_backward(
             parts
         })
         .collect();
-    if !d_sinks.is_empty() {
-        for (kv_index, parts) in sink_parts.iter().enumerate() {
-            for (g, part) in parts.iter().enumerate() {
-                d_sinks[(kv_index % shape.num_heads_kv) * group + g] += part;
+    for (kv_index, parts) in parts.iter().enumerate() {
+        let (b, kv_head) = (kv_index / shape.num_heads_kv, kv_index % shape.num_heads_kv);
+        for (g, part) in parts.iter().enumerate() {
+            let h = kv_head * group + g;
+            if !d_sinks.is_empty() {
+                d_sinks[h] += part.d_sink;
+            }
+            if let Some(bias) = params.bias {
+                for (ij, ds) in part.ds.iter().enumerate() {
+                    d_bias[bias.index(b, h, ij / shape.seqlen_k, ij % shape.seqlen_k)] += ds;
+                }
             }
         }
     }
-    Ok(GradientReference { dq, dk, dv, d_sinks })
+    Ok(GradientReference { dq, dk, dv, d_sinks, d_bias })
+}
+
+/// What one query head's backward returns besides its dQ, dK and dV: its sink's gradient over
+/// its rows, `−Σ_i e^(sink − LSE_i) · D_i` (0 without sinks), and with a bias its dS,
+/// `[seqlen_q × seqlen_k]` (empty without), which is its dBias.
+struct HeadGradients {
+    d_sink: f64,
+    ds: Vec<f64>,
 }
 
 /// One query head's contribution: writes its dQ, adds to its key/value head's dK and dV, and
-/// returns its sink's gradient over its rows, `−Σ_i e^(sink − LSE_i) · D_i` (0 without sinks).
+/// returns its sink's and bias's gradients ([`HeadGradients`]).
 fn backward_head(
     head: &Head,
     do_head: &[f32],
@@ -326,9 +382,10 @@ fn backward_head(
     dq: &mut [f64],
     dk: &mut [f64],
     dv: &mut [f64],
-) -> f64 {
+) -> HeadGradients {
     let d = shape.head_dim;
     let mut d_sink = 0.0;
+    let mut ds_all = vec![0.0; if params.bias.is_some() { shape.seqlen_q * shape.seqlen_k } else { 0 }];
     for (i, (q_row, do_row)) in head.q.chunks_exact(d).zip(do_head.chunks_exact(d)).enumerate() {
         let (p, lse) = probabilities(q_row, i, head, shape, params);
         // ∂ℓ/∂(q·k) = scale · ScoreMod::derivative.
@@ -345,6 +402,9 @@ fn backward_head(
                 continue;
             }
             let ds = p[j] * (dp[j] - delta) * params.score.derivative(x(j));
+            if !ds_all.is_empty() {
+                ds_all[i * shape.seqlen_k + j] = ds;
+            }
             let (k_row, dk_row, dv_row) =
                 (&head.k[j * d..(j + 1) * d], &mut dk[j * d..(j + 1) * d], &mut dv[j * d..(j + 1) * d]);
             for c in 0..d {
@@ -354,7 +414,7 @@ fn backward_head(
             }
         }
     }
-    d_sink
+    HeadGradients { d_sink, ds: ds_all }
 }
 
 /// FlashAttention-2's forward algorithm (Dao 2023, Algorithm 1) on the CPU, in `f64`: the same
@@ -386,6 +446,9 @@ pub fn flash_attention(
     check_inputs(shape, q, k, v, None)?;
     if tile.block_m == 0 || tile.block_n == 0 {
         return Err(Error::Shape(format!("tile sizes must be at least 1; got {tile:?}")));
+    }
+    if params.bias.is_some() {
+        return Err(Error::Bias("the CPU walk-through of FlashAttention takes no bias; `attention` does".into()));
     }
     if params.sinks.is_some() {
         return Err(Error::Sinks("the CPU walk-through of FlashAttention takes no sinks; `attention` does".into()));
@@ -446,7 +509,7 @@ fn flash_block(
                 .enumerate()
                 .map(|(j, k_row)| {
                     let (query, key) = (first_row + i, tile_index * block_n + j);
-                    visible(j).then(|| params.logit(dot(q_row, k_row), head.h, query, key, shape))
+                    visible(j).then(|| params.logit(dot(q_row, k_row), (head.b, head.h), query, key, shape))
                 })
                 .collect();
             let m_new = s.iter().flatten().copied().fold(m[i], f64::max);
@@ -511,6 +574,9 @@ pub fn decode(
     (num_heads_q, num_heads_kv, seqlen_q, head_dim): (usize, usize, usize, usize),
     params: Params,
 ) -> Result<Reference> {
+    if params.bias.is_some() {
+        return Err(Error::Bias("the decoder takes no bias, nor does its reference".into()));
+    }
     let batch = seqs.len();
     let per_batch = num_heads_q * seqlen_q * head_dim;
     if q.len() != batch * per_batch {

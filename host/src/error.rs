@@ -81,6 +81,11 @@ pub enum Error {
     #[error("attention sinks: {0}")]
     Sinks(String),
 
+    /// An additive bias ([`crate::Bias`]) or its gradient of the wrong shape or context, or given
+    /// to an entry point or together with an option that does not take it.
+    #[error("bias: {0}")]
+    Bias(String),
+
     /// A mask given per token ([`crate::MaskTable`]: documents, prefix-LM, varlen) with bad input, made
     /// for another shape or context, or given to an entry point that does not take it.
     #[error("mask table: {0}")]

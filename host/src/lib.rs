@@ -124,8 +124,8 @@ pub use half::{bf16, f16};
 pub use kernels::FlashKernel;
 pub use ops::{Attention, AttentionOutput, DecodeOptions, DecodePlan, DescriptorOffsets, Gradients, KvCache, Layout};
 pub use problem::{
-    Alibi, AttentionOptions, AttentionShape, Causal, DqAccumulation, MaskTableKind, MaskTableRef, ScoreMod, Sinks,
-    SlidingWindow, TileConfig,
+    Alibi, AttentionOptions, AttentionShape, Bias, Causal, DqAccumulation, MaskTableKind, MaskTableRef, ScoreMod,
+    Sinks, SlidingWindow, TileConfig,
 };
 pub use runtime::{Context, DeviceTensor, MaskTable, TensorMap, timing};
 pub use select::KernelPath;

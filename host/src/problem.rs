@@ -270,6 +270,80 @@ impl Sinks<'_> {
     }
 }
 
+/// An additive bias on the logits (FlexAttention's `score_mod` of a bias tensor; Swin's relative
+/// position bias, T5's bucketed position bias, PyTorch's float `attn_mask`): with `x = scale ·
+/// q·k`, the logit of query `i`, key `j` of batch entry `b` and query head `h` is
+///
+/// ℓ = x + bias[b][h][i][j]   (plus ALiBi's term, if any),
+///
+/// and since the bias enters with factor 1, ∂loss/∂bias = dS = P ∘ (dP − D), summed over the
+/// batch entries or heads the bias is shared by; the backward passes return it as
+/// [`Gradients::d_bias`](crate::Gradients::d_bias). A −∞ entry hides the key from that query
+/// (a row whose every logit is −∞ gets O = 0 and LSE = −∞, as a row that sees no key).
+///
+/// A borrowed `f32` device tensor of shape `[batch or 1, num_heads_q or 1, seqlen_q,
+/// seqlen_k]` (row-major, a dimension of 1 broadcast) on the context that runs the attention,
+/// given to [`AttentionOptions::with_bias`] (`Bias::from(&tensor)`). The flash kernels of the
+/// sm_80 modules take it (levels 3–6, every dtype, every mask, GQA, sinks, ALiBi); a problem
+/// with a bias runs there on the sm_90a path too, and the explicit Hopper calls, the naive
+/// kernels, the KV-cache decoder, problems run in chunks and softcapping refuse it
+/// ([`Error::Bias`]). dBias of a bias shared by batch entries or heads is summed by atomic
+/// adds, in an order that can change from run to run, even with a deterministic dQ.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Bias<'a> {
+    /// The tensor's address: on a GPU its device pointer, on the emulator its host buffer's.
+    pub(crate) address: u64,
+    pub(crate) shape: &'a [usize],
+    /// The [`Context`](crate::Context) that made the tensor (its id).
+    pub(crate) owner: u64,
+}
+
+impl Bias<'_> {
+    /// The bias's shape, `[batch or 1, num_heads_q or 1, seqlen_q, seqlen_k]`.
+    pub fn shape(&self) -> &[usize] {
+        self.shape
+    }
+
+    /// Checks that the bias fits `shape` on the context with id `context`.
+    ///
+    /// # Errors
+    /// [`Error::Bias`] naming what is wrong.
+    pub(crate) fn check(&self, shape: &AttentionShape, context: u64) -> Result<()> {
+        if self.owner != context {
+            return Err(Error::Bias("the bias tensor belongs to another context".into()));
+        }
+        let fits = matches!(self.shape, &[b, h, sq, sk]
+            if (b == 1 || b == shape.batch) && (h == 1 || h == shape.num_heads_q)
+                && sq == shape.seqlen_q && sk == shape.seqlen_k);
+        if !fits {
+            return Err(Error::Bias(format!(
+                "the bias must have shape [batch or 1, num_heads_q or 1, seqlen_q, seqlen_k] = [{} or 1, {} or 1, {}, {}]; \
+                 got {:?}",
+                shape.batch, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k, self.shape
+            )));
+        }
+        Ok(())
+    }
+
+    /// The kernels' two strides (`attention::score::ScoreArgs`), in elements: from one batch
+    /// entry's `seqlen_q × seqlen_k` plane to the next, and from one head's to the next; 0 along
+    /// a broadcast dimension. Only for a bias [`Bias::check`] accepted.
+    pub(crate) fn strides(&self) -> (usize, usize) {
+        bias_strides(self.shape)
+    }
+}
+
+/// A bias tensor's batch and head strides in elements for its shape `[batch or 1, num_heads_q or
+/// 1, seqlen_q, seqlen_k]`: a plane of `seqlen_q × seqlen_k` per entry, 0 along a broadcast
+/// dimension (of size 1). What the kernels ([`Bias::strides`]) and the CPU references
+/// (`cpu::BiasValues`) index by.
+pub(crate) fn bias_strides(shape: &[usize]) -> (usize, usize) {
+    let [b, h, sq, sk] = [0, 1, 2, 3].map(|i| shape.get(i).copied().unwrap_or(1));
+    let head = if h == 1 { 0 } else { sq * sk };
+    let batch = if b == 1 { 0 } else { h * sq * sk };
+    (batch, head)
+}
+
 /// What a mask table masks, by the call that made it; some options cannot join some kinds
 /// (`Context::check_mask_table`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -470,6 +544,8 @@ pub struct AttentionOptions<'a> {
     pub score: ScoreMod,
     /// Attention sinks, one logit per query head ([`Sinks`]); `None`: a plain softmax.
     pub sinks: Option<Sinks<'a>>,
+    /// An additive bias on the logits ([`Bias`]); `None`: none.
+    pub bias: Option<Bias<'a>>,
     /// A mask given per token (documents, prefix-LM: [`MaskTableRef`]), intersected with the
     /// causal mask and the window; `None`: none.
     pub mask_table: Option<MaskTableRef<'a>>,
@@ -521,6 +597,16 @@ impl<'a> AttentionOptions<'a> {
         AttentionOptions { sinks: Some(sinks.into()), ..self }
     }
 
+    /// These options with an additive bias ([`Bias`]): `options.with_bias(&tensor)` for an `f32`
+    /// [`DeviceTensor`](crate::DeviceTensor) of shape `[batch or 1, num_heads_q or 1, seqlen_q,
+    /// seqlen_k]`, which the options borrow.
+    pub fn with_bias<'b>(self, bias: impl Into<Bias<'b>>) -> AttentionOptions<'b>
+    where
+        'a: 'b,
+    {
+        AttentionOptions { bias: Some(bias.into()), ..self }
+    }
+
     /// These options with a mask given per token ([`MaskTableRef`]): `options.with_mask_table(&table)`
     /// for a [`MaskTable`](crate::MaskTable), which the options borrow.
     pub fn with_mask_table<'b>(self, table: impl Into<MaskTableRef<'b>>) -> AttentionOptions<'b>
@@ -551,7 +637,14 @@ impl<'a> AttentionOptions<'a> {
     /// selection policy (`Target::hopper_backward_for`, which also leaves varlen tables' turns
     /// out for speed) and the explicit Hopper call ask it.
     pub(crate) fn hopper_backward_allowed(&self, dq: DqAccumulation) -> bool {
-        dq == DqAccumulation::Atomic || !self.has_gapped_table()
+        self.hopper_allowed() && (dq == DqAccumulation::Atomic || !self.has_gapped_table())
+    }
+
+    /// Whether the Hopper kernels (levels 8, 9) take these options at all: not with a bias
+    /// ([`Bias`]), which only the sm_80 modules' kernels read. The selection policy sends such a
+    /// problem there; the explicit Hopper calls refuse it.
+    pub(crate) fn hopper_allowed(&self) -> bool {
+        self.bias.is_none()
     }
 
     /// The kernels' three mask arguments (`attention_kernel!`, `attention::mask::Mask`): whether

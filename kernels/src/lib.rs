@@ -118,8 +118,8 @@ pub use pastey;
 ///
 /// `batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim` (rebuilt into the body's
 /// [`layout::AttentionShape`]), `causal, causal_offset, window_offset, mask_table` (rebuilt
-/// into its [`attention::mask::Mask`]), `softcap, alibi_max_bias, sinks` (its
-/// [`attention::score::ScoreArgs`]) and the scale (`f32`, named by the caller: the forward kernels take
+/// into its [`attention::mask::Mask`]), `softcap, alibi_max_bias, sinks, bias, bias_grad,
+/// bias_batch_stride, bias_head_stride` (its [`attention::score::ScoreArgs`]) and the scale (`f32`, named by the caller: the forward kernels take
 /// `scale · log₂e`, the others `scale`). They arrive as plain integers rather than as structs:
 /// rustc warns that structs passed by value to `extern "gpu-kernel"` functions may not match what
 /// the driver passes. This list is the one place to change when the problem gains an argument
@@ -181,6 +181,10 @@ macro_rules! attention_kernel {
             softcap: f32,
             alibi_max_bias: f32,
             sinks: *const f32,
+            bias: *const f32,
+            bias_grad: *mut f32,
+            bias_batch_stride: usize,
+            bias_head_stride: usize,
             $scale: f32,
         ) {
             let $shape = $crate::layout::AttentionShape { batch, num_heads_q, num_heads_kv, seqlen_q, seqlen_k, head_dim };
@@ -188,7 +192,9 @@ macro_rules! attention_kernel {
                 $crate::attention::mask::Mask::from_args(seqlen_q, seqlen_k, causal, causal_offset, window_offset)
                     .with_table(mask_table)
             );
-            let $score = $crate::attention::score::ScoreArgs { softcap, alibi_max_bias, sinks };
+            let $score = $crate::attention::score::ScoreArgs {
+                softcap, alibi_max_bias, sinks, bias, bias_grad, bias_batch_stride, bias_head_stride,
+            };
             $body
         }
         }

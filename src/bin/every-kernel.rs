@@ -428,6 +428,7 @@ fn decoder_kernels<T: Element>(
             score: Default::default(),
             sinks: None,
             mask_table: None,
+            bias: None,
         };
         let reference = cpu::decode(&q_logical, &seqs, (hq, hkv, sq, d), params)?;
         let upload = |x: &[f32], s: usize, h: usize| ctx.upload(&from_f32_slice::<T>(x), &layout.shape(batch, s, h, d));

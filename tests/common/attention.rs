@@ -66,6 +66,7 @@ impl Problem {
             dk: ctx.full(&self.shape.kv_shape(), f32::NAN).unwrap(),
             dv: ctx.full(&self.shape.kv_shape(), f32::NAN).unwrap(),
             d_sinks: options.sinks.map(|_| ctx.full(&[self.shape.num_heads_q], f32::NAN).unwrap()),
+            d_bias: options.bias.map(|b| ctx.full(b.shape(), f32::NAN).unwrap()),
         };
         let (q, k, v, d_o) = (&self.q, &self.k, &self.v, &self.d_o);
         match kernel {
@@ -108,6 +109,75 @@ pub fn check_with_sinks(
     seed: u64,
     backward: bool,
 ) {
+    check_with_extras(ctx, shape, kernel, options, Extras { sinks, bias: None }, seed, backward)
+}
+
+/// What a check adds to its options from host values: attention sinks (one per query head) and
+/// an additive bias; each is uploaded by the check and its gradient checked in the backward.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Extras<'a> {
+    pub sinks: Option<&'a [f32]>,
+    pub bias: Option<cpu::BiasValues<'a>>,
+}
+
+impl<'a> Extras<'a> {
+    /// The device copies of the sinks and the bias.
+    pub fn upload(&self, ctx: &Context) -> (Option<DeviceTensor>, Option<DeviceTensor>) {
+        let sinks = self.sinks.map(|s| ctx.upload(s, &[s.len()]).unwrap());
+        let bias = self.bias.map(|b| ctx.upload(b.values, &b.shape).unwrap());
+        (sinks, bias)
+    }
+
+    /// `options` with the uploaded extras, and the CPU reference's parameters for them.
+    pub fn bind<'b>(
+        &self,
+        options: AttentionOptions<'b>,
+        (sinks, bias): &'b (Option<DeviceTensor>, Option<DeviceTensor>),
+        head_dim: usize,
+    ) -> (AttentionOptions<'b>, cpu::Params<'b>)
+    where
+        'a: 'b,
+    {
+        let options = match sinks {
+            Some(t) => options.with_sinks(t),
+            None => options,
+        };
+        let options = match bias {
+            Some(t) => options.with_bias(t),
+            None => options,
+        };
+        let params = cpu::Params { sinks: self.sinks, bias: self.bias, ..cpu::Params::of(&options, head_dim) };
+        (options, params)
+    }
+
+    /// Checks dSinks and dBias of `grads` (host copies: `d_sinks`, `d_bias`) against the
+    /// reference's with `judge` (the relative L2 error a tier allows, or panics).
+    pub fn check_gradients(
+        &self,
+        d_sinks: Option<Vec<f32>>,
+        d_bias: Option<Vec<f32>>,
+        reference: &cpu::GradientReference,
+        judge: impl Fn(&str, f64),
+    ) {
+        if self.sinks.is_some() {
+            judge("dSinks", gradient_error(&d_sinks.expect("dSinks"), &reference.d_sinks));
+        }
+        if self.bias.is_some() {
+            judge("dBias", gradient_error(&d_bias.expect("dBias"), &reference.d_bias));
+        }
+    }
+}
+
+/// [`check`] with [`Extras`]: sinks and a bias.
+pub fn check_with_extras(
+    ctx: &Context,
+    shape: AttentionShape,
+    kernel: Kernel,
+    options: AttentionOptions,
+    extras: Extras,
+    seed: u64,
+    backward: bool,
+) {
     if let Kernel::Flash(_, mode) = kernel {
         let fits = |dq| super::fits(ctx, DType::F32, shape.head_dim, dq);
         if !fits(None) || (backward && !fits(Some(mode))) {
@@ -116,12 +186,8 @@ pub fn check_with_sinks(
     }
     let problem = Problem::new(ctx, shape, seed);
     let [q, k, v, d_o] = &problem.host;
-    let device_sinks = sinks.map(|s| ctx.upload(s, &[s.len()]).unwrap());
-    let options = match &device_sinks {
-        Some(t) => options.with_sinks(t),
-        None => options,
-    };
-    let params = cpu::Params { sinks, ..problem.params(&options) };
+    let uploaded = extras.upload(ctx);
+    let (options, params) = extras.bind(options, &uploaded, shape.head_dim);
     let fwd = problem.forward(ctx, kernel, &options);
     let reference = cpu::attention(q, k, v, &shape, params).unwrap();
     let (o, lse) = (fwd.o.to_host().unwrap(), fwd.lse.to_host().unwrap());
@@ -142,11 +208,10 @@ pub fn check_with_sinks(
         let err = gradient_error(&got.to_host().unwrap(), want);
         assert!(err <= GRAD_TOLERANCE, "{kernel:?} {options:?} on {shape:?}: {name} relative L2 error {err:.3e}");
     }
-    if sinks.is_some() {
-        let got = grads.d_sinks.as_ref().expect("dSinks").to_host().unwrap();
-        let err = gradient_error(&got, &reference.d_sinks);
-        assert!(err <= GRAD_TOLERANCE, "{kernel:?} {options:?} on {shape:?}: dSinks relative L2 error {err:.3e}");
-    }
+    let to_host = |t: &Option<DeviceTensor>| t.as_ref().map(|t| t.to_host().unwrap());
+    extras.check_gradients(to_host(&grads.d_sinks), to_host(&grads.d_bias), &reference, |name, err| {
+        assert!(err <= GRAD_TOLERANCE, "{kernel:?} {options:?} on {shape:?}: {name} relative L2 error {err:.3e}")
+    });
 }
 
 /// Poisons one element of Q, K or V at a time (NaN or ∞) and checks, under a top-left causal

@@ -223,6 +223,7 @@ pub fn check_decode<T: Element>(ctx: &Context, case: &DecodeCase, seed: u64) -> 
         score: case.score,
         sinks: sink_values.as_deref(),
         mask_table: None,
+        bias: None,
     };
     let reference = cpu::decode(&q_logical, &clipped, (hq, hkv, sq, d), params).unwrap();
     let lse = out.lse.to_host().unwrap();

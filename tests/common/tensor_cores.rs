@@ -10,6 +10,8 @@ use attn_host::{
     Gradients, TileConfig, cpu,
 };
 use rand::rngs::StdRng;
+
+pub use super::attention::Extras;
 use rand::{RngExt, SeedableRng};
 
 /// Relative L2 error allowed on O, and on dQ, dK, dV, per type (issue 4's bar; the table lives in
@@ -84,6 +86,7 @@ impl<T: Element> Problem16<T> {
             dk: ctx.full(&self.shape.kv_shape(), nan).unwrap(),
             dv: ctx.full(&self.shape.kv_shape(), nan).unwrap(),
             d_sinks: options.sinks.map(|_| ctx.full(&[self.shape.num_heads_q], f32::NAN).unwrap()),
+            d_bias: options.bias.map(|b| ctx.full(b.shape(), f32::NAN).unwrap()),
         };
         let [q, k, v, d_o] = &self.device;
         let tile = super::on_device(ctx, tile, T::DTYPE, self.shape.head_dim, Some(mode));
@@ -122,6 +125,21 @@ pub fn check16_with_sinks<T: Element>(
     seed: u64,
     inputs: Inputs,
 ) -> bool {
+    check16_with_extras::<T>(ctx, shape, tile, backward, options, Extras { sinks, bias: None }, seed, inputs)
+}
+
+/// [`check16`] with [`Extras`]: sinks and a bias, their gradients checked too.
+#[allow(clippy::too_many_arguments)]
+pub fn check16_with_extras<T: Element>(
+    ctx: &Context,
+    shape: AttentionShape,
+    tile: TileConfig,
+    backward: Option<(TileConfig, DqAccumulation)>,
+    options: AttentionOptions,
+    extras: Extras,
+    seed: u64,
+    inputs: Inputs,
+) -> bool {
     let dtype = T::DTYPE;
     let fits = |dq| super::fits(ctx, dtype, shape.head_dim, dq);
     if !super::runs(ctx, dtype) || !fits(None) || backward.is_some_and(|(_, mode)| !fits(Some(mode))) {
@@ -130,12 +148,8 @@ pub fn check16_with_sinks<T: Element>(
     let (o_tolerance, grad_tolerance) = tolerances(dtype);
     let problem = Problem16::<T>::new(ctx, shape, seed, inputs);
     let [q, k, v, d_o] = &problem.host;
-    let device_sinks = sinks.map(|s| ctx.upload(s, &[s.len()]).unwrap());
-    let options = match &device_sinks {
-        Some(t) => options.with_sinks(t),
-        None => options,
-    };
-    let params = cpu::Params { sinks, ..cpu::Params::of(&options, shape.head_dim) };
+    let uploaded = extras.upload(ctx);
+    let (options, params) = extras.bind(options, &uploaded, shape.head_dim);
     let fwd = problem.forward(ctx, tile, &options);
     let reference = cpu::attention(q, k, v, &shape, params).unwrap();
     let o = to_f32_vec(&fwd.o.to_host().unwrap());
@@ -158,10 +172,9 @@ pub fn check16_with_sinks<T: Element>(
             "{what}, backward {bwd_tile} {mode:?}: {name} relative L2 error {err:.3e} (≤ {grad_tolerance:.0e})"
         );
     }
-    if sinks.is_some() {
-        let got = grads.d_sinks.expect("dSinks").to_host().unwrap();
-        let err = relative_l2_error(&got, &reference.d_sinks);
-        assert!(err <= grad_tolerance, "{what}, backward {bwd_tile} {mode:?}: dSinks relative L2 error {err:.3e}");
-    }
+    let to_host = |t: &Option<DeviceTensor<f32>>| t.as_ref().map(|t| t.to_host().unwrap());
+    extras.check_gradients(to_host(&grads.d_sinks), to_host(&grads.d_bias), &reference, |name, err| {
+        assert!(err <= grad_tolerance, "{what}, backward {bwd_tile} {mode:?}: {name} relative L2 error {err:.3e}")
+    });
     true
 }

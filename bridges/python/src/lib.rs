@@ -258,6 +258,7 @@ fn backward_typed<T: Element>(
         dk: borrow::<T>(ctx, p.dk, &kv_shape)?,
         dv: borrow::<T>(ctx, p.dv, &kv_shape)?,
         d_sinks: sinks_of(ctx, p.d_sinks, &shape)?,
+        d_bias: None,
     };
     let sinks = sinks_of(ctx, f.sinks, &shape)?;
     let mut options = *options;

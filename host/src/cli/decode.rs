@@ -263,6 +263,7 @@ fn check<T: Element>(
         score: options.score,
         sinks: sinks.as_deref(),
         mask_table: None,
+        bias: None,
     };
     let reference = cpu::decode(&q_logical, &seqs, (hq, hkv, sq, d), params)?;
     let out = ctx.attention_with_kv_cache(q, cache, None, options)?;

@@ -6,8 +6,8 @@ use std::borrow::Cow;
 
 use cudarc::driver::LaunchConfig;
 
-use crate::problem::{AttentionOptions, AttentionShape, MaskTableRef, Sinks};
-use crate::runtime::{Context, KernelArg, NullPointer};
+use crate::problem::{AttentionOptions, AttentionShape, Bias, MaskTableRef, Sinks};
+use crate::runtime::{Context, DeviceTensor, KernelArg, NullPointer};
 
 /// Blocks for a grid-stride loop over `work` items at `per_block` items per block: enough to
 /// cover the work, but no more than 32 blocks per SM (beyond that extra blocks only queue).
@@ -24,7 +24,9 @@ pub(super) fn one_dim(blocks: u32, threads: usize) -> LaunchConfig {
 /// mask) the mask flag, the diagonal's offset and the window's left edge
 /// ([`AttentionOptions::mask_args`]), the mask table's address ([`crate::MaskTableRef`], or
 /// null), the score modification's cap and ALiBi `max_bias`
-/// ([`crate::ScoreMod`]) and the attention sinks' address ([`crate::Sinks`], or null).
+/// ([`crate::ScoreMod`]), the attention sinks' address ([`crate::Sinks`], or null), and the
+/// additive bias ([`crate::Bias`]): its address, its gradient's (a backward's
+/// [`ProblemArgs::with_bias_grad`]) and its batch and head strides.
 pub(super) struct ProblemArgs<'a> {
     shape: [usize; 6],
     causal: usize,
@@ -34,10 +36,13 @@ pub(super) struct ProblemArgs<'a> {
     softcap: f32,
     alibi_max_bias: f32,
     sinks: Option<Sinks<'a>>,
+    bias: Option<Bias<'a>>,
+    bias_grad: Option<&'a DeviceTensor<f32>>,
+    bias_strides: (usize, usize),
 }
 
-/// The sinks argument of a problem without sinks.
-const NO_SINKS: NullPointer = NullPointer("f32");
+/// The sinks, bias and bias-gradient arguments of a problem without them.
+const NO_F32: NullPointer = NullPointer("f32");
 
 /// The mask-table argument of a problem without one.
 const NO_MASK_TABLE: NullPointer = NullPointer("i32");
@@ -56,7 +61,20 @@ impl<'a> ProblemArgs<'a> {
             softcap,
             alibi_max_bias,
             sinks: options.sinks,
+            bias: options.bias,
+            bias_grad: None,
+            bias_strides: options.bias.map_or((0, 0), |b| b.strides()),
         }
+    }
+
+    /// These arguments with dBias (`grads.d_bias`), which the backward's K/V-outer kernels add
+    /// dS into; `None` (the default): a null pointer.
+    pub(super) fn with_bias_grad<'b>(self, grad: Option<&'b DeviceTensor<f32>>) -> ProblemArgs<'b>
+    where
+        'a: 'b,
+    {
+        let args: ProblemArgs<'b> = self;
+        ProblemArgs { bias_grad: grad, ..args }
     }
 
     /// The entry to launch for the sm_80-path flash kernel `entry`: its `_table` twin when the
@@ -82,8 +100,8 @@ impl<'a> ProblemArgs<'a> {
         args
     }
 
-    /// `head`, the shape, the mask flag, offsets and table, the score modification and the
-    /// sinks, then `tail`.
+    /// `head`, the shape, the mask flag, offsets and table, the score modification, the sinks
+    /// and the bias, then `tail`.
     pub(super) fn with_mask<'b>(
         &'b self,
         head: &[&'b dyn KernelArg],
@@ -91,11 +109,19 @@ impl<'a> ProblemArgs<'a> {
     ) -> Vec<&'b dyn KernelArg> {
         let sinks: &dyn KernelArg = match &self.sinks {
             Some(sinks) => sinks,
-            None => &NO_SINKS,
+            None => &NO_F32,
         };
         let mask_table: &dyn KernelArg = match &self.mask_table {
             Some(table) => table,
             None => &NO_MASK_TABLE,
+        };
+        let bias: &dyn KernelArg = match &self.bias {
+            Some(bias) => bias,
+            None => &NO_F32,
+        };
+        let bias_grad: &dyn KernelArg = match self.bias_grad {
+            Some(grad) => grad,
+            None => &NO_F32,
         };
         let mut args = self.with_shape(
             head,
@@ -107,6 +133,10 @@ impl<'a> ProblemArgs<'a> {
                 &self.softcap,
                 &self.alibi_max_bias,
                 sinks,
+                bias,
+                bias_grad,
+                &self.bias_strides.0,
+                &self.bias_strides.1,
             ],
         );
         args.extend_from_slice(tail);

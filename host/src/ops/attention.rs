@@ -52,8 +52,8 @@ impl Context {
     /// head_dim]` (grouped-query attention when `num_heads_kv` divides `num_heads_q`), contiguous,
     /// all of one element type (`f32`, `f16` or `bf16`); head_dim 1 to 256. `options`: the scale
     /// (default 1/√head_dim), the causal mask and its alignment, a sliding window, softcapping
-    /// or ALiBi, attention sinks ([`crate::Sinks`]), and whether [`Context::attention_backward`]
-    /// must be deterministic.
+    /// or ALiBi, attention sinks ([`crate::Sinks`]), an additive bias ([`crate::Bias`]), and
+    /// whether [`Context::attention_backward`] must be deterministic.
     ///
     /// ```no_run
     /// # fn main() -> attn_host::Result<()> {
@@ -94,8 +94,8 @@ impl Context {
     /// group's query heads under grouped-query attention. dQ is summed in a fixed order,
     /// bit-identical on every run, when the options ask for it
     /// ([`AttentionOptions::deterministic`]); otherwise in the faster mode on this context
-    /// ([`Context::dq_accumulation_for`]). With attention sinks the gradients carry their
-    /// gradient too ([`Gradients::d_sinks`]). Extra device memory: O(seqlen) (one `f32` per
+    /// ([`Context::dq_accumulation_for`]). With attention sinks or a bias the gradients carry
+    /// theirs too ([`Gradients::d_sinks`], [`Gradients::d_bias`]). Extra device memory: O(seqlen) (one `f32` per
     /// query row, and an `f32` copy of dQ where it is accumulated with atomics).
     ///
     /// # Errors

@@ -107,9 +107,14 @@ impl Context {
             let (q_shape, kv_shape) = (c.shape.q_shape(), c.shape.kv_shape());
             let at_q = |t: &DeviceTensor<T>| t.view(c.q_offset, &q_shape);
             let at_kv = |t: &DeviceTensor<T>| t.view(c.kv_offset, &kv_shape);
-            // `check_sinks` refuses sinks here: no part has a dSinks.
-            let mut part =
-                Gradients { dq: at_q(&grads.dq)?, dk: at_kv(&grads.dk)?, dv: at_kv(&grads.dv)?, d_sinks: None };
+            // `check_sinks` refuses sinks and a bias here: no part has a dSinks or a dBias.
+            let mut part = Gradients {
+                dq: at_q(&grads.dq)?,
+                dk: at_kv(&grads.dk)?,
+                dv: at_kv(&grads.dv)?,
+                d_sinks: None,
+                d_bias: None,
+            };
             let lse = lse.view(c.lse_offset, &c.shape.lse_shape())?;
             let (q, k, v, o, d_o) = (at_q(q)?, at_kv(k)?, at_kv(v)?, at_q(o)?, at_q(d_o)?);
             self.flash_attention_backward_into(&q, &k, &v, &o, &lse, &d_o, &mut part, options, tile, dq)?;

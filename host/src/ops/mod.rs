@@ -62,6 +62,10 @@ pub struct Gradients<T: Element = f32> {
     /// ([`crate::Sinks`]; the backward passes allocate it then, and the `_into` calls need one
     /// there); `None` without.
     pub d_sinks: Option<DeviceTensor<f32>>,
+    /// ∂loss/∂bias, `f32` of the bias's shape, when the problem has an additive bias
+    /// ([`crate::Bias`]; the backward passes allocate it then, and the `_into` calls need one
+    /// there); `None` without.
+    pub d_bias: Option<DeviceTensor<f32>>,
 }
 
 impl Context {
@@ -118,7 +122,9 @@ impl Context {
         if self.needs_chunks(&shape) {
             return self.forward_in_chunks(&shape, q, k, v, out, options, tile);
         }
-        if let Some(kernel) = self.target().hopper_forward(T::DTYPE, &shape, options.causal, tile) {
+        if let Some(kernel) =
+            self.target().hopper_forward(T::DTYPE, &shape, options.causal, tile).filter(|_| options.hopper_allowed())
+        {
             return self.launch_hopper_forward(kernel, &shape, q, k, v, out, options);
         }
         self.flash_attention_forward_sm80_into(&shape, q, k, v, out, options, tile)
@@ -356,18 +362,24 @@ impl Context {
                 Some(_) => Some(self.alloc_output(&[shape.num_heads_q])?),
                 None => None,
             },
+            d_bias: match options.bias {
+                Some(bias) => Some(self.alloc_output(bias.shape())?),
+                None => None,
+            },
         })
     }
 
     /// Checks the attention sinks of `options` (if any) against `shape` and this context, and
     /// refuses them where they are not taken: a problem with query rows but no keys (whose LSE
     /// would be the sinks' values, which no kernel writes) and one run in chunks. Checks the
-    /// mask table too ([`Context::check_mask_table`]): every flash entry point calls this.
+    /// mask table and the bias too ([`Context::check_mask_table`], [`Context::check_bias`]):
+    /// every flash entry point calls this.
     ///
     /// # Errors
-    /// [`Error::Sinks`], [`Error::MaskTable`].
+    /// [`Error::Sinks`], [`Error::MaskTable`], [`Error::Bias`].
     pub(crate) fn check_sinks(&self, shape: &AttentionShape, options: &AttentionOptions) -> Result<()> {
         self.check_mask_table(shape, options)?;
+        self.check_bias(shape, options)?;
         let Some(sinks) = options.sinks else { return Ok(()) };
         sinks.check(shape, self.id())?;
         if shape.seqlen_k == 0 && shape.query_rows() > 0 {
@@ -418,10 +430,33 @@ impl Context {
         Ok(())
     }
 
-    /// [`Context::check_sinks`] for a backward pass, whose gradients need a dSinks then.
+    /// Checks the additive bias of `options` (if any) against `shape` and this context, and
+    /// refuses it together with softcapping (whose chain rule would have to take the bias out
+    /// again; no model combines them) and for a problem run in chunks (whose folded batch
+    /// entries and heads are not the bias's).
     ///
     /// # Errors
-    /// [`Error::Sinks`].
+    /// [`Error::Bias`].
+    pub(crate) fn check_bias(&self, shape: &AttentionShape, options: &AttentionOptions) -> Result<()> {
+        let Some(bias) = options.bias else { return Ok(()) };
+        bias.check(shape, self.id())?;
+        if options.score.softcap.is_some() {
+            return Err(Error::Bias("softcapping and a bias together are not supported".into()));
+        }
+        if self.needs_chunks(shape) {
+            return Err(Error::Bias(format!(
+                "{} heads × {} batch entries is more than one grid holds; a bias is not split into chunks",
+                shape.num_heads_q, shape.batch
+            )));
+        }
+        Ok(())
+    }
+
+    /// [`Context::check_sinks`] for a backward pass, whose gradients need a dSinks then (and a
+    /// dBias of the bias's shape with a bias).
+    ///
+    /// # Errors
+    /// [`Error::Sinks`], [`Error::Bias`].
     pub(crate) fn check_backward_sinks<T: Element>(
         &self,
         shape: &AttentionShape,
@@ -432,7 +467,15 @@ impl Context {
         if options.sinks.is_some() && grads.d_sinks.is_none() {
             return Err(Error::Sinks("a problem with sinks needs `grads.d_sinks` for their gradient".into()));
         }
-        Ok(())
+        match (options.bias, &grads.d_bias) {
+            (Some(_), None) => Err(Error::Bias("a problem with a bias needs `grads.d_bias` for its gradient".into())),
+            (Some(bias), Some(d_bias)) if d_bias.shape() != bias.shape() => Err(Error::Bias(format!(
+                "`d_bias` must have the bias's shape {:?}; got {:?}",
+                bias.shape(),
+                d_bias.shape()
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// The sinks' gradient ([`crate::Sinks`]) into `grads.d_sinks`, from the forward's LSE and
@@ -505,6 +548,9 @@ impl Context {
         if let Some(d_sinks) = &mut grads.d_sinks {
             self.fill_zeros(d_sinks)?;
         }
+        if let Some(d_bias) = &mut grads.d_bias {
+            self.fill_zeros(d_bias)?;
+        }
         Ok(())
     }
 
@@ -533,6 +579,9 @@ impl Context {
                 return Err(Error::Shape(format!("`{name}` must have shape {want:?}; got {:?}", t.shape())));
             }
         }
+        if let Some(d_bias) = &grads.d_bias {
+            self.check_owner("d_bias", d_bias)?;
+        }
         if let Some(d_sinks) = &grads.d_sinks {
             self.check_owner("d_sinks", d_sinks)?;
             if d_sinks.shape() != [shape.num_heads_q] {
@@ -544,6 +593,18 @@ impl Context {
             }
         }
         Ok(shape)
+    }
+}
+
+/// Refuses an additive bias ([`crate::Bias`]) at an entry point whose kernels do not read it:
+/// `kernels` names them, `instead` says what does.
+///
+/// # Errors
+/// [`Error::Bias`].
+pub(crate) fn refuse_bias(options: &AttentionOptions, kernels: &str, instead: &str) -> Result<()> {
+    match options.bias {
+        Some(_) => Err(Error::Bias(format!("the {kernels} do not take a bias; {instead}"))),
+        None => Ok(()),
     }
 }
 

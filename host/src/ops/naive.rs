@@ -2,7 +2,7 @@
 //! attention forward and backward with the score matrix in device memory.
 
 use super::args::{ProblemArgs, grid_stride_blocks, one_dim};
-use super::{AttentionOutput, Gradients};
+use super::{AttentionOutput, Gradients, refuse_bias};
 use crate::error::{Error, Result};
 use crate::kernels::entry;
 use crate::layout::{ELEMENTWISE_THREADS, SOFTMAX_ROWS_PER_BLOCK, SOFTMAX_THREADS};
@@ -82,6 +82,7 @@ impl Context {
     ) -> Result<()> {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
         refuse_sinks(options)?;
+        refuse_bias(options, "naive kernels", "the flash kernels do")?;
         self.check_mask_table(&shape, options)?;
         if shape.is_empty() {
             return self.write_empty_forward(&shape, out, options);
@@ -158,6 +159,7 @@ impl Context {
             self.alloc_output(&AttentionShape::from_qkv_allowing_empty(q.shape(), k.shape(), v.shape())?.lse_shape())?;
         let shape = self.check_backward(q, k, v, o, &lse, d_o, grads)?;
         refuse_sinks(options)?;
+        refuse_bias(options, "naive kernels", "the flash kernels do")?;
         self.check_mask_table(&shape, options)?;
         if options.score.softcap.is_some() {
             // Its dS kernel has no factor for the softcap's derivative.

@@ -76,7 +76,11 @@ impl Context {
         let delta = self.row_deltas(o, d_o, &shape)?;
         self.sink_gradient(&shape, lse, &delta, options, grads)?;
         let scale = options.checked_scale(shape.head_dim)?;
-        let args = ProblemArgs::new(&shape, options);
+        // dBias: the K/V-outer kernel adds dS into it (`BiasPlane`), from zero.
+        if let Some(d_bias) = &mut grads.d_bias {
+            self.fill_zeros(d_bias)?;
+        }
+        let args = ProblemArgs::new(&shape, options).with_bias_grad(grads.d_bias.as_ref());
         let entries: Vec<_> = entries.into_iter().map(|entry| args.entry(entry)).collect();
         let d = shape.head_dim;
         let config = |kernel: FlashKernel| {

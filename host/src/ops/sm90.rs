@@ -11,7 +11,7 @@
 use cudarc::driver::sys::{CUtensorMap, CUtensorMapSwizzle};
 
 use super::args::{ProblemArgs, flash_config};
-use super::{AttentionOutput, Gradients};
+use super::{AttentionOutput, Gradients, refuse_bias};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::kernels::{HopperInstance, HopperVariant};
@@ -76,6 +76,11 @@ impl Context {
     ) -> Result<()> {
         let shape = self.check_attention(q, k, v, &out.o, &out.lse)?;
         self.check_sinks(&shape, options)?;
+        refuse_bias(
+            options,
+            "Hopper kernels",
+            "Context::flash_attention_forward and flash_attention_backward run it on the sm_80 kernels",
+        )?;
         if shape.is_empty() {
             return self.write_empty_forward(&shape, out, options);
         }
@@ -183,6 +188,11 @@ impl Context {
     ) -> Result<()> {
         let shape = self.check_backward(q, k, v, o, lse, d_o, grads)?;
         self.check_backward_sinks(&shape, options, grads)?;
+        refuse_bias(
+            options,
+            "Hopper kernels",
+            "Context::flash_attention_forward and flash_attention_backward run it on the sm_80 kernels",
+        )?;
         if shape.is_empty() {
             return self.write_empty_backward(&shape, grads, options);
         }

@@ -102,3 +102,15 @@ impl KernelArg for crate::problem::Sinks<'_> {
         Ok(Arg::Ptr(self.address as *mut f32))
     }
 }
+
+/// An additive bias: its address (see [`crate::Bias`]), an `f32` pointer.
+impl KernelArg for crate::problem::Bias<'_> {
+    fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) -> Result<()> {
+        builder.arg(&self.address);
+        Ok(())
+    }
+
+    fn emulated(&self) -> Result<Arg> {
+        Ok(Arg::Ptr(self.address as *mut f32))
+    }
+}

@@ -273,15 +273,29 @@ pub(super) fn element_count(shape: &[usize]) -> Result<usize> {
 /// for as long as the options that hold them.
 impl<'a> From<&'a DeviceTensor<f32>> for crate::problem::Sinks<'a> {
     fn from(tensor: &'a DeviceTensor<f32>) -> Self {
-        let address = match tensor.storage() {
+        Self { address: tensor.address(), shape: tensor.shape(), owner: tensor.owner() }
+    }
+}
+
+/// An additive bias from an `f32` tensor of shape `[batch or 1, num_heads_q or 1, seqlen_q,
+/// seqlen_k]` ([`crate::Bias`]), borrowed for as long as the options that hold it.
+impl<'a> From<&'a DeviceTensor<f32>> for crate::problem::Bias<'a> {
+    fn from(tensor: &'a DeviceTensor<f32>) -> Self {
+        Self { address: tensor.address(), shape: tensor.shape(), owner: tensor.owner() }
+    }
+}
+
+impl<T: Scalar> DeviceTensor<T> {
+    /// The tensor's address as a kernel argument takes it: on a GPU its device pointer (with
+    /// the slice's own stream, the context's for every tensor a context makes or borrows), on
+    /// the emulator its host buffer's.
+    pub(crate) fn address(&self) -> u64 {
+        match self.storage() {
             Storage::Cuda(slice) => {
-                // The address alone, with the slice's own stream: the context's, for every
-                // tensor a context makes or borrows.
                 let (address, _sync) = cudarc::driver::DevicePtr::device_ptr(slice, slice.stream());
                 address
             }
             Storage::Host(buffer) => buffer.as_ptr() as u64,
-        };
-        Self { address, shape: tensor.shape(), owner: tensor.owner() }
+        }
     }
 }

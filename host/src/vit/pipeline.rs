@@ -333,6 +333,7 @@ fn cpu_attention(qkv: &Qkv, options: &AttentionOptions) -> Result<AttentionRows>
         score: Default::default(),
         sinks: None,
         mask_table: None,
+        bias: None,
     };
     let reference = cpu::attention(&qkv.q, &qkv.k, &qkv.v, &qkv.shape, params)?;
     let ms = start.elapsed().as_secs_f64() * 1e3;

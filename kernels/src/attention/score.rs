@@ -64,14 +64,60 @@ pub struct ScoreArgs {
     /// null. Not a change of the scores: a sink joins the softmax's sum at the end of a row
     /// ([`crate::attention::softmax::finish_row`]), so it takes no part in [`Self::is_active`].
     pub sinks: *const f32,
+    /// An additive bias in natural units (`f32`, each (batch entry, head) a row-major
+    /// `seqlen_q × seqlen_k` plane), or null: see [`BiasPlane`].
+    pub bias: *const f32,
+    /// Its gradient dBias, the same layout, which the backward's K/V-outer kernels add dS to
+    /// (zeroed by the host first), or null (forward passes, or no bias).
+    pub bias_grad: *mut f32,
+    /// Elements from one batch entry's bias plane to the next: 0 for a bias shared by the batch.
+    pub bias_batch_stride: usize,
+    /// Elements from one query head's bias plane to the next: 0 for a bias shared by the heads.
+    pub bias_head_stride: usize,
 }
 
 impl ScoreArgs {
+    /// A softcap, ALiBi and sinks without a bias: the decoder's (level 10), which takes no bias.
+    #[inline(always)]
+    pub fn without_bias(softcap: f32, alibi_max_bias: f32, sinks: *const f32) -> Self {
+        Self {
+            softcap,
+            alibi_max_bias,
+            sinks,
+            bias: core::ptr::null(),
+            bias_grad: core::ptr::null_mut(),
+            bias_batch_stride: 0,
+            bias_head_stride: 0,
+        }
+    }
+
     /// Whether the scores are modified at all. The same for every thread of a launch: kernels
     /// branch on it once per tile.
     #[inline(always)]
     pub fn is_active(self) -> bool {
-        self.softcap != 0.0 || self.alibi_max_bias != 0.0
+        self.softcap != 0.0 || self.alibi_max_bias != 0.0 || self.has_bias()
+    }
+
+    /// Whether the problem has an additive bias ([`BiasPlane`]). Only the sm_80 path's kernels
+    /// (levels 2–6) read it; the host sends a problem with a bias there.
+    #[inline(always)]
+    pub fn has_bias(self) -> bool {
+        !self.bias.is_null()
+    }
+
+    /// The bias plane of batch entry `batch` and query head `head` (and its gradient's, in a
+    /// backward pass), for sequences of `seqlen_q` queries and `seqlen_k` keys: null pointers
+    /// when the problem has no bias.
+    #[inline(always)]
+    pub fn bias_plane(self, batch: usize, head: usize, seqlen_q: usize, seqlen_k: usize) -> BiasPlane {
+        let offset = batch * self.bias_batch_stride + head * self.bias_head_stride;
+        let at = |base: *mut f32| if base.is_null() { base } else { base.wrapping_add(offset) };
+        BiasPlane {
+            values: at(self.bias.cast_mut()).cast_const(),
+            grads: at(self.bias_grad),
+            seqlen_q,
+            seqlen_k,
+        }
     }
 
     /// Whether the problem has attention sinks. The tensor-core forwards keep a copy of their
@@ -287,3 +333,121 @@ impl ScoreMod {
     }
 }
 // ANCHOR_END: score_mod
+
+// ANCHOR: bias_plane
+/// One (batch entry, query head)'s plane of an additive bias, `bias[query][key]` in natural
+/// units, added to the logit before the softmax: `ℓ = scale · q·k + bias` (ALiBi's term, if
+/// any, too). It is how Swin's relative position bias and T5's bucketed bias reach the
+/// kernels, and PyTorch's float `attn_mask`. Because the bias enters the logit with factor 1,
+/// its gradient is the logit's: dBias = dS = P ∘ (dP − D), which the backward's K/V-outer
+/// kernels add into `grads` entry by entry (an atomic add: a bias shared by batch entries or
+/// heads sums their dS). A −∞ entry hides its key from that query, as a mask would.
+///
+/// The kernels read it entry by entry from global memory (L2 serves a tile's rows), only in
+/// their modified copies ([`ScoreArgs::is_active`]); entries outside the sequences (a tile's
+/// padding rows and columns) read and write nothing.
+#[derive(Clone, Copy)]
+pub struct BiasPlane {
+    values: *const f32,
+    grads: *mut f32,
+    seqlen_q: usize,
+    seqlen_k: usize,
+}
+
+impl BiasPlane {
+    /// The entry's place in the plane, or `None` outside the sequences or without a bias.
+    #[inline(always)]
+    fn index(&self, query: usize, key: usize) -> Option<usize> {
+        (!self.values.is_null() && query < self.seqlen_q && key < self.seqlen_k).then(|| query * self.seqlen_k + key)
+    }
+
+    /// `bias[query][key] · log₂e`, the bias in the kernels' base-2 units; 0 outside the
+    /// sequences or without a bias.
+    ///
+    /// # Safety
+    /// The plane holds `seqlen_q × seqlen_k` floats (the host checks the bias's shape).
+    #[inline(always)]
+    pub unsafe fn logit(&self, query: usize, key: usize) -> f32 {
+        match self.index(query, key) {
+            // SAFETY: the caller's contract; the index is inside the plane.
+            Some(i) => unsafe { *self.values.add(i) * LOG2_E },
+            None => 0.0,
+        }
+    }
+
+    /// Adds the bias to base-2 logits in `frags`, entries mapped to (row, column) as in
+    /// [`ScoreMod::apply_fragments`]: a query and a key, or with `TRANSPOSED` a key and a query.
+    ///
+    /// # Safety
+    /// As [`Self::logit`].
+    #[inline(always)]
+    pub unsafe fn add_to_fragments<const N: usize, const TRANSPOSED: bool>(
+        &self,
+        frags: &mut [FragC; N],
+        lane: FragmentLane,
+        (first_row, first_col): (usize, usize),
+    ) {
+        for nt in 0..N {
+            for e in 0..4 {
+                let (row, col) = (first_row + lane.row(e), first_col + 8 * nt + lane.col(e));
+                let (query, key) = if TRANSPOSED { (col, row) } else { (row, col) };
+                // SAFETY: the caller's contract.
+                frags[nt][e] += unsafe { self.logit(query, key) };
+            }
+        }
+    }
+
+    /// Adds `ds`, the gradient of query `query`'s logit of key `key`, to dBias. Zeros are
+    /// skipped (hidden entries, whose dBias stays the host's zero).
+    ///
+    /// # Safety
+    /// The gradient plane, if any, holds `seqlen_q × seqlen_k` floats.
+    #[inline(always)]
+    pub unsafe fn accumulate(&self, query: usize, key: usize, ds: f32) {
+        if let Some(i) = self.index(query, key)
+            && !self.grads.is_null()
+            && ds != 0.0
+        {
+            // SAFETY: the caller's contract; the index is inside the plane.
+            unsafe { hw::atomic_add(self.grads.add(i), ds) };
+        }
+    }
+
+    /// [`Self::accumulate`] for every entry of the dS fragments `ds`, mapped as in
+    /// [`Self::add_to_fragments`].
+    ///
+    /// # Safety
+    /// As [`Self::accumulate`].
+    #[inline(always)]
+    pub unsafe fn accumulate_fragments<const N: usize, const TRANSPOSED: bool>(
+        &self,
+        ds: &[FragC; N],
+        lane: FragmentLane,
+        (first_row, first_col): (usize, usize),
+    ) {
+        for nt in 0..N {
+            for e in 0..4 {
+                let (row, col) = (first_row + lane.row(e), first_col + 8 * nt + lane.col(e));
+                let (query, key) = if TRANSPOSED { (col, row) } else { (row, col) };
+                // SAFETY: the caller's contract.
+                unsafe { self.accumulate(query, key, ds[nt][e]) };
+            }
+        }
+    }
+}
+
+/// Sets to 0 the probabilities `p` of entries whose logit `s` is −∞ (a bias's hidden
+/// entries). The backward recomputes P as `2^(s − LSE)`, which for a row whose every logit is
+/// −∞ (LSE = −∞) would be `2^NaN`; masks zero their hidden entries after the exponential in
+/// the same way.
+#[inline(always)]
+pub fn zero_hidden<const R: usize, const C: usize>(p: &mut [[f32; C]; R], s: &[[f32; C]; R]) {
+    for i in 0..R {
+        for j in 0..C {
+            if s[i][j] == f32::NEG_INFINITY {
+                p[i][j] = 0.0;
+            }
+        }
+    }
+}
+// ANCHOR_END: bias_plane

@@ -58,7 +58,7 @@
 use crate::attention::epilogue::store_rows;
 use crate::attention::mask::Mask;
 use crate::attention::schedule::{KeyBlock, QueryBlock};
-use crate::attention::score::ScoreArgs;
+use crate::attention::score::{ScoreArgs, zero_hidden};
 use crate::attention::softmax::lse_weight;
 use crate::hw::{self, F32x4, LOG2_E, SharedMemory};
 use crate::layout::{
@@ -294,14 +294,20 @@ pub(crate) unsafe fn flash_backward_kv<
             let mut st = a_bt::<HEAD_DIM, KROWS, QCOLS>(k_tile, q_tile, first_key, lane);
             // A score modification turns the products into base-2 logits first (`attention::score`).
             let head_score = || score.for_head(head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
+            let bias = score.bias_plane(batch, head, shape.seqlen_q, shape.seqlen_k);
             if score.is_active() {
                 let head_score = head_score();
+                // SAFETY: the host checked the bias's shape (`BiasPlane::logit`).
                 map_tile(&mut st, first_key, lane, |r, c, x| {
-                    head_score.logit(x * scale_log2, q_start + c, kv_start + r)
+                    let (query, key) = (q_start + c, kv_start + r);
+                    head_score.logit(x * scale_log2, query, key) + unsafe { bias.logit(query, key) }
                 });
             }
             let factor = score.softmax_factor(scale_log2);
             let mut pt = probabilities(st, factor, |_, j| stats.load(0, lane + LANES * j));
+            if score.has_bias() {
+                zero_hidden(&mut pt, &st);
+            }
             // Tiles where some query cannot see some key (the causal diagonal, a window's edges,
             // the ragged ends) pay for the per-element mask.
             if mask.tile_needs_mask(q_start, BLOCK_M, kv_start, BLOCK_N) {
@@ -323,6 +329,16 @@ pub(crate) unsafe fn flash_backward_kv<
                 }
             }
             let dst = softmax_grad(&pt, &dpt, |_, j| stats.load(1, lane + LANES * j));
+            if score.has_bias() {
+                // dBias = dS: the bias enters the logit with factor 1 (`BiasPlane`).
+                for i in 0..KROWS {
+                    for j in 0..QCOLS {
+                        let (query, key) = (q_start + lane + LANES * j, kv_start + first_key + i);
+                        // SAFETY: the host checked dBias's shape.
+                        unsafe { bias.accumulate(query, key, dst[i][j]) };
+                    }
+                }
+            }
             hw::sync_warp(); // the row group has finished reading Pᵀ
             store_tile(pt_tile, &dst, first_key, lane);
             hw::sync_warp();
@@ -393,6 +409,7 @@ pub(crate) unsafe fn flash_backward_q<
     let mask = mask.for_batch(block.batch);
     let factor = score.softmax_factor(scale_log2);
     let head_score = score.for_head(block.head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
+    let bias = score.bias_plane(block.batch, block.head, shape.seqlen_q, shape.seqlen_k);
     let (q_start, q_rows) = (block.q_start, block.q_rows);
     // Global rows are `d` floats long; the tiles are `HEAD_DIM` wide, zero past `d`.
     let d = shape.head_dim;
@@ -446,9 +463,16 @@ pub(crate) unsafe fn flash_backward_q<
 
         let mut s = a_bt::<HEAD_DIM, ROWS, COLS>(q_tile, k_tile, first_row, lane);
         if score.is_active() {
-            map_tile(&mut s, first_row, lane, |r, c, x| head_score.logit(x * scale_log2, q_start + r, kv_start + c));
+            // SAFETY: the host checked the bias's shape (`BiasPlane::logit`).
+            map_tile(&mut s, first_row, lane, |r, c, x| {
+                let (query, key) = (q_start + r, kv_start + c);
+                head_score.logit(x * scale_log2, query, key) + unsafe { bias.logit(query, key) }
+            });
         }
         let mut p = probabilities(s, factor, |i, _| lse2[i]);
+        if score.has_bias() {
+            zero_hidden(&mut p, &s);
+        }
         if keys.needs_mask(kv_start, BLOCK_N) {
             mask_tile(&mut p, first_row, lane, 0.0, kv_start, |r| mask.keys_seen_by(q_start + r));
         }

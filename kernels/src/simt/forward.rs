@@ -141,11 +141,16 @@ pub(crate) unsafe fn flash_forward<
         }
 
         let mut s = a_bt::<HEAD_DIM, ROWS, COLS>(q_tile, k_tile, first_row, lane).map(|r| r.map(|x| x * scale_log2));
-        // Softcap or ALiBi, if the problem has one (`attention::score`): the scores are base-2
+        // Softcap, ALiBi or a bias, if the problem has one (`attention::score`): the scores are base-2
         // logits already, which is what `ScoreMod::logit` takes.
         if score.is_active() {
             let head_score = score.for_head(block.head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
-            map_tile(&mut s, first_row, lane, |r, c, y| head_score.logit(y, q_start + r, kv_start + c));
+            let bias = score.bias_plane(block.batch, block.head, shape.seqlen_q, shape.seqlen_k);
+            // SAFETY: the host checked the bias's shape (`BiasPlane::logit`).
+            map_tile(&mut s, first_row, lane, |r, c, y| {
+                let (query, key) = (q_start + r, kv_start + c);
+                head_score.logit(y, query, key) + unsafe { bias.logit(query, key) }
+            });
         }
         // Only tiles that cross some row's key limit or start (the causal diagonal, a window's
         // edges, the ragged end of the keys) pay for the per-element mask.

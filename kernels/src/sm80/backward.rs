@@ -86,7 +86,7 @@ use crate::attention::epilogue::store_warp_rows;
 use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a};
 use crate::attention::mask::Mask;
 use crate::attention::schedule::{KeyBlock, QueryBlock};
-use crate::attention::score::ScoreArgs;
+use crate::attention::score::{ScoreArgs, zero_hidden};
 use crate::hw::{self, HalfFloat, LOG2_E, RowFragments, SharedMemory};
 use crate::layout::{
     AttentionShape, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_backward_column_warps, mma_backward_threads,
@@ -438,14 +438,22 @@ unsafe fn backward_kv_body<
             let first = (kv_start + warp_key, q_start + q0);
             // (A head's `ScoreMod` is derived inside each branch that uses it: see `ScoreArgs`.)
             let head_score = || score.for_head(head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
+            let bias = || score.bias_plane(batch, head, shape.seqlen_q, shape.seqlen_k);
             if MODS {
                 head_score().apply_fragments::<2, true>(&mut st, lane, first, scale_log2);
+                if score.has_bias() {
+                    // SAFETY: the host checked the bias's shape.
+                    unsafe { bias().add_to_fragments::<2, true>(&mut st, lane, first) };
+                }
             }
             for half in 0..2 {
                 for e in 0..4 {
                     let lse2 = stats_ring.load(stats_row, query(half, e)) * LOG2_E;
                     pt[half][e] = hw::exp2(hw::fma(st[half][e], factor, -lse2));
                 }
+            }
+            if MODS && score.has_bias() {
+                zero_hidden(&mut pt, &st);
             }
             if masked {
                 mask_fragments::<2, true>(&mut pt, lane, 0.0, first, &mask);
@@ -460,6 +468,11 @@ unsafe fn backward_kv_body<
                 }
             }
             // ANCHOR_END: transposed_scores
+            if MODS && score.has_bias() && col0 == 0 {
+                // dBias = dSᵀ's entries (of a pair of warps that share the keys, the first's).
+                // SAFETY: the host checked dBias's shape.
+                unsafe { bias().accumulate_fragments::<2, true>(&ds_t, lane, first) };
+            }
             // dV += Pᵀ·dO and dK += dSᵀ·Q (scaled at the end): A operands from registers, B
             // operands the chunk's Q and dO read again the other way round (`ldmatrix.trans`).
             let (p, ds) = (pack_a::<T>(pt[0], pt[1]), pack_a::<T>(ds_t[0], ds_t[1]));
@@ -717,12 +730,20 @@ unsafe fn backward_q_body<
             let head_score = || score.for_head(block.head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
             if MODS {
                 head_score().apply_fragments::<CHUNK_TILES, false>(&mut s, lane, first, scale_log2);
+                if score.has_bias() {
+                    let bias = score.bias_plane(block.batch, block.head, shape.seqlen_q, shape.seqlen_k);
+                    // SAFETY: the host checked the bias's shape.
+                    unsafe { bias.add_to_fragments::<CHUNK_TILES, false>(&mut s, lane, first) };
+                }
             }
             let mut p = [[0.0f32; 4]; CHUNK_TILES];
             for j in 0..CHUNK_TILES {
                 for e in 0..4 {
                     p[j][e] = hw::exp2(hw::fma(s[j][e], factor, -lse2[e / 2]));
                 }
+            }
+            if MODS && score.has_bias() {
+                zero_hidden(&mut p, &s);
             }
             if masked {
                 mask_fragments::<CHUNK_TILES, false>(&mut p, lane, 0.0, first, &mask);

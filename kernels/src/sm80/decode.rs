@@ -623,7 +623,7 @@ macro_rules! decode_instance {
                 alibi_max_bias: f32,
                 sinks: *const f32,
             ) |shape| {
-                let score = ScoreArgs { softcap, alibi_max_bias, sinks };
+                let score = ScoreArgs::without_bias(softcap, alibi_max_bias, sinks);
                 unsafe {
                     decode_forward::<hw::$format, $head_dim, $stages, $q_regs, { $head_dim / 16 }, { $head_dim / 8 }>(
                         (q, k, v), (o, lse, o_partial, lse_partial), (seqlens_k, block_table), shape, scale_log2, score,
@@ -647,7 +647,7 @@ macro_rules! decode_instance {
                 lse: *mut f32,
                 sinks: *const f32,
             ) |shape| {
-                let sinks = ScoreArgs { softcap: 0.0, alibi_max_bias: 0.0, sinks };
+                let sinks = ScoreArgs::without_bias(0.0, 0.0, sinks);
                 unsafe { merge_splits::<hw::$format>(o_partial, lse_partial, o, lse, sinks, shape) }
             }
             }

@@ -230,7 +230,7 @@ unsafe fn forward_body<
                 }
             }
         }
-        // Softcap or ALiBi, if the problem has one: the scores become base-2 logits.
+        // Softcap, ALiBi or a bias, if the problem has one: the scores become base-2 logits.
         if MODS {
             let head_score = score.for_head(block.head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
             for r in 0..WARP_TILES {
@@ -240,6 +240,13 @@ unsafe fn forward_body<
                     (q_start + warp_row + 16 * r, kv_start),
                     c,
                 );
+            }
+            if score.has_bias() {
+                let bias = score.bias_plane(block.batch, block.head, shape.seqlen_q, shape.seqlen_k);
+                for r in 0..WARP_TILES {
+                    // SAFETY: the host checked the bias's shape.
+                    unsafe { bias.add_to_fragments::<N_TILES, false>(&mut s[r], lane, (q_start + warp_row + 16 * r, kv_start)) };
+                }
             }
         }
         // Only tiles that cross some row's key limit or start (the causal diagonal, a window's
