@@ -45,7 +45,7 @@ pub fn run(ctx: &Context, args: &Args) -> Result<Vec<Check>> {
     let ([q, k, v, _], [q_dev, k_dev, v_dev, _]) = common::inputs::<f16>(ctx, &shape)?;
     let out = ctx.flash_attention_forward(&q_dev, &k_dev, &v_dev, &options, tile)?;
     let reference = cpu::attention(&q, &k, &v, &shape, common::params(&options, &shape))?;
-    let kernel = ctx.forward_kernel_label(DType::F16, &shape, options.causal, tile);
+    let kernel = ctx.forward_kernel_label(DType::F16, &shape, tile, &options);
     println!("tensor-core forward (f16, {kernel}), {}", common::describe(&shape, &options));
     Ok(vec![
         Check::new("O", relative_l2_error(&common::host(&out.o)?, &reference.o), Tolerance::F16.o),

@@ -133,14 +133,19 @@ fn kernel_paths_parse_and_the_emulator_refuses_sm90a() {
     let tile = TileConfig::default_for_dtype(attn_host::DType::F16, 64);
     let shape = AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 2, seqlen_q: 64, seqlen_k: 64, head_dim: 64 };
     assert!(
-        ctx.forward_kernel_entry(attn_host::DType::F16, &shape, attn_host::Causal::None, tile)
+        ctx.forward_kernel_entry(attn_host::DType::F16, &shape, tile, &AttentionOptions::default())
             .unwrap()
             .starts_with("flash_fwd_f16")
     );
     assert!(
-        ctx.forward_kernel_label(attn_host::DType::F16, &shape, attn_host::Causal::None, tile)
+        ctx.forward_kernel_label(attn_host::DType::F16, &shape, tile, &AttentionOptions::default())
             == format!("emulated {tile}")
     );
+    // A band table runs the entry's `_table` twin, which the entry names.
+    let documents = ctx.document_mask(&[1i32; 64], [1, 64]).unwrap();
+    let with_table = AttentionOptions::default().with_mask_table(&documents);
+    let entry = ctx.forward_kernel_entry(attn_host::DType::F16, &shape, tile, &with_table).unwrap();
+    assert!(entry.starts_with("flash_fwd_f16") && entry.ends_with("_table"), "{entry}");
 }
 
 /// The KV-cache decoder's checks: every bad argument is a typed error before any launch.

@@ -586,13 +586,7 @@ fn emulated_sinks_in_every_family() {
     assert!(matches!(wrong, Err(Error::Sinks(_))), "{:?}", wrong.map(|_| ()));
     let forward = ctx.attention(&q, &k, &v, &options).unwrap();
     let tile = TileConfig::new(16, 16);
-    let mut grads = attn_host::Gradients {
-        dq: ctx.full(&shape.q_shape(), 0.0).unwrap(),
-        dk: ctx.full(&shape.kv_shape(), 0.0).unwrap(),
-        dv: ctx.full(&shape.kv_shape(), 0.0).unwrap(),
-        d_sinks: None,
-        d_bias: None,
-    };
+    let mut grads = plain_gradients(&ctx, &shape);
     let (o, lse) = (forward.o(), forward.lse());
     let missing =
         ctx.flash_attention_backward_into(&q, &k, &v, o, lse, &q, &mut grads, &options, tile, DqAccumulation::Atomic);
@@ -601,6 +595,18 @@ fn emulated_sinks_in_every_family() {
     let grads = ctx.attention_backward(&forward, &q).unwrap();
     assert_eq!(grads.d_sinks.map(|t| t.shape().to_vec()), Some(vec![3]));
     report("emulated_sinks_in_every_family", count);
+}
+
+/// Zeroed `f32` dQ, dK, dV for `shape`, with no dSinks or dBias: what a refusal test passes to
+/// `flash_attention_backward_into` for a problem that needs one of them.
+fn plain_gradients(ctx: &Context, shape: &AttentionShape) -> attn_host::Gradients<f32> {
+    attn_host::Gradients {
+        dq: ctx.full(&shape.q_shape(), 0.0).unwrap(),
+        dk: ctx.full(&shape.kv_shape(), 0.0).unwrap(),
+        dv: ctx.full(&shape.kv_shape(), 0.0).unwrap(),
+        d_sinks: None,
+        d_bias: None,
+    }
 }
 
 /// Random bias values of `shape` (`[batch or 1, heads or 1, seqlen_q, seqlen_k]`, spread 2) with
@@ -692,13 +698,7 @@ fn emulated_bias_in_every_family() {
     let wrong = ctx.upload(&random_normal(128, 5), &[2, 1, 8, 8]).unwrap();
     refused(ctx.attention(&q, &k, &v, &AttentionOptions::default().with_bias(&wrong)).map(|_| ()), "wrong batch");
     let forward = ctx.attention(&q, &k, &v, &options).unwrap();
-    let mut grads = attn_host::Gradients {
-        dq: ctx.full(&shape.q_shape(), 0.0).unwrap(),
-        dk: ctx.full(&shape.kv_shape(), 0.0).unwrap(),
-        dv: ctx.full(&shape.kv_shape(), 0.0).unwrap(),
-        d_sinks: None,
-        d_bias: None,
-    };
+    let mut grads = plain_gradients(&ctx, &shape);
     let (o, lse, tile) = (forward.o(), forward.lse(), TileConfig::new(16, 16));
     let atomic = DqAccumulation::Atomic;
     refused(ctx.flash_attention_backward_into(&q, &k, &v, o, lse, &q, &mut grads, &options, tile, atomic), "no dBias");

@@ -457,7 +457,7 @@ fn hopper_padded_head_dims_match_the_reference() {
     ];
     for (head_dim, path) in paths {
         let tile = TileConfig::default_for_dtype(DType::F16, head_dim);
-        let label = sm90a.forward_kernel_label(DType::F16, &shape(head_dim), Causal::None, tile);
+        let label = sm90a.forward_kernel_label(DType::F16, &shape(head_dim), tile, &AttentionOptions::default());
         assert!(label.starts_with(path), "head_dim {head_dim}: {label}");
     }
 }
@@ -504,13 +504,18 @@ fn the_kernel_path_picks_the_forward_kernel() {
     let sm90a = Context::new(ctx.device().ordinal).unwrap().with_kernel_path(KernelPath::Sm90a).unwrap();
     let small =
         AttentionShape { batch: 1, num_heads_q: 2, num_heads_kv: 2, seqlen_q: 300, seqlen_k: 300, head_dim: 64 };
-    let none = Causal::None;
-    assert!(sm90a.forward_kernel_entry(DType::F16, &small, none, default).unwrap().starts_with("hopper_flash_fwd_f16"));
-    assert!(sm80.forward_kernel_entry(DType::F16, &small, none, default).unwrap().starts_with("flash_fwd_f16"));
+    let none = AttentionOptions::default();
+    assert!(
+        sm90a.forward_kernel_entry(DType::F16, &small, default, &none).unwrap().starts_with("hopper_flash_fwd_f16")
+    );
+    assert!(sm80.forward_kernel_entry(DType::F16, &small, default, &none).unwrap().starts_with("flash_fwd_f16"));
     // At head_dim 64 a grid of less than a wave runs two consumer warpgroups with ping-pong
     // turns, a deeper one three (see `deep_grid` in the forward cases), causal or not.
     // (A grid of fewer units than fit on the GPU is one block per unit; a deeper one is persistent.)
-    let label = |shape: &AttentionShape, causal| sm90a.forward_kernel_label(DType::F16, shape, causal, default);
+    let label = |shape: &AttentionShape, causal| {
+        sm90a.forward_kernel_label(DType::F16, shape, default, &AttentionOptions::causal(causal))
+    };
+    let none = Causal::None;
     assert_eq!(label(&small, none), "sm_90a m128_n128_s2_pingpong");
     assert_eq!(label(&deep_grid(64), none), "sm_90a m192_n128_s2 persistent");
     // Causal, three consumers from 1025 keys on (at most 1024, one: `SHORT_CAUSAL_KEYS`).
@@ -532,14 +537,21 @@ fn the_kernel_path_picks_the_forward_kernel() {
     ] {
         let wide = AttentionShape { head_dim, ..small };
         let tile = TileConfig::default_for_dtype(DType::F16, head_dim);
-        assert_eq!(sm90a.forward_kernel_label(DType::F16, &wide, none, tile), want);
+        assert_eq!(sm90a.forward_kernel_label(DType::F16, &wide, tile, &AttentionOptions::default()), want);
     }
+    // A bias runs on the sm_80 kernel of the default tile (the Hopper kernels do not read one),
+    // and the label and entry say so.
+    let bias = sm90a.full(&[1, 1, small.seqlen_q, small.seqlen_k], 0.5f32).unwrap();
+    let biased = AttentionOptions::default().with_bias(&bias);
+    assert!(sm90a.forward_kernel_label(DType::F16, &small, default, &biased).starts_with("sm_80 "));
+    assert!(sm90a.forward_kernel_entry(DType::F16, &small, default, &biased).unwrap().starts_with("flash_fwd_f16"));
     // An explicit tile runs the sm_80 kernel it names on either path; f32 never leaves sm_80.
     let explicit = TileConfig::new(64, 64).with_stages(2);
-    let entry = sm90a.forward_kernel_entry(DType::F16, &small, none, explicit).unwrap();
+    let none = AttentionOptions::default();
+    let entry = sm90a.forward_kernel_entry(DType::F16, &small, explicit, &none).unwrap();
     assert!(entry.starts_with("flash_fwd_f16_m64_n64"));
     let f32_tile = TileConfig::default_for_dtype(DType::F32, 64);
-    assert!(sm90a.forward_kernel_entry(DType::F32, &small, none, f32_tile).unwrap().starts_with("flash_fwd_f32"));
+    assert!(sm90a.forward_kernel_entry(DType::F32, &small, f32_tile, &none).unwrap().starts_with("flash_fwd_f32"));
 
     // Both paths agree with each other on the same inputs, through the public entry point.
     let shape =

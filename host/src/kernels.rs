@@ -502,6 +502,15 @@ pub fn table_twin(entry: &str) -> String {
     format!("{entry}{}", attn_kernels::configs::TABLE_TWIN_SUFFIX)
 }
 
+/// The entry that runs for the sm_80-path flash kernel `entry` in a problem that has (`table`)
+/// or has not a band table: its [`table_twin`], or `entry` itself.
+pub(crate) fn entry_for_table(entry: &'static str, table: bool) -> std::borrow::Cow<'static, str> {
+    match table {
+        true => std::borrow::Cow::Owned(table_twin(entry)),
+        false => std::borrow::Cow::Borrowed(entry),
+    }
+}
+
 /// The PTX of kernel `entry` alone, as a module of its own: module `module_of(entry)`'s text with
 /// every other entry left out (its header, the declarations before the first entry and the
 /// functions after the last are shared by all of them). `None` if the module has no such entry.

@@ -108,6 +108,20 @@ impl Target<'_> {
         wanted.then(|| HopperForward::for_problem(dtype, shape, causal, self.device.sm_count).ok()).flatten()
     }
 
+    /// [`Target::hopper_forward`] for a problem with `options`, what the selection policy runs:
+    /// none where the options keep the Hopper kernels out ([`AttentionOptions::hopper_allowed`]:
+    /// a bias, which only the sm_80 modules' kernels read). The dispatch, the kernel's label and
+    /// its entry all ask this one function.
+    pub(crate) fn hopper_forward_for(
+        &self,
+        dtype: DType,
+        shape: &AttentionShape,
+        tile: TileConfig,
+        options: &AttentionOptions,
+    ) -> Option<&'static HopperInstance> {
+        self.hopper_forward(dtype, shape, options.causal, tile).filter(|_| options.hopper_allowed())
+    }
+
     /// The Hopper backward kernel that [`Context::flash_attention_backward`] runs in place of the
     /// sm_80 ones: on the sm_90a path, for `f16`/`bf16` and the head dimensions it has, when
     /// `tile` is the built-in default ([`TileConfig::default_backward_for_dtype`]), in either dQ

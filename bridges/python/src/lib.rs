@@ -146,6 +146,26 @@ fn sinks_of(ctx: &Context, address: u64, shape: &AttentionShape) -> Result<Optio
     (address != 0).then(|| borrow::<f32>(ctx, address, &[shape.num_heads_q])).transpose()
 }
 
+/// An additive bias as Python passes it (SDPA's float `attn_mask`, made contiguous `float32`):
+/// its address (0: none) and its two leading sizes, `(batch or 1, num_heads_q or 1)`; the last
+/// two are the problem's `seqlen_q` and `seqlen_k`. The library checks the sizes.
+#[derive(Clone, Copy)]
+struct BiasArgs {
+    address: u64,
+    batch: usize,
+    heads: usize,
+}
+
+impl BiasArgs {
+    const NONE: Self = Self { address: 0, batch: 1, heads: 1 };
+
+    /// The bias (or its gradient) at `address` with this bias's shape, if there is one.
+    fn at(&self, ctx: &Context, address: u64, shape: &AttentionShape) -> Result<Option<DeviceTensor<f32>>, Error> {
+        let dims = [self.batch, self.heads, shape.seqlen_q, shape.seqlen_k];
+        (address != 0).then(|| borrow::<f32>(ctx, address, &dims)).transpose()
+    }
+}
+
 /// The mask table of a packed row, if the call has one (FlashAttention's variable-length
 /// convention): from `cu_seqlens` alone a document mask (document `d` holds queries and keys
 /// `cu_seqlens[d] .. cu_seqlens[d + 1]`); with `cu_seqlens_k` too a varlen table
@@ -172,15 +192,19 @@ fn table_of(
     }
 }
 
-/// `options` with the call's sinks and document mask, where it has them.
+/// `options` with the call's sinks, bias and document mask, where it has them.
 fn with_tensors<'a>(
     options: &AttentionOptions<'a>,
     sinks: &'a Option<DeviceTensor<f32>>,
+    bias: &'a Option<DeviceTensor<f32>>,
     documents: &'a Option<MaskTable>,
 ) -> AttentionOptions<'a> {
     let mut options = *options;
     if let Some(sinks) = sinks {
         options = options.with_sinks(sinks);
+    }
+    if let Some(bias) = bias {
+        options = options.with_bias(bias);
     }
     if let Some(documents) = documents {
         options = options.with_mask_table(documents);
@@ -196,12 +220,14 @@ fn borrow<T: Element>(ctx: &Context, address: u64, shape: &[usize]) -> Result<De
     unsafe { ctx.tensor_from_raw_parts::<T>(address, shape) }
 }
 
-/// Pointers of one forward call: Q, K, V (and the sinks, 0 for none) in, O and LSE out.
+/// Pointers of one forward call: Q, K, V (and the sinks and the bias, 0 for none) in, O and
+/// LSE out.
 struct ForwardPointers {
     q: u64,
     k: u64,
     v: u64,
     sinks: u64,
+    bias: BiasArgs,
     o: u64,
     lse: u64,
 }
@@ -219,15 +245,16 @@ fn forward_typed<T: Element>(
     let mut out =
         AttentionOutput { o: borrow::<T>(ctx, p.o, &q_shape)?, lse: borrow::<f32>(ctx, p.lse, &shape.lse_shape())? };
     let sinks = sinks_of(ctx, p.sinks, &shape)?;
+    let bias = p.bias.at(ctx, p.bias.address, &shape)?;
     let mut options = *options;
     let table = table_of(ctx, cu_seqlens, cu_seqlens_k, &mut options)?;
-    let options = with_tensors(&options, &sinks, &table);
+    let options = with_tensors(&options, &sinks, &bias, &table);
     let tile = ctx.default_tile(T::DTYPE, shape.head_dim);
     ctx.flash_attention_forward_into(&q, &k, &v, &mut out, &options, tile)
 }
 
-/// Pointers of one backward call: Q, K, V, the sinks, O, LSE and dO in, dQ, dK, dV (and
-/// dSinks where there are sinks) out.
+/// Pointers of one backward call: Q, K, V, the sinks, the bias, O, LSE and dO in, dQ, dK, dV
+/// (and dSinks where there are sinks, dBias where there is a bias) out.
 struct BackwardPointers {
     forward: ForwardPointers,
     d_o: u64,
@@ -235,6 +262,7 @@ struct BackwardPointers {
     dk: u64,
     dv: u64,
     d_sinks: u64,
+    d_bias: u64,
 }
 
 fn backward_typed<T: Element>(
@@ -258,12 +286,13 @@ fn backward_typed<T: Element>(
         dk: borrow::<T>(ctx, p.dk, &kv_shape)?,
         dv: borrow::<T>(ctx, p.dv, &kv_shape)?,
         d_sinks: sinks_of(ctx, p.d_sinks, &shape)?,
-        d_bias: None,
+        d_bias: f.bias.at(ctx, p.d_bias, &shape)?,
     };
     let sinks = sinks_of(ctx, f.sinks, &shape)?;
+    let bias = f.bias.at(ctx, f.bias.address, &shape)?;
     let mut options = *options;
     let table = table_of(ctx, cu_seqlens, cu_seqlens_k, &mut options)?;
-    let options = with_tensors(&options, &sinks, &table);
+    let options = with_tensors(&options, &sinks, &bias, &table);
     let (tile, dq_mode) = ctx.default_backward_plan(T::DTYPE, shape.head_dim, options.deterministic);
     ctx.flash_attention_backward_into(&q, &k, &v, &o, &lse, &d_o, &mut grads, &options, tile, dq_mode)
 }
@@ -291,12 +320,14 @@ fn dtype_of(name: &str) -> PyResult<DType> {
 /// Attention forward on PyTorch's memory: O (`[B, Hq, Sq, D]`, the inputs' type) and LSE
 /// (`[B, Hq, Sq]` float32, natural log) written at `o` and `lse`, from contiguous Q `[B, Hq, Sq,
 /// D]` and K, V `[B, Hkv, Sk, D]` at `q`, `k`, `v`; `softcap` and `alibi_max_bias` (0: none)
-/// modify the scores, `sinks` (0: none) is the address of `[Hq]` float32 sink logits, and
-/// `cu_seqlens` (None: none) makes a document mask of the (single, packed) row: each query sees
-/// only the keys of its own document; with `cu_seqlens_k` the keys have lengths of their own
-/// (`table_of`). Queued on `stream`; returns at once.
+/// modify the scores, `sinks` (0: none) is the address of `[Hq]` float32 sink logits, `bias`
+/// (0: none) that of a contiguous float32 additive bias `[bias_dims.0, bias_dims.1, Sq, Sk]`
+/// (each of the two 1 or B, Hq: broadcast), added to the scaled scores, and `cu_seqlens` (None:
+/// none) makes a document mask of the (single, packed) row: each query sees only the keys of its
+/// own document; with `cu_seqlens_k` the keys have lengths of their own (`table_of`). Queued on
+/// `stream`; returns at once.
 #[pyfunction]
-#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, causal, bottom_right, window_left, window_right, scale=None, softcap=0.0, alibi_max_bias=0.0, sinks=0, cu_seqlens=None, cu_seqlens_k=None))]
+#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, causal, bottom_right, window_left, window_right, scale=None, softcap=0.0, alibi_max_bias=0.0, sinks=0, cu_seqlens=None, cu_seqlens_k=None, bias=0, bias_dims=(1, 1)))]
 #[allow(clippy::too_many_arguments)]
 fn forward(
     py: Python<'_>,
@@ -319,12 +350,15 @@ fn forward(
     sinks: u64,
     cu_seqlens: Option<Vec<i32>>,
     cu_seqlens_k: Option<Vec<i32>>,
+    bias: u64,
+    bias_dims: (usize, usize),
 ) -> PyResult<()> {
     let dtype = dtype_of(dtype)?;
     let mask = MaskArgs { causal, bottom_right, window_left, window_right };
     let options = options_of(mask, ScoreArgs { softcap, alibi_max_bias }, scale, false)?;
     let offsets = (cu_seqlens.as_deref(), cu_seqlens_k.as_deref());
-    let pointers = ForwardPointers { q, k, v, sinks, o, lse };
+    let bias = BiasArgs { address: bias, batch: bias_dims.0, heads: bias_dims.1 };
+    let pointers = ForwardPointers { q, k, v, sinks, bias, o, lse };
     py.detach(|| {
         let ctx = context(device, stream)?;
         by_dtype!(dtype, forward_typed(&ctx, shape_of(sizes), &pointers, &options, offsets))
@@ -333,12 +367,13 @@ fn forward(
 }
 
 /// Attention backward on PyTorch's memory: dQ, dK, dV written at `dq`, `dk`, `dv` (Q's and K's
-/// shapes and type), and with sinks their gradient at `d_sinks` (`[Hq]` float32), from the
-/// forward's inputs and options (`cu_seqlens` included), O and LSE and from dO (O's shape).
-/// `deterministic` sums dQ in a fixed order, bit-identical on every run. Queued on `stream`;
-/// returns at once.
+/// shapes and type), with sinks their gradient at `d_sinks` (`[Hq]` float32), and with a bias
+/// its gradient at `d_bias` (the bias's shape, float32; required with a bias), from the
+/// forward's inputs and options (`cu_seqlens` and the bias included), O and LSE and from dO
+/// (O's shape). `deterministic` sums dQ in a fixed order, bit-identical on every run. Queued on
+/// `stream`; returns at once.
 #[pyfunction]
-#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, d_o, dq, dk, dv, causal, bottom_right, window_left, window_right, deterministic, scale=None, softcap=0.0, alibi_max_bias=0.0, sinks=0, d_sinks=0, cu_seqlens=None, cu_seqlens_k=None))]
+#[pyo3(signature = (device, stream, dtype, sizes, q, k, v, o, lse, d_o, dq, dk, dv, causal, bottom_right, window_left, window_right, deterministic, scale=None, softcap=0.0, alibi_max_bias=0.0, sinks=0, d_sinks=0, cu_seqlens=None, cu_seqlens_k=None, bias=0, bias_dims=(1, 1), d_bias=0))]
 #[allow(clippy::too_many_arguments)]
 fn backward(
     py: Python<'_>,
@@ -367,13 +402,17 @@ fn backward(
     d_sinks: u64,
     cu_seqlens: Option<Vec<i32>>,
     cu_seqlens_k: Option<Vec<i32>>,
+    bias: u64,
+    bias_dims: (usize, usize),
+    d_bias: u64,
 ) -> PyResult<()> {
     let dtype = dtype_of(dtype)?;
     let mask = MaskArgs { causal, bottom_right, window_left, window_right };
     let options = options_of(mask, ScoreArgs { softcap, alibi_max_bias }, scale, deterministic)?;
     let offsets = (cu_seqlens.as_deref(), cu_seqlens_k.as_deref());
-    let forward = ForwardPointers { q, k, v, sinks, o, lse };
-    let pointers = BackwardPointers { forward, d_o, dq, dk, dv, d_sinks };
+    let bias = BiasArgs { address: bias, batch: bias_dims.0, heads: bias_dims.1 };
+    let forward = ForwardPointers { q, k, v, sinks, bias, o, lse };
+    let pointers = BackwardPointers { forward, d_o, dq, dk, dv, d_sinks, d_bias };
     py.detach(|| {
         let ctx = context(device, stream)?;
         by_dtype!(dtype, backward_typed(&ctx, shape_of(sizes), &pointers, &options, offsets))
@@ -382,17 +421,30 @@ fn backward(
 }
 
 /// The forward kernel a call would run, e.g. `sm_90a m128_n128_s2 persistent`, for logs and
-/// benchmarks.
+/// benchmarks; `bias` and `bias_dims` as in `forward` (a problem with a bias runs the sm_80
+/// kernels on every GPU).
 #[pyfunction]
-#[pyo3(signature = (device, dtype, sizes, causal, bottom_right))]
-fn forward_kernel(device: i64, dtype: &str, sizes: Sizes, causal: bool, bottom_right: bool) -> PyResult<String> {
+#[pyo3(signature = (device, dtype, sizes, causal, bottom_right, bias=0, bias_dims=(1, 1)))]
+fn forward_kernel(
+    device: i64,
+    dtype: &str,
+    sizes: Sizes,
+    causal: bool,
+    bottom_right: bool,
+    bias: u64,
+    bias_dims: (usize, usize),
+) -> PyResult<String> {
     let dtype = dtype_of(dtype)?;
     let mask = MaskArgs { causal, bottom_right, window_left: -1, window_right: -1 };
     let options = options_of(mask, ScoreArgs { softcap: 0.0, alibi_max_bias: 0.0 }, None, false)?;
     let ctx = context(device, 0).map_err(to_py)?;
     let shape = shape_of(sizes);
+    let bias =
+        BiasArgs { address: bias, batch: bias_dims.0, heads: bias_dims.1 }.at(&ctx, bias, &shape).map_err(to_py)?;
+    let (no_sinks, no_table) = (None, None);
+    let options = with_tensors(&options, &no_sinks, &bias, &no_table);
     let tile = ctx.default_tile(dtype, shape.head_dim);
-    Ok(ctx.forward_kernel_label(dtype, &shape, options.causal, tile))
+    Ok(ctx.forward_kernel_label(dtype, &shape, tile, &options))
 }
 
 /// The device a context opens for `device` (`-1`: the CPU emulator), e.g. `NVIDIA H200`.

@@ -57,6 +57,12 @@ def leaf(x, dtype, device=None):
     return x.detach().to(device=device or x.device, dtype=dtype, copy=True).requires_grad_()
 
 
+def random_problem(g, b, hq, hkv, sq, sk, d):
+    """Fresh normal Q `[b, hq, sq, d]`, K and V `[b, hkv, sk, d]` and dO (Q's shape) from `g`."""
+    make = lambda h, s: torch.randn(b, h, s, d, generator=g)
+    return make(hq, sq), make(hkv, sk), make(hkv, sk), make(hq, sq)
+
+
 def reference_mask(sq, sk, is_causal, bottom_right, window):
     """The boolean mask (True = visible) our options describe, for SDPA's attn_mask."""
     i = torch.arange(sq).unsqueeze(1) + (sk - sq if bottom_right else 0)
@@ -91,6 +97,18 @@ def alibi_slopes(heads, max_bias):
     return torch.tensor([2.0 ** (-max_bias * e) for e in exponent], dtype=torch.float64)
 
 
+def biased_attention(q, k, v, mask, bias):
+    """Attention with an additive bias on the scaled scores (SDPA's float attn_mask) by its
+    definition: the scores in q's dtype, the bias and the softmax in float32 (float64 for float64
+    inputs), P back in q's dtype; rows that see no key give 0."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    s = ((q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])).to(wide) + bias.to(wide)
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
+    return p.to(q.dtype) @ v
+
+
 def modified_attention(q, k, v, mask, softcap, alibi, sinks):
     """Attention with softcapping, ALiBi and sinks by their definitions: the scores in q's dtype, the
     modifications and the softmax in float32 (float64 for float64 inputs), P back in q's dtype."""
@@ -115,12 +133,12 @@ def modified_attention(q, k, v, mask, softcap, alibi, sinks):
 
 
 class Cases(unittest.TestCase):
-    def assert_oracle(self, what, dtype, ours, results):
-        """Each of O, dQ, dK, dV (and dSinks) within twice the plain same-precision error plus the
-        floor. dSinks sums dO·O over whole rows, and the kernels take that sum (D) from the O they
-        rounded to the inputs' dtype, a rounding the plain autograd does not do: twice the floor there."""
-        for name, x, plain, truth in zip(("O", "dQ", "dK", "dV", "dSinks"), ours, results["plain"], results["truth"]):
-            bound = 2 * rel(plain, truth) + FLOOR[dtype] * (2 if name == "dSinks" else 1)
+    def assert_oracle(self, what, dtype, ours, results, names=("O", "dQ", "dK", "dV", "dSinks")):
+        """Each of O, dQ, dK, dV (and dSinks or dBias) within twice the plain same-precision error
+        plus the floor. dSinks and dBias take D = rowsum(dO·O) from the O the kernels rounded to the
+        inputs' dtype, a rounding the plain autograd does not do: twice the floor there."""
+        for name, x, plain, truth in zip(names, ours, results["plain"], results["truth"]):
+            bound = 2 * rel(plain, truth) + FLOOR[dtype] * (2 if name in ("dSinks", "dBias") else 1)
             self.assertLessEqual(rel(x.cpu(), truth), bound, f"{what}: {name}")
 
     def check(self, device, dtype, b, hq, hkv, sq, sk, d, is_causal=False, bottom_right=False, window=None,
@@ -195,8 +213,7 @@ class Cases(unittest.TestCase):
                 with self.subTest(what):
                     skip_unsupported(self, device, dtype)
                     g = torch.Generator().manual_seed(len(what))
-                    make = lambda h, s: torch.randn(b, h, s, d, generator=g)
-                    q64, k64, v64, do64 = make(hq, sq), make(hkv, sk), make(hkv, sk), make(hq, sq)
+                    q64, k64, v64, do64 = random_problem(g, b, hq, hkv, sq, sk, d)
                     sinks64 = torch.randn(hq, generator=g) + 1.0 if with_sinks else None
                     mask = reference_mask(sq, sk, is_causal, bottom_right, None)
                     results = {}
@@ -213,6 +230,47 @@ class Cases(unittest.TestCase):
                     o.backward(do64.to(dtype).to(device))
                     ours = (o, q.grad, k.grad, v.grad) + ((sinks.grad,) if with_sinks else ())
                     self.assert_oracle(what, dtype, ours, results)
+
+    def test_attn_mask(self):
+        """SDPA's attn_mask: a float bias, broadcast over batch and heads or not, against its
+        definition in float64, forward and backward (its gradient too, summed over the broadcast
+        dimensions by autograd); a boolean mask; a row the mask hides throughout."""
+        cases = [  # (dtype, [B, Hq, Hkv, Sq, Sk, D], is_causal, mask shape)
+            (torch.float16, (2, 4, 2, 37, 53, 64), True, (4, 37, 53)),
+            (torch.bfloat16, (2, 2, 2, 40, 40, 64), False, (2, 1, 40, 40)),
+            (torch.float32, (1, 3, 1, 33, 21, 32), False, (33, 21)),
+        ]
+        for device in DEVICES:
+            for dtype, (b, hq, hkv, sq, sk, d), is_causal, mask_shape in cases:
+                what = f"{device} {dtype} [{b},{hq},{hkv},{sq},{sk},{d}] causal={is_causal} mask {mask_shape}"
+                with self.subTest(what):
+                    skip_unsupported(self, device, dtype)
+                    g = torch.Generator().manual_seed(len(what))
+                    q64, k64, v64, do64 = random_problem(g, b, hq, hkv, sq, sk, d)
+                    bias64 = torch.randn(mask_shape, generator=g)
+                    mask = reference_mask(sq, sk, is_causal, False, None)
+                    results = {}
+                    for name, t in (("truth", torch.float64), ("plain", dtype)):
+                        q, k, v = (leaf(x, t) for x in (q64, k64, v64))
+                        bias = leaf(bias64, torch.float64)
+                        o = biased_attention(q, k, v, mask, bias)
+                        o.backward(do64.to(t))
+                        results[name] = (o, q.grad, k.grad, v.grad, bias.grad)
+                    q, k, v = (leaf(x, dtype, device) for x in (q64, k64, v64))
+                    bias = leaf(bias64, torch.float32, device)
+                    o = ra.attention(q, k, v, bias, is_causal=is_causal, enable_gqa=hq != hkv)
+                    o.backward(do64.to(dtype).to(device))
+                    self.assertEqual(bias.grad.shape, bias.shape)
+                    self.assert_oracle(what, dtype, (o, q.grad, k.grad, v.grad, bias.grad), results,
+                                       names=("O", "dQ", "dK", "dV", "dBias"))
+            # A boolean mask is SDPA's: True takes part. Row 3 sees no key: 0, not NaN.
+            q, k, v = (torch.randn(1, 2, 24, 64, device=device) for _ in range(3))
+            keep = torch.rand(24, 24, generator=torch.Generator().manual_seed(5)).to(device) > 0.3
+            keep[3] = False
+            o = ra.attention(q, k, v, keep)
+            want = biased_attention(q.double(), k.double(), v.double(), keep, torch.zeros((), device=device))
+            self.assertLess((o.double() - want).abs().max().item(), 1e-4)
+            self.assertTrue(torch.equal(o[:, :, 3], torch.zeros_like(o[:, :, 3])))
 
     def test_lse(self):
         for device in DEVICES:
@@ -253,6 +311,12 @@ class Cases(unittest.TestCase):
             ra.attention(q, q, q, sinks=torch.zeros(3))
         with self.assertRaisesRegex(ValueError, "together|both"):
             ra.attention(q, q, q, softcap=30.0, alibi=True)
+        with self.assertRaisesRegex(ValueError, "broadcast"):
+            ra.attention(q, q, q, torch.zeros(8, 9))
+        with self.assertRaisesRegex(ValueError, "boolean"):
+            ra.attention(q, q, q, torch.zeros(8, 8, dtype=torch.int32))
+        with self.assertRaisesRegex(ValueError, "softcap"):
+            ra.attention(q, q, q, torch.zeros(8, 8), softcap=30.0)
 
     def test_varlen(self):
         """`attention_varlen` against each sequence attended on its own (float64 truth and PyTorch's

@@ -642,7 +642,7 @@ fn flash_rows<T: Element>(
     let forward =
         time_gpu(ctx, warmup, repeats, || ctx.flash_attention_forward_into(q, k, v, &mut out, options, tile))?;
     let mut rows = vec![Row {
-        label: format!("flash forward {dtype} ({})", ctx.forward_kernel_label(dtype, &shape, options.causal, tile)),
+        label: format!("flash forward {dtype} ({})", ctx.forward_kernel_label(dtype, &shape, tile, options)),
         ms: forward.median_ms,
         flops,
         outputs: vec![HostTensor::from_device("o", &out.o)?, HostTensor::from_device("lse", &out.lse)?],

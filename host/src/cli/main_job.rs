@@ -576,7 +576,7 @@ fn tensor_core_rows<T: Element>(
         let d = shape.head_dim;
         let (forward_default, backward_default) =
             (TileConfig::default_for_dtype(dtype, d), TileConfig::default_backward_for_dtype(dtype, d));
-        if ctx.target().hopper_forward(dtype, &shape, case.causal, forward_default).is_some() {
+        if ctx.target().hopper_forward_for(dtype, &shape, forward_default, &options).is_some() {
             tile = forward_default;
         }
         if ctx.target().hopper_backward(dtype, d, backward_default, DqAccumulation::Atomic).is_some() {
@@ -584,7 +584,7 @@ fn tensor_core_rows<T: Element>(
         }
     }
     let mode_name = super::dq_mode_name(ctx, dtype, shape.head_dim, backward_tile, mode);
-    let forward_kernel = ctx.forward_kernel_label(dtype, &shape, case.causal, tile);
+    let forward_kernel = ctx.forward_kernel_label(dtype, &shape, tile, &options);
     let names = [
         format!("flash forward {dtype} ({forward_kernel})"),
         format!(

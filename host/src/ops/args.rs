@@ -82,10 +82,7 @@ impl<'a> ProblemArgs<'a> {
     /// families has both; the plain one never reads the table (`attention_kernel!` in
     /// `kernels/src/lib.rs` says why they are two).
     pub(super) fn entry(&self, entry: &'static str) -> Cow<'static, str> {
-        match self.mask_table {
-            Some(_) => Cow::Owned(crate::kernels::table_twin(entry)),
-            None => Cow::Borrowed(entry),
-        }
+        crate::kernels::entry_for_table(entry, self.mask_table.is_some())
     }
 
     /// `head`, the six shape integers, then `tail`.

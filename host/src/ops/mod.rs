@@ -27,6 +27,8 @@ mod sm90;
 pub use decode::{DecodeOptions, DecodePlan, KvCache, Layout};
 pub use probes::DescriptorOffsets;
 
+use std::borrow::Cow;
+
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::kernels::{FlashKernel, backward_kernels, entry};
@@ -122,34 +124,33 @@ impl Context {
         if self.needs_chunks(&shape) {
             return self.forward_in_chunks(&shape, q, k, v, out, options, tile);
         }
-        if let Some(kernel) =
-            self.target().hopper_forward(T::DTYPE, &shape, options.causal, tile).filter(|_| options.hopper_allowed())
-        {
+        if let Some(kernel) = self.target().hopper_forward_for(T::DTYPE, &shape, tile, options) {
             return self.launch_hopper_forward(kernel, &shape, q, k, v, out, options);
         }
         self.flash_attention_forward_sm80_into(&shape, q, k, v, out, options, tile)
     }
 
     /// A short name of the kernel [`Context::flash_attention_forward`] runs for `dtype`, `shape`,
-    /// mask `causal` and `tile` on this context, for tables: the path and the configuration, e.g.
+    /// `tile` and `options` on this context, for tables: the path and the configuration, e.g.
     /// `sm_90a m192_n128_s2` or `sm_80 m64_n64_s2`; on the CPU emulator, which runs the tile's
     /// kernel from its Rust source and no PTX, `emulated m64_n64_s2`; with ` on d96` after it when
-    /// the head_dim runs on a larger compiled one.
+    /// the head_dim runs on a larger compiled one. The options matter: a problem with a bias runs
+    /// the sm_80 kernel on the sm_90a path too.
     pub fn forward_kernel_label(
         &self,
         dtype: DType,
         shape: &AttentionShape,
-        causal: Causal,
         tile: TileConfig,
+        options: &AttentionOptions,
     ) -> String {
         let on = |compiled: usize| compiled_suffix(shape.head_dim, compiled);
         let padded = TileConfig::padded_head_dim(FlashKernel::Forward, dtype, shape.head_dim).unwrap_or(shape.head_dim);
         if self.is_emulated() {
             return format!("emulated {tile}{}", on(padded));
         }
-        match self.target().hopper_forward(dtype, shape, causal, tile) {
+        match self.target().hopper_forward_for(dtype, shape, tile, options) {
             Some(kernel) => {
-                let grid = HopperForward::grid(kernel, shape, causal, self.device().sm_count);
+                let grid = HopperForward::grid(kernel, shape, options.causal, self.device().sm_count);
                 let persistent = match (grid.persistent(), grid.dynamic) {
                     (true, true) => " persistent dynamic",
                     (true, false) => " persistent",
@@ -162,9 +163,9 @@ impl Context {
     }
 
     /// The kernel entry [`Context::flash_attention_forward`] launches for element type `dtype`,
-    /// `shape`, mask `causal` and `tile` on this context: a Hopper kernel
-    /// (`hopper_flash_fwd_…`) or the sm_80 kernel of the tile (whose `_table` twin runs instead
-    /// when the options bind a band table).
+    /// `shape`, `tile` and `options` on this context: a Hopper kernel (`hopper_flash_fwd_…`) or
+    /// the sm_80 kernel of the tile, its `_table` twin when the options bind a band table
+    /// ([`AttentionOptions::with_mask_table`]).
     ///
     /// # Errors
     /// As [`TileConfig::validate_kernel`].
@@ -172,12 +173,15 @@ impl Context {
         &self,
         dtype: DType,
         shape: &AttentionShape,
-        causal: Causal,
         tile: TileConfig,
-    ) -> Result<&'static str> {
-        match self.target().hopper_forward(dtype, shape, causal, tile) {
-            Some(kernel) => Ok(kernel.entry),
-            None => tile.validate_kernel(FlashKernel::Forward, dtype, shape.head_dim, self.device()),
+        options: &AttentionOptions,
+    ) -> Result<Cow<'static, str>> {
+        match self.target().hopper_forward_for(dtype, shape, tile, options) {
+            Some(kernel) => Ok(Cow::Borrowed(kernel.entry)),
+            None => {
+                let entry = tile.validate_kernel(FlashKernel::Forward, dtype, shape.head_dim, self.device())?;
+                Ok(crate::kernels::entry_for_table(entry, options.mask_table.is_some()))
+            }
         }
     }
 

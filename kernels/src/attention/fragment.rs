@@ -56,6 +56,13 @@ impl FragmentLane {
     pub fn pair_col(self) -> usize {
         2 * self.t
     }
+
+    /// The (row, column) of entry `e` of n-tile `nt` in a row of m16n8 fragments whose first
+    /// entry is at (`first_row`, `first_col`): n-tile `nt` covers columns `first_col + 8nt ..`.
+    #[inline(always)]
+    pub fn place(self, (first_row, first_col): (usize, usize), nt: usize, e: usize) -> (usize, usize) {
+        (first_row + self.row(e), first_col + 8 * nt + self.col(e))
+    }
 }
 
 /// Sets every entry of `frags` that `mask` hides to `value` (−∞ for scores, 0 for

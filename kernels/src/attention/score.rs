@@ -112,12 +112,7 @@ impl ScoreArgs {
     pub fn bias_plane(self, batch: usize, head: usize, seqlen_q: usize, seqlen_k: usize) -> BiasPlane {
         let offset = batch * self.bias_batch_stride + head * self.bias_head_stride;
         let at = |base: *mut f32| if base.is_null() { base } else { base.wrapping_add(offset) };
-        BiasPlane {
-            values: at(self.bias.cast_mut()).cast_const(),
-            grads: at(self.bias_grad),
-            seqlen_q,
-            seqlen_k,
-        }
+        BiasPlane { values: at(self.bias.cast_mut()).cast_const(), grads: at(self.bias_grad), seqlen_q, seqlen_k }
     }
 
     /// Whether the problem has attention sinks. The tensor-core forwards keep a copy of their
@@ -361,6 +356,20 @@ impl BiasPlane {
         (!self.values.is_null() && query < self.seqlen_q && key < self.seqlen_k).then(|| query * self.seqlen_k + key)
     }
 
+    /// The (query, key) of entry `e` of n-tile `nt` in fragments that start at `first`
+    /// ([`FragmentLane::place`]): rows are queries and columns keys, or with `TRANSPOSED` rows
+    /// are keys and columns queries (the backward's Sᵀ).
+    #[inline(always)]
+    fn query_key<const TRANSPOSED: bool>(
+        lane: FragmentLane,
+        first: (usize, usize),
+        nt: usize,
+        e: usize,
+    ) -> (usize, usize) {
+        let (row, col) = lane.place(first, nt, e);
+        if TRANSPOSED { (col, row) } else { (row, col) }
+    }
+
     /// `bias[query][key] · log₂e`, the bias in the kernels' base-2 units; 0 outside the
     /// sequences or without a bias.
     ///
@@ -385,12 +394,11 @@ impl BiasPlane {
         &self,
         frags: &mut [FragC; N],
         lane: FragmentLane,
-        (first_row, first_col): (usize, usize),
+        first: (usize, usize),
     ) {
         for nt in 0..N {
             for e in 0..4 {
-                let (row, col) = (first_row + lane.row(e), first_col + 8 * nt + lane.col(e));
-                let (query, key) = if TRANSPOSED { (col, row) } else { (row, col) };
+                let (query, key) = Self::query_key::<TRANSPOSED>(lane, first, nt, e);
                 // SAFETY: the caller's contract.
                 frags[nt][e] += unsafe { self.logit(query, key) };
             }
@@ -423,12 +431,11 @@ impl BiasPlane {
         &self,
         ds: &[FragC; N],
         lane: FragmentLane,
-        (first_row, first_col): (usize, usize),
+        first: (usize, usize),
     ) {
         for nt in 0..N {
             for e in 0..4 {
-                let (row, col) = (first_row + lane.row(e), first_col + 8 * nt + lane.col(e));
-                let (query, key) = if TRANSPOSED { (col, row) } else { (row, col) };
+                let (query, key) = Self::query_key::<TRANSPOSED>(lane, first, nt, e);
                 // SAFETY: the caller's contract.
                 unsafe { self.accumulate(query, key, ds[nt][e]) };
             }

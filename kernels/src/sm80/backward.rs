@@ -522,7 +522,7 @@ unsafe fn backward_kv_body<
                 for eighth in 0..piece_cols / 8 {
                     let frag = dq[eighth / 2][eighth % 2];
                     for e in 0..4 {
-                        let (row, col) = (m0 + lane.row(e), n0 + 8 * eighth + lane.col(e));
+                        let (row, col) = lane.place((m0, n0), eighth, e);
                         // (An exact instance's columns are all real: no test.)
                         if row < q_rows && (!PADDED || col < d) {
                             // SAFETY: the query row and column exist.

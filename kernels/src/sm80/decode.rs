@@ -376,7 +376,8 @@ unsafe fn decode_forward<
     });
     for (dt, frag) in acc.iter().enumerate() {
         for e in 0..4 {
-            merge.store(warp * DECODE_BLOCK_M + lane.row(e), 8 * dt + lane.col(e), frag[e] * weight[e / 2]);
+            let (row, col) = lane.place((warp * DECODE_BLOCK_M, 0), dt, e);
+            merge.store(row, col, frag[e] * weight[e / 2]);
         }
     }
     hw::sync_threads();

@@ -245,7 +245,13 @@ unsafe fn forward_body<
                 let bias = score.bias_plane(block.batch, block.head, shape.seqlen_q, shape.seqlen_k);
                 for r in 0..WARP_TILES {
                     // SAFETY: the host checked the bias's shape.
-                    unsafe { bias.add_to_fragments::<N_TILES, false>(&mut s[r], lane, (q_start + warp_row + 16 * r, kv_start)) };
+                    unsafe {
+                        bias.add_to_fragments::<N_TILES, false>(
+                            &mut s[r],
+                            lane,
+                            (q_start + warp_row + 16 * r, kv_start),
+                        )
+                    };
                 }
             }
         }

@@ -9,8 +9,9 @@ these kernels cover: CUDA tensors (or CPU tensors, run on the kernels' CPU emula
 tests) of float32, float16 or bfloat16, Q `[B, Hq, Sq, D]` and K, V `[B, Hkv, Sk, D]` (or all
 `[B, S, H, D]` with `layout="bshd"`), head_dim 1 to 256, a causal mask aligned top-left (PyTorch's
 `is_causal`) or bottom-right (FlashAttention's), grouped-query attention with `enable_gqa=True`,
-a sliding window, logit softcapping, ALiBi, attention sinks (with their gradient), and a
-deterministic backward. There is no dropout and no `attn_mask`. `attention_varlen` takes a
+a sliding window, logit softcapping, ALiBi, attention sinks (with their gradient), SDPA's
+`attn_mask` (boolean, or an additive float bias with its gradient), and a deterministic backward.
+There is no dropout. `attention_varlen` takes a
 variable-length batch packed end to end (`[total, H, D]` with `cu_seqlens`, FlashAttention's
 varlen layout).
 
@@ -62,6 +63,11 @@ def _address(t):
     return 0 if t is None else t.data_ptr()
 
 
+def _bias_dims(bias):
+    """The two leading sizes of a prepared bias (`_prepare_bias`), (1, 1) for none."""
+    return (1, 1) if bias is None else (bias.shape[0], bias.shape[1])
+
+
 def _offsets(cu_seqlens):
     """The document offsets as a list of ints for the native side, or None for no document mask."""
     return None if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()]
@@ -72,24 +78,28 @@ def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bottom_right: bool, window_left: int,
     window_right: int, scale: float, deterministic: bool, softcap: float, alibi: float, sinks: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """O `[B, Hq, Sq, D]` and LSE `[B, Hq, Sq]` (float32) of BHSD Q, K, V (`deterministic` is for the
     backward; `softcap`, `alibi` 0 for none; `sinks` `[Hq]` float32 or None; `cu_seqlens` the
     document offsets of a packed row, B = 1, or None; `cu_seqlens_k` the keys' own offsets, or
-    None when they are the queries')."""
+    None when they are the queries'; `bias` an additive float32 bias `[B or 1, Hq or 1, Sq, Sk]`
+    or None)."""
     q, k, v = _ready(q), _ready(k), _ready(v)
     sinks = None if sinks is None else _ready(sinks)
+    bias = None if bias is None else _ready(bias)
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     _native.forward(_device_index(q), _stream(q), _DTYPES[q.dtype], _sizes(q, k), q.data_ptr(), k.data_ptr(),
                     v.data_ptr(), o.data_ptr(), lse.data_ptr(), causal, bottom_right, window_left, window_right, scale,
-                    softcap, alibi, _address(sinks), _offsets(cu_seqlens), _offsets(cu_seqlens_k))
+                    softcap, alibi, _address(sinks), _offsets(cu_seqlens), _offsets(cu_seqlens_k), _address(bias),
+                    _bias_dims(bias))
     return o, lse
 
 
 @_forward.register_fake
 def _forward_fake(q, k, v, causal, bottom_right, window_left, window_right, scale, deterministic, softcap, alibi,
-                  sinks, cu_seqlens=None, cu_seqlens_k=None):
+                  sinks, cu_seqlens=None, cu_seqlens_k=None, bias=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -98,43 +108,49 @@ def _backward(
     d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     causal: bool, bottom_right: bool, window_left: int, window_right: int, scale: float, deterministic: bool,
     softcap: float, alibi: float, sinks: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor] = None,
-    cu_seqlens_k: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV of the forward above for dO (O's shape), and dSinks (`[Hq]` float32; empty without sinks)."""
+    cu_seqlens_k: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of the forward above for dO (O's shape), dSinks (`[Hq]` float32; empty without
+    sinks) and dBias (the bias's shape, float32; empty without a bias)."""
     d_o, q, k, v, o, lse = (_ready(t) for t in (d_o, q, k, v, o, lse))
     sinks = None if sinks is None else _ready(sinks)
+    bias = None if bias is None else _ready(bias)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     d_sinks = torch.empty(0 if sinks is None else q.shape[1], dtype=torch.float32, device=q.device)
+    d_bias = torch.empty(0 if bias is None else bias.shape, dtype=torch.float32, device=q.device)
     _native.backward(_device_index(q), _stream(q), _DTYPES[q.dtype], _sizes(q, k), q.data_ptr(), k.data_ptr(),
                      v.data_ptr(), o.data_ptr(), lse.data_ptr(), d_o.data_ptr(), dq.data_ptr(), dk.data_ptr(),
                      dv.data_ptr(), causal, bottom_right, window_left, window_right, deterministic, scale, softcap,
                      alibi, _address(sinks), 0 if sinks is None else d_sinks.data_ptr(), _offsets(cu_seqlens),
-                     _offsets(cu_seqlens_k))
-    return dq, dk, dv, d_sinks
+                     _offsets(cu_seqlens_k), _address(bias), _bias_dims(bias),
+                     0 if bias is None else d_bias.data_ptr())
+    return dq, dk, dv, d_sinks, d_bias
 
 
 @_backward.register_fake
 def _backward_fake(d_o, q, k, v, o, lse, causal, bottom_right, window_left, window_right, scale, deterministic,
-                   softcap, alibi, sinks, cu_seqlens=None, cu_seqlens_k=None):
+                   softcap, alibi, sinks, cu_seqlens=None, cu_seqlens_k=None, bias=None):
     like = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)
-    return like(q), like(k), like(v), q.new_empty(0 if sinks is None else q.shape[1], dtype=torch.float32)
+    return (like(q), like(k), like(v), q.new_empty(0 if sinks is None else q.shape[1], dtype=torch.float32),
+            q.new_empty(0 if bias is None else bias.shape, dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, causal, bottom_right, window_left, window_right, scale, deterministic, softcap, alibi, sinks, cu_seqlens,
-     cu_seqlens_k) = inputs
+     cu_seqlens_k, bias) = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, sinks, cu_seqlens, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, o, lse, sinks, cu_seqlens, cu_seqlens_k, bias)
     ctx.mask = (causal, bottom_right, window_left, window_right)
     ctx.scale, ctx.deterministic, ctx.score = scale, deterministic, (softcap, alibi)
     ctx.mark_non_differentiable(lse)
 
 
 def _autograd_backward(ctx, d_o, _d_lse):
-    q, k, v, o, lse, sinks, cu_seqlens, cu_seqlens_k = ctx.saved_tensors
-    dq, dk, dv, d_sinks = _backward(d_o, q, k, v, o, lse, *ctx.mask, ctx.scale, ctx.deterministic, *ctx.score, sinks,
-                                    cu_seqlens, cu_seqlens_k)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, (None if sinks is None else d_sinks), None, None
+    q, k, v, o, lse, sinks, cu_seqlens, cu_seqlens_k, bias = ctx.saved_tensors
+    dq, dk, dv, d_sinks, d_bias = _backward(d_o, q, k, v, o, lse, *ctx.mask, ctx.scale, ctx.deterministic, *ctx.score,
+                                            sinks, cu_seqlens, cu_seqlens_k, bias)
+    return (dq, dk, dv, None, None, None, None, None, None, None, None, (None if sinks is None else d_sinks), None, None,
+            None if bias is None else d_bias)
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -177,7 +193,32 @@ def _score_options(hq, d, device, scale, window, deterministic, softcap, alibi, 
     return scale, left, right, bool(deterministic), cap, max_bias, sinks
 
 
-def attention(q, k, v, *, is_causal=False, causal_alignment="top-left", scale=None, enable_gqa=False,
+def _prepare_bias(attn_mask, b, hq, sq, sk, device):
+    """SDPA's `attn_mask` as the kernels' additive bias: float32 `[B or 1, Hq or 1, Sq, Sk]` (an
+    expanded view; the op makes it contiguous), or None. A boolean mask becomes 0 where True (the
+    key takes part) and -inf where False; a float mask is the bias itself. Autograd carries dBias
+    back through these steps, so a broadcast mask's gradient is summed over what it was
+    broadcast to, and a mask of another float dtype gets its gradient in that dtype."""
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, torch.Tensor) or attn_mask.device != device:
+        raise ValueError("attn_mask must be a tensor on q's device")
+    if attn_mask.dtype == torch.bool:
+        bias = torch.zeros(attn_mask.shape, dtype=torch.float32, device=device).masked_fill(~attn_mask, float("-inf"))
+    elif attn_mask.dtype.is_floating_point:
+        bias = attn_mask.float()
+    else:
+        raise ValueError(f"attn_mask is {attn_mask.dtype}; it must be boolean (True: the key takes part) or float "
+                         f"(added to the scaled scores)")
+    want = (b, hq, sq, sk)
+    if bias.dim() > 4 or any(n not in (1, w) for n, w in zip(bias.shape[::-1], want[::-1])):
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to [B, Hq, Sq, Sk] = "
+                         f"{list(want)}")
+    bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    return bias.expand(bias.shape[0], bias.shape[1], sq, sk)
+
+
+def attention(q, k, v, attn_mask=None, *, is_causal=False, causal_alignment="top-left", scale=None, enable_gqa=False,
               layout="bhsd", window=None, deterministic=None, return_lse=False, softcap=None, alibi=None,
               sinks=None):
     """Scaled dot-product attention on our kernels: softmax(Q Kᵀ · scale) V.
@@ -185,6 +226,13 @@ def attention(q, k, v, *, is_causal=False, causal_alignment="top-left", scale=No
     Args:
         q: `[B, Hq, Sq, D]` (or `[B, Sq, Hq, D]` with `layout="bshd"`), float32/float16/bfloat16.
         k, v: `[B, Hkv, Sk, D]` (or BSHD), Q's dtype and device; Hkv = Hq unless `enable_gqa`.
+        attn_mask: as SDPA's, broadcastable to `[B, Hq, Sq, Sk]` (whatever `layout`), on Q's
+            device: boolean (True: the key takes part) or float, an additive bias on the scaled
+            scores (`softmax(Q Kᵀ · scale + attn_mask)`: T5's and Swin's position biases), read
+            as float32 and differentiable (dBias comes from our backward kernels, summed over
+            what the mask was broadcast to). A row it hides throughout gives 0, not SDPA's NaN.
+            Not together with `softcap`. It runs on the sm_80-class kernels on every GPU (the
+            Hopper kernels do not read a bias yet).
         is_causal: hide key j from query i when j > i + offset, where offset is 0 for
             `causal_alignment="top-left"` (PyTorch's `is_causal`) and Sk - Sq for `"bottom-right"`
             (FlashAttention's, what decoding with a KV cache needs).
@@ -233,9 +281,10 @@ def attention(q, k, v, *, is_causal=False, causal_alignment="top-left", scale=No
         raise ValueError(f"the {hkv} key/value heads must divide the {hq} query heads")
     scale, left, right, deterministic, cap, max_bias, sinks = _score_options(
         hq, d, q.device, scale, window, deterministic, softcap, alibi, sinks)
+    bias = _prepare_bias(attn_mask, b, hq, sq, k.shape[2], q.device)
     bottom_right = causal_alignment == "bottom-right"
     o, lse = torch.ops.rust_attention.forward(q, k, v, bool(is_causal), bottom_right, left, right, scale,
-                                              bool(deterministic), cap, max_bias, sinks)
+                                              bool(deterministic), cap, max_bias, sinks, None, None, bias)
     if layout == "bshd":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
@@ -337,7 +386,10 @@ def device_name(device=None):
     return _native.device_name(-1 if device.type == "cpu" else (device.index or 0))
 
 
-def forward_kernel(q, k, is_causal=False, causal_alignment="top-left"):
-    """The forward kernel `attention(q, k, ...)` runs for these BHSD tensors, e.g. `sm_90a m128_n128_s2 persistent`."""
+def forward_kernel(q, k, is_causal=False, causal_alignment="top-left", attn_mask=None):
+    """The forward kernel `attention(q, k, ...)` runs for these BHSD tensors (and `attn_mask`), e.g.
+    `sm_90a m128_n128_s2 persistent`."""
+    bias = _prepare_bias(attn_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.device)
+    bias = None if bias is None else _ready(bias)
     return _native.forward_kernel(_device_index(q), _DTYPES[q.dtype], _sizes(q, k), bool(is_causal),
-                                  causal_alignment == "bottom-right")
+                                  causal_alignment == "bottom-right", _address(bias), _bias_dims(bias))
