@@ -389,13 +389,7 @@ impl Context {
         if shape.seqlen_k == 0 && shape.query_rows() > 0 {
             return Err(Error::Sinks("a problem with sinks needs seqlen_k ≥ 1".into()));
         }
-        if self.needs_chunks(shape) {
-            return Err(Error::Sinks(format!(
-                "{} heads × {} batch entries is more than one grid holds; sinks are not split into chunks",
-                shape.num_heads_q, shape.batch
-            )));
-        }
-        Ok(())
+        self.refuse_chunks(shape, "sinks are").map_err(Error::Sinks)
     }
 
     /// Checks the mask table of `options` (if any) against `shape` and this context, and
@@ -425,13 +419,7 @@ impl Context {
                     .into(),
             ));
         }
-        if self.needs_chunks(shape) {
-            return Err(Error::MaskTable(format!(
-                "{} heads × {} batch entries is more than one grid holds; a mask table is not split into chunks",
-                shape.num_heads_q, shape.batch
-            )));
-        }
-        Ok(())
+        self.refuse_chunks(shape, "a mask table is").map_err(Error::MaskTable)
     }
 
     /// Checks the additive bias of `options` (if any) against `shape` and this context, and
@@ -447,13 +435,20 @@ impl Context {
         if options.score.softcap.is_some() {
             return Err(Error::Bias("softcapping and a bias together are not supported".into()));
         }
-        if self.needs_chunks(shape) {
-            return Err(Error::Bias(format!(
-                "{} heads × {} batch entries is more than one grid holds; a bias is not split into chunks",
+        self.refuse_chunks(shape, "a bias is").map_err(Error::Bias)
+    }
+
+    /// The refusal of a per-problem tensor (`what`: "sinks are", "a mask table is", "a bias
+    /// is") in a problem run in chunks, whose folded batch entries and heads are not the
+    /// tensor's: the reason, for the tensor's own error variant, if `shape` needs chunks.
+    fn refuse_chunks(&self, shape: &AttentionShape, what: &str) -> std::result::Result<(), String> {
+        match self.needs_chunks(shape) {
+            true => Err(format!(
+                "{} heads × {} batch entries is more than one grid holds; {what} not split into chunks",
                 shape.num_heads_q, shape.batch
-            )));
+            )),
+            false => Ok(()),
         }
-        Ok(())
     }
 
     /// [`Context::check_sinks`] for a backward pass, whose gradients need a dSinks then (and a
