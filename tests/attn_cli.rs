@@ -452,3 +452,38 @@ fn attn_random_inputs() {
     }
     assert!(parse(&["--random", "2X8×16x64", "--seed", "3", "--dtype", "bf16"]).is_ok());
 }
+
+/// `--bias`: every broadcast, on the emulator (the kernels' own code) with `--check` (a row off
+/// the reference fails the job), dBias written with the bias's shape; the CPU reference writes
+/// the same dBias; the naive kernels and softcapping refuse a bias before any device work.
+#[test]
+fn attn_bias() {
+    let dir = TempDir::new("attn_bias");
+    for (broadcast, dims) in [
+        ("per-head", [1, 4, 24, 40]),
+        ("per-batch", [2, 1, 24, 40]),
+        ("shared", [1, 1, 24, 40]),
+        ("full", [2, 4, 24, 40]),
+    ] {
+        let mut d_bias = Vec::new();
+        for device in ["cpu-emulated", "cpu"] {
+            let out = dir.join(&format!("{broadcast}-{device}.safetensors"));
+            let out_flag = out.display().to_string();
+            let args =
+                ["--random", "2x4x2x24x40x32", "--dtype", "f16", "--causal", "bottom-right", "--bias", broadcast];
+            run_attn(&strings(&[args.as_slice(), &["--device", device, "--check", "--out", &out_flag]].concat()))
+                .unwrap_or_else(|e| panic!("--bias {broadcast} on {device}: {e}"));
+            let written = io::read_safetensors(&out).unwrap();
+            let found = written.iter().find(|t| t.name() == "d_bias").expect("d_bias written");
+            assert_eq!(found.shape(), dims.as_slice(), "--bias {broadcast}: dBias's shape");
+            d_bias.push(found.to_f32());
+        }
+        let error = relative_l2_error(&d_bias[0], &d_bias[1].iter().map(|&x| x as f64).collect::<Vec<_>>());
+        assert!(error < 1e-2, "--bias {broadcast}: the emulator's dBias is {error:.1e} off the reference's");
+    }
+    for flags in [&["--kernel", "naive"][..], &["--softcap", "30"]] {
+        let args = [&["--random", "1x2x16x32", "--bias", "per-head", "--device", "cpu"][..], flags].concat();
+        let error = run_attn(&strings(&args)).unwrap_err();
+        assert!(matches!(error, Error::Bias(_)), "{flags:?}: {error}");
+    }
+}

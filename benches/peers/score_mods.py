@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Score modifications (softcapping, ALiBi) and attention sinks: our kernels next to FlexAttention
-and cuDNN, in one run.
+"""Score modifications (softcapping, ALiBi, an additive bias) and attention sinks: our kernels next
+to FlexAttention and cuDNN, in one run.
 
 For every row it times, on inputs of the same shape and distribution (CUDA events, warm-up,
 median), the forward and the backward of:
 
-* ours with the modification (`rust-attention attn --random ... --softcap CAP` or `--alibi`) and
+* ours with the modification (`rust-attention attn --random ... --softcap CAP`, `--alibi` or
+  `--bias per-head`) and
   ours without it, which shows what the modification costs (the goal: within 10 %);
 * PyTorch's FlexAttention (`torch.nn.attention.flex_attention`, compiled) with the same
   `score_mod` (`cap * tanh(score / cap)`, or `score - slope[h] * |i - j|` with the paper's
@@ -13,6 +14,11 @@ median), the forward and the backward of:
 * for ALiBi, SDPA with the bias as a dense additive `attn_mask` ([1, H, N, N], the causal mask
   folded in as -inf), on cuDNN where it takes one, else the memory-efficient backend: how a
   PyTorch user without FlexAttention adds ALiBi;
+* for a bias (one learned `[H, N, N]` plane per head, as Swin's or T5's position bias, shared by
+  the batch entries; random normal, `f32` in ours and FlexAttention, the inputs' type in SDPA,
+  which takes no other), FlexAttention with `score + bias[h, i, j]` and SDPA with the bias as
+  `attn_mask` (cuDNN where it takes one, else the memory-efficient backend); in the backward
+  every one of them returns dBias too;
 * cuDNN through SDPA without the modification: the time of plain attention on this shape.
 
 Attention sinks (one logit per head that joins each row's softmax, GPT-OSS) have no peer that
@@ -24,7 +30,7 @@ LSE takes no gradient has an empty backward cell).
     python3 benches/peers/score_mods.py --ours .gpu/bin/rust-attention
     python3 benches/peers/score_mods.py --ours target/release/rust-attention --rows 1x16x8x8192x256:bf16:causal:softcap50
 
-Rows are `BxHqxHkvxNxD:dtype:causal|full:softcapCAP|alibi|sinks` (seqlen_q = seqlen_k = N).
+Rows are `BxHqxHkvxNxD:dtype:causal|full:softcapCAP|alibi|sinks|bias` (seqlen_q = seqlen_k = N).
 """
 import os
 import sys
@@ -42,6 +48,8 @@ ROWS = ",".join([
     "1x64x8x4096x64:bf16:causal:sinks",
     "4x16x16x4096x64:f16:causal:sinks",
     "2x16x16x8192x128:bf16:causal:sinks",
+    "4x16x16x4096x64:f16:causal:bias",
+    "2x16x16x4096x128:bf16:full:bias",
 ])
 
 # The sink our rows use (every head): its value does not change the time.
@@ -52,9 +60,9 @@ def parse(spec):
     shape, dtype, mask, mod = spec.split(":")
     b, hq, hkv, n, d = (int(x) for x in shape.split("x"))
     cap = float(mod[len("softcap"):]) if mod.startswith("softcap") else None
-    if cap is None and mod not in ("alibi", "sinks"):
-        raise SystemExit(f"{spec}: the modification is softcapCAP, alibi or sinks")
-    # The modification: the cap (a float), "alibi" or "sinks".
+    if cap is None and mod not in ("alibi", "sinks", "bias"):
+        raise SystemExit(f"{spec}: the modification is softcapCAP, alibi, sinks or bias")
+    # The modification: the cap (a float), "alibi", "sinks" or "bias".
     return b, hq, hkv, n, d, dtype, mask == "causal", cap if cap is not None else mod
 
 
@@ -70,7 +78,8 @@ def ours(binary, row, modified, warmup, repeats):
     args = [binary, "attn", "--random", f"{b}x{hq}x{hkv}x{n}x{n}x{d}", "--dtype", dtype,
             "--causal", "bottom-right" if causal else "none", "--warmup", str(warmup), "--repeats", str(repeats)]
     if modified:
-        args += {"alibi": ["--alibi"], "sinks": ["--sinks", str(SINK)]}.get(mod, ["--softcap", str(mod)])
+        args += {"alibi": ["--alibi"], "sinks": ["--sinks", str(SINK)], "bias": ["--bias", "per-head"]}.get(
+            mod, ["--softcap", str(mod)])
     return our_times(args, row)
 
 
@@ -95,10 +104,25 @@ def peers(row, warmup, repeats):
     gqa = hkv != hq
     slope = torch.tensor(slopes(hq), device="cuda", dtype=torch.float32)
     sink = torch.full((hq,), SINK, device="cuda", dtype=torch.float32, requires_grad=True)
+    # The learned bias of the "bias" rows, and its copy in the inputs' type for SDPA, with the
+    # causal mask folded in as -inf (SDPA takes a float mask or is_causal, not both).
+    plane = plane_dt = None
+    if mod == "bias":
+        plane = torch.randn(hq, n, n, device="cuda", dtype=torch.float32, requires_grad=True)
+        plane_dt = plane.detach().to(dt)
+        if causal:
+            i = torch.arange(n, device="cuda")
+            plane_dt = plane_dt.masked_fill(i[None, None, :] > i[None, :, None], float("-inf"))
+        plane_dt = plane_dt[None].clone().requires_grad_()
+    # What the backward differentiates besides Q, K and V.
+    extra = {"sinks": (sink,), "bias": (plane, plane_dt)}.get(mod, ())
 
     if mod == "alibi":
         def score_mod(score, _b, h, i, j):
             return score - slope[h] * (i - j).abs()
+    elif mod == "bias":
+        def score_mod(score, _b, h, i, j):
+            return score + plane[h, i, j]
     elif mod != "sinks":
         cap = mod
 
@@ -133,6 +157,10 @@ def peers(row, warmup, repeats):
         kv = lambda t: t.repeat_interleave(hq // hkv, dim=1) if gqa else t
         runs["sdpa bias"] = (lambda: F.scaled_dot_product_attention(q, kv(k), kv(v), attn_mask=bias),
                              [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+    if mod == "bias":
+        kv = lambda t: t.repeat_interleave(hq // hkv, dim=1) if gqa else t
+        runs["sdpa bias"] = (lambda: F.scaled_dot_product_attention(q, kv(k), kv(v), attn_mask=plane_dt),
+                             [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
     runs["cudnn plain"] = (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa),
                            [SDPBackend.CUDNN_ATTENTION])
     found = {}
@@ -142,8 +170,8 @@ def peers(row, warmup, repeats):
                 run()
 
         def backward(out):
-            # (The plain peer does not use the sinks: allow_unused.)
-            torch.autograd.grad(out, (q, k, v, sink) if mod == "sinks" else (q, k, v), do, allow_unused=True)
+            # (A peer does not use every extra input, the plain one none: allow_unused.)
+            torch.autograd.grad(out, (q, k, v, *extra), do, allow_unused=True)
 
         for pass_, fn, setup in (("forward", forward, lambda: None), ("backward", backward, run)):
             for backend in backends or [None]:
@@ -173,7 +201,7 @@ def main():
         mine = ours(args.ours, row, True, args.warmup, args.repeats)
         plain = ours(args.ours, row, False, args.warmup, args.repeats)
         theirs = peers(row, args.warmup, args.repeats)
-        name = {"alibi": "ALiBi", "sinks": f"sinks ({SINK:g})"}.get(mod) or f"softcap {mod:g}"
+        name = {"alibi": "ALiBi", "sinks": f"sinks ({SINK:g})", "bias": "bias [1, H, N, N]"}.get(mod) or f"softcap {mod:g}"
         for pass_ in ("forward", "backward"):
             flops = 4 * b * hq * n * n * d * (0.5 if causal else 1) * (2.5 if pass_ == "backward" else 1)
             ms, base = mine.get(pass_), plain.get(pass_)

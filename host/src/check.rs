@@ -47,7 +47,7 @@ impl Tolerance {
         match output {
             Output::O => self.o,
             Output::Lse => self.lse,
-            Output::Dq | Output::Dk | Output::Dv | Output::DSinks => self.grad,
+            Output::Dq | Output::Dk | Output::Dv | Output::DSinks | Output::DBias => self.grad,
         }
     }
 
@@ -76,10 +76,12 @@ pub enum Output {
     Dv,
     /// ∂loss/∂sinks ([`crate::Sinks`]).
     DSinks,
+    /// ∂loss/∂bias ([`crate::Bias`]).
+    DBias,
 }
 
 impl Output {
-    /// "O", "LSE", "dQ", "dK", "dV", "dSinks".
+    /// "O", "LSE", "dQ", "dK", "dV", "dSinks", "dBias".
     pub const fn name(self) -> &'static str {
         match self {
             Self::O => "O",
@@ -88,6 +90,7 @@ impl Output {
             Self::Dk => "dK",
             Self::Dv => "dV",
             Self::DSinks => "dSinks",
+            Self::DBias => "dBias",
         }
     }
 }

@@ -110,6 +110,13 @@ pub struct Args {
     /// Needs seqlen_q = seqlen_k.
     #[arg(long, value_name = "PREFIX")]
     pub prefix_lm: Option<usize>,
+    /// An additive bias on the logits, with its gradient dBias in the backward pass
+    /// (`AttentionOptions::with_bias`): an `f32` tensor drawn from the standard normal
+    /// distribution (seed SEED+4), of shape [1, Hq, Sq, Sk] (`per-head`: Swin's or T5's learned
+    /// position bias), [B, 1, Sq, Sk] (`per-batch`), [1, 1, Sq, Sk] (`shared`) or [B, Hq, Sq, Sk]
+    /// (`full`). Flash kernels only; not with --softcap.
+    #[arg(long, value_enum, value_name = "BROADCAST")]
+    pub bias: Option<BiasArg>,
     /// Softmax scale; default 1/sqrt(head_dim).
     #[arg(long, allow_negative_numbers = true)]
     pub scale: Option<f32>,
@@ -148,6 +155,58 @@ pub struct Args {
     /// Untimed warm-up runs per kernel.
     #[arg(long, default_value_t = 3)]
     pub warmup: usize,
+}
+
+/// `--bias`: which dimensions of `[batch, num_heads_q, seqlen_q, seqlen_k]` the bias has (the
+/// others are 1, broadcast).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BiasArg {
+    /// `[1, num_heads_q, seqlen_q, seqlen_k]`: one plane per head, shared by the batch entries.
+    PerHead,
+    /// `[batch, 1, seqlen_q, seqlen_k]`: one plane per batch entry, shared by the heads.
+    PerBatch,
+    /// `[1, 1, seqlen_q, seqlen_k]`: one plane for the whole problem.
+    Shared,
+    /// `[batch, num_heads_q, seqlen_q, seqlen_k]`: a plane per batch entry and head.
+    Full,
+}
+
+impl BiasArg {
+    /// The bias's shape for `shape`.
+    fn dims(self, shape: &AttentionShape) -> [usize; 4] {
+        let (b, h) = match self {
+            Self::PerHead => (1, shape.num_heads_q),
+            Self::PerBatch => (shape.batch, 1),
+            Self::Shared => (1, 1),
+            Self::Full => (shape.batch, shape.num_heads_q),
+        };
+        [b, h, shape.seqlen_q, shape.seqlen_k]
+    }
+}
+
+/// `--bias`'s values on the host: random normal of [`BiasArg::dims`], seed SEED+4.
+struct HostBias {
+    values: Vec<f32>,
+    dims: [usize; 4],
+}
+
+impl HostBias {
+    /// The bias `arg` asks for, drawn for `shape`.
+    ///
+    /// # Errors
+    /// [`Error::Bias`] when the bias would have more than 2^32 entries.
+    fn draw(arg: BiasArg, shape: &AttentionShape, seed: u64) -> Result<Self> {
+        let dims = arg.dims(shape);
+        let n = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).filter(|&n| n <= RANDOM_MAX_ELEMENTS);
+        let n =
+            n.ok_or_else(|| Error::Bias(format!("a bias {dims:?} has more than 2^32 entries, too many to draw")))?;
+        Ok(Self { values: random_normal(n, seed.wrapping_add(4)), dims })
+    }
+
+    /// The values as the CPU references read them.
+    fn values(&self) -> cpu::BiasValues<'_> {
+        cpu::BiasValues { values: &self.values, shape: self.dims }
+    }
 }
 
 /// `--kernel`.
@@ -343,6 +402,12 @@ pub fn run(args: &Args) -> Result<()> {
     if args.kernel == KernelChoice::Naive && args.model.sinks.is_some() {
         return Err(Error::Sinks("the naive kernels do not take attention sinks; use --kernel flash".into()));
     }
+    if args.kernel == KernelChoice::Naive && args.bias.is_some() {
+        return Err(Error::Bias("the naive kernels do not take a bias; use --kernel flash".into()));
+    }
+    if args.bias.is_some() && args.model.softcap.is_some() {
+        return Err(Error::Bias("softcapping and a bias together are not supported".into()));
+    }
     if args.kernel == KernelChoice::Naive && dtype != DType::F32 {
         return Err(Error::Argument(format!(
             "the naive kernels take f32 only; for {dtype} use --kernel flash (the tensor-core kernels), or --dtype f32"
@@ -359,6 +424,8 @@ pub fn run(args: &Args) -> Result<()> {
     check_mask_table_args(args, &shape)?;
     let sinks = args.model.sinks.map(|sink| vec![sink; shape.num_heads_q]);
     let sinks = sinks.as_deref();
+    let bias = args.bias.map(|arg| HostBias::draw(arg, &shape, args.seed.unwrap_or(0))).transpose()?;
+    let extras = Extras { sinks, bias: bias.as_ref() };
     if let Some(out) = &args.out {
         io::check_output_path(out)?;
     }
@@ -404,20 +471,20 @@ pub fn run(args: &Args) -> Result<()> {
     };
     let flops = options.forward_flops(&shape);
     let rows = match (&ctx, args.kernel, dtype) {
-        (None, _, _) => cpu_rows(&rounded, &shape, &options, sinks, dtype, flops)?,
+        (None, _, _) => cpu_rows(&rounded, &shape, &options, extras, dtype, flops)?,
         (Some(ctx), KernelChoice::Naive, _) => naive_rows(ctx, &rounded, &options, (warmup, repeats), flops)?,
         (Some(ctx), KernelChoice::Flash, DType::F32) => {
-            flash_rows::<f32>(ctx, &rounded, &options, sinks, args.dq, (warmup, repeats), flops)?
+            flash_rows::<f32>(ctx, &rounded, &options, extras, args.dq, (warmup, repeats), flops)?
         }
         (Some(ctx), KernelChoice::Flash, DType::F16) => {
-            flash_rows::<crate::f16>(ctx, &rounded, &options, sinks, args.dq, (warmup, repeats), flops)?
+            flash_rows::<crate::f16>(ctx, &rounded, &options, extras, args.dq, (warmup, repeats), flops)?
         }
         (Some(ctx), KernelChoice::Flash, DType::Bf16) => {
-            flash_rows::<crate::bf16>(ctx, &rounded, &options, sinks, args.dq, (warmup, repeats), flops)?
+            flash_rows::<crate::bf16>(ctx, &rounded, &options, extras, args.dq, (warmup, repeats), flops)?
         }
     };
 
-    let errors = if args.check { Some(check(&rounded, &shape, &options, sinks, dtype, &rows)?) } else { None };
+    let errors = if args.check { Some(check(&rounded, &shape, &options, extras, dtype, &rows)?) } else { None };
     let mut verdicts = Verdicts::default();
     print_table(&rows, errors.as_deref(), dtype, &mut verdicts);
     match &ctx {
@@ -587,7 +654,9 @@ fn print_problem(inputs: &Inputs, shape: &AttentionShape, dtype: DType, args: &A
         s.seqlen_k,
         s.head_dim,
         args.causal.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string()),
-        args.model.describe() + &describe_mask_table(args, s.seqlen_q, s.seqlen_k),
+        args.model.describe()
+            + &args.bias.map_or_else(String::new, |b| format!(", bias {:?} (f32)", b.dims(s)))
+            + &describe_mask_table(args, s.seqlen_q, s.seqlen_k),
         AttentionOptions { scale: args.scale, ..Default::default() }.scale_for(s.head_dim)
     );
 }
@@ -616,22 +685,42 @@ fn describe_paths(out: &Path, written: &[PathBuf]) -> String {
     format!("{}/{{{}}}", out.display().to_string().trim_end_matches('/'), names.join(", "))
 }
 
-/// The flash kernels in `T`: forward, and backward when dO is given; with `sinks` (one per query
-/// head) as attention sinks.
+/// What `attn` adds to the options on the host: the sinks (one per query head) and the bias,
+/// uploaded by [`flash_rows`] and read by the references.
+#[derive(Clone, Copy)]
+struct Extras<'a> {
+    sinks: Option<&'a [f32]>,
+    bias: Option<&'a HostBias>,
+}
+
+impl<'a> Extras<'a> {
+    /// The references' parameters of `options` with these extras.
+    fn params(self, options: &AttentionOptions<'a>, head_dim: usize) -> cpu::Params<'a> {
+        cpu::Params { sinks: self.sinks, bias: self.bias.map(HostBias::values), ..cpu::Params::of(options, head_dim) }
+    }
+}
+
+/// The flash kernels in `T`: forward, and backward when dO is given; with the extras' sinks and
+/// bias uploaded into the options.
 fn flash_rows<T: Element>(
     ctx: &Context,
     rounded: &[HostTensor],
     options: &AttentionOptions,
-    sinks: Option<&[f32]>,
+    extras: Extras,
     dq: Option<DqAccumulation>,
     (warmup, repeats): (usize, usize),
     flops: f64,
 ) -> Result<Vec<Row>> {
     let dtype = T::DTYPE;
-    let sinks = sinks.map(|s| ctx.upload(s, &[s.len()])).transpose()?;
-    let options = &match &sinks {
+    let sinks = extras.sinks.map(|s| ctx.upload(s, &[s.len()])).transpose()?;
+    let bias = extras.bias.map(|b| ctx.upload(&b.values, &b.dims)).transpose()?;
+    let options = match &sinks {
         Some(sinks) => options.with_sinks(sinks),
         None => *options,
+    };
+    let options = &match &bias {
+        Some(bias) => options.with_bias(bias),
+        None => options,
     };
     let device: Vec<_> = rounded.iter().map(|t| t.upload::<T>(ctx)).collect::<Result<_>>()?;
     let (q, k, v) = (&device[0], &device[1], &device[2]);
@@ -711,6 +800,9 @@ fn gradients<T: Element>(grads: &crate::Gradients<T>) -> Result<Vec<HostTensor>>
     if let Some(d_sinks) = &grads.d_sinks {
         outputs.push(HostTensor::from_device("d_sinks", d_sinks)?);
     }
+    if let Some(d_bias) = &grads.d_bias {
+        outputs.push(HostTensor::from_device("d_bias", d_bias)?);
+    }
     Ok(outputs)
 }
 
@@ -720,12 +812,12 @@ fn cpu_rows(
     rounded: &[HostTensor],
     shape: &AttentionShape,
     options: &AttentionOptions,
-    sinks: Option<&[f32]>,
+    extras: Extras,
     dtype: DType,
     flops: f64,
 ) -> Result<Vec<Row>> {
     let values: Vec<Vec<f32>> = rounded.iter().map(HostTensor::to_f32).collect();
-    let params = cpu::Params { sinks, ..cpu::Params::of(options, shape.head_dim) };
+    let params = extras.params(options, shape.head_dim);
     let start = Instant::now();
     let forward = cpu::attention(&values[0], &values[1], &values[2], shape, params)?;
     let forward_ms = start.elapsed().as_secs_f64() * 1e3;
@@ -752,8 +844,12 @@ fn cpu_rows(
                 HostTensor::from_f64("dv", &shape.kv_shape(), &grads.dv, dtype)?,
             ]
             .into_iter()
-            .chain(match sinks {
+            .chain(match extras.sinks {
                 Some(_) => Some(HostTensor::from_f64("d_sinks", &[shape.num_heads_q], &grads.d_sinks, DType::F32)?),
+                None => None,
+            })
+            .chain(match extras.bias {
+                Some(bias) => Some(HostTensor::from_f64("d_bias", &bias.dims, &grads.d_bias, DType::F32)?),
                 None => None,
             })
             .collect(),
@@ -768,13 +864,13 @@ fn check(
     rounded: &[HostTensor],
     shape: &AttentionShape,
     options: &AttentionOptions,
-    sinks: Option<&[f32]>,
+    extras: Extras,
     dtype: DType,
     rows: &[Row],
 ) -> Result<Vec<Checked>> {
     let tolerance = Tolerance::of(dtype);
     let values: Vec<Vec<f32>> = rounded.iter().map(HostTensor::to_f32).collect();
-    let params = cpu::Params { sinks, ..cpu::Params::of(options, shape.head_dim) };
+    let params = extras.params(options, shape.head_dim);
     let forward = cpu::attention(&values[0], &values[1], &values[2], shape, params)?;
     let backward = match values.get(3) {
         Some(d_o) => Some(cpu::attention_backward(&values[0], &values[1], &values[2], d_o, shape, params)?),
@@ -795,6 +891,7 @@ fn check(
                             ("dk", Some(b)) => (Output::Dk, gradient_error(&got, &b.dk)),
                             ("dv", Some(b)) => (Output::Dv, gradient_error(&got, &b.dv)),
                             ("d_sinks", Some(b)) => (Output::DSinks, gradient_error(&got, &b.d_sinks)),
+                            ("d_bias", Some(b)) => (Output::DBias, gradient_error(&got, &b.d_bias)),
                             ("o", _) => (Output::O, relative_l2_error(&got, &forward.o)),
                             _ => (Output::O, f64::NAN),
                         };
