@@ -384,23 +384,47 @@ impl BiasPlane {
         }
     }
 
-    /// Adds the bias to base-2 logits in `frags`, entries mapped to (row, column) as in
-    /// [`ScoreMod::apply_fragments`]: a query and a key, or with `TRANSPOSED` a key and a query.
+    /// The bias of the entries of `N` fragments in base-2 units ([`Self::logit`]), entries mapped
+    /// to (row, column) as in [`ScoreMod::apply_fragments`]: a query and a key, or with
+    /// `TRANSPOSED` a key and a query; 0 outside the sequences or without a bias. Add them to
+    /// the logits with [`Self::add`].
+    ///
+    /// Every load is issued before any value is used, and none is behind a branch: an entry
+    /// outside the sequences reads the nearest entry inside (its row and column clamped) and
+    /// gives 0. With a branch per entry, each load waited for the one before it, and the
+    /// forward ran 14 times slower with a bias than without at [4, 16, 4096, 64]
+    /// (PERFORMANCE.md, "a bias read without branches"). The kernels call it where they add
+    /// the values: called earlier, the values held registers that the kernels spilled.
     ///
     /// # Safety
     /// As [`Self::logit`].
     #[inline(always)]
-    pub unsafe fn add_to_fragments<const N: usize, const TRANSPOSED: bool>(
+    pub unsafe fn fragments<const N: usize, const TRANSPOSED: bool>(
         &self,
-        frags: &mut [FragC; N],
         lane: FragmentLane,
         first: (usize, usize),
-    ) {
+    ) -> [FragC; N] {
+        if self.values.is_null() {
+            return [[0.0; 4]; N];
+        }
+        let (last_query, last_key) = (self.seqlen_q.max(1) - 1, self.seqlen_k.max(1) - 1);
+        core::array::from_fn(|nt| {
+            core::array::from_fn(|e| {
+                let (query, key) = Self::query_key::<TRANSPOSED>(lane, first, nt, e);
+                let i = query.min(last_query) * self.seqlen_k + key.min(last_key);
+                // SAFETY: the caller's contract; the clamped index is inside the plane.
+                let value = unsafe { *self.values.add(i) };
+                if query < self.seqlen_q && key < self.seqlen_k { value * LOG2_E } else { 0.0 }
+            })
+        })
+    }
+
+    /// Adds `bias` ([`Self::fragments`]) to the base-2 logits `frags`.
+    #[inline(always)]
+    pub fn add<const N: usize>(frags: &mut [FragC; N], bias: &[FragC; N]) {
         for nt in 0..N {
             for e in 0..4 {
-                let (query, key) = Self::query_key::<TRANSPOSED>(lane, first, nt, e);
-                // SAFETY: the caller's contract.
-                frags[nt][e] += unsafe { self.logit(query, key) };
+                frags[nt][e] += bias[nt][e];
             }
         }
     }
@@ -422,7 +446,7 @@ impl BiasPlane {
     }
 
     /// [`Self::accumulate`] for every entry of the dS fragments `ds`, mapped as in
-    /// [`Self::add_to_fragments`].
+    /// [`Self::fragments`].
     ///
     /// # Safety
     /// As [`Self::accumulate`].

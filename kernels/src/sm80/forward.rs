@@ -46,7 +46,7 @@ use crate::attention::epilogue::{store_fragment_lse, store_warp_rows};
 use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a, scale_rows};
 use crate::attention::mask::Mask;
 use crate::attention::schedule::QueryBlock;
-use crate::attention::score::ScoreArgs;
+use crate::attention::score::{BiasPlane, ScoreArgs};
 use crate::attention::softmax::{RowSoftmax, positive_factor, q_sign_mask};
 use crate::hw::{self, FragA, HalfFloat, SharedMemory};
 use crate::layout::{
@@ -242,16 +242,15 @@ unsafe fn forward_body<
                 );
             }
             if score.has_bias() {
+                // (Loaded here, where they are added. Loaded before the products, the values
+                // held registers across them that the kernel, at its limit of 255, spilled,
+                // and the forward ran slower: PERFORMANCE.md, "a bias read without branches".)
                 let bias = score.bias_plane(block.batch, block.head, shape.seqlen_q, shape.seqlen_k);
                 for r in 0..WARP_TILES {
                     // SAFETY: the host checked the bias's shape.
-                    unsafe {
-                        bias.add_to_fragments::<N_TILES, false>(
-                            &mut s[r],
-                            lane,
-                            (q_start + warp_row + 16 * r, kv_start),
-                        )
-                    };
+                    let values =
+                        unsafe { bias.fragments::<N_TILES, false>(lane, (q_start + warp_row + 16 * r, kv_start)) };
+                    BiasPlane::add(&mut s[r], &values);
                 }
             }
         }
