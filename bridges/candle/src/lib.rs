@@ -21,8 +21,9 @@
 //! ```
 //!
 //! [`FlashAttention`] holds every option: the layout (BSHD, as above, or BHSD), the causal mask
-//! in either alignment, a sliding window, softcapping, ALiBi, a deterministic backward, and a
-//! variable-length batch packed in one row ([`flash_attn_varlen`], [`FlashAttention::varlen`]).
+//! in either alignment, a sliding window, softcapping, ALiBi, attention sinks, an additive bias
+//! (a float attention mask), a deterministic backward, and a variable-length batch packed in one
+//! row ([`flash_attn_varlen`], [`FlashAttention::varlen`]).
 //! Grouped-query attention comes from the shapes: K and V may have fewer heads than Q, a divisor
 //! of them.
 //!
@@ -149,6 +150,25 @@ pub fn plain_attention(
     softmax_scale: f64,
     visible: impl Fn(usize, usize) -> bool,
 ) -> candle_core::Result<Tensor> {
+    plain_attention_with(q, k, v, softmax_scale, visible, None, None)
+}
+
+/// [`plain_attention`] with an additive `bias` (broadcastable to `[B, Hq, Sq, Sk]`, added to the
+/// scaled scores) and attention `sinks` (`[Hq]`, one logit per query head that joins each row's
+/// softmax as a key with no value), where given: [`FlashAttention::bias`] and
+/// [`FlashAttention::sinks`] written out. A row that sees no key gives zeros.
+///
+/// # Errors
+/// As [`plain_attention`].
+pub fn plain_attention_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    softmax_scale: f64,
+    visible: impl Fn(usize, usize) -> bool,
+    bias: Option<&Tensor>,
+    sinks: Option<&Tensor>,
+) -> candle_core::Result<Tensor> {
     let (b, hq, sq, d) = q.dims4()?;
     let (_, hkv, sk, _) = k.dims4()?;
     if hkv == 0 || hq % hkv != 0 {
@@ -158,15 +178,26 @@ pub fn plain_attention(
     let expand = |t: &Tensor| t.unsqueeze(2)?.expand((b, hkv, hq / hkv, sk, d))?.reshape((b, hq, sk, d));
     let (k, v) = (expand(k)?, expand(v)?);
     let softmax_dtype = if q.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
-    let scores = (q.matmul(&k.t()?.contiguous()?)?.to_dtype(softmax_dtype)? * softmax_scale)?;
+    let mut scores = (q.matmul(&k.t()?.contiguous()?)?.to_dtype(softmax_dtype)? * softmax_scale)?;
+    if let Some(bias) = bias {
+        scores = scores.broadcast_add(&bias.to_dtype(softmax_dtype)?)?;
+    }
     let mask: Vec<f64> = (0..sq * sk).map(|n| if visible(n / sk, n % sk) { 0.0 } else { f64::NEG_INFINITY }).collect();
     let scores = scores.broadcast_add(&Tensor::from_vec(mask, (sq, sk), q.device())?.to_dtype(softmax_dtype)?)?;
+    let sinks = sinks.map(|s| s.to_dtype(softmax_dtype)?.reshape((1, hq, 1, 1))).transpose()?;
     // A row that sees no key has the maximum −∞: shift it by 0 instead, so its exponentials are 0
-    // and its sum (made 1) gives zeros rather than NaN.
-    let max = scores.max_keepdim(D::Minus1)?;
+    // and its sum (made 1) gives zeros rather than NaN. A sink takes part in the maximum and
+    // adds its exponential to the sum only.
+    let mut max = scores.max_keepdim(D::Minus1)?;
+    if let Some(sinks) = &sinks {
+        max = max.broadcast_maximum(sinks)?;
+    }
     let max = max.ne(f64::NEG_INFINITY)?.where_cond(&max, &max.zeros_like()?)?;
     let e = scores.broadcast_sub(&max)?.exp()?;
-    let sum = e.sum_keepdim(D::Minus1)?;
+    let mut sum = e.sum_keepdim(D::Minus1)?;
+    if let Some(sinks) = &sinks {
+        sum = (sum + sinks.broadcast_sub(&max)?.exp()?)?;
+    }
     let sum = sum.ne(0.0)?.where_cond(&sum, &sum.ones_like()?)?;
     e.broadcast_div(&sum)?.to_dtype(q.dtype())?.matmul(&v)
 }
@@ -205,6 +236,10 @@ pub struct FlashAttention {
     window: Option<SlidingWindow>,
     softcap: Option<f32>,
     alibi_max_bias: Option<f32>,
+    /// `f32` `[num_heads_q]` ([`FlashAttention::sinks`]).
+    sinks: Option<Tensor>,
+    /// `f32` `[batch or 1, num_heads_q or 1, seqlen_q, seqlen_k]` ([`FlashAttention::bias`]).
+    bias: Option<Tensor>,
     deterministic: bool,
     layout: TensorLayout,
 }
@@ -256,6 +291,32 @@ impl FlashAttention {
     /// seqlen_q − j|, with the paper's slopes for the query heads (`max_bias` 8 in the paper).
     pub fn alibi(mut self, max_bias: f32) -> Self {
         self.alibi_max_bias = Some(max_bias);
+        self
+    }
+
+    /// Attention sinks (GPT-OSS): one logit per query head, an `f32` tensor `[num_heads_q]` on
+    /// Q's device, that joins every row's softmax as a key with no value (`attn_host::Sinks`
+    /// says how; a row that sees no key gets zeros). To autograd the sinks are a constant: the
+    /// backward returns dQ, dK and dV with the sinks taken into account, not dSinks, so
+    /// [`FlashAttention::forward`] refuses sinks that track a gradient (a [`candle_core::Var`],
+    /// or a tensor computed from one) rather than leave it out silently. Give `sinks.detach()`
+    /// to use such a tensor as a constant; the PyTorch bridge and `attn_host` return dSinks.
+    pub fn sinks(mut self, sinks: &Tensor) -> Self {
+        self.sinks = Some(sinks.clone());
+        self
+    }
+
+    /// An additive bias on the logits: the logit of query `i` and key `j` of batch entry `b`
+    /// and query head `h` becomes `scale · q·k + bias[b][h][i][j]` (Swin's and T5's position
+    /// biases, a float attention mask; −∞ hides the key from that query). An `f32` tensor
+    /// `[batch or 1, num_heads_q or 1, seqlen_q, seqlen_k]` on Q's device, a dimension of 1
+    /// broadcast, in this order whatever [`FlashAttention::layout`] says (`[1, H or 1, total_q,
+    /// total_k]` for [`FlashAttention::forward_varlen`]). It runs the sm_80 kernels, also on
+    /// Hopper, and cannot be combined with softcapping (`attn_host::Bias`). A constant to
+    /// autograd, as [`FlashAttention::sinks`] says: a bias that tracks a gradient is refused
+    /// (`bias.detach()` uses it as a constant; the PyTorch bridge and `attn_host` return dBias).
+    pub fn bias(mut self, bias: &Tensor) -> Self {
+        self.bias = Some(bias.clone());
         self
     }
 
@@ -402,8 +463,10 @@ impl FlashAttention {
     /// `candle_core::Error::Msg` for a tensor that is not 4-dimensional, dtypes other than one of
     /// `f32`, `f16`, `bf16` for all three, tensors on different devices, and shapes that do not
     /// fit together (K and V differ, batch or head_dim differ from Q's, the K/V heads do not
-    /// divide Q's); [`attn_host::Error`], wrapped, for head_dim above 256, a non-finite scale or
-    /// bad softcap/ALiBi values; candle's own errors for a Metal device or a CUDA failure.
+    /// divide Q's); the same for sinks or a bias that are not `f32`, are on another device or
+    /// track a gradient ([`FlashAttention::sinks`]); [`attn_host::Error`], wrapped, for head_dim
+    /// above 256, a non-finite scale, bad softcap/ALiBi values, and sinks or a bias of the wrong
+    /// shape or with softcapping; candle's own errors for a Metal device or a CUDA failure.
     pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
         for (name, t) in [("q", q), ("k", k), ("v", v)] {
             if t.rank() != 4 {
@@ -439,7 +502,10 @@ impl FlashAttention {
             };
             candle_core::bail!("attn_candle: {e} (shapes in {order})");
         }
-        let o = q.apply_op3(&k, &v, AttentionOp { options: self.clone(), lse: Mutex::new(None) })?;
+        let mut options = self.clone();
+        options.sinks = self.sinks.as_ref().map(|t| constant_f32("sinks", t, &q)).transpose()?;
+        options.bias = self.bias.as_ref().map(|t| constant_f32("bias", t, &q)).transpose()?;
+        let o = q.apply_op3(&k, &v, AttentionOp { options, lse: Mutex::new(None) })?;
         match self.layout {
             TensorLayout::Bshd => o.transpose(1, 2),
             TensorLayout::Bhsd => Ok(o),
@@ -452,6 +518,25 @@ impl FlashAttention {
 fn kernel_ready(t: &Tensor) -> candle_core::Result<Tensor> {
     let aligned = (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16);
     if t.is_contiguous() && aligned { Ok(t.clone()) } else { t.force_contiguous() }
+}
+
+/// Sinks or a bias (`what`) as the kernels read them: an `f32` tensor on Q's device that
+/// tracks no gradient (the backward does not return theirs: [`FlashAttention::sinks`]), made
+/// contiguous. Their shapes are checked by `attn_host`, with the problem's.
+fn constant_f32(what: &str, t: &Tensor, q: &Tensor) -> candle_core::Result<Tensor> {
+    if t.dtype() != DType::F32 {
+        candle_core::bail!("attn_candle: the {what} must be f32, not {:?}", t.dtype());
+    }
+    if !t.device().same_device(q.device()) {
+        candle_core::bail!("attn_candle: the {what} must be on q's device");
+    }
+    if t.track_op() {
+        candle_core::bail!(
+            "attn_candle: the {what} track a gradient, which this op does not return (dQ, dK, dV only); \
+             pass `{what}.detach()` to use them as a constant, or the PyTorch bridge to learn them"
+        );
+    }
+    kernel_ready(t)
 }
 
 fn kernel_dtype(dtype: DType) -> candle_core::Result<attn_host::DType> {
@@ -507,13 +592,44 @@ struct AttentionOp {
     lse: Mutex<Option<SavedLse>>,
 }
 
-/// `options` with the document mask `table`, where there is one. (The table lives to the end of
-/// the op's call; its device memory is freed in stream order, after the kernels that read it.)
-fn with_table<'a>(options: AttentionOptions<'static>, table: &'a Option<MaskTable>) -> AttentionOptions<'a> {
-    match table {
+/// The kernels' copies of the op's sinks and bias (uploaded to the emulator, borrowed on CUDA).
+struct Extras {
+    sinks: Option<DeviceTensor<f32>>,
+    bias: Option<DeviceTensor<f32>>,
+}
+
+impl Extras {
+    /// `extras.sinks` and `extras.bias` as `make` gives them on a context.
+    fn of(
+        options: &FlashAttention,
+        make: impl Fn(&Tensor) -> candle_core::Result<DeviceTensor<f32>>,
+    ) -> candle_core::Result<Self> {
+        Ok(Self {
+            sinks: options.sinks.as_ref().map(&make).transpose()?,
+            bias: options.bias.as_ref().map(&make).transpose()?,
+        })
+    }
+}
+
+/// `options` with the document mask `table`, where there is one, and the sinks and bias of
+/// `extras`. (They live to the end of the op's call; device memory the op allocated is freed in
+/// stream order, after the kernels that read it.)
+fn with_extras<'a>(
+    options: AttentionOptions<'static>,
+    table: &'a Option<MaskTable>,
+    extras: &'a Extras,
+) -> AttentionOptions<'a> {
+    let mut options: AttentionOptions<'a> = match table {
         Some(table) => options.with_mask_table(table),
         None => options,
+    };
+    if let Some(sinks) = &extras.sinks {
+        options = options.with_sinks(sinks);
     }
+    if let Some(bias) = &extras.bias {
+        options = options.with_bias(bias);
+    }
+    options
 }
 
 fn wrap(error: attn_host::Error) -> candle_core::Error {
@@ -528,6 +644,15 @@ fn problem(q: &Layout, k: &Layout, v: &Layout) -> candle_core::Result<AttentionS
         }
     }
     AttentionShape::from_qkv_allowing_empty(q.dims(), k.dims(), v.dims()).map_err(|e| wrap(e.into()))
+}
+
+/// A contiguous CPU tensor's elements copied to the emulator's context `ctx`.
+fn upload_tensor<T: KernelType>(ctx: &Context, t: &Tensor) -> candle_core::Result<DeviceTensor<T>> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(storage) = &*storage else {
+        candle_core::bail!("attn_candle: a CPU op's tensor is not on the CPU")
+    };
+    ctx.upload(host_slice::<T>(storage, layout)?, layout.dims()).map_err(wrap)
 }
 
 /// The elements of a contiguous CPU tensor.
@@ -552,7 +677,8 @@ impl AttentionOp {
         let upload = |s, l: &Layout| ctx.upload(host_slice::<T>(s, l)?, l.dims()).map_err(wrap);
         let (q, k, v) = (upload(q, lq)?, upload(k, lk)?, upload(v, lv)?);
         let table = self.options.mask_table(&ctx)?;
-        let options = with_table(self.options.options(), &table);
+        let extras = Extras::of(&self.options, |t| upload_tensor(&ctx, t))?;
+        let options = with_extras(self.options.options(), &table, &extras);
         let out = ctx
             .flash_attention_forward(&q, &k, &v, &options, ctx.default_tile(<T as Element>::DTYPE, shape.head_dim))
             .map_err(wrap)?;
@@ -563,13 +689,7 @@ impl AttentionOp {
     /// The backward on the CPU emulator: dQ, dK, dV as CPU tensors.
     fn cpu_backward<T: KernelType>(&self, tensors: [&Tensor; 5]) -> candle_core::Result<[Tensor; 3]> {
         let ctx = Context::cpu_emulated();
-        let upload = |t: &Tensor| -> candle_core::Result<DeviceTensor<T>> {
-            let (storage, layout) = t.storage_and_layout();
-            let Storage::Cpu(storage) = &*storage else {
-                candle_core::bail!("attn_candle: a CPU op's tensor is not on the CPU")
-            };
-            ctx.upload(host_slice::<T>(storage, layout)?, layout.dims()).map_err(wrap)
-        };
+        let upload = |t: &Tensor| upload_tensor::<T>(&ctx, t);
         let [q, k, v, o, d_o] =
             [upload(tensors[0])?, upload(tensors[1])?, upload(tensors[2])?, upload(tensors[3])?, upload(tensors[4])?];
         let lse = match &*self.lse.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) {
@@ -577,8 +697,11 @@ impl AttentionOp {
             _ => candle_core::bail!("attn_candle: the backward ran before its forward"),
         };
         let table = self.options.mask_table(&ctx)?;
-        let options = with_table(self.options.options(), &table);
+        let extras = Extras::of(&self.options, |t| upload_tensor(&ctx, t))?;
+        let options = with_extras(self.options.options(), &table, &extras);
         let (tile, dq_mode) = ctx.default_backward_plan(<T as Element>::DTYPE, q.shape()[3], options.deterministic);
+        // (The gradients of the sinks and bias, if any, are dropped: they are constants to
+        // autograd, `FlashAttention::sinks`.)
         let grads = ctx.flash_attention_backward(&q, &k, &v, &o, &lse, &d_o, &options, tile, dq_mode).map_err(wrap)?;
         let host = |t: DeviceTensor<T>| Tensor::from_vec(t.to_host().map_err(wrap)?, t.shape(), &Device::Cpu);
         Ok([host(grads.dq)?, host(grads.dk)?, host(grads.dv)?])
@@ -634,6 +757,15 @@ mod cuda {
         unsafe { ctx.tensor_from_raw_parts::<T>(address, layout.dims()) }.map_err(wrap)
     }
 
+    /// [`borrow`] of a contiguous candle CUDA tensor.
+    pub(super) fn borrow_tensor<T: KernelType>(ctx: &Context, t: &Tensor) -> candle_core::Result<DeviceTensor<T>> {
+        let (storage, layout) = t.storage_and_layout();
+        let Storage::Cuda(storage) = &*storage else {
+            candle_core::bail!("attn_candle: a CUDA op's tensor is not on CUDA")
+        };
+        borrow::<T>(ctx, storage, layout)
+    }
+
     /// A tensor's device buffer for candle (an empty one for a tensor of no elements, which holds
     /// no memory).
     pub(super) fn give<T: KernelType>(device: &CudaDevice, t: DeviceTensor<T>) -> candle_core::Result<CudaSlice<T>> {
@@ -653,7 +785,8 @@ mod cuda {
             let ctx = context(&q.device)?;
             let (q_t, k_t, v_t) = (borrow::<T>(&ctx, q, lq)?, borrow::<T>(&ctx, k, lk)?, borrow::<T>(&ctx, v, lv)?);
             let table = self.options.mask_table(&ctx)?;
-            let options = with_table(self.options.options(), &table);
+            let extras = Extras::of(&self.options, |t| borrow_tensor(&ctx, t))?;
+            let options = with_extras(self.options.options(), &table, &extras);
             let tile = ctx.default_tile(<T as Element>::DTYPE, shape.head_dim);
             let out = ctx.flash_attention_forward(&q_t, &k_t, &v_t, &options, tile).map_err(wrap)?;
             self.save(SavedLse::Cuda(give(&q.device, out.lse)?));
@@ -669,13 +802,7 @@ mod cuda {
             tensors: [&Tensor; 5],
         ) -> candle_core::Result<[Tensor; 3]> {
             let ctx = context(device)?;
-            let borrowed = |t: &Tensor| -> candle_core::Result<DeviceTensor<T>> {
-                let (storage, layout) = t.storage_and_layout();
-                let Storage::Cuda(storage) = &*storage else {
-                    candle_core::bail!("attn_candle: a CUDA op's tensor is not on CUDA")
-                };
-                borrow::<T>(&ctx, storage, layout)
-            };
+            let borrowed = |t: &Tensor| borrow_tensor::<T>(&ctx, t);
             let [q, k, v, o, d_o] = [
                 borrowed(tensors[0])?,
                 borrowed(tensors[1])?,
@@ -695,8 +822,10 @@ mod cuda {
                 _ => candle_core::bail!("attn_candle: the backward ran before its forward"),
             };
             let table = self.options.mask_table(&ctx)?;
-            let options = with_table(self.options.options(), &table);
+            let extras = Extras::of(&self.options, |t| borrow_tensor(&ctx, t))?;
+            let options = with_extras(self.options.options(), &table, &extras);
             let (tile, dq_mode) = ctx.default_backward_plan(<T as Element>::DTYPE, q.shape()[3], options.deterministic);
+            // (The sinks' and bias's gradients are dropped: constants, `FlashAttention::sinks`.)
             let grads =
                 ctx.flash_attention_backward(&q, &k, &v, &o, &lse, &d_o, &options, tile, dq_mode).map_err(wrap)?;
             let tensor = |t: DeviceTensor<T>| -> candle_core::Result<Tensor> {

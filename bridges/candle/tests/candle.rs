@@ -272,6 +272,66 @@ fn varlen_batches_match_plain_attention_per_sequence() -> candle_core::Result<()
     Ok(())
 }
 
+/// Attention sinks and a bias (one plane per head, or one per batch entry shared by the heads)
+/// through the bridge against plain attention with both, in `dtype` on `device`: O, and dQ, dK,
+/// dV with the sinks and bias as constants (GQA 4/2, ragged lengths, causal and not).
+fn check_sinks_and_bias(device: &Device, dtype: DType) -> candle_core::Result<()> {
+    let (b, hq, hkv, sq, sk, d) = (2, 4, 2, 33, 47, 64);
+    let scale = 1.0 / (d as f64).sqrt();
+    let normal = |shape: &[usize], seed: u64| {
+        Tensor::from_vec(attn_host::check::random_normal(shape.iter().product(), 40 + seed), shape, device)
+    };
+    let (q, k, v, d_o) = (
+        normal(&[b, hq, sq, d], 0)?.to_dtype(dtype)?,
+        normal(&[b, hkv, sk, d], 1)?.to_dtype(dtype)?,
+        normal(&[b, hkv, sk, d], 2)?.to_dtype(dtype)?,
+        normal(&[b, hq, sq, d], 3)?.to_dtype(dtype)?,
+    );
+    let sinks = normal(&[hq], 4)?;
+    for (causal, bias_shape) in [(Causal::None, [1, hq, sq, sk]), (Causal::BottomRight, [b, 1, sq, sk])] {
+        let bias = normal(&bias_shape, 5)?;
+        let attention =
+            FlashAttention::new().scale(scale as f32).mask(causal).layout(TensorLayout::Bhsd).sinks(&sinks).bias(&bias);
+        let ours = run(&|q, k, v| attention.forward(q, k, v), [&q, &k, &v, &d_o], TensorLayout::Bhsd)?;
+        let plain = |inputs: [&Tensor; 4]| {
+            let visible = |i, j| causal.visible(i, j, sq, sk);
+            let attention = |q: &Tensor, k: &Tensor, v: &Tensor| {
+                attn_candle::plain_attention_with(q, k, v, scale, visible, Some(&bias), Some(&sinks))
+            };
+            run(&attention, inputs, TensorLayout::Bhsd)
+        };
+        let f64s = [&q, &k, &v, &d_o].map(|t| t.to_dtype(DType::F64).unwrap());
+        let truth = plain([&f64s[0], &f64s[1], &f64s[2], &f64s[3]])?;
+        let same = plain([&q, &k, &v, &d_o])?;
+        for (i, name) in ["O", "dQ", "dK", "dV"].iter().enumerate() {
+            let (error, plain_error) = (relative_error(&ours[i], &truth[i])?, relative_error(&same[i], &truth[i])?);
+            let bound = 2.0 * plain_error + floor(dtype);
+            println!(
+                "{device:?} {dtype:?} sinks, bias {bias_shape:?}, {causal:?} {name}: ours {error:.2e}, plain {plain_error:.2e}"
+            );
+            assert!(
+                error <= bound,
+                "{name} with sinks and a bias {bias_shape:?} in {dtype:?}: {error:.3e} > {bound:.3e}"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn sinks_and_bias_match_plain_attention() -> candle_core::Result<()> {
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        check_sinks_and_bias(&Device::Cpu, dtype)?;
+    }
+    if let Some(device) = gpu("sinks_and_bias_match_plain_attention") {
+        let bf16 = attn_host::Context::new(0).is_ok_and(|ctx| ctx.device().supports(attn_host::DType::Bf16));
+        for dtype in [DType::F32, DType::F16, DType::BF16].into_iter().filter(|&d| d != DType::BF16 || bf16) {
+            check_sinks_and_bias(&device, dtype)?;
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn flash_attn_is_candle_flash_attns_call() -> candle_core::Result<()> {
     // candle_flash_attn::flash_attn(q, k, v, softmax_scale, causal): BSHD, bottom-right causal.
@@ -346,5 +406,18 @@ fn bad_inputs_are_errors_that_say_why() -> candle_core::Result<()> {
     assert!(error.contains("ALiBi"), "{error}");
     let error = message(FlashAttention::new().varlen(&[0, 2]).forward_varlen(&q, &q, &q));
     assert!(error.contains("[total, heads, head_dim]"), "{error}");
+    // Sinks and a bias: a gradient the op would drop, another dtype, another shape, with softcap.
+    let sinks = Var::from_tensor(&t(&[2], DType::F32)?)?;
+    let error = message(FlashAttention::new().sinks(sinks.as_tensor()).forward(&q, &q, &q));
+    assert!(error.contains("track a gradient") && error.contains("detach"), "{error}");
+    assert!(FlashAttention::new().sinks(&sinks.as_tensor().detach()).forward(&q, &q, &q).is_ok(), "detached sinks");
+    let error = message(FlashAttention::new().bias(&t(&[1, 2, 8, 8], DType::F16)?).forward(&q, &q, &q));
+    assert!(error.contains("bias must be f32"), "{error}");
+    let error = message(FlashAttention::new().bias(&t(&[1, 2, 8, 7], DType::F32)?).forward(&q, &q, &q));
+    assert!(error.contains("the bias must have shape"), "{error}");
+    let error = message(FlashAttention::new().sinks(&t(&[3], DType::F32)?).forward(&q, &q, &q));
+    assert!(error.contains("the sinks must have shape"), "{error}");
+    let error = message(FlashAttention::new().softcap(30.0).bias(&t(&[1, 2, 8, 8], DType::F32)?).forward(&q, &q, &q));
+    assert!(error.contains("softcap"), "{error}");
     Ok(())
 }

@@ -157,8 +157,6 @@ struct BiasArgs {
 }
 
 impl BiasArgs {
-    const NONE: Self = Self { address: 0, batch: 1, heads: 1 };
-
     /// The bias (or its gradient) at `address` with this bias's shape, if there is one.
     fn at(&self, ctx: &Context, address: u64, shape: &AttentionShape) -> Result<Option<DeviceTensor<f32>>, Error> {
         let dims = [self.batch, self.heads, shape.seqlen_q, shape.seqlen_k];

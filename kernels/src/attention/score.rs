@@ -98,8 +98,8 @@ impl ScoreArgs {
         self.softcap != 0.0 || self.alibi_max_bias != 0.0 || self.has_bias()
     }
 
-    /// Whether the problem has an additive bias ([`BiasPlane`]). Only the sm_80 path's kernels
-    /// (levels 2–6) read it; the host sends a problem with a bias there.
+    /// Whether the problem has an additive bias ([`BiasPlane`]). Only the sm_80 modules' flash
+    /// kernels (levels 3–6) read it; the host sends a problem with a bias there.
     #[inline(always)]
     pub fn has_bias(self) -> bool {
         !self.bias.is_null()
@@ -338,9 +338,9 @@ impl ScoreMod {
 /// kernels add into `grads` entry by entry (an atomic add: a bias shared by batch entries or
 /// heads sums their dS). A −∞ entry hides its key from that query, as a mask would.
 ///
-/// The kernels read it entry by entry from global memory (L2 serves a tile's rows), only in
-/// their modified copies ([`ScoreArgs::is_active`]); entries outside the sequences (a tile's
-/// padding rows and columns) read and write nothing.
+/// The kernels read it from global memory in their modified copies ([`ScoreArgs::is_active`]);
+/// a tile's entries past the sequences write nothing and read a clamped entry that counts as 0
+/// ([`BiasPlane::add_to_fragments`]).
 #[derive(Clone, Copy)]
 pub struct BiasPlane {
     values: *const f32,
@@ -384,47 +384,38 @@ impl BiasPlane {
         }
     }
 
-    /// The bias of the entries of `N` fragments in base-2 units ([`Self::logit`]), entries mapped
-    /// to (row, column) as in [`ScoreMod::apply_fragments`]: a query and a key, or with
-    /// `TRANSPOSED` a key and a query; 0 outside the sequences or without a bias. Add them to
-    /// the logits with [`Self::add`].
+    /// Adds the bias of the entries of `N` fragments, in base-2 units ([`Self::logit`]), to the
+    /// logits `frags`. Entries map to (row, column) as in [`ScoreMod::apply_fragments`]: a
+    /// query and a key, or with `TRANSPOSED` a key and a query. Entries outside the sequences
+    /// (a tile's padding) get 0, and nothing is added without a bias.
     ///
-    /// Every load is issued before any value is used, and none is behind a branch: an entry
-    /// outside the sequences reads the nearest entry inside (its row and column clamped) and
-    /// gives 0. With a branch per entry, each load waited for the one before it, and the
+    /// No read is behind a branch: an entry outside the sequences reads the nearest entry
+    /// inside (its row and column clamped) and adds 0. So the reads are independent and can all
+    /// be in flight at once; with a branch per entry, each waited for the one before it, and the
     /// forward ran 14 times slower with a bias than without at [4, 16, 4096, 64]
-    /// (PERFORMANCE.md, "a bias read without branches"). The kernels call it where they add
-    /// the values: called earlier, the values held registers that the kernels spilled.
+    /// (PERFORMANCE.md, "a bias read without branches"). Kernels call it where they add the
+    /// values: values read earlier hold registers across the products, which the kernels spilled.
     ///
     /// # Safety
     /// As [`Self::logit`].
     #[inline(always)]
-    pub unsafe fn fragments<const N: usize, const TRANSPOSED: bool>(
+    pub unsafe fn add_to_fragments<const N: usize, const TRANSPOSED: bool>(
         &self,
+        frags: &mut [FragC; N],
         lane: FragmentLane,
         first: (usize, usize),
-    ) -> [FragC; N] {
+    ) {
         if self.values.is_null() {
-            return [[0.0; 4]; N];
+            return;
         }
         let (last_query, last_key) = (self.seqlen_q.max(1) - 1, self.seqlen_k.max(1) - 1);
-        core::array::from_fn(|nt| {
-            core::array::from_fn(|e| {
+        for nt in 0..N {
+            for e in 0..4 {
                 let (query, key) = Self::query_key::<TRANSPOSED>(lane, first, nt, e);
                 let i = query.min(last_query) * self.seqlen_k + key.min(last_key);
                 // SAFETY: the caller's contract; the clamped index is inside the plane.
                 let value = unsafe { *self.values.add(i) };
-                if query < self.seqlen_q && key < self.seqlen_k { value * LOG2_E } else { 0.0 }
-            })
-        })
-    }
-
-    /// Adds `bias` ([`Self::fragments`]) to the base-2 logits `frags`.
-    #[inline(always)]
-    pub fn add<const N: usize>(frags: &mut [FragC; N], bias: &[FragC; N]) {
-        for nt in 0..N {
-            for e in 0..4 {
-                frags[nt][e] += bias[nt][e];
+                frags[nt][e] += if query < self.seqlen_q && key < self.seqlen_k { value * LOG2_E } else { 0.0 };
             }
         }
     }
@@ -446,7 +437,7 @@ impl BiasPlane {
     }
 
     /// [`Self::accumulate`] for every entry of the dS fragments `ds`, mapped as in
-    /// [`Self::fragments`].
+    /// [`Self::add_to_fragments`].
     ///
     /// # Safety
     /// As [`Self::accumulate`].

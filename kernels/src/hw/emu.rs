@@ -258,14 +258,19 @@ fn run_block(
 ) -> Result<(), EmuError> {
     let state = BlockState::new(kernel.name, launch, block);
     std::thread::scope(|scope| {
+        // The threads are joined, not left to the scope: dropping a handle detaches its thread,
+        // and glibc's `pthread_detach` can race with the thread's own exit, which then frees
+        // its stack while the detach still reads the thread's descriptor on it (a SIGSEGV in
+        // `pthread_detach`, seen under load in `tests/emulated.rs`).
+        let mut handles = Vec::with_capacity(launch.block);
         for thread in 0..launch.block {
             let state = &state;
             // Named after the GPU thread it runs ("b<x>.<y>.<z>t<thread>"), so that a debugger's
             // thread list says which one it stopped in.
             let name = format!("b{}.{}.{}t{thread}", block.0, block.1, block.2);
             // 16 MiB of stack (reserved, not committed): a kernel body inlines all of its
-            // helpers, and the tensor-core kernels hold two copies of theirs (plain and with a
-            // score modification); the default 2 MiB was found too tight once, as a SIGSEGV.
+            // helpers, and the tensor-core kernels hold copies of theirs (plain, with a score
+            // modification, with sinks), so the default 2 MiB is too tight for some.
             let builder = std::thread::Builder::new().name(name).stack_size(16 << 20);
             let spawned = builder.spawn_scoped(scope, move || {
                 let ctx = ThreadCtx {
@@ -297,10 +302,17 @@ fn run_block(
                 // find out (a barrier that still waits for it is then abandoned).
                 state.finished(thread);
             });
-            if let Err(e) = spawned {
-                state.fail(thread, EmuErrorKind::Panic(format!("could not start an OS thread: {e}")));
-                break;
+            match spawned {
+                Ok(handle) => handles.push(handle),
+                Err(e) => {
+                    state.fail(thread, EmuErrorKind::Panic(format!("could not start an OS thread: {e}")));
+                    break;
+                }
             }
+        }
+        for handle in handles {
+            // Each thread catches its own panics (above), so a join has nothing to report.
+            let _ = handle.join();
         }
     });
     match state.error.into_inner().unwrap() {

@@ -29,7 +29,7 @@
 //! above 128 two warps share each 16-row slice ([`warp_slice`]): warps `2i` and `2i + 1` own
 //! the same 16 keys, and each accumulates half of the columns of dK and dV (96 or 128 a
 //! thread at 192 or 256). Both compute the slice's Sᵀ and dPᵀ over the whole head_dim, so the
-//! products over head_dim are done twice: at 256, 6 products of a 16 × 16 × 128 size where an
+//! products over head_dim are done twice: at 256, 6 products of a 16 × 16 × 256 size where an
 //! unsplit kernel would do 4, which costs a third of the tensor-core work for a kernel that
 //! fits. The dQ kernel splits its rows of dQ the same way, and reads Q and dO from shared memory
 //! at every use instead of keeping them in registers. In atomic mode only the first warp of a
@@ -86,7 +86,7 @@ use crate::attention::epilogue::store_warp_rows;
 use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a};
 use crate::attention::mask::Mask;
 use crate::attention::schedule::{KeyBlock, QueryBlock};
-use crate::attention::score::{BiasPlane, ScoreArgs, zero_hidden};
+use crate::attention::score::{ScoreArgs, zero_hidden};
 use crate::hw::{self, HalfFloat, LOG2_E, RowFragments, SharedMemory};
 use crate::layout::{
     AttentionShape, MMA_SMEM_PAD, MMA_WARP_ROWS, mma_backward_column_warps, mma_backward_threads,
@@ -419,9 +419,6 @@ unsafe fn backward_kv_body<
         // operands, and, read again transposed, dK and dV.
         for chunk in 0..BLOCK_M / 16 {
             let q0 = 16 * chunk;
-            // Rows are the warp's keys, columns the chunk's queries.
-            let first = (kv_start + warp_key, q_start + q0);
-            let bias = || score.bias_plane(batch, head, shape.seqlen_q, shape.seqlen_k);
             // ANCHOR: transposed_scores
             // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for the warp's 16 keys and these 16 queries.
             let (mut st, mut dpt) = ([[0.0f32; 4]; 2], [[0.0f32; 4]; 2]);
@@ -437,13 +434,16 @@ unsafe fn backward_kv_body<
             let (mut pt, mut ds_t) = ([[0.0f32; 4]; 2], [[0.0f32; 4]; 2]);
             // Entry (half, e) is key `warp_key + g + 8·(e / 2)`, query `q0 + 8·half + 2t + e % 2`.
             let query = |half: usize, e: usize| q0 + 8 * half + lane.col(e);
+            // Rows are the warp's keys, columns the chunk's queries.
+            let first = (kv_start + warp_key, q_start + q0);
             // (A head's `ScoreMod` is derived inside each branch that uses it: see `ScoreArgs`.)
             let head_score = || score.for_head(head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
+            let bias = || score.bias_plane(batch, head, shape.seqlen_q, shape.seqlen_k);
             if MODS {
                 head_score().apply_fragments::<2, true>(&mut st, lane, first, scale_log2);
                 if score.has_bias() {
                     // SAFETY: the host checked the bias's shape.
-                    BiasPlane::add(&mut st, &unsafe { bias().fragments::<2, true>(lane, first) });
+                    unsafe { bias().add_to_fragments::<2, true>(&mut st, lane, first) };
                 }
             }
             for half in 0..2 {
@@ -467,12 +467,12 @@ unsafe fn backward_kv_body<
                     ds_t[half][e] = pt[half][e] * (dpt[half][e] - stats_ring.load(stats_row + 1, query(half, e)));
                 }
             }
-            // ANCHOR_END: transposed_scores
             if MODS && score.has_bias() && col0 == 0 {
                 // dBias = dSᵀ's entries (of a pair of warps that share the keys, the first's).
                 // SAFETY: the host checked dBias's shape.
                 unsafe { bias().accumulate_fragments::<2, true>(&ds_t, lane, first) };
             }
+            // ANCHOR_END: transposed_scores
             // dV += Pᵀ·dO and dK += dSᵀ·Q (scaled at the end): A operands from registers, B
             // operands the chunk's Q and dO read again the other way round (`ldmatrix.trans`).
             let (p, ds) = (pack_a::<T>(pt[0], pt[1]), pack_a::<T>(ds_t[0], ds_t[1]));
@@ -711,7 +711,6 @@ unsafe fn backward_q_body<
         // S = Q·Kᵀ and, read again transposed, dQ += dS·K (as Q and dO in the K/V-outer kernel).
         for chunk in 0..BLOCK_N / (8 * CHUNK_TILES) {
             let k0 = 8 * CHUNK_TILES * chunk;
-            let first = (q_start + warp_row, kv_start + k0);
             // Fragment `j` of s, dp, ds: keys `k0 + 8j .. k0 + 8j + 8`.
             let (mut s, mut dp) = ([[0.0f32; 4]; CHUNK_TILES], [[0.0f32; 4]; CHUNK_TILES]);
             for ks in 0..D_STEPS {
@@ -727,13 +726,14 @@ unsafe fn backward_q_body<
                 }
             }
             // dS = P ∘ (dP − D), P recomputed from the LSE.
+            let first = (q_start + warp_row, kv_start + k0);
             let head_score = || score.for_head(block.head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
             if MODS {
                 head_score().apply_fragments::<CHUNK_TILES, false>(&mut s, lane, first, scale_log2);
                 if score.has_bias() {
                     let bias = score.bias_plane(block.batch, block.head, shape.seqlen_q, shape.seqlen_k);
                     // SAFETY: the host checked the bias's shape.
-                    BiasPlane::add(&mut s, &unsafe { bias.fragments::<CHUNK_TILES, false>(lane, first) });
+                    unsafe { bias.add_to_fragments::<CHUNK_TILES, false>(&mut s, lane, first) };
                 }
             }
             let mut p = [[0.0f32; 4]; CHUNK_TILES];

@@ -46,7 +46,7 @@ use crate::attention::epilogue::{store_fragment_lse, store_warp_rows};
 use crate::attention::fragment::{FragmentLane, mask_fragments, pack_a, scale_rows};
 use crate::attention::mask::Mask;
 use crate::attention::schedule::QueryBlock;
-use crate::attention::score::{BiasPlane, ScoreArgs};
+use crate::attention::score::ScoreArgs;
 use crate::attention::softmax::{RowSoftmax, positive_factor, q_sign_mask};
 use crate::hw::{self, FragA, HalfFloat, SharedMemory};
 use crate::layout::{
@@ -231,27 +231,33 @@ unsafe fn forward_body<
             }
         }
         // Softcap, ALiBi or a bias, if the problem has one: the scores become base-2 logits.
+        // (Unrolled by hand: LLVM keeps a loop this long rolled, and S, indexed by its counter,
+        // would live in local memory.)
         if MODS {
             let head_score = score.for_head(block.head, shape.num_heads_q, shape.seqlen_q, shape.seqlen_k);
-            for r in 0..WARP_TILES {
+            hw::unroll::<WARP_TILES>(|r| {
                 head_score.apply_fragments::<N_TILES, false>(
                     &mut s[r],
                     lane,
                     (q_start + warp_row + 16 * r, kv_start),
                     c,
-                );
-            }
+                )
+            });
             if score.has_bias() {
-                // (Loaded here, where they are added. Loaded before the products, the values
+                // (Read here, where they are added. Read before the products, the values
                 // held registers across them that the kernel, at its limit of 255, spilled,
                 // and the forward ran slower: PERFORMANCE.md, "a bias read without branches".)
                 let bias = score.bias_plane(block.batch, block.head, shape.seqlen_q, shape.seqlen_k);
-                for r in 0..WARP_TILES {
+                hw::unroll::<WARP_TILES>(|r| {
                     // SAFETY: the host checked the bias's shape.
-                    let values =
-                        unsafe { bias.fragments::<N_TILES, false>(lane, (q_start + warp_row + 16 * r, kv_start)) };
-                    BiasPlane::add(&mut s[r], &values);
-                }
+                    unsafe {
+                        bias.add_to_fragments::<N_TILES, false>(
+                            &mut s[r],
+                            lane,
+                            (q_start + warp_row + 16 * r, kv_start),
+                        )
+                    }
+                });
             }
         }
         // Only tiles that cross some row's key limit or start (the causal diagonal, a window's
