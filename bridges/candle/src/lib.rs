@@ -592,44 +592,44 @@ struct AttentionOp {
     lse: Mutex<Option<SavedLse>>,
 }
 
-/// The kernels' copies of the op's sinks and bias (uploaded to the emulator, borrowed on CUDA).
+/// What the kernels read besides Q, K, V (and O, dO, LSE), made on the call's context: the
+/// varlen mask table ([`FlashAttention::mask_table`]) and the op's sinks and bias (uploaded to
+/// the emulator, borrowed on CUDA). They live to the end of the op's call; device memory the op
+/// allocated is freed in stream order, after the kernels that read it.
 struct Extras {
+    table: Option<MaskTable>,
     sinks: Option<DeviceTensor<f32>>,
     bias: Option<DeviceTensor<f32>>,
 }
 
 impl Extras {
-    /// `extras.sinks` and `extras.bias` as `make` gives them on a context.
+    /// The table of `op`'s offsets on `ctx`, and `op`'s sinks and bias as `make` gives them there.
     fn of(
-        options: &FlashAttention,
+        op: &FlashAttention,
+        ctx: &Context,
         make: impl Fn(&Tensor) -> candle_core::Result<DeviceTensor<f32>>,
     ) -> candle_core::Result<Self> {
         Ok(Self {
-            sinks: options.sinks.as_ref().map(&make).transpose()?,
-            bias: options.bias.as_ref().map(&make).transpose()?,
+            table: op.mask_table(ctx)?,
+            sinks: op.sinks.as_ref().map(&make).transpose()?,
+            bias: op.bias.as_ref().map(&make).transpose()?,
         })
     }
-}
 
-/// `options` with the document mask `table`, where there is one, and the sinks and bias of
-/// `extras`. (They live to the end of the op's call; device memory the op allocated is freed in
-/// stream order, after the kernels that read it.)
-fn with_extras<'a>(
-    options: AttentionOptions<'static>,
-    table: &'a Option<MaskTable>,
-    extras: &'a Extras,
-) -> AttentionOptions<'a> {
-    let mut options: AttentionOptions<'a> = match table {
-        Some(table) => options.with_mask_table(table),
-        None => options,
-    };
-    if let Some(sinks) = &extras.sinks {
-        options = options.with_sinks(sinks);
+    /// `op`'s kernel options with these extras attached.
+    fn options<'a>(&'a self, op: &FlashAttention) -> AttentionOptions<'a> {
+        let mut options: AttentionOptions<'a> = op.options();
+        if let Some(table) = &self.table {
+            options = options.with_mask_table(table);
+        }
+        if let Some(sinks) = &self.sinks {
+            options = options.with_sinks(sinks);
+        }
+        if let Some(bias) = &self.bias {
+            options = options.with_bias(bias);
+        }
+        options
     }
-    if let Some(bias) = &extras.bias {
-        options = options.with_bias(bias);
-    }
-    options
 }
 
 fn wrap(error: attn_host::Error) -> candle_core::Error {
@@ -676,9 +676,8 @@ impl AttentionOp {
         let ctx = Context::cpu_emulated();
         let upload = |s, l: &Layout| ctx.upload(host_slice::<T>(s, l)?, l.dims()).map_err(wrap);
         let (q, k, v) = (upload(q, lq)?, upload(k, lk)?, upload(v, lv)?);
-        let table = self.options.mask_table(&ctx)?;
-        let extras = Extras::of(&self.options, |t| upload_tensor(&ctx, t))?;
-        let options = with_extras(self.options.options(), &table, &extras);
+        let extras = Extras::of(&self.options, &ctx, |t| upload_tensor(&ctx, t))?;
+        let options = extras.options(&self.options);
         let out = ctx
             .flash_attention_forward(&q, &k, &v, &options, ctx.default_tile(<T as Element>::DTYPE, shape.head_dim))
             .map_err(wrap)?;
@@ -696,9 +695,8 @@ impl AttentionOp {
             Some(SavedLse::Host(lse)) => ctx.upload(lse, &q.shape()[..3]).map_err(wrap)?,
             _ => candle_core::bail!("attn_candle: the backward ran before its forward"),
         };
-        let table = self.options.mask_table(&ctx)?;
-        let extras = Extras::of(&self.options, |t| upload_tensor(&ctx, t))?;
-        let options = with_extras(self.options.options(), &table, &extras);
+        let extras = Extras::of(&self.options, &ctx, |t| upload_tensor(&ctx, t))?;
+        let options = extras.options(&self.options);
         let (tile, dq_mode) = ctx.default_backward_plan(<T as Element>::DTYPE, q.shape()[3], options.deterministic);
         // (The gradients of the sinks and bias, if any, are dropped: they are constants to
         // autograd, `FlashAttention::sinks`.)
@@ -784,9 +782,8 @@ mod cuda {
             let shape = problem(lq, lk, lv)?;
             let ctx = context(&q.device)?;
             let (q_t, k_t, v_t) = (borrow::<T>(&ctx, q, lq)?, borrow::<T>(&ctx, k, lk)?, borrow::<T>(&ctx, v, lv)?);
-            let table = self.options.mask_table(&ctx)?;
-            let extras = Extras::of(&self.options, |t| borrow_tensor(&ctx, t))?;
-            let options = with_extras(self.options.options(), &table, &extras);
+            let extras = Extras::of(&self.options, &ctx, |t| borrow_tensor(&ctx, t))?;
+            let options = extras.options(&self.options);
             let tile = ctx.default_tile(<T as Element>::DTYPE, shape.head_dim);
             let out = ctx.flash_attention_forward(&q_t, &k_t, &v_t, &options, tile).map_err(wrap)?;
             self.save(SavedLse::Cuda(give(&q.device, out.lse)?));
@@ -821,9 +818,8 @@ mod cuda {
                 }
                 _ => candle_core::bail!("attn_candle: the backward ran before its forward"),
             };
-            let table = self.options.mask_table(&ctx)?;
-            let extras = Extras::of(&self.options, |t| borrow_tensor(&ctx, t))?;
-            let options = with_extras(self.options.options(), &table, &extras);
+            let extras = Extras::of(&self.options, &ctx, |t| borrow_tensor(&ctx, t))?;
+            let options = extras.options(&self.options);
             let (tile, dq_mode) = ctx.default_backward_plan(<T as Element>::DTYPE, q.shape()[3], options.deterministic);
             // (The sinks' and bias's gradients are dropped: constants, `FlashAttention::sinks`.)
             let grads =
