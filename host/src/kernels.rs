@@ -700,4 +700,78 @@ mod tests {
         }
         assert!(FLASH_INSTANCES.iter().any(|i| i.dtype == DType::F16 && i.kernel == FlashKernel::Forward));
     }
+
+    /// The bias reads of one flash entry's PTX (a 32-bit global load whose value is then
+    /// multiplied by log₂e, [`attn_kernels::attention::score::BiasPlane::add_to_fragments`]),
+    /// and how many of them open a block of their own behind a conditional branch.
+    fn bias_reads(entry: &[&str]) -> (usize, usize) {
+        let (mut reads, mut behind) = (0, 0);
+        for (i, line) in entry.iter().enumerate() {
+            let Some(register) = line.trim().strip_prefix("ld.global.b32").map(|r| r.trim().split(',').next().unwrap())
+            else {
+                continue;
+            };
+            let scaled = format!(", {register}, 0f3FB8AA3B;");
+            if !entry[i + 1..(i + 4).min(entry.len())].iter().any(|l| l.contains("mul.rn.f32") && l.contains(&scaled)) {
+                continue;
+            }
+            reads += 1;
+            // Back over the address arithmetic to the start of the read's block.
+            let start = (i.saturating_sub(5)..i).rev().find(|&j| {
+                let l = entry[j].trim_start();
+                l.starts_with("$L") || l.starts_with("// %bb") || l.contains("bra")
+            });
+            if let Some(j) = start
+                && j > 0
+                && entry[j].starts_with("// %bb")
+                && entry[j - 1].trim_start().starts_with("@%p")
+                && entry[j - 1].contains("bra")
+            {
+                behind += 1;
+            }
+        }
+        (reads, behind)
+    }
+
+    /// An additive bias is read without a branch per entry (clamped reads, then a select:
+    /// `BiasPlane::add_to_fragments`); behind a branch each, every read waits for the one before
+    /// it, and the bias kernels ran 1.7× slower (PERFORMANCE.md, "a bias read without branches",
+    /// and its sequel of 2026-12-06). LLVM makes such branches again from innocent-looking source
+    /// (a short-circuit `&&`), so this reads the PTX: in every tensor-core flash entry at most
+    /// one read in four (the first read of a tile sits behind the "is there a bias" test).
+    #[test]
+    fn bias_reads_are_not_behind_a_branch_each() {
+        let flash: std::collections::HashSet<String> = FLASH_INSTANCES
+            .iter()
+            .filter(|i| i.dtype != DType::F32)
+            .flat_map(|i| [i.entry.to_string(), table_twin(i.entry)])
+            .collect();
+        let mut checked = 0;
+        for (index, ptx) in PTX.iter().enumerate().filter(|(i, _)| MODULES[*i].starts_with("tensor_cores")) {
+            let lines: Vec<&str> = ptx.lines().collect();
+            let starts: Vec<usize> = (0..lines.len()).filter(|&i| lines[i].starts_with(".visible .entry ")).collect();
+            for (k, &start) in starts.iter().enumerate() {
+                let name = lines[start][".visible .entry ".len()..].split('(').next().unwrap();
+                if !flash.contains(name) {
+                    continue;
+                }
+                let end = starts.get(k + 1).copied().unwrap_or(lines.len());
+                let (reads, behind) = bias_reads(&lines[start..end]);
+                assert!(
+                    reads >= 8,
+                    "{name} ({}, {}): {reads} bias reads found; has the read's PTX changed form?",
+                    MODULES[index],
+                    MODULE_ARCHS[index]
+                );
+                assert!(
+                    4 * behind <= reads,
+                    "{name} ({}, {}): {behind} of its {reads} bias reads are each behind a branch",
+                    MODULES[index],
+                    MODULE_ARCHS[index]
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked > 100, "only {checked} entries checked");
+    }
 }

@@ -414,8 +414,12 @@ impl BiasPlane {
                 let (query, key) = Self::query_key::<TRANSPOSED>(lane, first, nt, e);
                 let i = query.min(last_query) * self.seqlen_k + key.min(last_key);
                 // SAFETY: the caller's contract; the clamped index is inside the plane.
-                let value = unsafe { *self.values.add(i) };
-                frags[nt][e] += if query < self.seqlen_q && key < self.seqlen_k { value * LOG2_E } else { 0.0 };
+                let value = unsafe { *self.values.add(i) } * LOG2_E;
+                // `&`, not `&&`, and the product taken before the choice: with a short-circuit
+                // test LLVM may keep an `if` here and sink the read into it, which puts every
+                // read behind a branch again (`scripts/ptxas-report --bias-reads` counts them).
+                let inside = (query < self.seqlen_q) & (key < self.seqlen_k);
+                frags[nt][e] += if inside { value } else { 0.0 };
             }
         }
     }
