@@ -417,7 +417,7 @@ impl BiasPlane {
                 let value = unsafe { *self.values.add(i) } * LOG2_E;
                 // `&`, not `&&`, and the product taken before the choice: with a short-circuit
                 // test LLVM may keep an `if` here and sink the read into it, which puts every
-                // read behind a branch again (`scripts/ptxas-report --bias-reads` counts them).
+                // read behind a branch again (the host test `bias_reads_are_not_behind_a_branch_each`).
                 let inside = (query < self.seqlen_q) & (key < self.seqlen_k);
                 frags[nt][e] += if inside { value } else { 0.0 };
             }
