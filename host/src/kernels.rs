@@ -741,22 +741,18 @@ mod tests {
     /// one read in four (the first read of a tile sits behind the "is there a bias" test).
     #[test]
     fn bias_reads_are_not_behind_a_branch_each() {
-        let flash: std::collections::HashSet<String> = FLASH_INSTANCES
+        let flash: Vec<String> = FLASH_INSTANCES
             .iter()
             .filter(|i| i.dtype != DType::F32)
             .flat_map(|i| [i.entry.to_string(), table_twin(i.entry)])
             .collect();
         let mut checked = 0;
-        for (index, ptx) in PTX.iter().enumerate().filter(|(i, _)| MODULES[*i].starts_with("tensor_cores")) {
-            let lines: Vec<&str> = ptx.lines().collect();
-            let starts: Vec<usize> = (0..lines.len()).filter(|&i| lines[i].starts_with(".visible .entry ")).collect();
-            for (k, &start) in starts.iter().enumerate() {
-                let name = lines[start][".visible .entry ".len()..].split('(').next().unwrap();
-                if !flash.contains(name) {
-                    continue;
-                }
-                let end = starts.get(k + 1).copied().unwrap_or(lines.len());
-                let (reads, behind) = bias_reads(&lines[start..end]);
+        for index in (0..PTX.len()).filter(|&i| MODULES[i].starts_with("tensor_cores")) {
+            for name in &flash {
+                // The entry's own module (`module_entry_ptx`): only this entry and what it calls.
+                let Some(module) = module_entry_ptx(index, name) else { continue };
+                let lines: Vec<&str> = module.lines().collect();
+                let (reads, behind) = bias_reads(&lines);
                 assert!(
                     reads >= 8,
                     "{name} ({}, {}): {reads} bias reads found; has the read's PTX changed form?",
