@@ -747,9 +747,10 @@ mod tests {
             .flat_map(|i| [i.entry.to_string(), table_twin(i.entry)])
             .collect();
         let mut checked = 0;
-        for index in (0..PTX.len()).filter(|&i| MODULES[i].starts_with("tensor_cores")) {
-            for name in &flash {
-                // The entry's own module (`module_entry_ptx`): only this entry and what it calls.
+        for name in &flash {
+            // The sm_80 module that holds the entry and Turing's copy, if any; of each, the
+            // entry's own module (`module_entry_ptx`): only this entry and what it calls.
+            for index in [Some(module_of(name)), turing_module_of(name)].into_iter().flatten() {
                 let Some(module) = module_entry_ptx(index, name) else { continue };
                 let lines: Vec<&str> = module.lines().collect();
                 let (reads, behind) = bias_reads(&lines);
