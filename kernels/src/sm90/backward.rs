@@ -137,6 +137,14 @@ const fn dq_boxes(d: usize) -> usize {
 /// Queries of a tile per consumer in the wide-head kernel: each takes half of every tile.
 const HALF_M: usize = BLOCK_M / CONSUMERS;
 
+/// Whether the consumer's exponentials have a copy without the mask's test for the tiles that
+/// every query sees whole (most tiles of most problems): two instructions a score fewer (the test
+/// and its select), and a branch a column. Up to head_dim 64: at 128 the second copy's registers
+/// made ptxas spill 40–48 bytes (PERFORMANCE.md, 2026-12-04 (evening)).
+const fn unmasked_copy(d: usize) -> bool {
+    d <= 64
+}
+
 /// Whether head_dim `D` runs the wide-head kernel (64 keys a block, [`consume_wide`]).
 const fn is_wide(d: usize) -> bool {
     hopper_backward_block_n(d) == WIDE_BLOCK_N
@@ -486,9 +494,11 @@ unsafe fn issue_transposed_product<T: HalfFloat, const D: usize, A: Accumulator>
 /// the backward ran 4–6 % slower at head_dim 64 (PERFORMANCE.md, 2026-12-04 (evening)). Keys
 /// and key counts fit: the TMA coordinates that load these tiles are `i32` already.
 ///
+/// Without `MASKED` (a tile every query sees whole) there is no test and no select.
+///
 /// `F` fragments (8 columns each) give `KK` = `F / 2` packed A operands of 16 columns.
 #[inline(always)]
-fn tile_gradients<T: HalfFloat, const F: usize, const KK: usize>(
+fn tile_gradients<T: HalfFloat, const F: usize, const KK: usize, const MASKED: bool>(
     s: &mut [FragC; F],
     dp: &mut [FragC; F],
     factor: f32,
@@ -503,12 +513,12 @@ fn tile_gradients<T: HalfFloat, const F: usize, const KK: usize>(
         for j in 2 * kk..2 * kk + 2 {
             let (row_lse, row_delta) = statistics(j);
             for h in 0..2 {
-                let (start, width) = band(j, h);
+                let (start, width) = if MASKED { band(j, h) } else { (0, u32::MAX) };
                 // Entries h and h + 2: this query's column in key rows g and g + 8.
                 for r in 0..2 {
                     let e = h + 2 * r;
                     let p = hw::exp2(hw::fma(s[j][e], factor, -row_lse[h]));
-                    let p = if keys[r].wrapping_sub(start) < width { p } else { 0.0 };
+                    let p = if !MASKED || keys[r].wrapping_sub(start) < width { p } else { 0.0 };
                     s[j][e] = p;
                     dp[j][e] = p * (dp[j][e] - row_delta[h]);
                 }
@@ -573,7 +583,11 @@ unsafe fn masked_tile_gradients<
             (start as u32, width as u32)
         }
     };
-    tile_gradients::<T, F, KK>(s, dp, factor, row_statistics, band, keys)
+    if all_visible && unmasked_copy(D) {
+        tile_gradients::<T, F, KK, false>(s, dp, factor, row_statistics, band, keys)
+    } else {
+        tile_gradients::<T, F, KK, true>(s, dp, factor, row_statistics, band, keys)
+    }
 }
 
 /// Stores packed pairs of a transposed tile (`packed[kk]`, the A operands of [`tile_gradients`]:
