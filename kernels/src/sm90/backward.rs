@@ -9,8 +9,10 @@
 //!   D = rowsum(dO ∘ O) into the same slot. Two consumer warpgroups each own 64 of the block's
 //!   128 keys and keep their rows of dK and dV in registers for the whole loop;
 //! * per query tile of 64 rows, each consumer computes Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (both operands
-//!   from shared memory), then Pᵀ = exp(Sᵀ·scale − LSE) and dSᵀ = Pᵀ ∘ (dPᵀ − D) in registers,
-//!   and accumulates dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ and dSᵀ as register operands;
+//!   from shared memory), then Pᵀ = exp(Sᵀ·scale − LSE) and dSᵀ = Pᵀ ∘ (dPᵀ − D) in registers
+//!   (a tile that every query sees whole skips the mask's test where the registers allow a copy
+//!   of that loop without it, [`unmasked_copy`]), and accumulates dV += Pᵀ·dO and dK += dSᵀ·Q
+//!   with Pᵀ and dSᵀ as register operands;
 //! * dQ = scale · dS·K needs dS with the queries as rows, which no thread holds: each consumer
 //!   writes its rows of dSᵀ to shared memory (row-major by key), which `wgmma` reads as an
 //!   MN-major A operand ([`Accumulator::mma_mn_major`]). Its share of the tile's dQ goes to a
@@ -137,12 +139,13 @@ const fn dq_boxes(d: usize) -> usize {
 /// Queries of a tile per consumer in the wide-head kernel: each takes half of every tile.
 const HALF_M: usize = BLOCK_M / CONSUMERS;
 
-/// Whether the consumer's exponentials have a copy without the mask's test for the tiles that
-/// every query sees whole (most tiles of most problems): two instructions a score fewer (the test
-/// and its select), and a branch a column. Up to head_dim 64: at 128 the second copy's registers
-/// made ptxas spill 40–48 bytes (PERFORMANCE.md, 2026-12-04 (evening)).
-const fn unmasked_copy(d: usize) -> bool {
-    d <= 64
+/// Whether a consumer's exponentials have a copy without the mask's test, for the tiles that every
+/// query sees whole (most tiles of most problems): two instructions a score fewer (the test and
+/// its select), and the band's branch a column. Up to head_dim 64 and in the atomic instances:
+/// elsewhere the second copy's registers make ptxas spill (20–32 bytes at 80 and 96 or in the
+/// deterministic instances, where the kernels had 0–4; PERFORMANCE.md, 2026-12-06 (evening)).
+const fn unmasked_copy(d: usize, deterministic: bool) -> bool {
+    d <= 64 && !deterministic
 }
 
 /// Whether head_dim `D` runs the wide-head kernel (64 keys a block, [`consume_wide`]).
@@ -536,7 +539,8 @@ fn tile_gradients<T: HalfFloat, const F: usize, const KK: usize, const MASKED: b
 /// fragments: keys as rows (the warp's first is `warp_key`, this thread's `keys`, rows g and
 /// g + 8), queries as columns from `q_first`, whose statistics (LSE·log₂e and D, one `f32` per
 /// query of the tile) start at column `slot_column` of ring slot `stage`'s.
-/// `all_visible`: every query sees every key of the tile ([`Mask::all_visible`]). `c` is
+/// `all_visible`: every query sees every key of the tile ([`Mask::all_visible`]); such a tile
+/// takes the copy without the mask where `unmasked` ([`unmasked_copy`]). `c` is
 /// scale · log₂e.
 ///
 /// # Safety
@@ -553,7 +557,7 @@ unsafe fn masked_tile_gradients<
 >(
     (s, dp): (&mut [FragC; F], &mut [FragC; F]),
     (smem, stage, slot_column): (SharedTiles<D, STAGES>, usize, usize),
-    (mask, all_visible, score, shape, q_head): (&Mask, bool, &ScoreArgs, &AttentionShape, usize),
+    (mask, all_visible, unmasked, score, shape, q_head): (&Mask, bool, bool, &ScoreArgs, &AttentionShape, usize),
     (warp_key, keys, q_first): (usize, [u32; 2], usize),
     lane: FragmentLane,
     c: f32,
@@ -583,7 +587,7 @@ unsafe fn masked_tile_gradients<
             (start as u32, width as u32)
         }
     };
-    if all_visible && unmasked_copy(D) {
+    if all_visible && unmasked {
         tile_gradients::<T, F, KK, false>(s, dp, factor, row_statistics, band, keys)
     } else {
         tile_gradients::<T, F, KK, true>(s, dp, factor, row_statistics, band, keys)
@@ -728,7 +732,7 @@ unsafe fn consume<
             masked_tile_gradients::<T, D, STAGES, 8, 4, MODS>(
                 (&mut s, &mut dp),
                 (smem, stage, 0),
-                (&mask, all_visible, &score, shape, q_head),
+                (&mask, all_visible, unmasked_copy(D, DETERMINISTIC), &score, shape, q_head),
                 (k_first + 16 * warp, keys, q_start),
                 lane,
                 c,
@@ -962,7 +966,7 @@ unsafe fn consume_wide<T: HalfFloat, const D: usize, const STAGES: usize, const 
             masked_tile_gradients::<T, D, STAGES, 4, 2, MODS>(
                 (&mut s, &mut dp),
                 (smem, stage, index * HALF_M),
-                (&mask, all_visible, &score, shape, q_head),
+                (&mask, all_visible, false, &score, shape, q_head),
                 (block.k_start + 16 * warp, keys, q_first),
                 lane,
                 c,
