@@ -314,6 +314,44 @@ pub fn attention_backward(
     shape: &AttentionShape,
     params: Params,
 ) -> Result<GradientReference> {
+    backward(q, k, v, None, d_o, shape, params)
+}
+
+/// [`attention_backward`] for a given forward output `o` (Q's shape): D_i = Σ_c dO_ic · O_ic, as
+/// FlashAttention's backward defines it (Dao 2023, Algorithm 2: D = rowsum(dO ∘ O)) and as the
+/// kernels compute it from the O they are handed, instead of Σ_j P_ij dP_ij from the exact P.
+/// The two agree for the exact O; for an O rounded to 16 bits they differ by
+/// rowsum(dO ∘ (O₁₆ − O)), which is the whole of dS where a row's softmax is nearly one-hot (dS
+/// = P ∘ (dP − D) then cancels to almost nothing): there a kernel's dQ is only comparable with
+/// this reference, the exact gradient of the O it was given.
+///
+/// # Errors
+/// As [`attention_backward`], and [`Error::Length`] when `o` is not Q's length.
+pub fn attention_backward_given_o(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    o: &[f32],
+    d_o: &[f32],
+    shape: &AttentionShape,
+    params: Params,
+) -> Result<GradientReference> {
+    if o.len() != q.len() {
+        return Err(Error::Length { expected: q.len(), got: o.len() });
+    }
+    backward(q, k, v, Some(o), d_o, shape, params)
+}
+
+/// [`attention_backward`], with D from `o` where it is given ([`attention_backward_given_o`]).
+fn backward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    o: Option<&[f32]>,
+    d_o: &[f32],
+    shape: &AttentionShape,
+    params: Params,
+) -> Result<GradientReference> {
     check_inputs(shape, q, k, v, Some(d_o))?;
     check_sinks(shape, &params)?;
     let d = shape.head_dim;
@@ -342,7 +380,8 @@ pub fn attention_backward(
                 let h = kv_head * group + g;
                 let head = head(q, k, v, shape, b, h);
                 let do_head = &d_o[shape.q_head_offset(b, h)..][..shape.seqlen_q * d];
-                parts.push(backward_head(&head, do_head, shape, params, dq_head, dk_head, dv_head));
+                let o_head = o.map(|o| &o[shape.q_head_offset(b, h)..][..shape.seqlen_q * d]);
+                parts.push(backward_head(&head, (o_head, do_head), shape, params, dq_head, dk_head, dv_head));
             }
             parts
         })
@@ -373,10 +412,11 @@ struct HeadGradients {
 }
 
 /// One query head's contribution: writes its dQ, adds to its key/value head's dK and dV, and
-/// returns its sink's and bias's gradients ([`HeadGradients`]).
+/// returns its sink's and bias's gradients ([`HeadGradients`]). D comes from `o_head` where it
+/// is given ([`attention_backward_given_o`]).
 fn backward_head(
     head: &Head,
-    do_head: &[f32],
+    (o_head, do_head): (Option<&[f32]>, &[f32]),
     shape: &AttentionShape,
     params: Params,
     dq: &mut [f64],
@@ -391,7 +431,10 @@ fn backward_head(
         // ∂ℓ/∂(q·k) = scale · ScoreMod::derivative.
         let x = |j: usize| params.scale * dot(q_row, &head.k[j * d..(j + 1) * d]);
         let dp: Vec<f64> = head.v.chunks_exact(d).map(|v_row| dot(do_row, v_row)).collect();
-        let delta: f64 = p.iter().zip(&dp).map(|(p, dp)| p * dp).sum();
+        let delta: f64 = match o_head {
+            Some(o) => dot(do_row, &o[i * d..(i + 1) * d]),
+            None => p.iter().zip(&dp).map(|(p, dp)| p * dp).sum(),
+        };
         if let Some(sink) = params.sink(head.h) {
             // The sink is a "key" with dP = 0: its dS is p_sink · (0 − D).
             d_sink -= (sink - lse).exp() * delta;

@@ -125,12 +125,13 @@ impl GpuProfile {
         Self { name, gpu, compute_capability, max_shared_memory_per_block: smem }
     }
 
-    /// The profile [`GpuProfile::ENV`] names, if it is set.
+    /// The profile [`GpuProfile::ENV`] names, if it is set and not empty (empty: none).
     ///
     /// # Errors
     /// A message listing the names, for a value that is none of them.
     pub fn from_env() -> Result<Option<Self>, String> {
         match std::env::var(Self::ENV) {
+            Ok(name) if name.is_empty() => Ok(None),
             Ok(name) => name.parse().map(Some),
             Err(_) => Ok(None),
         }

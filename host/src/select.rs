@@ -50,12 +50,14 @@ impl KernelPath {
         }
     }
 
-    /// The path [`KernelPath::ENV`] asks for, if set.
+    /// The path [`KernelPath::ENV`] asks for, if set. Set but empty counts as unset (the
+    /// default path), as a shell's `RUST_ATTENTION_KERNELS= cmd` means.
     ///
     /// # Errors
     /// [`Error::Argument`] for a value other than `sm80`/`sm_80`/`sm90a`/`sm_90a`.
     pub fn from_env() -> Result<Option<Self>> {
         match std::env::var(Self::ENV) {
+            Ok(value) if value.is_empty() => Ok(None),
             Ok(value) => value.parse().map(Some).map_err(|e| Error::Argument(format!("{}: {e}", Self::ENV))),
             Err(_) => Ok(None),
         }
