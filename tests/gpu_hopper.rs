@@ -273,10 +273,14 @@ fn check_hopper_backward<T: Element>(
     let grads = hopper_gradients(ctx, &problem, &fwd, options, dq);
     let [qh, kh, vh, doh] = &problem.host;
     let params = cpu::Params::of(&options, shape.head_dim);
-    // The exact gradient of the O the backward was handed (`cpu::attention_backward_given_o`).
-    let o = attn_host::dtype::to_f32_vec(&fwd.o.to_host().unwrap());
+    // The exact gradient of the O the backward was handed (`cpu::attention_backward_given_o`),
+    // once that O is checked itself: the reference takes its D from it, as the kernel does, so a
+    // wrong O row would otherwise go unseen.
+    let o = to_f32_vec(&fwd.o.to_host().unwrap());
+    let (o_tolerance, tolerance) = tolerances(T::DTYPE);
+    let err_o = relative_l2_error(&o, &cpu::attention(qh, kh, vh, &shape, params).unwrap().o);
+    assert!(err_o <= o_tolerance, "{} forward {options:?} on {shape:?}: O relative L2 error {err_o:.3e}", T::DTYPE);
     let reference = cpu::attention_backward_given_o(qh, kh, vh, &o, doh, &shape, params).unwrap();
-    let (_, tolerance) = tolerances(T::DTYPE);
     for (name, got, want) in
         [("dQ", &grads[0], &reference.dq), ("dK", &grads[1], &reference.dk), ("dV", &grads[2], &reference.dv)]
     {

@@ -142,7 +142,7 @@ const HALF_M: usize = BLOCK_M / CONSUMERS;
 /// Whether a consumer's exponentials have a copy without the mask's test, for the tiles that every
 /// query sees whole (most tiles of most problems): two instructions a score fewer (the test and
 /// its select), and the band's branch a column. Up to head_dim 64 and in the atomic instances:
-/// elsewhere the second copy's registers make ptxas spill (20–32 bytes at 80 and 96 or in the
+/// elsewhere the second copy's registers make ptxas spill (4–20 bytes at 80 and 96, 32 in the
 /// deterministic instances, where the kernels had 0–4; PERFORMANCE.md, 2026-12-06 (evening)).
 const fn unmasked_copy(d: usize, deterministic: bool) -> bool {
     d <= 64 && !deterministic
