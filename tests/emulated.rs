@@ -101,9 +101,9 @@ fn emulated_flash_forward_and_backward() {
 
 /// The five smallest failures of `gpu_tensor_cores`' random test found on an H100 (2026-12-06):
 /// two keys and large logits (scale 1 at head_dim 8–155, or −0.2), or head_dim 1, so each row's
-/// softmax is nearly or exactly one-hot and dS = P ∘ (dP − D) almost cancels. The kernels were right: the test had
-/// judged dQ against the exact O's gradient, where D differs by O's rounding, and relative to a
-/// dQ of ~1e-11. `check16` now takes the exact gradient of the O the backward was handed
+/// softmax is nearly or exactly one-hot and dS = P ∘ (dP − D) almost cancels. The kernels were
+/// right: the test had judged dQ against the exact O's gradient, where D differs by O's
+/// rounding, and relative to a dQ of ~1e-11. `check16` now takes the exact gradient of the O the backward was handed
 /// (`cpu::attention_backward_given_o`) with an absolute floor; these must pass, as they do on
 /// the GPU (the emulator reproduces its errors to the digit).
 #[test]

@@ -163,6 +163,15 @@ impl fmt::Display for Checked {
 /// NaN if any element of `got` is NaN, so a poisoned, unwritten output never passes; NaN too if
 /// the lengths differ.
 pub fn relative_l2_error(got: &[f32], want: &[f64]) -> f64 {
+    relative_l2_error_above(got, want, 0.0)
+}
+
+/// [`relative_l2_error`] with a floor under the denominator: ‖got − want‖₂ / max(‖want‖₂,
+/// `floor`), an absolute tolerance below `floor` (numpy's `atol`). For a quantity that can
+/// cancel to almost nothing while its parts do not (dQ and dK of rows whose softmax is one-hot:
+/// dS = P ∘ (dP − D) ≈ 0), judged against the scale of something that does not cancel. With
+/// `floor` 0 and a zero reference, the absolute ‖got − want‖₂.
+pub fn relative_l2_error_above(got: &[f32], want: &[f64], floor: f64) -> f64 {
     if got.len() != want.len() {
         return f64::NAN;
     }
@@ -171,7 +180,13 @@ pub fn relative_l2_error(got: &[f32], want: &[f64]) -> f64 {
         diff += (g as f64 - w).powi(2);
         norm += w * w;
     }
-    if norm == 0.0 { diff.sqrt() } else { (diff / norm).sqrt() }
+    let scale = norm.sqrt().max(floor);
+    if scale == 0.0 { diff.sqrt() } else { diff.sqrt() / scale }
+}
+
+/// ‖x‖₂.
+pub fn l2_norm(x: &[f64]) -> f64 {
+    x.iter().map(|x| x * x).sum::<f64>().sqrt()
 }
 
 /// Relative L2 error of a logsumexp: rows whose reference is infinite (−∞: they see no key; +∞:
@@ -254,6 +269,21 @@ mod tests {
         let row = Checked(vec![within, Measured::new(Output::Lse, 1e-3, Tolerance::F16)]);
         assert_eq!((row.verdict(), row.to_string().as_str()), ("FAIL", "O 2.5e-7, LSE 1.0e-3 > 1e-4"));
         assert_eq!(Checked(vec![within]).verdict(), "PASS");
+    }
+
+    #[test]
+    fn a_floor_bounds_the_relative_error_from_below_only() {
+        // A reference of norm 1e-11 (a cancelled dQ): against it an error of 1e-5 is relative
+        // 1e6; under a floor of 1e-2 it is 1e-3. Above the floor nothing changes.
+        let want = [1e-11, 0.0];
+        let got = [1e-5f32, 0.0];
+        let floored = super::relative_l2_error_above(&got, &want, 1e-2);
+        assert!((floored - 1e-3).abs() < 1e-8, "{floored}");
+        assert!(super::relative_l2_error(&got, &want) > 1e5);
+        assert_eq!(super::relative_l2_error_above(&[2.0], &[1.0], 0.5), super::relative_l2_error(&[2.0], &[1.0]));
+        assert!(super::relative_l2_error_above(&[f32::NAN], &[1.0], 1.0).is_nan());
+        assert!(super::relative_l2_error_above(&[1.0], &[1.0, 2.0], 1.0).is_nan());
+        assert_eq!(super::l2_norm(&[3.0, 4.0]), 5.0);
     }
 
     #[test]

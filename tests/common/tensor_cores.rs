@@ -3,7 +3,7 @@
 //! reference runs on the rounded values widened back (exactly) to `f32`, so the error measured
 //! is the kernels' own: 16-bit rounding of P, dS and the outputs, and `f32` accumulation.
 
-use attn_host::check::{Tolerance, lse_error, random_normal, relative_l2_error};
+use attn_host::check::{Tolerance, l2_norm, lse_error, random_normal, relative_l2_error, relative_l2_error_above};
 use attn_host::dtype::{from_f32_slice, to_f32_vec};
 use attn_host::{
     AttentionOptions, AttentionOutput, AttentionShape, Context, DType, DeviceTensor, DqAccumulation, Element,
@@ -172,17 +172,13 @@ pub fn check16_with_extras<T: Element>(
     // (the other keys' P below 2⁻²⁴), dS = P ∘ (dP − D) cancels in the reference too, dQ and dK
     // are ~1e-11 there, and any `f32` computation of them is noise of ~1e-5 around that (relative
     // errors of 1e5). dV = Pᵀ dO never cancels, so its norm is the problem's own scale.
-    let norm = |x: &[f64]| x.iter().map(|x| x * x).sum::<f64>().sqrt();
-    let floor = 1e-3 * norm(&reference.dv);
+    let floor = 1e-3 * l2_norm(&reference.dv);
     for (name, got, want) in
         [("dQ", &grads.dq, &reference.dq), ("dK", &grads.dk, &reference.dk), ("dV", &grads.dv, &reference.dv)]
     {
         let got = to_f32_vec(&got.to_host().unwrap());
         assert_eq!(got.len(), want.len(), "{what}: {name} has the wrong length");
-        let difference: Vec<f64> = got.iter().zip(want).map(|(&g, &w)| g as f64 - w).collect();
-        // (Nothing visible at all: every reference is 0, and so must the result be.)
-        let scale = norm(want).max(floor);
-        let err = if scale > 0.0 { norm(&difference) / scale } else { norm(&difference) };
+        let err = relative_l2_error_above(&got, want, floor);
         assert!(
             err <= grad_tolerance,
             "{what}, backward {bwd_tile} {mode:?}: {name} relative L2 error {err:.3e} (≤ {grad_tolerance:.0e})"
