@@ -441,19 +441,22 @@ pub const fn hopper_backward_block_n(head_dim: usize) -> usize {
     if head_dim <= 128 { 128 } else { 64 }
 }
 
-/// Whether the Hopper backward's two consumers share a query tile's dQ by keys, each adding its
-/// own 64 keys' part to all `head_dim` columns, rather than by 64-column blocks, each adding all
-/// 128 keys' part to its own block (a barrier of both consumers first, as each reads the other's
-/// dSᵀ): up to head_dim 96. By keys the additions to dQ double, but the consumers never wait for
-/// each other, and at 80 or 96 a second column block would be mostly padding.
-pub const fn hopper_backward_dq_by_keys(head_dim: usize) -> bool {
+/// Whether the Hopper backward's two consumers take turns at the query tiles' dQ, one tile each,
+/// the one whose turn it is adding all 128 keys' part to all `head_dim` columns, rather than
+/// share every tile by 64-column blocks, each adding all 128 keys' part to its own block: up to
+/// head_dim 96, where a second column block would be padding or mostly padding. Either way
+/// every element of dQ receives one addition per key block and tile, and a consumer reads the
+/// other's dSᵀ rows after a barrier of both. (Sharing by keys, each consumer adding its own 64
+/// keys' part to all columns, doubled the additions: PERFORMANCE.md.)
+pub const fn hopper_backward_dq_in_turns(head_dim: usize) -> bool {
     head_dim <= 96
 }
 
 /// Columns of a query tile's dQ that one Hopper backward consumer computes per step (up to head_dim
-/// 128): all of them when it shares by keys ([`hopper_backward_dq_by_keys`]), else one block of 64.
+/// 128): all of them when the consumers take turns ([`hopper_backward_dq_in_turns`]), else one
+/// block of 64.
 pub const fn hopper_backward_dq_columns(head_dim: usize) -> usize {
-    if hopper_backward_dq_by_keys(head_dim) { head_dim } else { 64 }
+    if hopper_backward_dq_in_turns(head_dim) { head_dim } else { 64 }
 }
 
 /// Columns of a Hopper backward consumer's dQ staging tile (`f32`, 64 rows), whole TMA boxes of

@@ -21,16 +21,21 @@
 //!   consumer's first thread in the atomic instances, a *dQ warp* of the producer warpgroup in
 //!   the deterministic ones ([`produce_dq`], below). A last kernel rounds the copy to 16 bits.
 //!
-//! Which share ([`dq_share`]; `layout::hopper_backward_dq_by_keys`): up to head_dim 96 each
-//! consumer adds its own 64 keys' contribution to all of dQ's columns; it reads only the dSᵀ
-//! rows it wrote, so the consumers never wait for each other and drift apart, one's exponentials
-//! overlapping the other's products. At head_dim 128 that would double the additions: each
-//! consumer multiplies all 128 keys by its 64 columns of K, after a barrier of both consumers.
-//! At 80 and 96 the tiles are two column blocks, the second one partly padding
-//! ([`column_blocks`]), and every product is as wide as head_dim: it reads only the first 16 or
-//! 32 columns of the second block. dSᵀ alternates between two buffers, so a warp never
-//! overwrites rows that a product of the previous tile may still read.
-//!
+//! Who computes a tile's dQ (`layout::hopper_backward_dq_in_turns`): every element of dQ needs
+//! all 128 keys' dSᵀ rows, half of them the other consumer's, so the consumers meet at a named
+//! barrier. Up to head_dim 96, where dQ is one column block (or one and a bit), they take turns,
+//! one tile each ([`adds_dq`]): at even steps consumer 0 multiplies all 128 keys into the tile's
+//! whole dQ and adds it, at odd steps consumer 1, and the other only arrives at the barrier
+//! (`bar.arrive`) and goes on to its next tile, so the two drift apart by up to a tile, one's
+//! exponentials overlapping the other's products (FlashAttention-3 computes one dQ product per
+//! tile too). At head_dim 128 each consumer multiplies all 128 keys by its own 64 columns of K,
+//! every tile ([`dq_column_block`]). At 80 and 96 the tiles are two column blocks, the second
+//! one partly padding ([`column_blocks`]), and every product is as wide as head_dim: it reads
+//! only the first 16 or 32 columns of the second block. dSᵀ alternates between two buffers, so
+//! a warp never overwrites rows that a product of the previous tile may still read: a consumer
+//! writes a buffer again only two steps later, after the barrier of the step between, which the
+//! other passes only once it has finished reading the buffer.
+
 //! **Wide heads** (head_dim 160, 192 and 256, [`consume_wide`]): 64 keys' dK and dV in registers
 //! would take `head_dim` registers a thread (256 at 256) on top of Sᵀ and dPᵀ, more than a
 //! thread has. So a block owns 64 keys, and the two consumers split the work of each query tile
@@ -57,8 +62,7 @@
 //! order is the order in which the blocks happen to reach a tile, so the last bits of dQ differ
 //! from run to run. The deterministic instances fix the order: every dQ tile has a turn counter
 //! in device memory, and the additions to a tile come in the grid's key-block order (increasing,
-//! or under a causal mask decreasing), consumer 0 before consumer 1 where both add to the same
-//! columns ([`turn`]). A consumer hands its staged share
+//! or under a causal mask decreasing; [`turn`]). A consumer hands its staged share
 //! to a dQ warp (warps 2 and 3, one per consumer), which waits for the turn
 //! ([`wait_for_turn`]), adds, frees the staging tile once TMA has read it, waits until the
 //! addition is complete and passes the turn on ([`pass_turn`]); the consumer goes on and waits
@@ -102,13 +106,13 @@ use crate::hw::{
     self, Accumulator, FragA, FragC, HalfFloat, LOG2_E, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, TensorMaps,
     WARPGROUP_THREADS, advance_descriptor, bulk_commit_group, bulk_wait_group, bulk_wait_group_read,
     fence_mbarrier_init, fence_proxy_async, k_major_descriptor, load_shared_f32x2, mbarrier_arrive,
-    mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait, mn_major_descriptor, named_barrier_sync, opaque,
-    pass_turn, store_shared_f32x2, store_shared_u32, tma_reduce_add_3d, wait_for_turn, warpgroup_id, wgmma_commit,
-    wgmma_fence, wgmma_wait,
+    mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait, mn_major_descriptor, named_barrier_arrive,
+    named_barrier_sync, opaque, pass_turn, store_shared_f32x2, store_shared_u32, tma_reduce_add_3d, wait_for_turn,
+    warpgroup_id, wgmma_commit, wgmma_fence, wgmma_wait,
 };
 use crate::layout::{
-    AttentionShape, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS, hopper_backward_block_n, hopper_backward_dq_by_keys,
-    hopper_backward_dq_columns, hopper_backward_dq_staging_columns,
+    AttentionShape, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS, hopper_backward_block_n, hopper_backward_dq_columns,
+    hopper_backward_dq_in_turns, hopper_backward_dq_staging_columns,
 };
 use crate::sm90::pipeline::{
     AlignedShared, SWIZZLE_COLUMNS, column_blocks, load_swizzled_tile, ring_slot, swizzled_offset, take_role,
@@ -124,7 +128,8 @@ pub const WIDE_BLOCK_N: usize = 64;
 pub const BLOCK_M: usize = 64;
 /// Consumer warpgroups.
 const CONSUMERS: usize = BLOCK_N / WARPGROUP_ROWS;
-/// The named barrier of both consumers (0 is `__syncthreads`, 1 and 2 each consumer's own).
+/// The named barrier of both consumers (0 is `__syncthreads`, 1 and 2 each consumer's own, 4 and 5
+/// the turns at dQ, [`dq_turn_barrier`]).
 const ALL_CONSUMERS: u32 = 3;
 /// Columns of one box of the `f32` dQ tile: 128 bytes, the widest box the 128-byte swizzle allows.
 const DQ_BOX_COLUMNS: usize = SWIZZLE_ROW_BYTES / 4;
@@ -146,6 +151,28 @@ const HALF_M: usize = BLOCK_M / CONSUMERS;
 /// deterministic instances, where the kernels had 0–4; PERFORMANCE.md, 2026-12-06 (evening)).
 const fn unmasked_copy(d: usize, deterministic: bool) -> bool {
     d <= 64 && !deterministic
+}
+
+/// Which of a consumer's steps this is among those whose dQ it adds: `step` itself, or where the
+/// consumers take turns at dQ ([`hopper_backward_dq_in_turns`]) `step / 2`. It counts the uses
+/// of the consumer's staging tile.
+const fn own_dq_step(d: usize, step: usize) -> usize {
+    if hopper_backward_dq_in_turns(d) { step / 2 } else { step }
+}
+
+/// Whether consumer `index` adds step `step`'s dQ: every step where the consumers share each
+/// tile by column blocks, every second step where they take turns.
+const fn adds_dq(d: usize, step: usize, index: usize) -> bool {
+    !hopper_backward_dq_in_turns(d) || step % 2 == index
+}
+
+/// The named barrier before tile `step`'s dQ product when the consumers take turns
+/// ([`hopper_backward_dq_in_turns`]): the consumer whose turn it is waits on it for the other's
+/// dSᵀ rows, the other only arrives. Two ids, alternating with the step: with one, a consumer that arrives
+/// at step s and runs ahead to wait at step s + 1 could complete the barrier with its own two
+/// arrivals.
+const fn dq_turn_barrier(step: usize) -> u32 {
+    ALL_CONSUMERS + 1 + (step % 2) as u32
 }
 
 /// Whether head_dim `D` runs the wide-head kernel (64 keys a block, [`consume_wide`]).
@@ -266,33 +293,34 @@ impl<const D: usize, const STAGES: usize> SharedTiles<D, STAGES> {
     }
 }
 
-/// Which part of a query tile's dQ consumer `index` computes at head_dim `D`: its first key
-/// (of the block's `BLOCK_N`), how many keys, and which column block of 64. Up to head_dim 96
-/// ([`hopper_backward_dq_by_keys`]) each consumer multiplies its own 64 keys into all of dQ's
-/// columns, reading only the dSᵀ rows it wrote; at 128 each multiplies all 128 keys into its own
-/// 64 columns (see the module docs).
+/// Which column block of 64 of a query tile's dQ consumer `index` computes at head_dim `D`: at
+/// 128 its own, each consumer multiplying all 128 keys into its 64 columns; up to 96, where the
+/// consumers take turns ([`hopper_backward_dq_in_turns`]), the first, the product as wide as
+/// head_dim (see the module docs).
 #[inline(always)]
-const fn dq_share<const D: usize>(index: usize) -> (usize, usize, usize) {
-    if hopper_backward_dq_by_keys(D) { (index * WARPGROUP_ROWS, WARPGROUP_ROWS, 0) } else { (0, BLOCK_N, index) }
+const fn dq_column_block<const D: usize>(index: usize) -> usize {
+    if hopper_backward_dq_in_turns(D) { 0 } else { index }
 }
 
-/// The turn of consumer `index` of key block `key_block` at dQ tile `tile` (deterministic
-/// mode): the key blocks that add to a tile take turns in grid order, two turns each, and where
-/// both consumers add to the same columns (up to head_dim 96) consumer 0 goes before consumer 1.
+/// The turn of key block `key_block` at dQ tile `tile` (deterministic mode): the key blocks that
+/// add to a tile take turns in grid order. Each adds once where the consumers take turns at dQ
+/// (up to head_dim 96, [`hopper_backward_dq_in_turns`]), so its turn is its position `p` in that
+/// order; at 128 both consumers add, to their own column blocks, so both wait for turn `2p`
+/// and pass it on one after the other.
 ///
 /// * Without a mask every key block adds to every tile and the grid runs them in increasing
-///   order, so the turn of key block `j` is `2j` (`+ index`).
+///   order, so the position of key block `j` is `j`.
 /// * Under a causal mask tile `i` receives from key blocks `0 ..= last`, `last` the last one its
 ///   last row sees, and the grid runs them shortest first ([`KeyBlock::hopper_backward`]), so
-///   the turn is `2 · (last − j)`. In increasing order key block `j`, whose first tile comes
+///   the position is `last − j`. In increasing order key block `j`, whose first tile comes
 ///   two after `j − 1`'s, would reach every tile two steps before `j − 1` does and wait for it
 ///   there, at every tile (and with a group of query heads, longer at each head). Decreasing,
 ///   `j + 1` reaches each tile before `j` does, and nobody waits.
 ///
 /// Either way a block only waits for blocks that the grid started before it.
 #[inline(always)]
-fn turn<const D: usize>(mask: &Mask, key_block: usize, tile: usize, index: usize) -> u32 {
-    let shares_columns = dq_share::<D>(0).2 == dq_share::<D>(1).2;
+fn turn<const D: usize>(mask: &Mask, key_block: usize, tile: usize) -> u32 {
+    let additions = if hopper_backward_dq_in_turns(D) { 1 } else { CONSUMERS };
     // The tile's rows (clipped to the sequence) see keys from its first row's start to its
     // last row's limit; this block visits the tile, so it is among those key blocks.
     let position = if mask.causal {
@@ -303,7 +331,7 @@ fn turn<const D: usize>(mask: &Mask, key_block: usize, tile: usize, index: usize
         // 0 without a window's left edge.
         key_block.saturating_sub(mask.key_start(tile * BLOCK_M) / BLOCK_N)
     };
-    (CONSUMERS * position + if shares_columns { index } else { 0 }) as u32
+    (additions * position) as u32
 }
 
 /// The producer's TMA work: K and V once, then Q and dO of every query tile the block
@@ -409,8 +437,8 @@ unsafe fn add_dq_boxes(maps: TensorMaps, staging: u32, first_column: usize, boxe
 }
 
 // ANCHOR: dq_warp
-/// The deterministic instances' dQ warp (one thread of it): for every query tile, waits until
-/// consumer `index` has staged its share of dQ, waits for its turn at the tile's counter in
+/// The deterministic instances' dQ warp (one thread of it): for every query tile whose dQ
+/// consumer `index` adds ([`adds_dq`]), waits until the consumer has staged it, waits for its turn at the tile's counter in
 /// `turns` ([`turn`]), asks TMA to add the share to the `f32` dQ in device memory, frees the
 /// staging tile as soon as TMA has read it, and passes the turn on once the addition is
 /// complete.
@@ -428,11 +456,11 @@ unsafe fn produce_dq<const D: usize, const STAGES: usize>(
     index: usize,
     turns: *mut u32,
 ) {
-    let column_block = dq_share::<D>(index).2;
+    let column_block = dq_column_block::<D>(index);
     let key_block = block.k_start / BLOCK_N;
     let staging = smem.dq_staging(index);
-    for step in 0..block.steps() {
-        let (_, parity) = ring_slot(step, 1);
+    for step in (0..block.steps()).filter(|&step| adds_dq(D, step, index)) {
+        let (_, parity) = ring_slot(own_dq_step(D, step), 1);
         let (q_head, tile) = block.step(step);
         let head = block.batch * shape.num_heads_q + q_head;
         // SAFETY: inside the counters (the contract).
@@ -440,7 +468,7 @@ unsafe fn produce_dq<const D: usize, const STAGES: usize>(
         // SAFETY: initialised barriers; the counter as the contract says.
         unsafe {
             mbarrier_wait(smem.dq_full(index), parity);
-            wait_for_turn(counter, turn::<D>(mask, key_block, tile, index));
+            wait_for_turn(counter, turn::<D>(mask, key_block, tile));
         }
         // SAFETY: the consumer wrote and fenced the staging tile before its arrival.
         unsafe { add_dq_boxes(maps, staging, column_block * SWIZZLE_COLUMNS, dq_boxes(D), tile, head) };
@@ -760,32 +788,41 @@ unsafe fn consume<
         // SAFETY: inside the 16 KiB buffer; the other buffer is the one a product may read.
         unsafe { store_key_rows(ds_buffer, &ds, key_rows, 0, t) };
         fence_proxy_async();
-        // Which dSᵀ rows and which of dQ's column blocks (64 columns of head_dim) this warpgroup
-        // takes ([`dq_share`]): sharing by keys each warpgroup reads only its own rows of dSᵀ,
-        // and a barrier of its own 128 threads publishes them, so the consumers never wait for
-        // each other; by column blocks each reads both warpgroups' rows, published by a barrier
-        // of all consumers. In the atomic instances the barrier also frees the staging tile: the
-        // leader's previous addition finished reading it before the leader passed the barrier.
+        // ANCHOR: dq_turns
+        // dQ needs both warpgroups' rows of dSᵀ, published by a barrier of all consumers. Up to
+        // head_dim 96 the consumers take turns ([`adds_dq`]): at the other's tile a consumer
+        // only arrives (`bar.arrive`: its rows are published, it does not wait) and goes on to
+        // its next tile. At 128 both multiply every tile, each into its own column block
+        // ([`dq_column_block`]). In the atomic instances the barrier also frees the staging tile:
+        // the leader's previous addition finished reading it before the leader reached it.
+        let all_consumers = (CONSUMERS * WARPGROUP_THREADS) as u32;
+        if !adds_dq(D, step, index) {
+            named_barrier_arrive(dq_turn_barrier(step), all_consumers);
+            // dV and dK read this slot's Q and dO: finished before the slot is released below.
+            wgmma_wait::<0>();
+            dv_acc.pin();
+            dk_acc.pin();
+            // SAFETY: initialised barrier; this thread's last read of the slot is complete.
+            unsafe { mbarrier_arrive(smem.q_empty(stage)) };
+            continue;
+        }
         if !DETERMINISTIC && leader {
             bulk_wait_group_read::<0>();
         }
-        let (first_key, keys, column_block) = dq_share::<D>(index);
-        if keys == BLOCK_N {
-            named_barrier_sync(ALL_CONSUMERS, (CONSUMERS * WARPGROUP_THREADS) as u32);
-        } else {
-            named_barrier_sync(1 + index as u32, WARPGROUP_THREADS as u32);
-        }
+        let barrier = if hopper_backward_dq_in_turns(D) { dq_turn_barrier(step) } else { ALL_CONSUMERS };
+        named_barrier_sync(barrier, all_consumers);
+        // ANCHOR_END: dq_turns
 
         // dQ += scale · dS·K for the column block: dS (queries × keys, read MN-major from dSᵀ)
         // times K (keys × columns, MN-major).
-        let key_rows = (first_key * SWIZZLE_ROW_BYTES) as u32;
-        let ds_rows = mn_major_descriptor(ds_buffer + key_rows, BLOCK_M);
-        let k_block = smem.k() + (column_block * BLOCK_N * SWIZZLE_ROW_BYTES) as u32 + key_rows;
+        let column_block = dq_column_block::<D>(index);
+        let ds_rows = mn_major_descriptor(ds_buffer, BLOCK_M);
+        let k_block = smem.k() + (column_block * BLOCK_N * SWIZZLE_ROW_BYTES) as u32;
         let k_block = mn_major_descriptor(k_block, BLOCK_N);
         let mut dq = [[0.0f32; 4]; DQ_TILES];
         dq.pin();
         wgmma_fence();
-        for ks in 0..keys / 16 {
+        for ks in 0..BLOCK_N / 16 {
             let offset = (ks * 2 * SWIZZLE_ATOM_BYTES) as u32;
             let (a, b) = (advance_descriptor(ds_rows, offset), advance_descriptor(k_block, offset));
             // SAFETY: dSᵀ was published above; K is complete.
@@ -807,7 +844,8 @@ unsafe fn consume<
         let staging = smem.dq_staging(index);
         if DETERMINISTIC {
             // SAFETY: initialised barrier; the first tile finds the staging tile free.
-            unsafe { wait_slot_free(smem.dq_empty(index), step, 1, ring_slot(step, 1).1) };
+            let use_index = own_dq_step(D, step);
+            unsafe { wait_slot_free(smem.dq_empty(index), use_index, 1, ring_slot(use_index, 1).1) };
         }
         // SAFETY: the staging tile, which the barrier or the wait above freed, holds the share's
         // columns (`hopper_backward_dq_staging_columns`).
