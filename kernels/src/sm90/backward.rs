@@ -35,7 +35,7 @@
 //! a warp never overwrites rows that a product of the previous tile may still read: a consumer
 //! writes a buffer again only two steps later, after the barrier of the step between, which the
 //! other passes only once it has finished reading the buffer.
-
+//!
 //! **Wide heads** (head_dim 160, 192 and 256, [`consume_wide`]): 64 keys' dK and dV in registers
 //! would take `head_dim` registers a thread (256 at 256) on top of Sᵀ and dPᵀ, more than a
 //! thread has. So a block owns 64 keys, and the two consumers split the work of each query tile
@@ -840,7 +840,8 @@ unsafe fn consume<
         // tile instead of 16 atomics per thread, whose queue filled up and stalled the warps.
         // The atomic instances' leader asks right away; the deterministic instances hand the
         // tile to their dQ warp ([`produce_dq`]), which may have to wait for its turn, and the
-        // consumer goes on (only a tile later it waits for the staging tile to be free again).
+        // consumer goes on (only at its next dQ, a tile later or two where the consumers take
+        // turns, it waits for the staging tile to be free again).
         let staging = smem.dq_staging(index);
         if DETERMINISTIC {
             // SAFETY: initialised barrier; the first tile finds the staging tile free.
