@@ -168,9 +168,9 @@ const fn adds_dq(d: usize, step: usize, index: usize) -> bool {
 
 /// The named barrier before tile `step`'s dQ product when the consumers take turns
 /// ([`hopper_backward_dq_in_turns`]): the consumer whose turn it is waits on it for the other's
-/// dSᵀ rows, the other only arrives. Two ids, alternating with the step: with one, a consumer that arrives
-/// at step s and runs ahead to wait at step s + 1 could complete the barrier with its own two
-/// arrivals.
+/// dSᵀ rows, the other only arrives. Two ids, alternating with the step: with one, a consumer
+/// that arrives at step s and runs ahead to wait at step s + 1 could complete the barrier with
+/// its own two arrivals.
 const fn dq_turn_barrier(step: usize) -> u32 {
     ALL_CONSUMERS + 1 + (step % 2) as u32
 }
@@ -438,10 +438,10 @@ unsafe fn add_dq_boxes(maps: TensorMaps, staging: u32, first_column: usize, boxe
 
 // ANCHOR: dq_warp
 /// The deterministic instances' dQ warp (one thread of it): for every query tile whose dQ
-/// consumer `index` adds ([`adds_dq`]), waits until the consumer has staged it, waits for its turn at the tile's counter in
-/// `turns` ([`turn`]), asks TMA to add the share to the `f32` dQ in device memory, frees the
-/// staging tile as soon as TMA has read it, and passes the turn on once the addition is
-/// complete.
+/// consumer `index` adds ([`adds_dq`]), waits until the consumer has staged it, waits for its
+/// turn at the tile's counter in `turns` ([`turn`]), asks TMA to add the tile to the `f32` dQ in
+/// device memory, frees the staging tile as soon as TMA has read it, and passes the turn on once
+/// the addition is complete.
 ///
 /// # Safety
 /// One thread of warpgroup 0 calls it per consumer, after the barriers were initialised; map 4
@@ -844,8 +844,8 @@ unsafe fn consume<
         // turns, it waits for the staging tile to be free again).
         let staging = smem.dq_staging(index);
         if DETERMINISTIC {
-            // SAFETY: initialised barrier; the first tile finds the staging tile free.
             let use_index = own_dq_step(D, step);
+            // SAFETY: initialised barrier; the first tile finds the staging tile free.
             unsafe { wait_slot_free(smem.dq_empty(index), use_index, 1, ring_slot(use_index, 1).1) };
         }
         // SAFETY: the staging tile, which the barrier or the wait above freed, holds the share's
