@@ -543,7 +543,10 @@ impl HopperBackward {
 mod tests {
     use super::*;
     use crate::kernels::{MODULE_ARCHS, PTX, module_of};
-    use crate::layout::{hopper_backward_smem_bytes, hopper_forward_smem_bytes, hopper_forward_threads};
+    use crate::layout::{
+        HOPPER_FORWARD_SECOND_Q_SLOT, hopper_backward_smem_bytes, hopper_forward_q_slots, hopper_forward_smem_bytes,
+        hopper_forward_threads,
+    };
     use attn_kernels::attention::schedule::by_sections;
 
     /// The rows of every block of a head, in block order, for `BLOCK_M`.
@@ -686,7 +689,7 @@ mod tests {
     }
 
     /// A Hopper's shared memory per block (227 KiB).
-    const HOPPER_SHARED_MEMORY: usize = 227 * 1024;
+    const HOPPER_SHARED_MEMORY: usize = crate::layout::HOPPER_SMEM_PER_BLOCK;
 
     /// A problem of `head_dim` whose grid is `blocks` blocks of 192 query rows deep, with more
     /// keys than [`HopperForward::SHORT_CAUSAL_KEYS`].
@@ -729,6 +732,10 @@ mod tests {
                 );
                 let smem = hopper_forward_smem_bytes(forward.block_m, forward.block_n, head_dim, forward.stages);
                 assert!(smem <= HOPPER_SHARED_MEMORY, "{}: {smem} bytes", forward.entry);
+                // Two Q slots, so that a persistent block loads its next unit early, where they fit.
+                let q_slots = hopper_forward_q_slots(forward.block_m, forward.block_n, head_dim, forward.stages);
+                let two = HOPPER_FORWARD_SECOND_Q_SLOT && head_dim <= 128;
+                assert_eq!(q_slots, if two { 2 } else { 1 }, "{}", forward.entry);
                 // The entry names the configuration the host launches it with.
                 let (m, n, stages) = (forward.block_m, forward.block_n, forward.stages);
                 assert!(forward.entry.contains(&format!("_m{m}_n{n}_d{head_dim}_s{stages}")), "{}", forward.entry);

@@ -418,18 +418,43 @@ pub const fn hopper_tile_columns(head_dim: usize) -> usize {
 /// (the work unit that goes with the Q tile: `kernels/src/sm90/forward.rs`, `Unit`).
 pub const HOPPER_FORWARD_UNIT_BYTES: usize = 32;
 
-/// Bytes of dynamic shared memory of the Hopper forward kernel: the Q tile (`block_m ×
-/// head_dim`), `stages` slots of a K and a V tile (`block_n × head_dim`), all 16-bit and
-/// [`hopper_tile_columns`] wide, then the
-/// `mbarrier`s (Q full, Q empty; K full, V full, K empty and V empty per stage, 8 bytes each), the
-/// unit the Q tile belongs to ([`HOPPER_FORWARD_UNIT_BYTES`]), plus the
-/// slack to align the tiles to [`HOPPER_SMEM_ALIGN`] (the dynamic shared memory's own alignment
-/// is smaller).
-pub const fn hopper_forward_smem_bytes(block_m: usize, block_n: usize, head_dim: usize, stages: usize) -> usize {
+/// Dynamic shared memory one Hopper block may have on compute capability 9.0 (227 KiB).
+pub const HOPPER_SMEM_PER_BLOCK: usize = 227 * 1024;
+
+/// Bytes of dynamic shared memory of the Hopper forward kernel with `q_slots` Q slots: each a
+/// Q tile (`block_m × head_dim`), then `stages` slots of a K and a V tile (`block_n ×
+/// head_dim`), all 16-bit and [`hopper_tile_columns`] wide, then the `mbarrier`s (Q full and
+/// Q empty per Q slot; K full, V full, K empty and V empty per stage, 8 bytes each), the unit
+/// each Q tile belongs to ([`HOPPER_FORWARD_UNIT_BYTES`] per Q slot), plus the slack to align
+/// the tiles to [`HOPPER_SMEM_ALIGN`] (the dynamic shared memory's own alignment is smaller).
+const fn hopper_forward_bytes(block_m: usize, block_n: usize, head_dim: usize, stages: usize, q_slots: usize) -> usize {
     HOPPER_SMEM_ALIGN
-        + (block_m + 2 * stages * block_n) * hopper_tile_columns(head_dim) * 2
-        + 8 * (2 + 4 * stages)
-        + HOPPER_FORWARD_UNIT_BYTES
+        + (q_slots * block_m + 2 * stages * block_n) * hopper_tile_columns(head_dim) * 2
+        + 8 * (2 * q_slots + 4 * stages)
+        + q_slots * HOPPER_FORWARD_UNIT_BYTES
+}
+
+/// Whether the Hopper forward takes a second Q slot where one fits ([`hopper_forward_q_slots`]).
+/// Off: built and checked with ptxas, not yet measured on a GPU (PERFORMANCE.md, 2026-12-06
+/// (late), has the prediction and what to run).
+pub const HOPPER_FORWARD_SECOND_Q_SLOT: bool = false;
+
+/// Q slots of the Hopper forward. With two, the producer of a persistent block loads its next
+/// unit's Q tile, and then that unit's first K/V tiles, while the consumers still compute the
+/// current unit; with one, the next Q tile (and so the next unit's K/V tiles, which the
+/// producer issues after it) waits until the current unit's last scores are done. Two where
+/// [`HOPPER_FORWARD_SECOND_Q_SLOT`] allows them and they fit in [`HOPPER_SMEM_PER_BLOCK`] (every
+/// compiled forward up to head_dim 128; at 160–256 a second Q tile does not fit beside two K/V
+/// stages).
+pub const fn hopper_forward_q_slots(block_m: usize, block_n: usize, head_dim: usize, stages: usize) -> usize {
+    let fits = hopper_forward_bytes(block_m, block_n, head_dim, stages, 2) <= HOPPER_SMEM_PER_BLOCK;
+    if HOPPER_FORWARD_SECOND_Q_SLOT && fits { 2 } else { 1 }
+}
+
+/// Bytes of dynamic shared memory of the Hopper forward kernel (see `hopper_forward_bytes`), with
+/// [`hopper_forward_q_slots`] Q slots.
+pub const fn hopper_forward_smem_bytes(block_m: usize, block_n: usize, head_dim: usize, stages: usize) -> usize {
+    hopper_forward_bytes(block_m, block_n, head_dim, stages, hopper_forward_q_slots(block_m, block_n, head_dim, stages))
 }
 
 /// Keys per block of the Hopper backward at the compiled `head_dim`: 128 up to head_dim 128,

@@ -33,9 +33,11 @@
 //!   hand the K/V tiles back. One thread prefetches the tensor maps while the block sets up.
 //!   (PERFORMANCE.md, sections "night" and "late", has what each of these gained.)
 //! * **Persistent blocks** (FA3's persistent forward). A block may take several units, one after
-//!   the other ([`PersistentUnits`]): Q has a slot of its own with a *full* and an *empty*
-//!   barrier, and the K/V ring runs on across units, so that the producer loads the next unit's Q
-//!   and first K/V tiles while the consumers finish the current unit's last P·V and store its O.
+//!   the other ([`PersistentUnits`]): Q is a ring of its own (`layout::hopper_forward_q_slots`
+//!   slots), each slot with a *full* and an *empty* barrier, and the K/V ring runs on across
+//!   units, so that the producer loads the next unit's Q and first K/V tiles while the
+//!   consumers finish the current unit's last P·V and store its O (with two Q slots, while
+//!   they still compute it).
 //!   For short sequences, where a unit is only one or two K/V tiles, that hidden start is most
 //!   of the gain (PERFORMANCE.md, issue 20). Under a causal mask the units differ in length and
 //!   the blocks draw them from a counter in device memory (dynamic scheduling), otherwise in a
@@ -60,7 +62,9 @@ use crate::hw::{
     mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait, mn_major_descriptor, named_barrier_arrive,
     named_barrier_sync, prefetch_tensor_map, warpgroup_id, wgmma_commit, wgmma_fence, wgmma_wait,
 };
-use crate::layout::{AttentionShape, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS, div_rem};
+use crate::layout::{
+    AttentionShape, HOPPER_FORWARD_UNIT_BYTES, HOPPER_WARPGROUP_ROWS as WARPGROUP_ROWS, div_rem, hopper_forward_q_slots,
+};
 use crate::sm90::pipeline::{
     AlignedShared, column_blocks, load_swizzled_tile, ring_slot, take_role, tile_bytes, wait_slot_free,
 };
@@ -69,8 +73,9 @@ use crate::sm90::pipeline::{
 /// `__syncthreads`; 1 to 3 are the consumer warpgroups' own).
 const PINGPONG_BARRIER: u32 = 4;
 
-/// The block's shared memory: the Q tile, `STAGES` slots of a K and a V tile, then the
-/// `mbarrier`s, from a base aligned to one swizzle atom ([`AlignedShared`]).
+/// The block's shared memory: [`Self::Q_SLOTS`] Q tiles, `STAGES` slots of a K and a V tile, then
+/// the `mbarrier`s and the Q tiles' units, from a base aligned to one swizzle atom
+/// ([`AlignedShared`]).
 #[derive(Clone, Copy)]
 struct SharedTiles<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, const STAGES: usize> {
     memory: AlignedShared,
@@ -83,6 +88,8 @@ impl<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, const STAGES: u
 {
     const Q_BYTES: u32 = tile_bytes(BLOCK_M, D);
     const KV_BYTES: u32 = tile_bytes(BLOCK_N, D);
+    /// Q is a ring of its own, of [`hopper_forward_q_slots`] slots.
+    const Q_SLOTS: usize = hopper_forward_q_slots(BLOCK_M, BLOCK_N, D, STAGES);
 
     #[inline(always)]
     fn new() -> Self {
@@ -97,13 +104,13 @@ impl<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, const STAGES: u
     }
 
     #[inline(always)]
-    fn q(self) -> u32 {
-        self.base
+    fn q(self, slot: usize) -> u32 {
+        self.base + slot as u32 * Self::Q_BYTES
     }
 
     #[inline(always)]
     fn k(self, stage: usize) -> u32 {
-        self.base + Self::Q_BYTES + 2 * stage as u32 * Self::KV_BYTES
+        self.q(Self::Q_SLOTS) + 2 * stage as u32 * Self::KV_BYTES
     }
 
     #[inline(always)]
@@ -111,48 +118,49 @@ impl<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, const STAGES: u
         self.k(stage) + Self::KV_BYTES
     }
 
-    /// Barrier `i` of `[Q full, Q empty, K full × STAGES, V full × STAGES, K empty × STAGES,
-    /// V empty × STAGES]`.
+    /// Barrier `i` of `[Q full × Q_SLOTS, Q empty × Q_SLOTS, K full × STAGES, V full × STAGES,
+    /// K empty × STAGES, V empty × STAGES]`.
     #[inline(always)]
     fn barrier(self, i: usize) -> u32 {
-        self.base + Self::Q_BYTES + 2 * STAGES as u32 * Self::KV_BYTES + 8 * i as u32
+        self.k(STAGES) + 8 * i as u32
     }
 
     #[inline(always)]
-    fn q_full(self) -> u32 {
-        self.barrier(0)
+    fn q_full(self, slot: usize) -> u32 {
+        self.barrier(slot)
     }
 
-    /// Q has one slot: the consumers release it once the last scores of their unit are done.
+    /// The consumers release a Q slot once the last scores of its unit are done.
     #[inline(always)]
-    fn q_empty(self) -> u32 {
-        self.barrier(1)
+    fn q_empty(self, slot: usize) -> u32 {
+        self.barrier(Self::Q_SLOTS + slot)
     }
 
     #[inline(always)]
     fn k_full(self, stage: usize) -> u32 {
-        self.barrier(2 + stage)
+        self.barrier(2 * Self::Q_SLOTS + stage)
     }
 
     #[inline(always)]
     fn v_full(self, stage: usize) -> u32 {
-        self.barrier(2 + STAGES + stage)
+        self.barrier(2 * Self::Q_SLOTS + STAGES + stage)
     }
 
     #[inline(always)]
     fn k_empty(self, stage: usize) -> u32 {
-        self.barrier(2 + 2 * STAGES + stage)
+        self.barrier(2 * Self::Q_SLOTS + 2 * STAGES + stage)
     }
 
     #[inline(always)]
     fn v_empty(self, stage: usize) -> u32 {
-        self.barrier(2 + 3 * STAGES + stage)
+        self.barrier(2 * Self::Q_SLOTS + 3 * STAGES + stage)
     }
 
-    /// The [`Unit`] that goes with the Q tile in its slot, after the barriers.
+    /// The [`Unit`] that goes with the Q tile in `slot`, after the barriers.
     #[inline(always)]
-    fn unit(self) -> *mut Unit {
-        self.pointer(self.barrier(2 + 4 * STAGES)) as *mut Unit
+    fn unit(self, slot: usize) -> *mut Unit {
+        let first = self.barrier(2 * Self::Q_SLOTS + 4 * STAGES);
+        self.pointer(first + (slot * HOPPER_FORWARD_UNIT_BYTES) as u32) as *mut Unit
     }
 }
 
@@ -177,15 +185,16 @@ struct Unit {
     kv_tiles: u32,
 }
 
-/// Bytes the Hopper forward keeps for [`Unit`] after its barriers (`layout` counts them).
+/// Bytes the Hopper forward keeps for each [`Unit`] after its barriers (`layout` counts them).
 const _: () = assert!(core::mem::size_of::<Unit>() <= crate::layout::HOPPER_FORWARD_UNIT_BYTES);
 // ANCHOR_END: unit
 
 // ANCHOR: produce
-/// The producer: for each of the block's units, one thread loads the Q tile once the previous
-/// unit's consumers have released it, then every K/V tile of the unit, each into its ring slot
-/// once the consumers have released the slot's previous tile. The ring runs on from one unit to
-/// the next, so the next unit's first tiles load while the consumers finish the current one.
+/// The producer: for each of the block's units, one thread loads the Q tile into the next Q slot
+/// once the consumers have released that slot's previous unit, then every K/V tile of the unit,
+/// each into its ring slot once the consumers have released the slot's previous tile. Both
+/// rings run on from one unit to the next: with two Q slots the next unit's Q tile and first
+/// K/V tiles load while the consumers still compute the current one.
 ///
 /// # Safety
 /// One thread of warpgroup 0 calls it, after the barriers were initialised.
@@ -205,6 +214,7 @@ unsafe fn produce<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, co
             load_swizzled_tile::<D>(destination, map, rows, first_row, head, barrier);
         }
     };
+    let q_slots = SharedTiles::<BLOCK_M, D, BLOCK_N, STAGES>::Q_SLOTS;
     // Tiles that went round the ring in the block's earlier units, and those units.
     let (mut ring, mut local) = (0, 0);
     for unit in units {
@@ -214,16 +224,16 @@ unsafe fn produce<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, co
         let kv_tiles = keys.tiles(BLOCK_N);
         let q_head = block.batch * shape.num_heads_q + block.head;
         let kv_head = (block.batch * shape.num_heads_kv + shape.kv_head(block.head)) as i32;
-        // Q (and its unit) is a ring of one slot.
-        let (_, q_parity) = ring_slot(local, 1);
-        // SAFETY: initialised barriers; the consumers read the previous unit before they released
-        // the slot.
+        // Q (and its unit) is a ring of its own.
+        let (q_slot, q_parity) = ring_slot(local, q_slots);
+        // SAFETY: initialised barriers; the consumers read the slot's previous unit before they
+        // released the slot.
         unsafe {
-            wait_slot_free(smem.q_empty(), local, 1, q_parity);
+            wait_slot_free(smem.q_empty(q_slot), local, q_slots, q_parity);
             let (q_start, q_rows, head) = (block.q_start as u32, block.q_rows as u32, q_head as u32);
-            *smem.unit() = Unit { q_start, q_rows, head, ring: ring as u32, kv_tiles: kv_tiles as u32 };
+            *smem.unit(q_slot) = Unit { q_start, q_rows, head, ring: ring as u32, kv_tiles: kv_tiles as u32 };
         }
-        load(smem.q(), maps.get(0), BLOCK_M, block.q_start, q_head as i32, smem.q_full());
+        load(smem.q(q_slot), maps.get(0), BLOCK_M, block.q_start, q_head as i32, smem.q_full(q_slot));
         for tile in 0..kv_tiles {
             let (stage, parity) = ring_slot(ring + tile, STAGES);
             let first_key = keys.tile_start(tile, BLOCK_N);
@@ -237,13 +247,13 @@ unsafe fn produce<const BLOCK_M: usize, const D: usize, const BLOCK_N: usize, co
         ring += kv_tiles;
         local += 1;
     }
-    // The end: a unit of no rows, once the consumers are done with the last one.
-    let (_, q_parity) = ring_slot(local, 1);
+    // The end: a unit of no rows, in the next Q slot once it is free.
+    let (q_slot, q_parity) = ring_slot(local, q_slots);
     // SAFETY: as above; the arrival alone completes the phase (no bytes announced).
     unsafe {
-        wait_slot_free(smem.q_empty(), local, 1, q_parity);
-        *smem.unit() = Unit { q_start: 0, q_rows: 0, head: 0, ring: 0, kv_tiles: 0 };
-        mbarrier_arrive(smem.q_full());
+        wait_slot_free(smem.q_empty(q_slot), local, q_slots, q_parity);
+        *smem.unit(q_slot) = Unit { q_start: 0, q_rows: 0, head: 0, ring: 0, kv_tiles: 0 };
+        mbarrier_arrive(smem.q_full(q_slot));
     }
 }
 // ANCHOR_END: produce
@@ -277,7 +287,7 @@ unsafe fn consume<
     const PINGPONG: bool,
 >(
     smem: SharedTiles<BLOCK_M, D, BLOCK_N, STAGES>,
-    unit: Unit,
+    (unit, q_slot): (Unit, usize),
     shape: &AttentionShape,
     mask: Mask,
     score: ScoreArgs,
@@ -293,7 +303,14 @@ unsafe fn consume<
     macro_rules! body {
         ($mods:literal, $sinks:literal) => {
             consume_body::<T, BLOCK_M, D, BLOCK_N, STAGES, N_TILES, P_STEPS, D_TILES, PINGPONG, $mods, $sinks>(
-                smem, unit, shape, mask, score, scale_log2, heads, head_dim,
+                smem,
+                (unit, q_slot),
+                shape,
+                mask,
+                score,
+                scale_log2,
+                heads,
+                head_dim,
             )
         };
     }
@@ -325,7 +342,7 @@ unsafe fn consume_body<
     const SINKS: bool,
 >(
     smem: SharedTiles<BLOCK_M, D, BLOCK_N, STAGES>,
-    unit: Unit,
+    (unit, q_slot): (Unit, usize),
     shape: &AttentionShape,
     mask: Mask,
     score: ScoreArgs,
@@ -356,7 +373,7 @@ unsafe fn consume_body<
     // store them.)
     if !PINGPONG && index * WARPGROUP_ROWS >= q_rows {
         // SAFETY: as below; the Q slot is released at once.
-        unsafe { mbarrier_arrive(smem.q_empty()) };
+        unsafe { mbarrier_arrive(smem.q_empty(q_slot)) };
         for tile in 0..kv_tiles {
             let (stage, parity) = ring_slot(ring + tile, STAGES);
             // SAFETY: initialised barriers, one arrival per thread and tile, as the others.
@@ -374,7 +391,7 @@ unsafe fn consume_body<
     // with |c|. TMA cannot flip signs on the way, so the warpgroup flips its own rows in shared
     // memory and publishes them back to the async proxy; a zero scale becomes the smallest normal.
     if scale_log2 < 0.0 {
-        unsafe { negate_rows::<BLOCK_M, D>(smem.pointer(smem.q() + q_rows_offset as u32)) };
+        unsafe { negate_rows::<BLOCK_M, D>(smem.pointer(smem.q(q_slot) + q_rows_offset as u32)) };
         fence_proxy_async();
         named_barrier_sync(1 + index as u32, WARPGROUP_THREADS as u32);
     }
@@ -388,7 +405,7 @@ unsafe fn consume_body<
     let first_tile = mask.key_start(q_start) / BLOCK_N;
     // The descriptors of the first k-step of Q (this warpgroup's rows), and of K and V in
     // stage 0; every other operand is one of these, moved along ([`advance_descriptor`]).
-    let q_descriptor = k_major_descriptor(smem.q() + q_rows_offset as u32);
+    let q_descriptor = k_major_descriptor(smem.q(q_slot) + q_rows_offset as u32);
     let k_descriptor = k_major_descriptor(smem.k(0));
     // Column blocks of V (64 values of N each) are BLOCK_N rows apart.
     let v_descriptor = mn_major_descriptor(smem.v(0), BLOCK_N);
@@ -514,8 +531,8 @@ unsafe fn consume_body<
         }
         p = pack(&s);
     }
-    // Every product that reads Q is done: the producer may load the next unit's Q tile.
-    unsafe { mbarrier_arrive(smem.q_empty()) };
+    // Every product that reads Q is done: the producer may load a later unit's Q tile here.
+    unsafe { mbarrier_arrive(smem.q_empty(q_slot)) };
     if kv_tiles > 0 {
         // Epilogue: the last tile's P·V.
         let (last, last_parity) = ring_slot(ring + kv_tiles - 1, STAGES);
@@ -623,8 +640,10 @@ unsafe fn flash_forward_wgmma<
     if hw::thread_idx_x() == 0 {
         // SAFETY: one thread initialises the barriers before the block barrier below.
         unsafe {
-            mbarrier_init(smem.q_full(), 1);
-            mbarrier_init(smem.q_empty(), consumer_threads);
+            for slot in 0..SharedTiles::<BLOCK_M, D, BLOCK_N, STAGES>::Q_SLOTS {
+                mbarrier_init(smem.q_full(slot), 1);
+                mbarrier_init(smem.q_empty(slot), consumer_threads);
+            }
             for stage in 0..STAGES {
                 // Full: the producer's arrival (plus the copies' bytes); empty: every consumer thread.
                 mbarrier_init(smem.k_full(stage), 1);
@@ -654,13 +673,15 @@ unsafe fn flash_forward_wgmma<
         }
     } else {
         // The consumers take the units the producer announces with their Q tiles, in turn.
-        let mut q_parity = 0;
+        let q_slots = SharedTiles::<BLOCK_M, D, BLOCK_N, STAGES>::Q_SLOTS;
+        let mut local = 0;
         loop {
-            // SAFETY: initialised barriers; this unit's phase of the Q barrier, after which its
-            // `Unit` can be read (the producer wrote it before arriving).
+            let (q_slot, q_parity) = ring_slot(local, q_slots);
+            // SAFETY: initialised barriers; this unit's phase of its Q slot's barrier, after which
+            // its `Unit` can be read (the producer wrote it before arriving).
             let unit = unsafe {
-                mbarrier_wait(smem.q_full(), q_parity);
-                *smem.unit()
+                mbarrier_wait(smem.q_full(q_slot), q_parity);
+                *smem.unit(q_slot)
             };
             if unit.q_rows == 0 {
                 break;
@@ -674,10 +695,17 @@ unsafe fn flash_forward_wgmma<
             let mask = mask.for_batch(div_rem(unit.head as usize, shape.num_heads_q).0);
             unsafe {
                 consume::<T, BLOCK_M, D, BLOCK_N, STAGES, N_TILES, P_STEPS, D_TILES, PINGPONG>(
-                    smem, unit, &shape, mask, score, scale_log2, heads, head_dim,
+                    smem,
+                    (unit, q_slot),
+                    &shape,
+                    mask,
+                    score,
+                    scale_log2,
+                    heads,
+                    head_dim,
                 )
             };
-            q_parity ^= 1;
+            local += 1;
         }
     }
 }
