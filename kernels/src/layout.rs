@@ -421,12 +421,8 @@ pub const HOPPER_FORWARD_UNIT_BYTES: usize = 32;
 /// Dynamic shared memory one Hopper block may have on compute capability 9.0 (227 KiB).
 pub const HOPPER_SMEM_PER_BLOCK: usize = 227 * 1024;
 
-/// Bytes of dynamic shared memory of the Hopper forward kernel with `q_slots` Q slots: each a
-/// Q tile (`block_m × head_dim`), then `stages` slots of a K and a V tile (`block_n ×
-/// head_dim`), all 16-bit and [`hopper_tile_columns`] wide, then the `mbarrier`s (Q full and
-/// Q empty per Q slot; K full, V full, K empty and V empty per stage, 8 bytes each), the unit
-/// each Q tile belongs to ([`HOPPER_FORWARD_UNIT_BYTES`] per Q slot), plus the slack to align
-/// the tiles to [`HOPPER_SMEM_ALIGN`] (the dynamic shared memory's own alignment is smaller).
+/// [`hopper_forward_smem_bytes`] with `q_slots` Q slots, in the order the kernel lays them out
+/// (the alignment slack first: the dynamic shared memory's own alignment is smaller).
 const fn hopper_forward_bytes(block_m: usize, block_n: usize, head_dim: usize, stages: usize, q_slots: usize) -> usize {
     HOPPER_SMEM_ALIGN
         + (q_slots * block_m + 2 * stages * block_n) * hopper_tile_columns(head_dim) * 2
@@ -451,8 +447,11 @@ pub const fn hopper_forward_q_slots(block_m: usize, block_n: usize, head_dim: us
     if HOPPER_FORWARD_SECOND_Q_SLOT && fits { 2 } else { 1 }
 }
 
-/// Bytes of dynamic shared memory of the Hopper forward kernel (see `hopper_forward_bytes`), with
-/// [`hopper_forward_q_slots`] Q slots.
+/// Bytes of dynamic shared memory of the Hopper forward kernel: [`hopper_forward_q_slots`] Q
+/// tiles (`block_m × head_dim`), `stages` slots of a K and a V tile (`block_n × head_dim`), all
+/// 16-bit and [`hopper_tile_columns`] wide, the `mbarrier`s (8 bytes each: Q full and Q empty
+/// per Q slot; K full, V full, K empty and V empty per stage), a [`HOPPER_FORWARD_UNIT_BYTES`]
+/// unit per Q slot, plus the slack to align the tiles to [`HOPPER_SMEM_ALIGN`].
 pub const fn hopper_forward_smem_bytes(block_m: usize, block_n: usize, head_dim: usize, stages: usize) -> usize {
     hopper_forward_bytes(block_m, block_n, head_dim, stages, hopper_forward_q_slots(block_m, block_n, head_dim, stages))
 }
