@@ -544,8 +544,7 @@ mod tests {
     use super::*;
     use crate::kernels::{MODULE_ARCHS, PTX, module_of};
     use crate::layout::{
-        HOPPER_FORWARD_SECOND_Q_SLOT, hopper_backward_smem_bytes, hopper_forward_q_slots, hopper_forward_smem_bytes,
-        hopper_forward_threads,
+        hopper_backward_smem_bytes, hopper_forward_q_slots, hopper_forward_smem_bytes, hopper_forward_threads,
     };
     use attn_kernels::attention::schedule::by_sections;
 
@@ -732,9 +731,10 @@ mod tests {
                 );
                 let smem = hopper_forward_smem_bytes(forward.block_m, forward.block_n, head_dim, forward.stages);
                 assert!(smem <= HOPPER_SHARED_MEMORY, "{}: {smem} bytes", forward.entry);
-                // Two Q slots, so that a persistent block loads its next unit early, where they fit.
+                // Two Q slots, so that a persistent block loads its next unit early, where they
+                // add no spills: at head_dim 80 and 96 here (block_m 64 below).
                 let q_slots = hopper_forward_q_slots(forward.block_m, forward.block_n, head_dim, forward.stages);
-                let two = HOPPER_FORWARD_SECOND_Q_SLOT && head_dim <= 128;
+                let two = matches!(head_dim, 80 | 96);
                 assert_eq!(q_slots, if two { 2 } else { 1 }, "{}", forward.entry);
                 // The entry names the configuration the host launches it with.
                 let (m, n, stages) = (forward.block_m, forward.block_n, forward.stages);
@@ -757,6 +757,8 @@ mod tests {
                     assert_eq!(max_threads(short_forward.entry), Some(hopper_forward_threads(64)));
                     let smem = hopper_forward_smem_bytes(64, short_forward.block_n, head_dim, short_forward.stages);
                     assert!(2 * smem <= HOPPER_SHARED_MEMORY, "{}: two blocks of {smem} bytes", short_forward.entry);
+                    let q_slots = hopper_forward_q_slots(64, short_forward.block_n, head_dim, short_forward.stages);
+                    assert_eq!(q_slots, 2, "{}", short_forward.entry);
                 }
 
                 // (The Hopper backward's deterministic mode stops at head_dim 128.)

@@ -430,21 +430,26 @@ const fn hopper_forward_bytes(block_m: usize, block_n: usize, head_dim: usize, s
         + q_slots * HOPPER_FORWARD_UNIT_BYTES
 }
 
-/// Whether the Hopper forward takes a second Q slot where one fits ([`hopper_forward_q_slots`]).
-/// Off: built and checked with ptxas, not yet measured on a GPU (PERFORMANCE.md, 2026-12-06
-/// (late), has the prediction and what to run).
-pub const HOPPER_FORWARD_SECOND_Q_SLOT: bool = false;
+/// Whether a second Q slot pays at a Hopper forward tile of `block_m` rows and `head_dim`
+/// columns: where ptxas assembles the consumers with it without more spills — block_m 64 (one
+/// consumer, fewer spills with it) and head_dim 80 and 96 (the same spills) — and not where its
+/// per-unit state adds spills to consumers whose registers are already full: block_m 192, the
+/// 128-row ping-pong at head_dim 64, head_dim 128. Measured side by side (PERFORMANCE.md,
+/// 2026-12-07): −0.2 to +2.9 % where it adds no spills; −2.6 to −4.2 % at head_dim 128 and
+/// −5.0 to +1.2 % (−1.8 % on average) at block_m 192, where it adds some.
+const fn second_q_slot_pays(block_m: usize, head_dim: usize) -> bool {
+    block_m == 64 || (block_m == 128 && head_dim > 64 && head_dim <= 96)
+}
 
 /// Q slots of the Hopper forward. With two, the producer of a persistent block loads its next
 /// unit's Q tile, and then that unit's first K/V tiles, while the consumers still compute the
 /// current unit; with one, the next Q tile (and so the next unit's K/V tiles, which the
 /// producer issues after it) waits until the current unit's last scores are done. Two where
-/// [`HOPPER_FORWARD_SECOND_Q_SLOT`] allows them and they fit in [`HOPPER_SMEM_PER_BLOCK`] (every
-/// compiled forward up to head_dim 128; at 160–256 a second Q tile does not fit beside two K/V
-/// stages).
+/// they pay ([`second_q_slot_pays`]) and fit in [`HOPPER_SMEM_PER_BLOCK`] (not at head_dim
+/// 160–256, where a second Q tile does not fit beside two K/V stages).
 pub const fn hopper_forward_q_slots(block_m: usize, block_n: usize, head_dim: usize, stages: usize) -> usize {
     let fits = hopper_forward_bytes(block_m, block_n, head_dim, stages, 2) <= HOPPER_SMEM_PER_BLOCK;
-    if HOPPER_FORWARD_SECOND_Q_SLOT && fits { 2 } else { 1 }
+    if second_q_slot_pays(block_m, head_dim) && fits { 2 } else { 1 }
 }
 
 /// Bytes of dynamic shared memory of the Hopper forward kernel: [`hopper_forward_q_slots`] Q

@@ -146,11 +146,12 @@ const HALF_M: usize = BLOCK_M / CONSUMERS;
 
 /// Whether a consumer's exponentials have a copy without the mask's test, for the tiles that every
 /// query sees whole (most tiles of most problems): two instructions a score fewer (the test and
-/// its select), and the band's branch a column. Up to head_dim 64 and in the atomic instances:
-/// elsewhere the second copy's registers make ptxas spill (4–20 bytes at 80 and 96, 32 in the
-/// deterministic instances, where the kernels had 0–4; PERFORMANCE.md, 2026-12-06 (evening)).
-const fn unmasked_copy(d: usize, deterministic: bool) -> bool {
-    d <= 64 && !deterministic
+/// its select), and the band's branch a column. Up to head_dim 64, atomic and deterministic:
+/// above, the second copy's registers make ptxas spill (4–20 bytes at 80 and 96, where the
+/// kernels had 0–4; PERFORMANCE.md, 2026-12-06 (evening)). The deterministic instances at 64
+/// spill 16 bytes with it (4 without) and are still 5–15 % faster (PERFORMANCE.md, 2026-12-07).
+const fn unmasked_copy(d: usize) -> bool {
+    d <= 64
 }
 
 /// Which of a consumer's steps this is among those whose dQ it adds: `step` itself, or where the
@@ -760,7 +761,7 @@ unsafe fn consume<
             masked_tile_gradients::<T, D, STAGES, 8, 4, MODS>(
                 (&mut s, &mut dp),
                 (smem, stage, 0),
-                (&mask, all_visible, unmasked_copy(D, DETERMINISTIC), &score, shape, q_head),
+                (&mask, all_visible, unmasked_copy(D), &score, shape, q_head),
                 (k_first + 16 * warp, keys, q_start),
                 lane,
                 c,

@@ -36,8 +36,8 @@
 //!   the other ([`PersistentUnits`]): Q is a ring of its own (`layout::hopper_forward_q_slots`
 //!   slots), each slot with a *full* and an *empty* barrier, and the K/V ring runs on across
 //!   units, so that the producer loads the next unit's Q and first K/V tiles while the
-//!   consumers finish the current unit's last P·V and store its O (with two Q slots, while
-//!   they still compute it).
+//!   consumers finish the current unit's last P·V and store its O (with two Q slots, at block_m
+//!   64 and head_dim 80 and 96, while they still compute it).
 //!   For short sequences, where a unit is only one or two K/V tiles, that hidden start is most
 //!   of the gain (PERFORMANCE.md, issue 20). Under a causal mask the units differ in length and
 //!   the blocks draw them from a counter in device memory (dynamic scheduling), otherwise in a
