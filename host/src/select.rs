@@ -816,7 +816,7 @@ mod profile_tests {
             name: "NVIDIA H200".into(),
             compute_capability: (9, 0),
             sm_count: 132,
-            max_shared_memory_per_block: 227 * 1024,
+            max_shared_memory_per_block: crate::layout::HOPPER_SMEM_PER_BLOCK,
             total_memory: 141 << 30,
         }
     }

@@ -325,7 +325,7 @@ impl Context {
             name: "CPU emulator".into(),
             compute_capability: SM80,
             sm_count: 1,
-            max_shared_memory_per_block: 227 * 1024,
+            max_shared_memory_per_block: crate::layout::HOPPER_SMEM_PER_BLOCK,
             total_memory: 0,
         };
         let info = match GpuProfile::from_env() {
