@@ -434,9 +434,8 @@ const fn hopper_forward_bytes(block_m: usize, block_n: usize, head_dim: usize, s
 /// columns: where ptxas assembles the consumers with it without more spills — block_m 64 (one
 /// consumer, fewer spills with it) and head_dim 80 and 96 (the same spills) — and not where its
 /// per-unit state adds spills to consumers whose registers are already full: block_m 192, the
-/// 128-row ping-pong at head_dim 64, head_dim 128. Measured side by side (PERFORMANCE.md,
-/// 2026-12-07): −0.2 to +2.9 % where it adds no spills; −2.6 to −4.2 % at head_dim 128 and
-/// −5.0 to +1.2 % (−1.8 % on average) at block_m 192, where it adds some.
+/// 128-row ping-pong at head_dim 64, head_dim 128. PERFORMANCE.md (2026-12-07) has the
+/// measurements behind the rule: a small gain where it adds no spills, a loss where it does.
 const fn second_q_slot_pays(block_m: usize, head_dim: usize) -> bool {
     block_m == 64 || (block_m == 128 && head_dim > 64 && head_dim <= 96)
 }

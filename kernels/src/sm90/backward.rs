@@ -149,7 +149,7 @@ const HALF_M: usize = BLOCK_M / CONSUMERS;
 /// its select), and the band's branch a column. Up to head_dim 64, atomic and deterministic:
 /// above, the second copy's registers make ptxas spill (4–20 bytes at 80 and 96, where the
 /// kernels had 0–4; PERFORMANCE.md, 2026-12-06 (evening)). The deterministic instances at 64
-/// spill 16 bytes with it (4 without) and are still 5–15 % faster (PERFORMANCE.md, 2026-12-07).
+/// spill a few bytes more with it and are still faster (PERFORMANCE.md, 2026-12-07).
 const fn unmasked_copy(d: usize) -> bool {
     d <= 64
 }
