@@ -6,8 +6,8 @@ A kernel change is judged against the code it replaces in the same device run, o
 
     python3 benches/peers/ab.py --variant main=main/rust-attention --variant new=target/release/rust-attention \
         --shapes 256x12x197x64:f16,16x12x1024x64:f16:causal
-    python3 benches/peers/ab.py --variant n128=target/release/rust-attention:RUST_ATTENTION_HOPPER_BLOCK_N=128 \
-        --variant n64=target/release/rust-attention --shapes 256x12x197x64:f16
+    python3 benches/peers/ab.py --variant m192=target/release/rust-attention \
+        --variant m64=target/release/rust-attention:RUST_ATTENTION_HOPPER_BLOCK_M=64 --shapes 64x16x577x64:bf16
 
 A variant is `NAME=BINARY[:KEY=VALUE[;KEY=VALUE...]]`. For every shape the variants run in the
 order A B … then … B A, `--rounds` times (ABBA for two), each run `rust-attention attn --random …
