@@ -2,7 +2,6 @@
 //! descriptors, the accumulator registers ([`Accumulator`]), named barriers for parts of a block,
 //! `setmaxnreg`, and shared-memory accesses by address.
 //!
-//!
 //! Hopper adds three things that the `mma.sync` kernels of levels 5 and 6 do not use:
 //!
 //! * **`wgmma`**: a *warpgroup* (4 consecutive warps, the first one's index a multiple of 4)

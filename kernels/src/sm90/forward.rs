@@ -551,7 +551,6 @@ unsafe fn consume_body<
 
     // Normalise and write O (two values per store) and the LSE of the block's rows.
     // SAFETY: the host checked the sinks' length (`ScoreArgs::sink`).
-    // SAFETY: the host checked the sinks' length (`ScoreArgs::sink`).
     let sink = if SINKS { unsafe { score.sink(unit.head as usize % shape.num_heads_q) } } else { f32::NEG_INFINITY };
     let finished = softmax.finish(sink);
     let end = q_start + q_rows;
