@@ -9,11 +9,11 @@ attention both ways with bottom-right causal and GQA, a head_dim padded to the n
 each score modification, a window, a negative scale — under each persistent-grid mode, with the
 CPU reference (`attn --check`: float64, the suite's tolerances), and prints one row each:
 
-    python3 benches/peers/check_variant.py --variant n64=target/release/rust-attention:RUST_ATTENTION_HOPPER_BLOCK_M=64 \
-        --expect m64_n64
+    python3 benches/peers/check_variant.py --variant m64=target/release/rust-attention:RUST_ATTENTION_HOPPER_BLOCK_M=64 \
+        --expect m64_
 
 A variant is written as in `ab.py` (`NAME=BINARY[:KEY=VALUE;...]`). `--expect REGEX` also fails a
-row whose kernel label (e.g. `sm_90a m64_n64_s2`) does not match, so a knob that silently falls
+row whose kernel label (e.g. `sm_90a m64_n128_s2`) does not match, so a knob that silently falls
 back to another tile is caught. `--persistent` lists the RUST_ATTENTION_PERSISTENT modes (default
 `1,static,0`); `--head-dims` the head dims of the main problems (default 64; the padded problem
 runs at 40 besides). `--only SUBSTRING` keeps the problems whose arguments contain it. Exits 1
