@@ -330,6 +330,13 @@ impl HopperForward {
     /// 192 wins by 8–15 % (PERFORMANCE.md, "a persistent Hopper forward").
     pub(crate) const SHORT_CAUSAL_KEYS: usize = 1024;
 
+    /// Keys per K/V tile of the head_dim-64 forward with one consumer warpgroup (block_m 64,
+    /// short sequences): 64, so that S and P take half the registers of a 128-key tile and
+    /// three blocks share an SM (`kernels/src/configs.rs`, `SM90_FORWARD_REGISTERS_M64_N64`),
+    /// each scheduler then holding three consumer warps to hide the softmax's dependent chain
+    /// (PERFORMANCE.md, 2026-12-07 "night").
+    pub(crate) const SHORT_BLOCK_N: usize = 64;
+
     /// The environment variable that overrides the grid choice of [`Self::grid`]: `1` for a
     /// persistent grid wherever it would have more than one wave, `static` for the same with
     /// the static snake order under a causal mask too (no unit counter), `0` for one block per
@@ -339,6 +346,11 @@ impl HopperForward {
     /// The environment variable that overrides [`Self::for_problem`]'s block_m (64, 128 or 192)
     /// where a configuration of that block_m is compiled for the head_dim; for measurements.
     pub const BLOCK_M_ENV: &'static str = "RUST_ATTENTION_HOPPER_BLOCK_M";
+
+    /// The environment variable that overrides [`Self::for_problem`]'s block_n (keys per K/V
+    /// tile) where a configuration of the chosen block_m with that block_n is compiled for the
+    /// head_dim; for measurements.
+    pub const BLOCK_N_ENV: &'static str = "RUST_ATTENTION_HOPPER_BLOCK_N";
 
     /// Blocks per streaming multiprocessor from which the three-consumer forward (block_m 192)
     /// runs at head_dim 64, without a mask and under a causal one. Its blocks are fewer and
@@ -385,16 +397,26 @@ impl HopperForward {
             (64, false, false) => (128, HopperVariant::PingPong),
             _ => (128, HopperVariant::Plain),
         };
-        // Keys per tile: 128 up to head_dim 128, fewer above (the configuration table's).
-        let block_n = kernels::hopper_forward_block_n(padded).unwrap_or(128);
+        // Keys per tile: 128 up to head_dim 128, fewer above (the configuration table's); 64 for
+        // the short head_dim-64 sequences, where the smaller S and P let three blocks share an
+        // SM ([`Self::SHORT_BLOCK_N`]).
+        let widest = kernels::hopper_forward_block_n(padded).unwrap_or(128);
+        let block_n_for = |block_m: usize| if block_m == 64 && padded == 64 { Self::SHORT_BLOCK_N } else { widest };
         // A measurement may ask for another compiled block_m (the head_dim-64 block_m 128 is the
         // ping-pong one).
         if let Some(wanted) = block_m_override().filter(|&m| m != block_m) {
             let turns = if wanted == 128 && padded == 64 { HopperVariant::PingPong } else { HopperVariant::Plain };
-            if kernels::hopper_instance(FlashKernel::Forward, dtype, (wanted, block_n), head_dim, 2, turns).is_some() {
+            let tile = (wanted, block_n_for(wanted));
+            if kernels::hopper_instance(FlashKernel::Forward, dtype, tile, head_dim, 2, turns).is_some() {
                 (block_m, variant) = (wanted, turns);
             }
         }
+        let block_n = block_n_for(block_m);
+        let block_n = block_n_override()
+            .filter(|&n| {
+                kernels::hopper_instance(FlashKernel::Forward, dtype, (block_m, n), head_dim, 2, variant).is_some()
+            })
+            .unwrap_or(block_n);
         let tile = (block_m, block_n);
         kernels::hopper_instance(FlashKernel::Forward, dtype, tile, head_dim, 2, variant).ok_or_else(|| {
             Error::HeadDimNotCompiled {
@@ -482,6 +504,12 @@ fn sm80_deterministic_override() -> bool {
 fn block_m_override() -> Option<usize> {
     static OVERRIDE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     *OVERRIDE.get_or_init(|| std::env::var(HopperForward::BLOCK_M_ENV).ok()?.parse().ok())
+}
+
+/// [`HopperForward::BLOCK_N_ENV`], read once.
+fn block_n_override() -> Option<usize> {
+    static OVERRIDE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *OVERRIDE.get_or_init(|| std::env::var(HopperForward::BLOCK_N_ENV).ok()?.parse().ok())
 }
 
 /// The Hopper backward's configurations: 128 keys per block (64 above head_dim 128, the
@@ -749,14 +777,17 @@ mod tests {
                 if head_dim == 64 && causal {
                     assert_eq!(causal_forward.block_m, 64, "{}", causal_forward.entry);
                 }
-                // Short keys at head_dim 64: one consumer, sized for two blocks per SM.
+                // Short keys at head_dim 64: one consumer and 64-key tiles, sized for three blocks
+                // per SM.
                 let short = AttentionShape { seqlen_k: HopperForward::SHORT_KEYS, ..shape };
                 let short_forward = HopperForward::for_problem(dtype, &short, mask, H200_SMS).unwrap();
                 if head_dim == 64 {
                     assert_eq!(short_forward.block_m, 64, "{}", short_forward.entry);
                     assert_eq!(max_threads(short_forward.entry), Some(hopper_forward_threads(64)));
                     let smem = hopper_forward_smem_bytes(64, short_forward.block_n, head_dim, short_forward.stages);
-                    assert!(2 * smem <= HOPPER_SHARED_MEMORY, "{}: two blocks of {smem} bytes", short_forward.entry);
+                    assert_eq!(short_forward.block_n, HopperForward::SHORT_BLOCK_N, "{}", short_forward.entry);
+                    assert_eq!(short_forward.blocks_per_sm, 3, "{}", short_forward.entry);
+                    assert!(3 * smem <= HOPPER_SHARED_MEMORY, "{}: three blocks of {smem} bytes", short_forward.entry);
                     let q_slots = hopper_forward_q_slots(64, short_forward.block_n, head_dim, short_forward.stages);
                     assert_eq!(q_slots, 2, "{}", short_forward.entry);
                 }

@@ -139,6 +139,7 @@ macro_rules! sm90_forward_configs {
                 (192, 64, 128, 2, false, s2),
                 (128, 64, 128, 2, true, s2_pingpong),
                 (64, 64, 128, 2, false, s2),
+                (64, 64, 64, 2, false, s2),
                 (128, 80, 128, 2, false, s2),
                 (128, 96, 128, 2, false, s2),
                 (128, 128, 128, 2, false, s2),
@@ -250,6 +251,12 @@ pub const SM90_FORWARD_REGISTERS_M192: (u32, u32) = (32, 160);
 /// block's prologue and epilogue with the other's products (short sequences, issue 20).
 pub const SM90_FORWARD_REGISTERS_M64: (u32, u32) = (32, 224);
 
+/// As [`SM90_FORWARD_REGISTERS_M64`] with 64-key tiles and three blocks per SM (80 registers
+/// each at launch): 32 + 128 = 2 · 80. S and P take half the registers of the 128-key tile, so
+/// the consumer fits in 128; a third resident block gives each scheduler a third consumer warp
+/// to hide the softmax's dependent chain (short sequences, issue 20).
+pub const SM90_FORWARD_REGISTERS_M64_N64: (u32, u32) = (32, 128);
+
 /// Register budgets of the Hopper backward (producer, consumers), of 168 each at launch (384
 /// threads): 40 + 2 · 232 = 3 · 168.
 pub const SM90_BACKWARD_REGISTERS: (u32, u32) = (40, 232);
@@ -282,12 +289,20 @@ pub const LAUNCH_BOUNDS: &[(&str, u32, u32)] = &[
 /// from its name (`hopper_flash_{fwd,bwd}_{dtype}_m{block_m}_…`), the others' from
 /// [`LAUNCH_BOUNDS`]. A Hopper block is a producer warpgroup and one consumer warpgroup per 64
 /// query rows (the forward; `layout::hopper_forward_threads`) or two consumers (the backward);
-/// the block_m-64 forward runs two blocks an SM, the others one (their register budgets above).
+/// the block_m-64 forward runs two blocks an SM (three with 64-key tiles), the others one (their
+/// register budgets above).
 pub fn launch_bounds(name: &str) -> Option<(u32, u32)> {
     if let Some(rest) = name.strip_prefix("hopper_flash_") {
-        let block_m: u32 = rest.split('_').find_map(|part| part.strip_prefix('m')?.parse().ok())?;
+        let field =
+            |prefix: char| -> Option<u32> { rest.split('_').find_map(|part| part.strip_prefix(prefix)?.parse().ok()) };
+        let (block_m, block_n) = (field('m')?, field('n')?);
         return Some(if rest.starts_with("fwd_") {
-            (128 * (1 + block_m / 64), if block_m == 64 { 2 } else { 1 })
+            let blocks = match (block_m, block_n) {
+                (64, 64) => 3,
+                (64, _) => 2,
+                _ => 1,
+            };
+            (128 * (1 + block_m / 64), blocks)
         } else {
             (384, 1)
         });

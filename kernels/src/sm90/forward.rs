@@ -9,8 +9,10 @@
 //!   ring of `STAGES` slots. The other warpgroups, the *consumers*, each own 64 query rows and
 //!   only compute: two (block_m = 128); at head_dim 64 three (block_m = 192) on grids deep
 //!   enough, where the softmax costs as much as the products and a third warpgroup keeps the
-//!   tensor cores busier, or one (block_m = 64) for short sequences, small enough that two blocks
-//!   share an SM and one's prologue and epilogue overlap the other's products. Above head_dim
+//!   tensor cores busier, or one (block_m = 64) for short sequences, with 64-key tiles, small
+//!   enough that three blocks share an SM, one's prologue and epilogue overlap the others'
+//!   products, and each scheduler has three consumer warps to hide the softmax's dependent
+//!   chain (block_m 64 with 128-key tiles, two blocks an SM, is compiled too). Above head_dim
 //!   128 the K/V tiles are smaller (96 keys at 160 and 192, 64 at 256), so that two stages fit beside
 //!   the Q tile and S beside the O accumulator, `D / 2` registers a thread. Producer and
 //!   consumers meet at
@@ -53,8 +55,8 @@ use crate::attention::schedule::{ForwardOrder, PersistentUnits};
 use crate::attention::score::ScoreArgs;
 use crate::attention::softmax::{NEGATED_HALF2, RowSoftmax, positive_factor};
 use crate::configs::{
-    SM90_FORWARD_REGISTERS_M64, SM90_FORWARD_REGISTERS_M128, SM90_FORWARD_REGISTERS_M128_WIDE,
-    SM90_FORWARD_REGISTERS_M192,
+    SM90_FORWARD_REGISTERS_M64, SM90_FORWARD_REGISTERS_M64_N64, SM90_FORWARD_REGISTERS_M128,
+    SM90_FORWARD_REGISTERS_M128_WIDE, SM90_FORWARD_REGISTERS_M192,
 };
 use crate::hw::{
     self, Accumulator, FragA, FragC, HalfFloat, SWIZZLE_ATOM_BYTES, SWIZZLE_ROW_BYTES, TensorMaps, WARPGROUP_THREADS,
@@ -656,7 +658,9 @@ unsafe fn flash_forward_wgmma<
     hw::sync_threads();
 
     // (The budgets must be immediates, so the choice is spelled out per block size.)
-    let producer = if BLOCK_M == 64 {
+    let producer = if BLOCK_M == 64 && BLOCK_N == 64 {
+        take_role::<{ SM90_FORWARD_REGISTERS_M64_N64.0 }, { SM90_FORWARD_REGISTERS_M64_N64.1 }>()
+    } else if BLOCK_M == 64 {
         take_role::<{ SM90_FORWARD_REGISTERS_M64.0 }, { SM90_FORWARD_REGISTERS_M64.1 }>()
     } else if BLOCK_M == 128 && D > 192 {
         take_role::<{ SM90_FORWARD_REGISTERS_M128_WIDE.0 }, { SM90_FORWARD_REGISTERS_M128_WIDE.1 }>()
