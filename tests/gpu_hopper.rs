@@ -160,17 +160,18 @@ fn hopper_forward_matches_the_reference() {
 
 /// A grid of 6 · 16 · 3 = 288 blocks of up to 192 query rows: 400 queries per head make blocks
 /// of 192, 128 and 80 rows, so the third consumer warpgroup owns no rows in two of them. At least
-/// two waves on an H200's 132 SMs, so head_dim 64 runs its three-consumer forward with and
-/// without a mask (`waves_for_192_rows`); GQA with 4 query heads per key/value head, 300 keys.
+/// two waves on an H200's 132 SMs, so head_dim 64 runs its three-consumer forward without a mask
+/// (`waves_for_192_rows`; 384 keys, three whole 128-key tiles, more than the one-consumer forward
+/// takes); under a causal mask, one consumer over 64-key tiles. GQA with 4 query heads per
+/// key/value head.
 fn deep_grid(head_dim: usize) -> AttentionShape {
-    gqa(6, 16, 4, 400, 300, head_dim)
+    gqa(6, 16, 4, 400, 384, head_dim)
 }
 
-/// As [`deep_grid`] with more keys than the causal one-consumer forward takes (1024): 3 · 16 · 6 =
-/// 288 blocks of up to 192 rows (1100 rows: five of 192 and one of 140, whose third consumer owns
-/// 12 rows), so head_dim 64 runs its three-consumer forward under a causal mask.
+/// As [`deep_grid`] with more keys than the causal 64-key tiles take (2048): at head_dim 64 one
+/// consumer over 128-key tiles under a causal mask, 33 · 12 = 396 units, a persistent grid.
 fn deep_causal_grid(head_dim: usize) -> AttentionShape {
-    gqa(3, 16, 4, 1100, 1100, head_dim)
+    gqa(1, 12, 4, 2100, 2100, head_dim)
 }
 
 /// Every case of the Hopper forward at `head_dim`: block edges (1, 64, 65, 127–130 rows), ragged
@@ -515,23 +516,29 @@ fn the_kernel_path_picks_the_forward_kernel() {
         sm90a.forward_kernel_entry(DType::F16, &small, default, &none).unwrap().starts_with("hopper_flash_fwd_f16")
     );
     assert!(sm80.forward_kernel_entry(DType::F16, &small, default, &none).unwrap().starts_with("flash_fwd_f16"));
-    // At head_dim 64 a grid of less than a wave runs two consumer warpgroups with ping-pong
-    // turns, a deeper one three (see `deep_grid` in the forward cases), causal or not.
-    // (A grid of fewer units than fit on the GPU is one block per unit; a deeper one is persistent.)
+    // At head_dim 64 (`HopperForward::head_dim_64_tile`), without a mask: a grid of less than a
+    // wave runs two consumer warpgroups with ping-pong turns, a deeper one three (see
+    // `deep_grid` in the forward cases). (A grid of fewer units than fit on the GPU is one block
+    // per unit; a deeper one is persistent.)
     let label = |shape: &AttentionShape, causal| {
         sm90a.forward_kernel_label(DType::F16, shape, default, &AttentionOptions::causal(causal))
     };
     let none = Causal::None;
-    assert_eq!(label(&small, none), "sm_90a m128_n128_s2_pingpong");
+    let long = AttentionShape { seqlen_k: 1000, ..small };
+    assert_eq!(label(&long, none), "sm_90a m128_n128_s2_pingpong");
     assert_eq!(label(&deep_grid(64), none), "sm_90a m192_n128_s2 persistent");
-    // Causal, three consumers from 1025 keys on (at most 1024, one: `SHORT_CAUSAL_KEYS`).
-    assert_eq!(label(&deep_causal_grid(64), Causal::TopLeft), "sm_90a m192_n128_s2 persistent dynamic");
-    assert_eq!(label(&deep_grid(64), Causal::TopLeft), "sm_90a m64_n128_s2 persistent dynamic");
-    // Up to 256 keys, one consumer per block, two blocks per SM (ViT's 197 tokens).
+    // Up to 640 keys with a partial last 128-key tile, one consumer over 64-key tiles, three
+    // blocks per SM (ViT's 197 tokens); whole 128-key tiles up to 256 keys keep them.
+    assert_eq!(label(&small, none), "sm_90a m64_n64_s2");
     let short = AttentionShape { seqlen_q: 197, seqlen_k: 197, ..small };
-    assert_eq!(label(&short, none), "sm_90a m64_n128_s2");
+    assert_eq!(label(&short, none), "sm_90a m64_n64_s2");
     let vit = AttentionShape { batch: 256, num_heads_q: 12, num_heads_kv: 12, ..short };
-    assert_eq!(label(&vit, none), "sm_90a m64_n128_s2 persistent");
+    assert_eq!(label(&vit, none), "sm_90a m64_n64_s2 persistent");
+    let whole = AttentionShape { seqlen_k: 256, ..small };
+    assert_eq!(label(&whole, none), "sm_90a m64_n128_s2");
+    // Causal, one consumer: 64-key tiles up to 2048 keys, 128-key ones up to 4096.
+    assert_eq!(label(&deep_grid(64), Causal::TopLeft), "sm_90a m64_n64_s2 persistent dynamic");
+    assert_eq!(label(&deep_causal_grid(64), Causal::TopLeft), "sm_90a m64_n128_s2 persistent dynamic");
     // Above head_dim 128, two consumers over smaller key tiles (96 keys at 160 and 192, 64 at
     // 256); a head_dim between compiled ones on the next.
     for (head_dim, want) in [

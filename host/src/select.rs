@@ -319,23 +319,62 @@ pub fn decode_splits(shape: &DecodeShape, sm_count: usize, blocks_per_sm: usize)
 pub(crate) struct HopperForward;
 
 impl HopperForward {
-    /// Keys up to which the head_dim-64 forward runs one consumer warpgroup per block (block_m
-    /// 64, two blocks per SM): at most two 128-key tiles per block, where a block's serial
-    /// prologue and epilogue weigh most (PERFORMANCE.md, "groundwork for issue 20").
+    /// Keys up to which the head_dim-64 forward without a mask runs one consumer warpgroup per
+    /// block (block_m 64): at most two 128-key tiles per block, where a block's serial prologue
+    /// and epilogue weigh most (PERFORMANCE.md, "groundwork for issue 20").
     pub(crate) const SHORT_KEYS: usize = 256;
 
-    /// [`Self::SHORT_KEYS`] under a causal mask: its finer units waste less of the diagonal tiles
-    /// and balance better. On GPT-2's [16, 12, 1024, 64] causal with the persistent grid it ran
-    /// 251.9 TFLOP/s against 240.9 for block_m 192 and 217.4 for 128; from 2048 keys on block_m
-    /// 192 wins by 8–15 % (PERFORMANCE.md, "a persistent Hopper forward").
-    pub(crate) const SHORT_CAUSAL_KEYS: usize = 1024;
+    /// Keys up to which the head_dim-64 forward without a mask runs one consumer warpgroup over
+    /// 64-key tiles ([`Self::SHORT_BLOCK_N`]) when the last 128-key tile would be partial: five
+    /// 128-key tiles. On an H100 it ran 4 % faster than block_m 192 at 577 keys (ViT-L/14 at
+    /// 336 px), 28 % at 320, 3 % slower at 1000 (PERFORMANCE.md, 2026-12-07 "late night").
+    pub(crate) const SHORT_RAGGED_KEYS: usize = 640;
 
-    /// Keys per K/V tile of the head_dim-64 forward with one consumer warpgroup (block_m 64,
-    /// short sequences): 64, so that S and P take half the registers of a 128-key tile and
-    /// three blocks share an SM (`kernels/src/configs.rs`, `SM90_FORWARD_REGISTERS_M64_N64`),
-    /// each scheduler then holding three consumer warps to hide the softmax's dependent chain
-    /// (PERFORMANCE.md, 2026-12-07 "night").
+    /// Keys up to which the head_dim-64 forward under a causal mask runs one consumer warpgroup
+    /// over 64-key tiles: its finer units and tiles waste less of the diagonal and balance
+    /// better. On an H100, 6 % faster than block_m 64 with 128-key tiles on GPT-2's
+    /// [16, 12, 1024, 64] and than block_m 192 on [8, 12, 2048, 64] (PERFORMANCE.md, 2026-12-07
+    /// "late night").
+    pub(crate) const SHORT_CAUSAL_KEYS: usize = 2048;
+
+    /// Keys up to which the head_dim-64 forward under a causal mask runs one consumer warpgroup
+    /// at all, over 128-key tiles above [`Self::SHORT_CAUSAL_KEYS`]: at 4096 keys it ran 9 %
+    /// faster than block_m 192 on [1, 12, 4096, 64] and as fast on [4, 16, 4096, 64]; longer
+    /// sequences were not measured and keep block_m 192.
+    pub(crate) const CAUSAL_KEYS: usize = 4096;
+
+    /// Keys per K/V tile of the head_dim-64 forward with one consumer warpgroup where
+    /// [`Self::head_dim_64_tile`] says so: 64, so that S and P take half the registers of a
+    /// 128-key tile and three blocks share an SM (`kernels/src/configs.rs`,
+    /// `SM90_FORWARD_REGISTERS_M64_N64`), each scheduler then holding three consumer warps to
+    /// hide the softmax's dependent chain. A partial last key tile is then one of four instead
+    /// of one of two, and a causal diagonal wastes half as much. Where the keys fill whole
+    /// 128-key tiles without a mask, the wider tile's fewer steps win (−5 % at 256 keys).
     pub(crate) const SHORT_BLOCK_N: usize = 64;
+
+    /// The head_dim-64 forward's (block_m, block_n, variant) for `seqlen_k` keys under `causal`,
+    /// where `deep` says whether the grid is deep enough for three consumers
+    /// ([`Self::waves_for_192_rows`]):
+    ///
+    /// | mask | keys | block_m | block_n |
+    /// |---|---|---|---|
+    /// | none | ≤ 640, not a multiple of 128 | 64 | 64 |
+    /// | none | ≤ 256, a multiple of 128 | 64 | 128 |
+    /// | causal | ≤ 2048 | 64 | 64 |
+    /// | causal | ≤ 4096 | 64 | 128 |
+    /// | either | more | 192 if `deep`, else 128 with ping-pong turns | 128 |
+    fn head_dim_64_tile(seqlen_k: usize, causal: bool, deep: bool) -> (usize, usize, HopperVariant) {
+        let ragged = !seqlen_k.is_multiple_of(128);
+        let narrow =
+            if causal { seqlen_k <= Self::SHORT_CAUSAL_KEYS } else { ragged && seqlen_k <= Self::SHORT_RAGGED_KEYS };
+        let one_consumer = if causal { seqlen_k <= Self::CAUSAL_KEYS } else { seqlen_k <= Self::SHORT_KEYS };
+        match (narrow, one_consumer, deep) {
+            (true, _, _) => (64, Self::SHORT_BLOCK_N, HopperVariant::Plain),
+            (false, true, _) => (64, 128, HopperVariant::Plain),
+            (false, false, true) => (192, 128, HopperVariant::Plain),
+            (false, false, false) => (128, 128, HopperVariant::PingPong),
+        }
+    }
 
     /// The environment variable that overrides the grid choice of [`Self::grid`]: `1` for a
     /// persistent grid wherever it would have more than one wave, `static` for the same with
@@ -364,10 +403,10 @@ impl HopperForward {
     }
 
     /// The kernel for `dtype`, `shape` and mask `causal` on a GPU of `sm_count` SMs: the
-    /// configuration measured fastest on an H200 for the head dimension, and at head_dim 64 for
-    /// the grid's depth ([`Self::waves_for_192_rows`]) where a head has rows for at least one
-    /// block of 192 ([`BalancedRows`]; below that the third consumer would have no rows in any
-    /// block).
+    /// configuration measured fastest for the head dimension, and at head_dim 64 for the keys,
+    /// the mask and the grid's depth ([`Self::head_dim_64_tile`]; three consumers need a grid
+    /// of [`Self::waves_for_192_rows`] and a head with rows for at least one block of 192,
+    /// [`BalancedRows`]: below that the third consumer would have no rows in any block).
     ///
     /// # Errors
     /// [`Error::Shape`] for `f32`, [`Error::HeadDimNotCompiled`] for other head dimensions.
@@ -387,36 +426,30 @@ impl HopperForward {
         if dtype == DType::F32 {
             return Err(Error::Shape("the Hopper forward takes f16 or bf16 tensors".into()));
         }
-        // Three consumer warpgroups at head_dim 64 on deep enough grids, else two taking turns;
-        // one for short sequences at head_dim 64 (two blocks per SM; "short" reaches further
-        // under a causal mask); two without turns at every other head_dim.
-        let short = shape.seqlen_k <= if causal == Causal::None { Self::SHORT_KEYS } else { Self::SHORT_CAUSAL_KEYS };
-        let (mut block_m, mut variant) = match (padded, short, rows_192) {
-            (64, true, _) => (64, HopperVariant::Plain),
-            (64, false, true) => (192, HopperVariant::Plain),
-            (64, false, false) => (128, HopperVariant::PingPong),
-            _ => (128, HopperVariant::Plain),
-        };
-        // Keys per tile: 128 up to head_dim 128, fewer above (the configuration table's); 64 for
-        // the short head_dim-64 sequences, where the smaller S and P let three blocks share an
-        // SM ([`Self::SHORT_BLOCK_N`]).
+        // At head_dim 64 by keys, mask and grid depth ([`Self::head_dim_64_tile`]); two consumers
+        // without turns over the widest key tile compiled at every other head_dim (128 up to
+        // head_dim 128, fewer above: the configuration table's).
         let widest = kernels::hopper_forward_block_n(padded).unwrap_or(128);
-        let block_n_for = |block_m: usize| if block_m == 64 && padded == 64 { Self::SHORT_BLOCK_N } else { widest };
+        let (mut block_m, mut block_n, mut variant) = if padded == 64 {
+            Self::head_dim_64_tile(shape.seqlen_k, causal != Causal::None, rows_192)
+        } else {
+            (128, widest, HopperVariant::Plain)
+        };
+        let compiled = |(m, n): (usize, usize), variant| {
+            kernels::hopper_instance(FlashKernel::Forward, dtype, (m, n), head_dim, 2, variant).is_some()
+        };
         // A measurement may ask for another compiled block_m (the head_dim-64 block_m 128 is the
-        // ping-pong one).
+        // ping-pong one), keeping the block_n where that is compiled for it.
         if let Some(wanted) = block_m_override().filter(|&m| m != block_m) {
             let turns = if wanted == 128 && padded == 64 { HopperVariant::PingPong } else { HopperVariant::Plain };
-            let tile = (wanted, block_n_for(wanted));
-            if kernels::hopper_instance(FlashKernel::Forward, dtype, tile, head_dim, 2, turns).is_some() {
-                (block_m, variant) = (wanted, turns);
+            let n = if compiled((wanted, block_n), turns) { block_n } else { widest };
+            if compiled((wanted, n), turns) {
+                (block_m, block_n, variant) = (wanted, n, turns);
             }
         }
-        let block_n = block_n_for(block_m);
-        let block_n = block_n_override()
-            .filter(|&n| {
-                kernels::hopper_instance(FlashKernel::Forward, dtype, (block_m, n), head_dim, 2, variant).is_some()
-            })
-            .unwrap_or(block_n);
+        if let Some(wanted) = block_n_override().filter(|&n| compiled((block_m, n), variant)) {
+            block_n = wanted;
+        }
         let tile = (block_m, block_n);
         kernels::hopper_instance(FlashKernel::Forward, dtype, tile, head_dim, 2, variant).ok_or_else(|| {
             Error::HeadDimNotCompiled {
@@ -719,9 +752,10 @@ mod tests {
     const HOPPER_SHARED_MEMORY: usize = crate::layout::HOPPER_SMEM_PER_BLOCK;
 
     /// A problem of `head_dim` whose grid is `blocks` blocks of 192 query rows deep, with more
-    /// keys than [`HopperForward::SHORT_CAUSAL_KEYS`].
+    /// keys than [`HopperForward::CAUSAL_KEYS`].
     fn shape_of(head_dim: usize, blocks: usize) -> AttentionShape {
-        AttentionShape { batch: blocks, num_heads_q: 1, num_heads_kv: 1, seqlen_q: 192, seqlen_k: 2048, head_dim }
+        let seqlen_k = HopperForward::CAUSAL_KEYS + 1;
+        AttentionShape { batch: blocks, num_heads_q: 1, num_heads_kv: 1, seqlen_q: 192, seqlen_k, head_dim }
     }
 
     /// The H200's streaming multiprocessors.
@@ -771,15 +805,19 @@ mod tests {
                 assert_eq!(forward.entry.ends_with("_pingpong"), pingpong, "{}", forward.entry);
                 let deep = head_dim == 64 && blocks >= waves(HopperForward::waves_for_192_rows(causal));
                 assert_eq!(forward.block_m, if deep { 192 } else { 128 }, "{}", forward.entry);
-                // Up to 1024 keys under a causal mask, one consumer too.
-                let causal_short = AttentionShape { seqlen_k: HopperForward::SHORT_CAUSAL_KEYS, ..shape };
-                let causal_forward = HopperForward::for_problem(dtype, &causal_short, mask, H200_SMS).unwrap();
-                if head_dim == 64 && causal {
-                    assert_eq!(causal_forward.block_m, 64, "{}", causal_forward.entry);
+                // Under a causal mask one consumer, over 64-key tiles up to 2048 keys and 128-key
+                // ones up to 4096.
+                for (seqlen_k, block_n) in [(HopperForward::SHORT_CAUSAL_KEYS, 64), (HopperForward::CAUSAL_KEYS, 128)] {
+                    let causal_short = AttentionShape { seqlen_k, ..shape };
+                    let causal_forward = HopperForward::for_problem(dtype, &causal_short, mask, H200_SMS).unwrap();
+                    if head_dim == 64 && causal {
+                        let tile = (causal_forward.block_m, causal_forward.block_n);
+                        assert_eq!(tile, (64, block_n), "{}", causal_forward.entry);
+                    }
                 }
-                // Short keys at head_dim 64: one consumer and 64-key tiles, sized for three blocks
-                // per SM.
-                let short = AttentionShape { seqlen_k: HopperForward::SHORT_KEYS, ..shape };
+                // Short keys at head_dim 64 (ViT-B's 197, a partial last tile): one consumer and
+                // 64-key tiles, sized for three blocks per SM.
+                let short = AttentionShape { seqlen_k: 197, ..shape };
                 let short_forward = HopperForward::for_problem(dtype, &short, mask, H200_SMS).unwrap();
                 if head_dim == 64 {
                     assert_eq!(short_forward.block_m, 64, "{}", short_forward.entry);
@@ -790,6 +828,20 @@ mod tests {
                     assert!(3 * smem <= HOPPER_SHARED_MEMORY, "{}: three blocks of {smem} bytes", short_forward.entry);
                     let q_slots = hopper_forward_q_slots(64, short_forward.block_n, head_dim, short_forward.stages);
                     assert_eq!(q_slots, 2, "{}", short_forward.entry);
+                    // Whole 128-key tiles without a mask keep them; a causal mask does not. Up to
+                    // five partial ones the 64-key tiles run too.
+                    let ragged = AttentionShape { seqlen_k: HopperForward::SHORT_RAGGED_KEYS - 63, ..shape };
+                    let ragged_forward = HopperForward::for_problem(dtype, &ragged, mask, H200_SMS).unwrap();
+                    assert_eq!((ragged_forward.block_m, ragged_forward.block_n), (64, 64), "{}", ragged_forward.entry);
+                    let whole = AttentionShape { seqlen_k: HopperForward::SHORT_KEYS, ..shape };
+                    let whole_forward = HopperForward::for_problem(dtype, &whole, mask, H200_SMS).unwrap();
+                    let block_n = if causal { HopperForward::SHORT_BLOCK_N } else { 128 };
+                    assert_eq!(
+                        (whole_forward.block_m, whole_forward.block_n),
+                        (64, block_n),
+                        "{}",
+                        whole_forward.entry
+                    );
                 }
 
                 // (The Hopper backward's deterministic mode stops at head_dim 128.)

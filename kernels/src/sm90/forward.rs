@@ -9,7 +9,7 @@
 //!   ring of `STAGES` slots. The other warpgroups, the *consumers*, each own 64 query rows and
 //!   only compute: two (block_m = 128); at head_dim 64 three (block_m = 192) on grids deep
 //!   enough, where the softmax costs as much as the products and a third warpgroup keeps the
-//!   tensor cores busier, or one (block_m = 64) for short sequences, with 64-key tiles, small
+//!   tensor cores busier, or one (block_m = 64) for short and causal sequences, with 64-key tiles, small
 //!   enough that three blocks share an SM, one's prologue and epilogue overlap the others'
 //!   products, and each scheduler has three consumer warps to hide the softmax's dependent
 //!   chain (block_m 64 with 128-key tiles, two blocks an SM, is compiled too). Above head_dim
