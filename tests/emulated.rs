@@ -629,7 +629,7 @@ fn emulated_sinks_in_every_family() {
     assert!(matches!(wrong, Err(Error::Sinks(_))), "{:?}", wrong.map(|_| ()));
     let forward = ctx.attention(&q, &k, &v, &options).unwrap();
     let tile = TileConfig::new(16, 16);
-    let mut grads = plain_gradients(&ctx, &shape);
+    let mut grads = plain_gradients(ctx, &shape);
     let (o, lse) = (forward.o(), forward.lse());
     let missing =
         ctx.flash_attention_backward_into(&q, &k, &v, o, lse, &q, &mut grads, &options, tile, DqAccumulation::Atomic);
@@ -741,7 +741,7 @@ fn emulated_bias_in_every_family() {
     let wrong = ctx.upload(&random_normal(128, 5), &[2, 1, 8, 8]).unwrap();
     refused(ctx.attention(&q, &k, &v, &AttentionOptions::default().with_bias(&wrong)).map(|_| ()), "wrong batch");
     let forward = ctx.attention(&q, &k, &v, &options).unwrap();
-    let mut grads = plain_gradients(&ctx, &shape);
+    let mut grads = plain_gradients(ctx, &shape);
     let (o, lse, tile) = (forward.o(), forward.lse(), TileConfig::new(16, 16));
     let atomic = DqAccumulation::Atomic;
     refused(ctx.flash_attention_backward_into(&q, &k, &v, o, lse, &q, &mut grads, &options, tile, atomic), "no dBias");
