@@ -435,9 +435,9 @@ impl HopperForward {
         } else {
             (128, widest, HopperVariant::Plain)
         };
-        let compiled = |(m, n): (usize, usize), variant| {
-            kernels::hopper_instance(FlashKernel::Forward, dtype, (m, n), head_dim, 2, variant).is_some()
-        };
+        let instance =
+            |tile, variant| kernels::hopper_instance(FlashKernel::Forward, dtype, tile, head_dim, 2, variant);
+        let compiled = |tile, variant| instance(tile, variant).is_some();
         // A measurement may ask for another compiled block_m (the head_dim-64 block_m 128 is the
         // ping-pong one), keeping the block_n where that is compiled for it.
         if let Some(wanted) = block_m_override().filter(|&m| m != block_m) {
@@ -450,15 +450,12 @@ impl HopperForward {
         if let Some(wanted) = block_n_override().filter(|&n| compiled((block_m, n), variant)) {
             block_n = wanted;
         }
-        let tile = (block_m, block_n);
-        kernels::hopper_instance(FlashKernel::Forward, dtype, tile, head_dim, 2, variant).ok_or_else(|| {
-            Error::HeadDimNotCompiled {
-                head_dim,
-                allowed: format!(
-                    "multiples of 8 up to {} (the Hopper forward; the others run on the sm_80 kernels)",
-                    kernels::hopper_head_dims(FlashKernel::Forward).last().copied().unwrap_or(0)
-                ),
-            }
+        instance((block_m, block_n), variant).ok_or_else(|| Error::HeadDimNotCompiled {
+            head_dim,
+            allowed: format!(
+                "multiples of 8 up to {} (the Hopper forward; the others run on the sm_80 kernels)",
+                kernels::hopper_head_dims(FlashKernel::Forward).last().copied().unwrap_or(0)
+            ),
         })
     }
 }
