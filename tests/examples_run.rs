@@ -2,6 +2,10 @@
 //! working: each example's `run` is included here as a module and called with the arguments a
 //! learner would type (`cargo run --example` would rebuild and start a process per example).
 
+// Each example is a crate of its own with its own `mod common;`; included here as modules of one
+// crate, they load `examples/common/mod.rs` once each, which is what they need.
+#![allow(clippy::duplicate_mod)]
+
 use attn_host::Context;
 use clap::Parser;
 

@@ -322,7 +322,7 @@ impl Iterator for PersistentUnits {
         let unit = if self.round == 0 {
             self.block
         } else if self.counter.is_null() {
-            let place = if self.round % 2 == 0 { self.block } else { self.blocks - 1 - self.block };
+            let place = if self.round.is_multiple_of(2) { self.block } else { self.blocks - 1 - self.block };
             self.round * self.blocks + place
         } else {
             self.ticket
