@@ -365,14 +365,14 @@ impl HopperForward {
     /// | either | more | 192 if `deep`, else 128 with ping-pong turns | 128 |
     fn head_dim_64_tile(seqlen_k: usize, causal: bool, deep: bool) -> (usize, usize, HopperVariant) {
         let ragged = !seqlen_k.is_multiple_of(128);
-        let narrow =
-            if causal { seqlen_k <= Self::SHORT_CAUSAL_KEYS } else { ragged && seqlen_k <= Self::SHORT_RAGGED_KEYS };
-        let one_consumer = if causal { seqlen_k <= Self::CAUSAL_KEYS } else { seqlen_k <= Self::SHORT_KEYS };
-        match (narrow, one_consumer, deep) {
-            (true, _, _) => (64, Self::SHORT_BLOCK_N, HopperVariant::Plain),
-            (false, true, _) => (64, 128, HopperVariant::Plain),
-            (false, false, true) => (192, 128, HopperVariant::Plain),
-            (false, false, false) => (128, 128, HopperVariant::PingPong),
+        // The table's rows, in its order.
+        match causal {
+            false if ragged && seqlen_k <= Self::SHORT_RAGGED_KEYS => (64, Self::SHORT_BLOCK_N, HopperVariant::Plain),
+            false if seqlen_k <= Self::SHORT_KEYS => (64, 128, HopperVariant::Plain),
+            true if seqlen_k <= Self::SHORT_CAUSAL_KEYS => (64, Self::SHORT_BLOCK_N, HopperVariant::Plain),
+            true if seqlen_k <= Self::CAUSAL_KEYS => (64, 128, HopperVariant::Plain),
+            _ if deep => (192, 128, HopperVariant::Plain),
+            _ => (128, 128, HopperVariant::PingPong),
         }
     }
 
